@@ -1,0 +1,172 @@
+"""Kernel registry: find the implementation of (domain, op_type) for a model's opset."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+ONNX_DOMAIN = ""
+MS_DOMAIN = "com.microsoft"
+
+
+def normalize_domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+@dataclass
+class NodeInfo:
+    """What a kernel knows of the node it runs: op, name, attributes and opset."""
+
+    op_type: str
+    name: str
+    domain: str
+    opset: int
+    attrs: dict[str, Any]
+    input_names: tuple[str, ...] = ()
+    output_names: tuple[str, ...] = ()
+
+    @classmethod
+    def from_proto(cls, node: onnx.NodeProto, opset: int) -> NodeInfo:
+        attrs = {a.name: _attr_value(a) for a in node.attribute}
+        return cls(
+            node.op_type,
+            node.name,
+            normalize_domain(node.domain),
+            opset,
+            attrs,
+            tuple(node.input),
+            tuple(node.output),
+        )
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+    def describe(self) -> str:
+        dom = self.domain or "ai.onnx"
+        return f"node {self.name or '<unnamed>'!r} ({dom}::{self.op_type}, opset {self.opset})"
+
+
+def _attr_value(attr: onnx.AttributeProto) -> Any:
+    if attr.type == onnx.AttributeProto.TENSOR:
+        from onnx import numpy_helper
+
+        return numpy_helper.to_array(attr.t)
+    if attr.type == onnx.AttributeProto.GRAPH:
+        return attr.g
+    value = helper.get_attribute_value(attr)
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if attr.type == onnx.AttributeProto.STRINGS:
+        return [v.decode("utf-8") for v in value]
+    return value
+
+
+@dataclass
+class KernelContext:
+    """Passed to every kernel call: the node and a way to get its output buffers.
+
+    ``out(i, shape, dtype)`` returns a buffer planned for output ``i`` when the planner
+    knows its shape, else a fresh one. Kernels may also just return new arrays.
+    """
+
+    node: NodeInfo
+    provider: Any = None
+    planned: Sequence[np.ndarray | None] = ()
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.node.attrs.get(name, default)
+
+    @property
+    def opset(self) -> int:
+        return self.node.opset
+
+    def out(self, index: int, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        shape = tuple(int(s) for s in shape)
+        dt = np.dtype(dtype)
+        if index < len(self.planned):
+            buf = self.planned[index]
+            if buf is not None and buf.shape == shape and buf.dtype == dt:
+                return buf
+        return np.empty(shape, dt)
+
+
+Kernel = Callable[..., Any]
+SupportCheck = Callable[[NodeInfo, Sequence[Any]], str | None]
+
+
+@dataclass(frozen=True)
+class KernelDef:
+    """One registered implementation, valid from opset ``since`` on."""
+
+    domain: str
+    op_type: str
+    since: int
+    fn: Kernel
+    check: SupportCheck | None = None
+
+
+class KernelRegistry:
+    """Kernels keyed by (domain, op_type), each with the opset it is valid from."""
+
+    def __init__(self) -> None:
+        self._defs: dict[tuple[str, str], list[KernelDef]] = {}
+
+    def register(
+        self,
+        op_type: str | Iterable[str],
+        since: int = 1,
+        domain: str = ONNX_DOMAIN,
+        check: SupportCheck | None = None,
+    ) -> Callable[[Kernel], Kernel]:
+        """Decorator: register ``fn`` for ``op_type`` (or several) from opset ``since``."""
+        names = [op_type] if isinstance(op_type, str) else list(op_type)
+
+        def deco(fn: Kernel) -> Kernel:
+            for name in names:
+                self.add(KernelDef(normalize_domain(domain), name, since, fn, check))
+            return fn
+
+        return deco
+
+    def add(self, kdef: KernelDef) -> None:
+        defs = self._defs.setdefault((kdef.domain, kdef.op_type), [])
+        if any(d.since == kdef.since for d in defs):
+            raise ValueError(
+                f"kernel {kdef.domain}::{kdef.op_type} since {kdef.since} registered twice"
+            )
+        bisect.insort(defs, kdef, key=lambda d: d.since)
+
+    def lookup(self, domain: str, op_type: str, opset: int) -> KernelDef | None:
+        """The kernel with the greatest ``since`` not above ``opset``."""
+        defs = self._defs.get((normalize_domain(domain), op_type))
+        if not defs:
+            return None
+        best = None
+        for d in defs:
+            if d.since <= opset:
+                best = d
+        return best
+
+    def ops(self) -> list[tuple[str, str]]:
+        return sorted(self._defs)
+
+    def versions(self, domain: str, op_type: str) -> list[int]:
+        return [d.since for d in self._defs.get((normalize_domain(domain), op_type), [])]
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return (normalize_domain(key[0]), key[1]) in self._defs
+
+    def __len__(self) -> int:
+        return len(self._defs)
+
+
+def opset_map(model: onnx.ModelProto) -> Mapping[str, int]:
+    """Domain -> opset version imported by the model."""
+    return {normalize_domain(o.domain): o.version for o in model.opset_import}

@@ -1,0 +1,1 @@
+"""Generation engine (KV cache, decoding, speculative decoding)."""

@@ -1,0 +1,88 @@
+"""Per-node dispatch cost: eager bound runs against graph replay on the same model."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.session import InferenceSession
+
+
+def elementwise_chain(nodes: int, width: int = 8) -> onnx.ModelProto:
+    """``nodes`` tiny Add/Mul/Sub nodes in a row: a model whose cost is all dispatch."""
+    graph_nodes = []
+    prev = "x"
+    for i in range(nodes):
+        out = "y" if i == nodes - 1 else f"t{i}"
+        graph_nodes.append(helper.make_node(("Add", "Mul", "Sub")[i % 3], [prev, "c"], [out]))
+        prev = out
+    graph = helper.make_graph(
+        graph_nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])],
+        [numpy_helper.from_array(np.full((1, width), 1.0001, np.float32), "c")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    provider: str
+    nodes: int
+    eager_us_per_node: float
+    replay_us_per_node: float
+
+    @property
+    def ratio(self) -> float:
+        return self.eager_us_per_node / self.replay_us_per_node
+
+
+def bound_session(model: onnx.ModelProto, provider: str, graphs: bool):
+    """A session and binding for the chain model, warmed up (captured when graphs=True)."""
+    sess = InferenceSession(model, providers=[provider], enable_graphs=graphs)
+    binding = sess.io_binding()
+    binding.bind_input("x", np.ones((1, 8), np.float32))
+    binding.bind_output("y", shape=(1, 8), dtype=np.float32)
+    for _ in range(3):
+        sess.run_with_iobinding(binding, DeviceGraphSlot.PRIMARY)
+    sess.main_provider.synchronize()
+    return sess, binding
+
+
+def _time_per_run(sess: InferenceSession, binding, repeats: int) -> float:
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            sess.run_with_iobinding(binding, DeviceGraphSlot.PRIMARY)
+        sess.main_provider.synchronize()
+        samples.append((time.perf_counter() - start) / repeats)
+    return statistics.median(samples)
+
+
+def measure(provider: str = "cpu", nodes: int = 200, repeats: int = 50) -> DispatchResult:
+    """Median seconds per run, eager and replayed, divided by the node count (in µs)."""
+    model = elementwise_chain(nodes)
+    eager, eb = bound_session(model, provider, graphs=False)
+    graphed, gb = bound_session(model, provider, graphs=True)
+    assert graphed.graph_stats().captures == 1, graphed.graph_stats()
+    t_eager = _time_per_run(eager, eb, repeats)
+    t_replay = _time_per_run(graphed, gb, repeats)
+    return DispatchResult(provider, nodes, t_eager / nodes * 1e6, t_replay / nodes * 1e6)
+
+
+def format_table(results: list[DispatchResult]) -> str:
+    lines = [f"{'provider':<10}{'nodes':>7}{'eager us/node':>16}{'replay us/node':>16}{'ratio':>8}"]
+    for r in results:
+        lines.append(
+            f"{r.provider:<10}{r.nodes:>7}{r.eager_us_per_node:>16.2f}"
+            f"{r.replay_us_per_node:>16.2f}{r.ratio:>7.1f}x"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""CPU execution provider (numpy and Numba)."""

@@ -1,0 +1,26 @@
+"""Entry-point plugin that registers the CPU provider, as any third-party plugin would."""
+
+from __future__ import annotations
+
+from onnx_genrt.core.hookspecs import hookimpl
+from onnx_genrt.core.registry import ProviderSpec
+
+
+def _factory(**options: object):
+    from .provider import CPUProvider
+
+    if options:
+        raise TypeError(f"cpu provider takes no options, got {sorted(options)}")
+    return CPUProvider()
+
+
+@hookimpl
+def register_providers(register) -> None:
+    register(
+        ProviderSpec(
+            "cpu",
+            factory=_factory,
+            description="host CPU: numpy BLAS and Numba kernels, recorded graphs in every slot",
+            priority=1000,
+        )
+    )

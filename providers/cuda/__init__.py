@@ -1,0 +1,1 @@
+"""CUDA execution provider (CuPy)."""

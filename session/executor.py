@@ -1,0 +1,413 @@
+"""The shared executor: eager runs, memory-planned runs and per-slot graph capture/replay.
+
+Per slot it keeps host capture state (binding signature, warm-up count, captured graph,
+planned memory, counters), so a decode graph in PRIMARY and a verify graph in VERIFY live
+side by side and both replay. The state machine for one bound run in slot ``s``::
+
+    signature changed          -> reset s's graph (invalidations += 1), start over
+    graph captured             -> provider.replay(s)                       (replays += 1)
+    first run                  -> eager, record shapes, plan memory
+    warm-up not done           -> eager on planned memory
+    capture impossible/latched -> eager (fallbacks += 1, reason kept)
+    otherwise                  -> capture into s                           (captures += 1)
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from onnx_genrt.core.dtypes import DType
+from onnx_genrt.core.errors import KernelError
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.provider import ExecutionProvider
+from onnx_genrt.core.tensor import Tensor
+
+from .binding import IOBinding, Signature
+from .memory import Lifetime, MemoryPlan, plan_memory
+from .plan import GraphPlan, describe_value
+
+#: Eager (unslotted) runs keep memory plans for this many distinct input shapes.
+EAGER_PLAN_CACHE = 8
+
+
+@dataclass
+class SlotStats:
+    """Counters for one graph slot."""
+
+    captures: int = 0
+    replays: int = 0
+    fallbacks: int = 0
+    invalidations: int = 0
+    eager_runs: int = 0
+    fallback_reasons: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "captures": self.captures,
+            "replays": self.replays,
+            "fallbacks": self.fallbacks,
+            "invalidations": self.invalidations,
+            "eager_runs": self.eager_runs,
+            "fallback_reasons": dict(self.fallback_reasons),
+        }
+
+
+@dataclass
+class Layout:
+    """Shapes seen in a first run and the memory plan made from them."""
+
+    shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
+    memory: MemoryPlan
+    arena: Any = None
+    buffers: dict[str, Any] = field(default_factory=dict)
+    contexts: list[KernelContext] = field(default_factory=list)
+
+
+@dataclass
+class SlotState:
+    """Host capture state of one slot."""
+
+    signature: Signature | None = None
+    warmups: int = 0
+    captured: bool = False
+    layout: Layout | None = None
+    stats: SlotStats = field(default_factory=SlotStats)
+
+
+class Executor:
+    """Runs a :class:`GraphPlan`; shared by every session API (run, bindings, slots)."""
+
+    def __init__(self, plan: GraphPlan, *, graphs: bool = True, warmup_runs: int = 1) -> None:
+        self.plan = plan
+        self.graphs_enabled = graphs
+        self.warmup_runs = max(1, warmup_runs)
+        self.main_provider = plan.providers[0] if plan.providers else None
+        self._slot = DeviceGraphSlot.PRIMARY
+        self._states: dict[DeviceGraphSlot, SlotState] = {}
+        self._eager_layouts: OrderedDict[tuple, Layout] = OrderedDict()
+        self._graph_outputs = {o.name for o in plan.outputs}
+        self._consts: dict[tuple[int, str], Any] = {}
+        self._step_args: list[list[tuple[str, Any]]] = []
+        self._last_use: dict[str, int] = {}
+        self._free_after: list[list[str]] = [[] for _ in plan.steps]
+        self._prepare()
+
+    # -- setup --------------------------------------------------------------
+    def _prepare(self) -> None:
+        for i, step in enumerate(self.plan.steps):
+            args = []
+            for name in step.inputs:
+                const = None
+                if name and name in self.plan.constants:
+                    key = (id(step.provider), name)
+                    if key not in self._consts:
+                        self._consts[key] = step.provider.as_array(self.plan.constants[name])
+                    const = self._consts[key]
+                args.append((name, const))
+                if name and const is None:
+                    self._last_use[name] = i
+            self._step_args.append(args)
+        for name, i in self._last_use.items():
+            if name not in self._graph_outputs:
+                self._free_after[i].append(name)
+
+    # -- slots ----------------------------------------------------------------
+    @property
+    def graph_slot(self) -> DeviceGraphSlot:
+        return self._slot
+
+    def set_graph_slot(self, slot: DeviceGraphSlot) -> None:
+        """Route later bound runs to ``slot``. Other slots keep their graphs."""
+        self._slot = slot
+
+    def state(self, slot: DeviceGraphSlot | None = None) -> SlotState:
+        slot = self._slot if slot is None else slot
+        return self._states.setdefault(slot, SlotState())
+
+    def stats(self, slot: DeviceGraphSlot | None = None) -> SlotStats:
+        return self.state(slot).stats
+
+    def all_stats(self) -> dict[str, dict[str, Any]]:
+        return {s.value: st.stats.as_dict() for s, st in self._states.items()}
+
+    def reset_slot(self, slot: DeviceGraphSlot) -> None:
+        """Drop the slot's graph and planned memory (counted as an invalidation if captured)."""
+        state = self.state(slot)
+        if state.captured:
+            state.stats.invalidations += 1
+        self._drop_graph(slot, state)
+        state.signature = None
+        state.warmups = 0
+        state.layout = None
+
+    def _drop_graph(self, slot: DeviceGraphSlot, state: SlotState) -> None:
+        if state.captured or self._provider_declares(slot):
+            provider = self.main_provider
+            if provider is not None and slot in provider.graph_slots:
+                provider.reset_graph(slot)
+        state.captured = False
+
+    def _provider_declares(self, slot: DeviceGraphSlot) -> bool:
+        return self.main_provider is not None and slot in self.main_provider.graph_slots
+
+    def capture_blocker(self, slot: DeviceGraphSlot) -> str | None:
+        """Why ``slot`` cannot be captured, or None when it can."""
+        providers = self.plan.providers
+        if len(providers) != 1:
+            names = ", ".join(sorted({p.name for p in providers})) or "none"
+            return f"nodes are placed on several providers ({names}); copies cannot be captured"
+        provider = providers[0]
+        if slot not in provider.graph_slots:
+            declared = ", ".join(sorted(s.value for s in provider.graph_slots)) or "none"
+            return f"provider {provider.name!r} has no graph slot {slot.value!r} (declares: {declared})"
+        latched = provider.capture_error(slot)
+        if latched:
+            return f"capture failed earlier: {latched}"
+        return None
+
+    # -- bound runs -----------------------------------------------------------
+    def run_bound(self, binding: IOBinding, slot: DeviceGraphSlot | None = None) -> None:
+        """Run with persistent bindings in ``slot`` (default: the current graph slot)."""
+        slot = self._slot if slot is None else slot
+        state = self.state(slot)
+        sig = binding.signature()
+        if sig != state.signature:
+            if state.captured:
+                state.stats.invalidations += 1
+                self._drop_graph(slot, state)
+            state.signature = sig
+            state.warmups = 0
+            state.layout = None
+        env = dict(binding.inputs)
+        outs = binding.outputs
+        if state.captured:
+            self.main_provider.replay(slot)
+            state.stats.replays += 1
+            return
+        if state.layout is None:
+            state.layout = self._execute_and_plan(env, outs)
+            state.warmups = 1
+            state.stats.eager_runs += 1
+            return
+        if not self.graphs_enabled or state.warmups < self.warmup_runs:
+            self._execute(env, state.layout, outs)
+            state.warmups += 1
+            state.stats.eager_runs += 1
+            return
+        blocker = self.capture_blocker(slot)
+        if blocker is not None:
+            state.stats.fallbacks += 1
+            state.stats.fallback_reasons[blocker] += 1
+            state.stats.eager_runs += 1
+            self._execute(env, state.layout, outs)
+            return
+        self._capture(slot, state, env, outs)
+
+    def _capture(self, slot: DeviceGraphSlot, state: SlotState, env: dict, outs: Mapping) -> None:
+        provider = self.main_provider
+        provider.workspace.pin(slot)
+        try:
+            provider.begin_capture(slot)
+            self._execute(dict(env), state.layout, outs)
+            provider.end_capture(slot)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            provider.abort_capture(slot, reason)
+            provider.workspace.unpin(slot)
+            state.stats.fallbacks += 1
+            state.stats.fallback_reasons[f"capture failed: {reason}"] += 1
+            state.stats.eager_runs += 1
+            self._execute(env, state.layout, outs)
+            return
+        state.captured = True
+        state.stats.captures += 1
+        if not provider.CAPTURE_EXECUTES:
+            provider.replay(slot)
+
+    # -- eager runs -------------------------------------------------------------
+    def run(self, feeds: Mapping[str, Any], output_names: Sequence[str]) -> list[Any]:
+        """Eager run on fresh outputs; memory planned per distinct input-shape set."""
+        key = tuple((n, str(v.dtype), tuple(v.shape)) for n, v in sorted(feeds.items()))
+        layout = self._eager_layouts.get(key)
+        env = dict(feeds)
+        if layout is None:
+            layout = self._execute_and_plan(env, {})
+            self._eager_layouts[key] = layout
+            if len(self._eager_layouts) > EAGER_PLAN_CACHE:
+                self._eager_layouts.popitem(last=False)
+        else:
+            self._eager_layouts.move_to_end(key)
+            self._execute(env, layout, {})
+        results = []
+        for name in output_names:
+            value = env[name] if name in env else self._constant(name)
+            if layout.arena is not None and np.may_share_memory(value, layout.arena):
+                value = value.copy()
+            results.append(value)
+        return results
+
+    def _constant(self, name: str) -> Any:
+        return self.plan.constants[name]
+
+    def _execute(
+        self,
+        env: dict[str, Any],
+        layout: Layout | None,
+        outs: Mapping[str, Any],
+        record: _Record | None = None,
+    ) -> None:
+        """Run every step; ``env`` starts with the inputs and ends with every live value."""
+        contexts = layout.contexts if layout is not None else None
+        for i, step in enumerate(self.plan.steps):
+            provider = step.provider
+            args = [
+                (const if const is not None else self._fetch(env, name, provider)) if name else None
+                for name, const in self._step_args[i]
+            ]
+            ctx = contexts[i] if contexts else KernelContext(step.node, provider)
+            try:
+                result = provider.launch(step.kernel, ctx, args)
+            except Exception as exc:
+                inputs = ", ".join(
+                    f"{n}={describe_value(a)}" for n, a in zip(step.inputs, args, strict=False)
+                )
+                raise KernelError(
+                    f"{step.node.describe()} failed: {type(exc).__name__}: {exc} (inputs: {inputs})"
+                ) from exc
+            results = result if type(result) in (tuple, list) else (result,)
+            if record is not None:
+                record.step(i, step, args, results)
+            for name, value in zip(step.outputs, results, strict=False):
+                if not name:
+                    continue
+                target = outs.get(name)
+                if target is not None and value is not target:
+                    self._copy_into(provider, value, target, step, name)
+                    value = target
+                env[name] = value
+            for name in self._free_after[i]:
+                env.pop(name, None)
+        for name, target in outs.items():
+            if name not in env and name in self.plan.constants:
+                self._copy_into(self.main_provider, self._const_for(name), target, None, name)
+
+    def _const_for(self, name: str) -> Any:
+        key = (id(self.main_provider), name)
+        if key not in self._consts:
+            self._consts[key] = self.main_provider.as_array(self.plan.constants[name])
+        return self._consts[key]
+
+    def _fetch(self, env: dict[str, Any], name: str, provider: ExecutionProvider) -> Any:
+        try:
+            value = env[name]
+        except KeyError:
+            raise KernelError(f"value {name!r} is needed but was not computed or fed") from None
+        if provider.device.kind != "cpu" and isinstance(value, np.ndarray):
+            value = provider.as_array(value)
+            env[name] = value
+        elif provider.device.kind == "cpu" and not isinstance(value, np.ndarray):
+            value = np.asarray(value.get() if hasattr(value, "get") else value)
+        return value
+
+    @staticmethod
+    def _copy_into(
+        provider: ExecutionProvider, value: Any, target: Any, step: Any, name: str
+    ) -> None:
+        if tuple(value.shape) != tuple(target.shape):
+            where = step.node.describe() if step is not None else "constant"
+            raise KernelError(
+                f"output {name!r} of {where} has shape {list(value.shape)}, but the bound buffer "
+                f"has shape {list(target.shape)}"
+            )
+        dt = DType.from_numpy(target.dtype)
+        src = value if value.dtype == target.dtype else value.astype(target.dtype)
+        provider.copy(Tensor(src, dt, provider.device), Tensor(target, dt, provider.device))
+
+    # -- planning ---------------------------------------------------------------
+    def _execute_and_plan(self, env: dict[str, Any], outs: Mapping[str, Any]) -> Layout:
+        """Eager run that records every value's shape, then plans memory from them."""
+        inputs = set(env)
+        record = _Record()
+        self._execute(env, None, outs, record)
+        last_use = dict(self._last_use)
+        # A view keeps its root's bytes alive: extend the root over the view's readers.
+        for view, root in record.alias_of.items():
+            last_use[root] = max(last_use.get(root, -1), last_use.get(view, -1))
+        lifetimes = []
+        for name, (shape, dtype) in record.shapes.items():
+            if name in inputs or name in self._graph_outputs or name in record.alias_of:
+                continue
+            first = record.produced_at[name]
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            lifetimes.append(Lifetime(name, nbytes, first, max(first, last_use.get(name, first))))
+        layout = Layout(record.shapes, plan_memory(lifetimes))
+        self._materialize(layout, outs)
+        return layout
+
+    def _materialize(self, layout: Layout, outs: Mapping[str, Any]) -> None:
+        provider = self.main_provider
+        if provider is None:
+            return
+        if layout.memory.arena_bytes:
+            layout.arena = provider.allocate((layout.memory.arena_bytes,), DType.UINT8).buffer
+        for name, offset in layout.memory.offsets.items():
+            shape, dtype = layout.shapes[name]
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            layout.buffers[name] = layout.arena[offset : offset + nbytes].view(dtype).reshape(shape)
+        for step in self.plan.steps:
+            planned = []
+            for name in step.outputs:
+                buf = outs.get(name) if name in outs else layout.buffers.get(name)
+                if step.provider is not provider:
+                    buf = None
+                planned.append(buf)
+            layout.contexts.append(KernelContext(step.node, step.provider, planned))
+
+    def peak_bytes(self, slot: DeviceGraphSlot | None = None) -> tuple[int, int] | None:
+        """(arena bytes, naive bytes) of the slot's memory plan, once planned."""
+        layout = self.state(slot).layout
+        if layout is None:
+            return None
+        return layout.memory.arena_bytes, layout.memory.naive_bytes
+
+
+class _Record:
+    """Shapes, producers and view aliases seen during a first, unplanned run."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self.produced_at: dict[str, int] = {}
+        self.alias_of: dict[str, str] = {}
+
+    def step(self, index: int, step: Any, args: Sequence[Any], results: Sequence[Any]) -> None:
+        named = [o for o in step.outputs if o]
+        if len(results) < len(named):
+            raise KernelError(
+                f"{step.node.describe()} returned {len(results)} outputs, expected {len(named)}"
+            )
+        for name, value in zip(step.outputs, results, strict=False):
+            if not name:
+                continue
+            self.shapes[name] = (tuple(int(d) for d in value.shape), np.dtype(value.dtype))
+            self.produced_at[name] = index
+            for in_name, arg in zip(step.inputs, args, strict=False):
+                if in_name and arg is not None and _may_alias(value, arg):
+                    self.alias_of[name] = self.alias_of.get(in_name, in_name)
+                    break
+
+
+def _may_alias(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    may_share = getattr(type(a), "__module__", "").startswith("cupy")
+    if may_share:
+        import cupy
+
+        return bool(cupy.may_share_memory(a, b))
+    return False

@@ -1,0 +1,159 @@
+"""InferenceSession: the onnxruntime-like entry point."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_genrt.core.errors import InvalidInputError, ProviderUnavailableError
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.provider import ExecutionProvider
+from onnx_genrt.core.registry import get_registry
+
+from .binding import IOBinding
+from .executor import Executor, SlotStats
+from .loader import load_model
+from .plan import GraphPlan, ValueSpec, build_plan
+
+ProviderArg = str | ExecutionProvider | tuple[str, Mapping[str, Any]]
+
+
+def resolve_providers(providers: Sequence[ProviderArg] | None) -> list[ExecutionProvider]:
+    """Names (``"cpu"``, ``"CPUExecutionProvider"``), instances or ``(name, options)`` pairs."""
+    registry = get_registry()
+    if not providers:
+        providers = ["cpu"]
+    out: list[ExecutionProvider] = []
+    for p in providers:
+        if isinstance(p, ExecutionProvider):
+            out.append(p)
+            continue
+        name, options = (p, {}) if isinstance(p, str) else (p[0], dict(p[1]))
+        out.append(registry.create(_short_name(name), **options))
+    if not out:
+        raise ProviderUnavailableError("no provider given")
+    return out
+
+
+def _short_name(name: str) -> str:
+    n = name.lower()
+    return n[: -len("executionprovider")] if n.endswith("executionprovider") else n
+
+
+class InferenceSession:
+    """Load an ONNX model, plan it and run it: ``InferenceSession(path).run(None, feeds)``.
+
+    ``providers`` are tried in order for each node; a node runs on the first that supports
+    it, and copies are inserted between devices. ``enable_graphs`` turns graph capture of
+    bound runs on (default) or off, for comparison.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | bytes | onnx.ModelProto,
+        providers: Sequence[ProviderArg] | None = None,
+        *,
+        enable_graphs: bool = True,
+        warmup_runs: int = 1,
+    ) -> None:
+        self.model = load_model(model)
+        self.providers = resolve_providers(providers)
+        self.plan: GraphPlan = build_plan(self.model, self.providers)
+        self.executor = Executor(self.plan, graphs=enable_graphs, warmup_runs=warmup_runs)
+        self._inputs = {s.name: s for s in self.plan.inputs}
+        self._outputs = {s.name: s for s in self.plan.outputs}
+
+    # -- metadata ---------------------------------------------------------------
+    @property
+    def main_provider(self) -> ExecutionProvider:
+        return self.executor.main_provider or self.providers[0]
+
+    def get_inputs(self) -> list[ValueSpec]:
+        return list(self.plan.inputs)
+
+    def get_outputs(self) -> list[ValueSpec]:
+        return list(self.plan.outputs)
+
+    def get_providers(self) -> list[str]:
+        return [p.name for p in self.providers]
+
+    def input_spec(self, name: str) -> ValueSpec:
+        try:
+            return self._inputs[name]
+        except KeyError:
+            raise InvalidInputError(
+                f"model has no input {name!r}; inputs are {sorted(self._inputs)}"
+            ) from None
+
+    def output_spec(self, name: str) -> ValueSpec:
+        try:
+            return self._outputs[name]
+        except KeyError:
+            raise InvalidInputError(
+                f"model has no output {name!r}; outputs are {sorted(self._outputs)}"
+            ) from None
+
+    @staticmethod
+    def check_shape(name: str, shape: tuple[int, ...], declared: tuple | None) -> None:
+        if declared is None:
+            return
+        if len(shape) != len(declared):
+            raise InvalidInputError(
+                f"input {name!r} has rank {len(shape)} (shape {list(shape)}), model declares "
+                f"rank {len(declared)} ({list(declared)})"
+            )
+        for axis, (got, want) in enumerate(zip(shape, declared, strict=True)):
+            if isinstance(want, int) and want > 0 and got != want:
+                raise InvalidInputError(
+                    f"input {name!r} dimension {axis} is {got}, model declares {want} "
+                    f"(shape {list(shape)} vs {list(declared)})"
+                )
+
+    # -- running ------------------------------------------------------------------
+    def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
+        """Run once on host feeds; returns host numpy arrays in ``output_names`` order."""
+        names = list(output_names) if output_names else [o.name for o in self.plan.outputs]
+        for n in names:
+            self.output_spec(n)
+        checked = {name: self._check_feed(name, value) for name, value in feeds.items()}
+        missing = [n for n in self._inputs if n not in checked]
+        if missing:
+            raise InvalidInputError(
+                f"missing inputs {missing}; the model needs {sorted(self._inputs)}"
+            )
+        results = self.executor.run(checked, names)
+        return [np.asarray(self.main_provider.to_numpy(r)) for r in results]
+
+    def _check_feed(self, name: str, value: Any) -> Any:
+        spec = self.input_spec(name)
+        arr = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
+        if spec.dtype is not None and arr.dtype != spec.dtype:
+            raise InvalidInputError(f"input {name!r} expects {spec.dtype}, got {arr.dtype}")
+        self.check_shape(name, tuple(int(d) for d in arr.shape), spec.shape)
+        return arr
+
+    def io_binding(self) -> IOBinding:
+        return IOBinding(self)
+
+    def run_with_iobinding(self, binding: IOBinding, slot: DeviceGraphSlot | None = None) -> None:
+        """Run on bound buffers, replaying the slot's graph when its signature is unchanged."""
+        missing = [n for n in self._inputs if n not in binding.inputs]
+        if missing:
+            raise InvalidInputError(f"unbound inputs {missing}")
+        unbound = [n for n in self._outputs if n not in binding.outputs]
+        if unbound:
+            raise InvalidInputError(
+                f"unbound outputs {unbound}; bind every output before a bound run"
+            )
+        self.executor.run_bound(binding, slot)
+
+    # -- graph slots ---------------------------------------------------------------
+    def set_graph_slot(self, slot: DeviceGraphSlot) -> None:
+        self.executor.set_graph_slot(slot)
+
+    def graph_stats(self, slot: DeviceGraphSlot | None = None) -> SlotStats:
+        return self.executor.stats(slot)

@@ -1,0 +1,249 @@
+"""Turn an ONNX graph into an ordered list of steps, each placed on a provider."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnx_genrt.core.dtypes import numpy_dtype_of_onnx
+from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpError
+from onnx_genrt.core.kernels import KernelContext, KernelDef, NodeInfo, normalize_domain, opset_map
+from onnx_genrt.core.provider import ExecutionProvider
+
+#: Ops whose output changes from run to run; never folded.
+NONDETERMINISTIC = {
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+}
+#: Do not fold results larger than this into the plan (bytes).
+FOLD_LIMIT = 64 << 20
+
+
+@dataclass
+class Step:
+    """One node, its kernel and the provider it runs on."""
+
+    node: NodeInfo
+    kernel: KernelDef
+    provider: ExecutionProvider
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """A graph input or output as declared: name, numpy dtype and shape (None = unknown dim)."""
+
+    name: str
+    dtype: np.dtype | None
+    shape: tuple[int | str | None, ...] | None
+
+
+@dataclass
+class GraphPlan:
+    """Everything needed to run a model, decided once at load."""
+
+    steps: list[Step]
+    constants: dict[str, np.ndarray]
+    inputs: list[ValueSpec]
+    outputs: list[ValueSpec]
+    folded: int = 0
+    value_types: dict[str, ValueSpec] = field(default_factory=dict)
+
+    @property
+    def providers(self) -> list[ExecutionProvider]:
+        seen: dict[int, ExecutionProvider] = {}
+        for s in self.steps:
+            seen.setdefault(id(s.provider), s.provider)
+        return list(seen.values())
+
+    def placement_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for s in self.steps:
+            counts[s.provider.name] = counts.get(s.provider.name, 0) + 1
+        return counts
+
+    def cross_device_edges(self) -> int:
+        """Values read on a provider other than the one that made them (copies inserted)."""
+        where = {name: None for name in self.constants}
+        for spec in self.inputs:
+            where[spec.name] = None
+        count = 0
+        for s in self.steps:
+            for name in s.inputs:
+                src = where.get(name)
+                if name and src is not None and src is not s.provider:
+                    count += 1
+            for name in s.outputs:
+                where[name] = s.provider
+        return count
+
+
+def _value_spec(vi: onnx.ValueInfoProto) -> ValueSpec:
+    t = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+    if t is None:
+        return ValueSpec(vi.name, None, None)
+    dtype = numpy_dtype_of_onnx(t.elem_type) if t.elem_type else None
+    shape = None
+    if t.HasField("shape"):
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
+        )
+    return ValueSpec(vi.name, dtype, shape)
+
+
+def topological_order(graph: onnx.GraphProto, available: set[str]) -> list[onnx.NodeProto]:
+    """Nodes ordered so each runs after its producers; stable for already-sorted graphs."""
+    producers: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for out in node.output:
+            if out:
+                if out in producers:
+                    raise ModelLoadError(
+                        f"value {out!r} is produced twice (nodes {producers[out]} and {i})"
+                    )
+                producers[out] = i
+    waiting: list[int] = [0] * len(graph.node)
+    readers: dict[int, list[int]] = {}
+    for i, node in enumerate(graph.node):
+        deps = set()
+        for name in node.input:
+            if not name or name in available:
+                continue
+            if name not in producers:
+                raise ModelLoadError(
+                    f"node {node.name or i!r} ({node.op_type}) reads {name!r}, which no node, "
+                    "input or initializer provides"
+                )
+            deps.add(producers[name])
+        waiting[i] = len(deps)
+        for d in deps:
+            readers.setdefault(d, []).append(i)
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for r in readers.get(i, []):
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                heapq.heappush(ready, r)
+    if len(order) != len(graph.node):
+        stuck = [graph.node[i].name or str(i) for i, n in enumerate(waiting) if n > 0]
+        raise ModelLoadError(f"graph has a cycle through nodes {stuck[:5]}")
+    return [graph.node[i] for i in order]
+
+
+def _infer_value_types(model: onnx.ModelProto) -> dict[str, ValueSpec]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:
+        inferred = model
+    g = inferred.graph
+    return {vi.name: _value_spec(vi) for vi in [*g.input, *g.value_info, *g.output]}
+
+
+def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -> GraphPlan:
+    """Order, place and constant-fold the model's graph."""
+    graph = model.graph
+    opsets = opset_map(model)
+    constants: dict[str, np.ndarray] = {}
+    for init in graph.initializer:
+        try:
+            constants[init.name] = numpy_helper.to_array(init)
+        except Exception as exc:
+            raise ModelLoadError(f"initializer {init.name!r} cannot be read: {exc}") from None
+    if graph.sparse_initializer:
+        raise ModelLoadError("sparse initializers are not supported")
+    init_names = set(constants)
+    inputs = [_value_spec(vi) for vi in graph.input if vi.name not in init_names]
+    outputs = [_value_spec(vi) for vi in graph.output]
+    available = set(constants) | {s.name for s in inputs}
+
+    steps: list[Step] = []
+    unsupported: list[str] = []
+    folded = 0
+    for proto in topological_order(graph, available):
+        domain = normalize_domain(proto.domain)
+        if domain not in opsets:
+            raise ModelLoadError(
+                f"node {proto.name!r} ({proto.op_type}) uses domain {proto.domain!r}, "
+                "which the model does not import"
+            )
+        info = NodeInfo.from_proto(proto, opsets[domain])
+        placed = _place(info, providers)
+        if isinstance(placed, str):
+            unsupported.append(placed)
+            continue
+        provider, kdef = placed
+        step = Step(info, kdef, provider, tuple(proto.input), tuple(o for o in proto.output))
+        if _foldable(step, constants):
+            result = _fold(step, constants)
+            if result is not None:
+                constants.update(result)
+                folded += 1
+                continue
+        steps.append(step)
+    if unsupported:
+        listed = "\n  ".join(unsupported[:20])
+        more = f"\n  ... and {len(unsupported) - 20} more" if len(unsupported) > 20 else ""
+        raise UnsupportedOpError(f"no provider can run these nodes:\n  {listed}{more}")
+    plan = GraphPlan(steps, constants, inputs, outputs, folded)
+    plan.value_types = _infer_value_types(model)
+    return plan
+
+
+def _place(
+    info: NodeInfo, providers: Sequence[ExecutionProvider]
+) -> tuple[ExecutionProvider, KernelDef] | str:
+    reasons = []
+    for p in providers:
+        ok, reason = p.supports(info)
+        if ok:
+            kdef = p.get_kernel(info.domain, info.op_type, info.opset)
+            assert kdef is not None
+            return p, kdef
+        reasons.append(reason)
+    return f"{info.describe()}: " + "; ".join(reasons)
+
+
+def _foldable(step: Step, constants: dict[str, np.ndarray]) -> bool:
+    if step.node.op_type in NONDETERMINISTIC or step.node.domain not in ("",):
+        return False
+    if any(isinstance(v, onnx.GraphProto) for v in step.node.attrs.values()):
+        return False
+    return all((not n) or n in constants for n in step.inputs)
+
+
+def _fold(step: Step, constants: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    provider = step.provider
+    args = [provider.as_array(constants[n]) if n else None for n in step.inputs]
+    try:
+        result = provider.launch(step.kernel, KernelContext(step.node, provider), args)
+    except Exception as exc:
+        raise KernelError(f"{step.node.describe()} failed while folding constants: {exc}") from exc
+    results = result if isinstance(result, tuple | list) else (result,)
+    out: dict[str, np.ndarray] = {}
+    for name, value in zip(step.outputs, results, strict=False):
+        if not name:
+            continue
+        host = np.asarray(provider.to_numpy(value))
+        if host.nbytes > FOLD_LIMIT:
+            return None
+        out[name] = host
+    return out
+
+
+def describe_value(value: Any) -> str:
+    return f"{getattr(value, 'dtype', type(value).__name__)}{list(getattr(value, 'shape', ()))}"

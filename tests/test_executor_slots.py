@@ -1,0 +1,199 @@
+"""Per-slot host capture state: decode and verify graphs side by side."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.providers.cpu.provider import CPUProvider
+from onnx_genrt.session import InferenceSession
+from onnx_genrt.session.memory import Lifetime, plan_memory
+
+from .models import chain, chain_reference, mlp, mlp_reference
+
+PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
+
+
+def _bind(sess: InferenceSession, rows: int, hidden: int):
+    binding = sess.io_binding()
+    x = binding.bind_input("x", np.zeros((rows, hidden), np.float32))
+    y = binding.bind_output("y", shape=(rows, hidden))
+    return binding, x, y
+
+
+def test_decode_and_verify_graphs_both_replay_interleaved():
+    hidden = 16
+    model = mlp(hidden=hidden)
+    sess = InferenceSession(model)
+    decode, xd, yd = _bind(sess, 1, hidden)
+    verify, xv, yv = _bind(sess, 4, hidden)
+    rng = np.random.default_rng(7)
+    for _ in range(12):
+        xd[...] = rng.standard_normal(xd.shape)
+        sess.run_with_iobinding(decode, PRIMARY)
+        np.testing.assert_allclose(yd, mlp_reference(model, xd), rtol=1e-5, atol=1e-5)
+        xv[...] = rng.standard_normal(xv.shape)
+        sess.run_with_iobinding(verify, VERIFY)
+        np.testing.assert_allclose(yv, mlp_reference(model, xv), rtol=1e-5, atol=1e-5)
+    for slot in (PRIMARY, VERIFY):
+        stats = sess.graph_stats(slot)
+        assert stats.captures == 1, slot
+        assert stats.replays == 10, slot  # 1 planning run + 1 capture, then replays
+        assert stats.invalidations == 0 and stats.fallbacks == 0, slot
+
+
+def test_signature_change_invalidates_only_that_slot():
+    hidden = 8
+    model = mlp(hidden=hidden)
+    sess = InferenceSession(model)
+    decode, xd, yd = _bind(sess, 1, hidden)
+    verify, xv, yv = _bind(sess, 3, hidden)
+    for _ in range(3):
+        sess.run_with_iobinding(decode, PRIMARY)
+        sess.run_with_iobinding(verify, VERIFY)
+    assert sess.main_provider.has_graph(PRIMARY) and sess.main_provider.has_graph(VERIFY)
+    # Rebind VERIFY's input to a new buffer: its address changes, so its graph is stale.
+    new_x = np.full((3, hidden), 2.0, np.float32)
+    verify.bind_input("x", new_x)
+    sess.run_with_iobinding(verify, VERIFY)
+    np.testing.assert_allclose(yv, mlp_reference(model, new_x), rtol=1e-5, atol=1e-5)
+    assert sess.graph_stats(VERIFY).invalidations == 1
+    assert not sess.main_provider.has_graph(VERIFY)
+    assert sess.main_provider.has_graph(PRIMARY)
+    xd[...] = 3.0
+    sess.run_with_iobinding(decode, PRIMARY)
+    np.testing.assert_allclose(yd, mlp_reference(model, xd), rtol=1e-5, atol=1e-5)
+    assert sess.graph_stats(PRIMARY).invalidations == 0
+    assert sess.graph_stats(PRIMARY).replays == 2
+
+
+def test_set_graph_slot_retargets_without_resetting():
+    sess = InferenceSession(mlp(hidden=4))
+    binding, x, y = _bind(sess, 1, 4)
+    for _ in range(3):
+        sess.run_with_iobinding(binding)
+    sess.set_graph_slot(VERIFY)
+    assert sess.executor.graph_slot is VERIFY
+    sess.run_with_iobinding(binding)
+    assert sess.main_provider.has_graph(PRIMARY)
+    assert sess.graph_stats(PRIMARY).replays == 1
+    assert sess.graph_stats(VERIFY).eager_runs == 1
+
+
+def test_replay_matches_eager_over_a_long_chain():
+    length = 60
+    sess = InferenceSession(chain(length))
+    binding = sess.io_binding()
+    x = binding.bind_input("x", np.zeros((1, 8), np.float32))
+    y = binding.bind_output("y", shape=(1, 8))
+    for step in range(6):
+        x[...] = np.linspace(-1, 1, 8, dtype=np.float32) * step
+        sess.run_with_iobinding(binding)
+        np.testing.assert_allclose(y, chain_reference(length, x), rtol=1e-4, atol=1e-4)
+    assert sess.graph_stats().replays == 4
+    assert sess.main_provider.recorded_calls(PRIMARY) == length
+
+
+def test_graphs_can_be_turned_off():
+    sess = InferenceSession(mlp(hidden=4), enable_graphs=False)
+    binding, x, y = _bind(sess, 1, 4)
+    for _ in range(4):
+        sess.run_with_iobinding(binding)
+    stats = sess.graph_stats()
+    assert stats.captures == 0 and stats.replays == 0 and stats.eager_runs == 4
+    assert stats.fallbacks == 0
+
+
+class FlakyCaptureCPU(CPUProvider):
+    """A CPU provider whose graph capture fails, as an uncapturable kernel would."""
+
+    name = "flaky"
+
+    def _graph_end(self, slot):
+        super()._graph_end(slot)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_failed_capture_falls_back_to_eager_with_reason_and_latches():
+    model = mlp(hidden=8)
+    sess = InferenceSession(model, providers=[FlakyCaptureCPU()])
+    binding, x, y = _bind(sess, 2, 8)
+    for step in range(5):
+        x[...] = step
+        sess.run_with_iobinding(binding)
+        np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+    stats = sess.graph_stats()
+    assert stats.captures == 0 and stats.replays == 0
+    assert stats.fallbacks == 4
+    reasons = list(stats.fallback_reasons)
+    assert any("not permitted when stream is capturing" in r for r in reasons)
+    assert sess.main_provider.capture_error(PRIMARY) is not None
+
+
+def test_mixed_placement_inserts_copies_and_says_why_it_is_not_graphed():
+    from onnx_genrt.core.kernels import KernelRegistry
+    from onnx_genrt.providers.cpu.kernels import REGISTRY
+
+    class ReluOnly(CPUProvider):
+        name = "relu-only"
+        _only = KernelRegistry()
+
+        @property
+        def kernels(self):
+            if not len(self._only):
+                for op in ("Relu",):
+                    self._only.add(REGISTRY.lookup("", op, 21))
+            return self._only
+
+    model = mlp(hidden=8)
+    sess = InferenceSession(model, providers=[ReluOnly(), "cpu"])
+    assert sess.plan.placement_counts() == {"relu-only": 1, "cpu": 5}
+    assert sess.plan.cross_device_edges() == 2
+    binding, x, y = _bind(sess, 1, 8)
+    for _ in range(3):
+        x[...] = 0.5
+        sess.run_with_iobinding(binding)
+    np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+    stats = sess.graph_stats()
+    assert stats.fallbacks == 2  # every run after the planning run, each with its reason
+    assert "several providers" in next(iter(stats.fallback_reasons))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 5000), st.integers(0, 30), st.integers(0, 10)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_memory_plan_never_overlaps_live_values(items):
+    lifetimes = [Lifetime(f"v{i}", n, a, a + d) for i, (n, a, d) in enumerate(items)]
+    plan = plan_memory(lifetimes)
+    assert plan.arena_bytes <= plan.naive_bytes
+    spans = {
+        lt.name: (plan.offsets[lt.name], plan.offsets[lt.name] + lt.nbytes) for lt in lifetimes
+    }
+    for i, a in enumerate(lifetimes):
+        assert spans[a.name][1] <= plan.arena_bytes
+        assert plan.offsets[a.name] % 64 == 0
+        for b in lifetimes[i + 1 :]:
+            live_together = not (a.last < b.first or b.last < a.first)
+            if live_together:
+                (s1, e1), (s2, e2) = spans[a.name], spans[b.name]
+                assert e1 <= s2 or e2 <= s1, (a, b)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bound_run_writes_into_bound_output(rows):
+    model = mlp(hidden=4)
+    sess = InferenceSession(model)
+    binding, x, y = _bind(sess, rows, 4)
+    x[...] = 1.0
+    address = y.__array_interface__["data"][0]
+    sess.run_with_iobinding(binding)
+    assert y.__array_interface__["data"][0] == address
+    np.testing.assert_allclose(binding.get_outputs()["y"], mlp_reference(model, x), rtol=1e-5)

@@ -1,0 +1,207 @@
+"""The provider interface's slot-aware graph methods."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from onnx_genrt.core.device import CPU, Device
+from onnx_genrt.core.dtypes import DType
+from onnx_genrt.core.errors import GraphCaptureError, UnsupportedGraphSlot
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.kernels import KernelContext, KernelDef, KernelRegistry, NodeInfo
+from onnx_genrt.core.provider import ExecutionProvider
+from onnx_genrt.core.tensor import Tensor
+from onnx_genrt.core.workspace import StepWorkspace
+from onnx_genrt.providers.cpu.provider import CPUProvider
+
+PRIMARY, VERIFY, DRAFT = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY, DeviceGraphSlot.DRAFT
+
+
+class _HostBase(ExecutionProvider):
+    name = "host-test"
+
+    @property
+    def device(self) -> Device:
+        return CPU
+
+    @property
+    def kernels(self) -> KernelRegistry:
+        return KernelRegistry()
+
+    def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
+        return Tensor(np.empty(tuple(shape), dtype.numpy), dtype)
+
+    def copy_from_host(self, array, out=None):
+        return Tensor.from_numpy(np.array(array))
+
+    def copy_to_host(self, tensor, out=None):
+        return np.array(tensor.buffer)
+
+    def copy(self, src, dst):
+        np.copyto(dst.buffer, src.buffer)
+
+
+class NoGraphProvider(_HostBase):
+    """Implements no graph hooks at all."""
+
+
+class SingleGraphProvider(_HostBase):
+    """Implements the hooks for one graph, as most devices would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graph: str | None = None
+        self.replayed = 0
+        self.fail_next_end = False
+
+    def _graph_begin(self, slot):
+        assert slot is PRIMARY
+        self.graph = "capturing"
+
+    def _graph_end(self, slot):
+        if self.fail_next_end:
+            raise RuntimeError("driver refused the graph")
+        self.graph = "ready"
+
+    def _graph_replay(self, slot):
+        self.replayed += 1
+
+    def _graph_reset(self, slot):
+        self.graph = None
+
+    def _graph_exists(self, slot):
+        return self.graph == "ready"
+
+
+def test_provider_without_graphs_declares_no_slots_and_refuses_capture():
+    p = NoGraphProvider()
+    assert p.graph_slots == frozenset()
+    with pytest.raises(UnsupportedGraphSlot, match="no graph slot 'primary'"):
+        p.begin_capture(PRIMARY)
+
+
+def test_single_graph_provider_gets_primary_by_default_and_refuses_other_slots():
+    p = SingleGraphProvider()
+    assert p.graph_slots == frozenset({PRIMARY})
+    p.begin_capture()  # PRIMARY by default
+    p.end_capture()
+    assert p.has_graph(PRIMARY)
+    p.replay(PRIMARY)
+    assert p.replayed == 1
+    for slot in (VERIFY, DRAFT):
+        with pytest.raises(
+            UnsupportedGraphSlot, match=f"no graph slot '{slot.value}'.*declares: primary"
+        ):
+            p.begin_capture(slot)
+        with pytest.raises(UnsupportedGraphSlot):
+            p.replay(slot)
+        with pytest.raises(UnsupportedGraphSlot):
+            p.reset_graph(slot)
+
+
+def test_capture_error_latches_until_reset():
+    p = SingleGraphProvider()
+    p.fail_next_end = True
+    p.begin_capture(PRIMARY)
+    with pytest.raises(GraphCaptureError, match="driver refused"):
+        p.end_capture(PRIMARY)
+    assert "driver refused" in p.capture_error(PRIMARY)
+    p.fail_next_end = False
+    with pytest.raises(GraphCaptureError, match="latched"):
+        p.begin_capture(PRIMARY)
+    p.reset_graph(PRIMARY)
+    assert p.capture_error(PRIMARY) is None
+    p.begin_capture(PRIMARY)
+    p.end_capture(PRIMARY)
+    assert p.has_graph(PRIMARY)
+
+
+def test_replay_without_graph_is_an_error():
+    p = CPUProvider()
+    with pytest.raises(GraphCaptureError, match="holds no captured graph"):
+        p.replay(VERIFY)
+
+
+def _scale_kernel() -> KernelDef:
+    def scale(ctx, x, out):
+        np.multiply(x, ctx.attr("k"), out=out)
+        return out
+
+    return KernelDef("", "Scale", 1, scale)
+
+
+def _record(
+    p: CPUProvider, slot: DeviceGraphSlot, k: float, x: np.ndarray, out: np.ndarray
+) -> None:
+    p.begin_capture(slot)
+    ctx = KernelContext(NodeInfo("Scale", f"scale{k}", "", 1, {"k": k}))
+    p.launch(_scale_kernel(), ctx, [x, out])
+    p.end_capture(slot)
+
+
+def test_cpu_slots_are_independent_resetting_one_leaves_the_others():
+    p = CPUProvider()
+    assert p.graph_slots == frozenset(DeviceGraphSlot)
+    x = np.ones(4, np.float32)
+    out_p, out_v, out_d = (np.zeros(4, np.float32) for _ in range(3))
+    _record(p, PRIMARY, 2.0, x, out_p)
+    _record(p, VERIFY, 3.0, x, out_v)
+    _record(p, DRAFT, 5.0, x, out_d)
+    x[:] = 10.0
+    p.reset_graph(VERIFY)
+    assert not p.has_graph(VERIFY)
+    assert p.has_graph(PRIMARY) and p.has_graph(DRAFT)
+    p.replay(PRIMARY)
+    p.replay(DRAFT)
+    np.testing.assert_array_equal(out_p, np.full(4, 20.0))
+    np.testing.assert_array_equal(out_d, np.full(4, 50.0))
+    np.testing.assert_array_equal(out_v, np.full(4, 3.0))  # not replayed after reset
+
+
+def test_latch_is_per_slot():
+    p = CPUProvider()
+    p.begin_capture(VERIFY)
+    p.abort_capture(VERIFY, "kernel not capturable")
+    assert p.capture_error(VERIFY) == "kernel not capturable"
+    assert p.capture_error(PRIMARY) is None
+    x, out = np.ones(2, np.float32), np.zeros(2, np.float32)
+    _record(p, PRIMARY, 4.0, x, out)  # PRIMARY still captures
+    assert p.has_graph(PRIMARY)
+    with pytest.raises(GraphCaptureError, match="kernel not capturable"):
+        p.begin_capture(VERIFY)
+    p.reset_graph(VERIFY)
+    _record(p, VERIFY, 4.0, x, out)
+    assert p.has_graph(VERIFY)
+
+
+def test_cannot_capture_two_slots_at_once():
+    p = CPUProvider()
+    p.begin_capture(PRIMARY)
+    with pytest.raises(GraphCaptureError, match="while slot 'primary' is capturing"):
+        p.begin_capture(VERIFY)
+    p.abort_capture(PRIMARY)
+
+
+def test_pinned_workspace_never_moves_under_a_larger_request():
+    allocations = []
+
+    def allocate(n):
+        buf = np.zeros(n, np.uint8)
+        allocations.append(buf)
+        return buf
+
+    ws = StepWorkspace(allocate)
+    small = ws.acquire(64)
+    ws.pin(PRIMARY)
+    bigger = ws.acquire(4096)  # an eager larger step while a graph holds the small one
+    assert bigger.size >= 4096 and bigger is not small
+    ws.release()
+    assert ws.acquire(64) is small  # still where the captured graph expects it
+    ws.unpin(PRIMARY)
+    ws.release()
+    assert ws.capacity == 0
+    moved = ws.acquire(4096)
+    assert moved is not small

@@ -1,0 +1,204 @@
+"""Loading, planning and running models through InferenceSession."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_genrt.core.errors import (
+    InvalidInputError,
+    KernelError,
+    ModelLoadError,
+    UnsupportedOpError,
+)
+from onnx_genrt.session import InferenceSession
+
+from .models import mlp, mlp_reference
+
+
+def test_mlp_matches_numpy_float64_and_onnxruntime():
+    model = mlp(hidden=32)
+    x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
+    (y,) = InferenceSession(model).run(None, {"x": x})
+    np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(y, ref.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_repeated_runs_with_new_shapes_reuse_nothing_stale():
+    model = mlp(hidden=16)
+    sess = InferenceSession(model)
+    rng = np.random.default_rng(3)
+    for batch in (1, 4, 1, 7, 4):
+        x = rng.standard_normal((batch, 16)).astype(np.float32)
+        (y,) = sess.run(["y"], {"x": x})
+        np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_returned_from_run_are_not_overwritten_by_the_next_run():
+    model = mlp(hidden=8)
+    sess = InferenceSession(model)
+    x1 = np.ones((2, 8), np.float32)
+    (y1,) = sess.run(None, {"x": x1})
+    keep = y1.copy()
+    sess.run(None, {"x": x1 * 5})
+    np.testing.assert_array_equal(y1, keep)
+
+
+def test_memory_plan_reuses_buffers_and_reports_peak():
+    from .models import chain
+
+    sess = InferenceSession(chain(30, width=256))
+    binding = sess.io_binding()
+    binding.bind_input("x", np.zeros((1, 256), np.float32))
+    binding.bind_output("y", shape=(1, 256))
+    sess.run_with_iobinding(binding)
+    arena, naive = sess.executor.peak_bytes()
+    assert naive == 29 * 1024  # 29 intermediates of 1 KiB
+    assert arena == 2 * 1024  # a chain needs only two live buffers
+
+
+@pytest.mark.parametrize(
+    ("feeds", "message"),
+    [
+        ({"z": np.zeros((1, 8), np.float32)}, "model has no input 'z'"),
+        ({"x": np.zeros((1, 8), np.int64)}, "input 'x' expects float32, got int64"),
+        ({"x": np.zeros((8,), np.float32)}, "input 'x' has rank 1"),
+        ({"x": np.zeros((2, 9), np.float32)}, "input 'x' dimension 1 is 9, model declares 8"),
+        ({}, r"missing inputs \['x'\]"),
+    ],
+)
+def test_bad_feeds_get_clear_errors(feeds, message):
+    with pytest.raises(InvalidInputError, match=message):
+        InferenceSession(mlp(hidden=8)).run(None, feeds)
+
+
+def test_unknown_output_name_is_refused():
+    with pytest.raises(InvalidInputError, match="model has no output 'nope'"):
+        InferenceSession(mlp(hidden=8)).run(["nope"], {"x": np.zeros((1, 8), np.float32)})
+
+
+def test_malformed_model_file_gives_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07this is not protobuf\xff\xff\xff")
+    with pytest.raises(ModelLoadError, match=str(bad.name)):
+        InferenceSession(bad)
+    with pytest.raises(ModelLoadError, match="model file not found"):
+        InferenceSession(tmp_path / "missing.onnx")
+
+
+def test_node_reading_an_unknown_value_is_named():
+    model = mlp(hidden=4)
+    model.graph.node[2].input[0] = "ghost"
+    with pytest.raises(ModelLoadError, match="node 'relu' \\(Relu\\) reads 'ghost'"):
+        InferenceSession(model)
+
+
+def test_unsupported_op_names_node_and_op():
+    node = helper.make_node("FancyOp", ["x"], ["y"], name="fancy", domain="acme")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("acme", 1)]
+    )
+    with pytest.raises(
+        UnsupportedOpError, match=r"node 'fancy' \(acme::FancyOp, opset 1\).*no kernel"
+    ):
+        InferenceSession(model)
+
+
+def test_kernel_failure_names_node_op_and_inputs():
+    node = helper.make_node("Reshape", ["x", "shape"], ["y"], name="bad_reshape")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    sess = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    with pytest.raises(
+        KernelError, match=r"node 'bad_reshape' \(ai.onnx::Reshape.*x=float32\[2, 3\]"
+    ):
+        sess.run(None, {"x": np.zeros((2, 3), np.float32), "shape": np.array([7], np.int64)})
+
+
+def _save_with_external_data(model: onnx.ModelProto, folder, location: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(
+        copy.deepcopy(model),
+        str(folder / "model.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=location,
+        size_threshold=0,
+    )
+
+
+def test_external_data_inside_the_folder_loads(tmp_path):
+    model = mlp(hidden=8)
+    _save_with_external_data(model, tmp_path / "m", "weights.bin")
+    x = np.ones((1, 8), np.float32)
+    (y,) = InferenceSession(tmp_path / "m").run(None, {"x": x})
+    np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("location", ["../outside.bin", "/etc/passwd"])
+def test_external_data_escaping_the_folder_is_refused(tmp_path, location):
+    model = mlp(hidden=8)
+    w = model.graph.initializer[0]
+    data = numpy_helper.to_array(w).tobytes()
+    (tmp_path / "outside.bin").write_bytes(data)
+    w.ClearField("float_data")
+    w.ClearField("raw_data")
+    w.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("length", str(len(data)))):
+        entry = w.external_data.add()
+        entry.key, entry.value = key, value
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(ModelLoadError, match=f"'w1'.*{location!r} escapes the model folder"):
+        InferenceSession(folder / "model.onnx")
+
+
+def test_constant_folding_removes_initializer_only_subgraphs():
+    nodes = [
+        helper.make_node("Shape", ["w"], ["ws"], name="shape_of_w"),
+        helper.make_node("Reshape", ["w", "ws"], ["w2"], name="reshape_w"),
+        helper.make_node("Add", ["x", "w2"], ["y"], name="add"),
+    ]
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    sess = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    assert sess.plan.folded == 2
+    assert [s.node.name for s in sess.plan.steps] == ["add"]
+    (y,) = sess.run(None, {"x": np.ones((2, 3), np.float32)})
+    np.testing.assert_array_equal(y, w + 1)
+
+
+def test_unsorted_graph_is_ordered_topologically():
+    model = mlp(hidden=4)
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    x = np.ones((1, 4), np.float32)
+    (y,) = InferenceSession(model).run(None, {"x": x})
+    np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-6)
