@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--op", action="append", default=[], help="only these op types (repeatable)")
     p.add_argument("-k", dest="pattern", default=None, help="only test names containing this text")
     p.add_argument("--failures", action="store_true", help="list every failure with its reason")
+    p.add_argument("--timeout", type=float, default=None, help="per-case limit in s (default: 60)")
     p.set_defaults(func=_cmd_conformance)
     return parser
 

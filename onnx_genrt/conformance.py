@@ -45,11 +45,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+if TYPE_CHECKING:
+    from onnx_genrt.session.inference_session import ProviderArg
 
 #: Bump when the cached pickle's layout changes.
 CACHE_FORMAT = 1
@@ -456,7 +459,7 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _run_data_sets(case: Case, provider: Any) -> CaseResult:
+def _run_data_sets(case: Case, provider: ProviderArg) -> CaseResult:
     from onnx_genrt.core.errors import UnsupportedOpError
     from onnx_genrt.session import InferenceSession
 
@@ -486,7 +489,7 @@ def _run_data_sets(case: Case, provider: Any) -> CaseResult:
     return result(Status.PASSED)
 
 
-def run_case(case: Case, provider: Any = "cpu", timeout: float | None = None) -> CaseResult:
+def run_case(case: Case, provider: ProviderArg = "cpu", timeout: float | None = None) -> CaseResult:
     """Run one case on ``provider`` (a name or instance); never raises for case errors."""
     reason = non_tensor_reason(case)
     if reason:
@@ -504,7 +507,7 @@ ProgressFn = Callable[[int, int, str], None]
 
 
 def run_conformance(
-    provider: Any = "cpu",
+    provider: ProviderArg = "cpu",
     ops: Iterable[str] | None = None,
     pattern: str | None = None,
     progress: ProgressFn | None = None,
@@ -571,7 +574,8 @@ def format_summary(report: Report) -> list[str]:
     else:
         lines.append(
             f"pass rate over claimed cases: {rate:.1%} ({report.passed}/"
-            f"{report.passed + report.failed}) across {len(report.claimed_ops)} claimed ops "
+            f"{report.passed + report.failed}) across {len(report.claimed_ops)} claimed op rows "
+            f"({len({op.removesuffix(' (expanded)') for op in report.claimed_ops})} distinct ops) "
             f"on provider {report.provider!r} in {report.seconds:.1f} s"
         )
         if not report.ok:

@@ -96,7 +96,7 @@ def installed_plugins(tmp_path_factory):
     """Build and install the example and broken plugin distributions into a temp target."""
     target = tmp_path_factory.mktemp("site")
     for dist in ("example_provider", "broken_plugin"):
-        subprocess.run(
+        done = subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -109,9 +109,11 @@ def installed_plugins(tmp_path_factory):
                 str(target),
                 str(PLUGINS / dist),
             ],
-            check=True,
+            capture_output=True,
+            text=True,
             env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
         )
+        assert done.returncode == 0, f"installing {dist} failed:\n{done.stdout}\n{done.stderr}"
     sys.path.insert(0, str(target))
     importlib.invalidate_caches()
     reset_registry()

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
 from onnx_genrt.core.kernels import KernelContext, NodeInfo, normalize_domain
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 

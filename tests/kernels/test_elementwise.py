@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from onnx import helper
+
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 
@@ -139,3 +140,21 @@ def test_argmax_bf16_last_index() -> None:
     got = _call("ArgMax", x, opset=12, axis=1, select_last_index=1)
     assert got.dtype == np.int64
     np.testing.assert_array_equal(got, [[2], [1]])
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("op", ["CumSum", "CumProd"])
+def test_scan_every_axis(op: str, axis: int) -> None:
+    x = _RNG.uniform(0.5, 1.5, size=(3, 4, 5))
+    got = _call(op, x, np.array([axis], np.int32), opset=26, reverse=1)
+    ref = np.cumsum if op == "CumSum" else np.cumprod
+    want = np.flip(ref(np.flip(x, axis), axis=axis), axis)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_topk_nan_fills_last() -> None:
+    x = np.full((1, 100), np.nan, np.float32)
+    x[0, [5, 50]] = [1.0, 2.0]
+    vals, idx = _call("TopK", x, np.array([4], np.int64), n_out=2, opset=11)
+    np.testing.assert_array_equal(idx[0, :2], [50, 5])
+    assert np.isnan(vals[0, 2:]).all() and len(set(idx[0].tolist())) == 4

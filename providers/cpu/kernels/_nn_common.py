@@ -78,86 +78,141 @@ def finish(x: np.ndarray, dtype: np.dtype, ctx=None, index: int = 0) -> np.ndarr
 
 # ----------------------------------------------------------------------------- row kernels
 
+# Sums may be reordered (so LLVM can vectorize them); no nnan/ninf, so -inf masks and NaNs
+# keep their IEEE meaning.
+_FM = {"reassoc", "contract"}
+
 
 @numba.njit(cache=True)
-def softmax_rows(x, out, zero_masked):
-    """Softmax of every row; a row whose max is -inf becomes zeros when ``zero_masked``."""
+def _row_max(r):
+    """Max of a 1-D row with 8 independent accumulators (vectorizes; NaNs are skipped)."""
+    m = r.shape[0]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = r[0]
+    j = 0
+    while j + 8 <= m:
+        a0 = r[j] if r[j] > a0 else a0
+        a1 = r[j + 1] if r[j + 1] > a1 else a1
+        a2 = r[j + 2] if r[j + 2] > a2 else a2
+        a3 = r[j + 3] if r[j + 3] > a3 else a3
+        a4 = r[j + 4] if r[j + 4] > a4 else a4
+        a5 = r[j + 5] if r[j + 5] > a5 else a5
+        a6 = r[j + 6] if r[j + 6] > a6 else a6
+        a7 = r[j + 7] if r[j + 7] > a7 else a7
+        j += 8
+    mx = max(max(max(a0, a1), max(a2, a3)), max(max(a4, a5), max(a6, a7)))
+    while j < m:
+        mx = r[j] if r[j] > mx else mx
+        j += 1
+    return mx
+
+
+@numba.njit(cache=True, fastmath=_FM)
+def _shift_rows(x, out, zero_masked):
+    """out = x - rowmax(x); an all -inf row is left at -inf when ``zero_masked``."""
     n, m = x.shape
+    if m == 0:
+        return
     for i in range(n):
-        mx = -np.inf
-        for j in range(m):
-            v = x[i, j]
-            if v > mx:
-                mx = v
+        r = x[i]
+        o = out[i]
+        mx = _row_max(r)
         if zero_masked and mx == -np.inf:
-            for j in range(m):
-                out[i, j] = 0.0
+            for j in range(m):  # exp(-inf) = 0: the row sums to 0 and stays 0
+                o[j] = r[j]
             continue
+        for j in range(m):
+            o[j] = r[j] - mx
+
+
+@numba.njit(cache=True, fastmath=_FM)
+def _scale_rows_to_one(out):
+    """Divide every row by its sum; a row summing to 0 (fully masked) stays 0."""
+    n, m = out.shape
+    inv = np.empty(1, out.dtype)  # 1/sum in the row's precision
+    for i in range(n):
+        o = out[i]
         s = 0.0
         for j in range(m):
-            e = np.exp(x[i, j] - mx)
-            out[i, j] = e
-            s += e
-        inv = 1.0 / s
+            s += o[j]
+        inv[0] = 1.0 / s if s != 0.0 else 0.0
+        f = inv[0]
         for j in range(m):
-            out[i, j] = out[i, j] * inv
+            o[j] = o[j] * f
 
 
-@numba.njit(cache=True)
-def log_softmax_rows(x, out):
-    """Log-softmax of every row."""
+@numba.njit(cache=True, fastmath=_FM)
+def _row_sums(x, sums):
     n, m = x.shape
     for i in range(n):
-        mx = -np.inf
-        for j in range(m):
-            v = x[i, j]
-            if v > mx:
-                mx = v
+        r = x[i]
         s = 0.0
         for j in range(m):
-            s += np.exp(x[i, j] - mx)
-        shift = mx + np.log(s)
-        for j in range(m):
-            out[i, j] = x[i, j] - shift
+            s += r[j]
+        sums[i] = s
 
 
-@numba.njit(cache=True)
+def softmax_rows(x: np.ndarray, out: np.ndarray, zero_masked: bool) -> None:
+    """Row softmax of 2-D C-contiguous ``x`` into ``out`` (may be ``x``).
+
+    With ``zero_masked`` a row whose max is -inf (fully masked) becomes zeros, not NaN.
+    exp runs through numpy's SIMD ufunc; the passes around it are Numba loops.
+    """
+    _shift_rows(x, out, zero_masked)
+    np.exp(out, out=out)
+    _scale_rows_to_one(out)
+
+
+def log_softmax_rows(x: np.ndarray, out: np.ndarray) -> None:
+    """Row log-softmax of 2-D C-contiguous ``x`` into ``out`` (may be ``x``)."""
+    _shift_rows(x, out, False)
+    sums = np.empty(out.shape[0], np.float64)
+    _row_sums(np.exp(out), sums)
+    out -= np.log(sums).astype(out.dtype).reshape(-1, 1)
+
+
+@numba.njit(cache=True, fastmath=_FM)
 def layer_norm_rows(x, scale, bias, eps, out, mean_out, inv_out):
     """y = (x - mean) / sqrt(var + eps) * scale + bias per row; scale/bias have cols items.
 
-    ``bias`` may be empty (no bias). ``mean_out``/``inv_out`` receive one value per row.
+    ``bias`` may be empty (no bias). ``mean_out``/``inv_out`` receive one value per row;
+    statistics accumulate in float64, the affine pass runs in the array's precision.
     """
     n, m = x.shape
     has_bias = bias.shape[0] > 0
     for i in range(n):
+        r = x[i]
+        o = out[i]
         s = 0.0
         for j in range(m):
-            s += x[i, j]
-        mean = s / m
+            s += r[j]
+        mean_out[i] = s / m
+        mean = mean_out[i]
         sq = 0.0
         for j in range(m):
-            d = x[i, j] - mean
+            d = r[j] - mean
             sq += d * d
-        inv = 1.0 / np.sqrt(sq / m + eps)
-        mean_out[i] = mean
-        inv_out[i] = inv
+        inv_out[i] = 1.0 / np.sqrt(sq / m + eps)
+        inv = inv_out[i]
         if has_bias:
             for j in range(m):
-                out[i, j] = (x[i, j] - mean) * inv * scale[j] + bias[j]
+                o[j] = (r[j] - mean) * inv * scale[j] + bias[j]
         else:
             for j in range(m):
-                out[i, j] = (x[i, j] - mean) * inv * scale[j]
+                o[j] = (r[j] - mean) * inv * scale[j]
 
 
-@numba.njit(cache=True)
-def rms_norm_rows(x, scale, eps, out):
+@numba.njit(cache=True, fastmath=_FM)
+def rms_norm_rows(x, scale, eps, out, inv_out):
     """y = x / sqrt(mean(x^2) + eps) * scale per row; scale has cols items."""
     n, m = x.shape
     for i in range(n):
+        r = x[i]
+        o = out[i]
         sq = 0.0
         for j in range(m):
-            v = x[i, j]
+            v = r[j]
             sq += v * v
-        inv = 1.0 / np.sqrt(sq / m + eps)
+        inv_out[i] = 1.0 / np.sqrt(sq / m + eps)
+        inv = inv_out[i]
         for j in range(m):
-            out[i, j] = x[i, j] * inv * scale[j]
+            o[j] = r[j] * inv * scale[j]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -41,79 +42,98 @@ def _present(ctx, index: int, past: np.ndarray | None, new: np.ndarray) -> np.nd
     return out
 
 
-def _mask_bias(mask: np.ndarray, t: int, cdt: np.dtype) -> np.ndarray:
-    """attn_mask as an additive bias (bool: 0 / -inf) with its last axis fitted to ``t``."""
-    if mask.dtype == np.bool_:
-        bias = np.where(mask, cdt.type(0), cdt.type(-np.inf))
-    else:
-        bias = mask.astype(cdt)
-    have = bias.shape[-1]
-    if have > t:
-        bias = bias[..., :t]
-    elif have < t:
-        pad = np.full((*bias.shape[:-1], t - have), -np.inf, cdt)
-        bias = np.concatenate((bias, pad), axis=-1)
-    return bias
+_SCORE_BUDGET = 1 << 24  # score elements per query chunk (64 MiB of float32)
 
 
-def _allowed(
-    sq: int,
-    t: int,
-    offset: int | np.ndarray,
-    causal: bool,
-    left: int,
-    right: int,
-    nonpad: np.ndarray | None,
-) -> np.ndarray | None:
-    """Boolean (.., Sq, T) of keys each query may see from causal/window/padding rules."""
-    i = np.arange(sq).reshape(sq, 1)
-    j = np.arange(t).reshape(1, t)
-    pos = i + (offset.reshape(-1, 1, 1, 1) if isinstance(offset, np.ndarray) else offset)
-    rules = []
-    if causal:
-        rules.append(j <= pos)
-    if left >= 0:
-        rules.append(pos - j <= left)
-    if right >= 0:
-        rules.append(j - pos <= right)
-    if nonpad is not None:
-        rules.append(j < nonpad.reshape(-1, 1, 1, 1))
-    if not rules:
-        return None
-    allowed = rules[0]
-    for r in rules[1:]:
-        allowed = allowed & r
-    return None if allowed.all() else allowed
+@dataclass
+class _Masking:
+    """The masking rules of one Attention call, evaluated per (query rows, key range) tile."""
+
+    mask: np.ndarray | None
+    offset: int | np.ndarray  # absolute position of query 0 (per batch with nonpad_kv_seqlen)
+    causal: bool
+    left: int
+    right: int
+    nonpad: np.ndarray | None
+    cdt: np.dtype
+
+    def key_range(self, i0: int, i1: int, t: int) -> tuple[int, int]:
+        """Keys [k0, k1) that any query in [i0, i1) may see under causal/window rules."""
+        off = self.offset
+        lo = int(np.min(off)) if isinstance(off, np.ndarray) else off
+        hi = int(np.max(off)) if isinstance(off, np.ndarray) else off
+        k1 = t
+        if self.causal:
+            k1 = min(k1, i1 - 1 + hi + 1)
+        if self.right >= 0:
+            k1 = min(k1, i1 - 1 + hi + self.right + 1)
+        k0 = max(0, i0 + lo - self.left) if self.left >= 0 else 0
+        k1 = max(0, k1)
+        return min(k0, k1), k1
+
+    def _allowed(self, i0: int, i1: int, k0: int, k1: int) -> np.ndarray | None:
+        i = np.arange(i0, i1).reshape(-1, 1)
+        j = np.arange(k0, k1).reshape(1, -1)
+        off = self.offset
+        pos = i + (off.reshape(-1, 1, 1, 1) if isinstance(off, np.ndarray) else off)
+        rules = []
+        if self.causal:
+            rules.append(j <= pos)
+        if self.left >= 0:
+            rules.append(pos - j <= self.left)
+        if self.right >= 0:
+            rules.append(j - pos <= self.right)
+        if self.nonpad is not None:
+            rules.append(j < self.nonpad.reshape(-1, 1, 1, 1))
+        if not rules:
+            return None
+        allowed = rules[0]
+        for r in rules[1:]:
+            allowed = allowed & r
+        return None if allowed.all() else allowed
+
+    def _mask_bias(self, i0: int, i1: int, k0: int, k1: int) -> np.ndarray | None:
+        """attn_mask tile as additive bias (bool: 0 / -inf); keys past its end are masked."""
+        m = self.mask
+        if m is None:
+            return None
+        if m.ndim >= 2 and m.shape[-2] != 1:
+            m = m[..., i0:i1, :]
+        have = m.shape[-1]
+        m = m[..., k0 : min(k1, have)]
+        cdt = self.cdt
+        bias = np.where(m, cdt.type(0), cdt.type(-np.inf)) if m.dtype == np.bool_ else m.astype(cdt)
+        missing = (k1 - k0) - bias.shape[-1]
+        if missing > 0:
+            pad = np.full((*bias.shape[:-1], missing), -np.inf, cdt)
+            bias = np.concatenate((bias, pad), axis=-1)
+        return bias
+
+    def bias(self, i0: int, i1: int, k0: int, k1: int) -> np.ndarray | None:
+        """Additive bias for queries [i0, i1) x keys [k0, k1), broadcastable to scores."""
+        bias = self._mask_bias(i0, i1, k0, k1)
+        allowed = self._allowed(i0, i1, k0, k1)
+        if allowed is not None:
+            cdt = self.cdt
+            rule_bias = np.where(allowed, cdt.type(0), cdt.type(-np.inf))
+            bias = rule_bias if bias is None else bias + rule_bias
+        return bias
 
 
-def _attention_bias(
-    ctx,
-    mask: np.ndarray | None,
-    sq: int,
-    t: int,
-    past_len: int,
-    nonpad: np.ndarray | None,
-    cdt: np.dtype,
-) -> np.ndarray | None:
-    """Additive bias broadcastable to (B, Hq, Sq, T), or None when nothing is masked."""
+def _masking(ctx, mask, sq: int, past_len: int, nonpad: np.ndarray | None, cdt) -> _Masking:
     if nonpad is not None and past_len == 0:
-        offset: int | np.ndarray = nonpad.astype(np.int64) - sq
+        offset: int | np.ndarray = nonpad.astype(np.int64).reshape(-1) - sq
     else:
         offset = past_len
-    allowed = _allowed(
-        sq,
-        t,
+    return _Masking(
+        mask,
         offset,
         bool(ctx.attr("is_causal", 0)),
         int(ctx.attr("left_window_size", -1)),
         int(ctx.attr("right_window_size", -1)),
-        nonpad,
+        None if nonpad is None else nonpad.astype(np.int64).reshape(-1),
+        cdt,
     )
-    bias = None if mask is None else _mask_bias(mask, t, cdt)
-    if allowed is not None:
-        rule_bias = np.where(allowed, cdt.type(0), cdt.type(-np.inf))
-        bias = rule_bias if bias is None else bias + rule_bias
-    return bias
 
 
 def _check_attention(node, _types) -> str | None:
@@ -137,7 +157,8 @@ def attention_kernel(
     """Scaled dot-product attention (MHA/GQA/MQA), 3-D or 4-D, with KV cache and masks.
 
     GQA runs without repeating K/V: the query heads sharing a KV head are stacked along
-    the row axis so each KV head is one batched GEMM.
+    the row axis so each KV head is one batched GEMM. Long queries run in row chunks
+    (bounded score memory), each against only the keys its causal/window rules allow.
     """
     if (past_key is None) != (past_value is None):
         raise ValueError(f"{ctx.node.describe()}: past_key and past_value go together")
@@ -165,52 +186,37 @@ def attention_kernel(
     dv = present_v.shape[3]
 
     want_qk = wants_output(ctx, 3)
-    mode = int(ctx.attr("qk_matmul_output_mode", 0))
     t = t_full
     if nonpad_kv_seqlen is not None and not want_qk and nonpad_kv_seqlen.size:
         t = max(0, min(t_full, int(nonpad_kv_seqlen.max())))  # skip all-padding keys
     kc = present_k[:, :, :t].astype(cdt, copy=False)
     vc = present_v[:, :, :t].astype(cdt, copy=False)
+    masking = _masking(ctx, attn_mask, sq, past_len, nonpad_kv_seqlen, cdt)
 
     scale = ctx.attr("scale")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qs = np.empty((b, hq, sq, d), cdt)
     qs[...] = q4
     qs *= cdt.type(scale)
-    scores = np.matmul(qs.reshape(b, hkv, groups * sq, d), kc.swapaxes(-1, -2))
-    s4 = scores.reshape(b, hq, sq, t)  # same memory: GQA rows stack (group, query)
-    qk = None
-    if want_qk and mode == 0:
-        qk = s4.astype(out_dtype)
-    softcap = float(ctx.attr("softcap", 0.0))
-    if softcap > 0.0:
-        s4 *= cdt.type(1.0 / softcap)
-        np.tanh(s4, out=s4)
-        s4 *= cdt.type(softcap)
-    if want_qk and mode == 1:
-        qk = s4.astype(out_dtype)
-    bias = _attention_bias(ctx, attn_mask, sq, t, past_len, nonpad_kv_seqlen, cdt)
-    if bias is not None:
-        s4 += bias
-    if want_qk and mode == 2:
-        qk = s4.astype(out_dtype)
-    rows = scores.reshape(-1, t)
-    if rows.size:
-        softmax_rows(rows, rows, True)
-    if want_qk and mode == 3:
-        qk = s4.astype(out_dtype)
+    qs5 = qs.reshape(b, hkv, groups, sq, d)  # query head h = kv_head * groups + g
 
     y_shape = (b, sq, hq * dv) if three_d else (b, hq, sq, dv)
     y_out = ctx.out(0, y_shape, out_dtype)
     direct = not three_d and out_dtype == cdt and y_out.flags.c_contiguous
-    y = (
-        y_out.reshape(b, hkv, groups * sq, dv)
-        if direct
-        else np.empty((b, hkv, groups * sq, dv), cdt)
+    y5 = (
+        y_out.reshape(b, hkv, groups, sq, dv) if direct else np.empty((b, hkv, groups, sq, dv), cdt)
     )
-    np.matmul(scores, vc, out=y)
+    chunk = sq if want_qk else max(1, min(sq, _SCORE_BUDGET // max(1, b * hq * t)))
+    qk = None
+    for i0 in range(0, sq, chunk):
+        i1 = min(sq, i0 + chunk)
+        k0, k1 = (0, t) if want_qk else masking.key_range(i0, i1, t)
+        qc = qs5 if i1 - i0 == sq else np.ascontiguousarray(qs5[:, :, :, i0:i1])
+        probs, qk = _scores(ctx, qc, kc[:, :, k0:k1], masking, (i0, i1, k0, k1), want_qk, out_dtype)
+        yc = np.matmul(probs, vc[:, :, k0:k1])
+        y5[:, :, :, i0:i1] = yc.reshape(b, hkv, groups, i1 - i0, dv)
     if not direct:
-        y4 = y.reshape(b, hq, sq, dv)
+        y4 = y5.reshape(b, hq, sq, dv)
         y_out[...] = y4.transpose(0, 2, 1, 3).reshape(y_shape) if three_d else y4
     n = output_count(ctx)
     if n == 1:
@@ -218,6 +224,42 @@ def attention_kernel(
     if qk is None:  # declared but unnamed optional output
         qk = np.zeros((b, hq, sq, t_full), out_dtype)
     return (y_out, present_k, present_v, qk)[:n]
+
+
+def _scores(
+    ctx,
+    qc: np.ndarray,
+    kc: np.ndarray,
+    masking: _Masking,
+    tile: tuple[int, int, int, int],
+    want_qk: bool,
+    out_dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Softmax probabilities (B, Hkv, G*rows, keys) of one query tile, and qk output if asked."""
+    b, hkv, groups, rows, d = qc.shape
+    i0, i1, k0, k1 = tile
+    tk = k1 - k0
+    scores = np.matmul(qc.reshape(b, hkv, groups * rows, d), kc.swapaxes(-1, -2))
+    s4 = scores.reshape(b, hkv * groups, rows, tk)  # same memory: rows stack (group, query)
+    mode = int(ctx.attr("qk_matmul_output_mode", 0)) if want_qk else -1
+    qk = s4.astype(out_dtype) if mode == 0 else None
+    softcap = float(ctx.attr("softcap", 0.0))
+    if softcap > 0.0:
+        s4 *= masking.cdt.type(1.0 / softcap)
+        np.tanh(s4, out=s4)
+        s4 *= masking.cdt.type(softcap)
+    if mode == 1:
+        qk = s4.astype(out_dtype)
+    bias = masking.bias(i0, i1, k0, k1)
+    if bias is not None:
+        s4 += bias
+    if mode == 2:
+        qk = s4.astype(out_dtype)
+    flat = scores.reshape(b * hkv * groups * rows, tk)
+    softmax_rows(flat, flat, True)
+    if mode == 3:
+        qk = s4.astype(out_dtype)
+    return scores, qk
 
 
 # ----------------------------------------------------------------------------- RotaryEmbedding

@@ -15,24 +15,19 @@ import ml_dtypes
 import numba
 import numpy as np
 from onnx import TensorProto, helper
+
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
 
 from ._registry import REGISTRY
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
-BF16 = np.dtype(ml_dtypes.bfloat16)
 BOOL = np.dtype(np.bool_)
-_LOW_FLOATS = (np.dtype(np.float16), BF16)
 
 Array = np.ndarray
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _is_float(dt: np.dtype) -> bool:
-    return dt.kind == "f" or dt == BF16
 
 
 def _quiet() -> Any:

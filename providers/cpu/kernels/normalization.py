@@ -58,14 +58,11 @@ def _normalize(
     use_buf = x.dtype == cdt and not wide and buf.flags.c_contiguous
     out = buf if use_buf else np.empty(x.shape, cdt)
     dst = out.reshape(rows, cols)
-    mean = inv = None
-    if rms:
-        if x.size:
-            rms_norm_rows(src, sc, cdt.type(eps), dst)
-    else:
-        mean, inv = np.empty(rows, cdt), np.empty(rows, cdt)
-        if x.size:
-            layer_norm_rows(src, sc, bi, cdt.type(eps), dst, mean, inv)
+    mean, inv = np.empty(rows, cdt), np.empty(rows, cdt)
+    if x.size and rms:
+        rms_norm_rows(src, sc, cdt.type(eps), dst, inv)
+    elif x.size:
+        layer_norm_rows(src, sc, bi, cdt.type(eps), dst, mean, inv)
     if wide:
         out = out * scale.astype(cdt)
         if bias is not None:

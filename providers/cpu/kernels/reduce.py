@@ -1,15 +1,19 @@
 """CPU kernels: reductions (ReduceSum ... ReduceLogSumExp), ArgMax/ArgMin, TopK, CumSum/CumProd.
 
 float16/bfloat16 reductions accumulate in float32; integer sums wrap in their own type.
+CumSum/CumProd run a Numba loop (numpy accumulates slowly along non-last axes).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
+import numba
 import numpy as np
+
 from onnx_genrt.core.kernels import KernelContext
 
 from ._registry import REGISTRY
@@ -255,37 +259,54 @@ def top_k(ctx: KernelContext, x: Array, k_in: Array | None = None) -> tuple[Arra
 # --------------------------------------------------------------------------- CumSum / CumProd
 
 
-def _along(axis: int, ndim: int, sl: slice) -> tuple[slice, ...]:
-    return (slice(None),) * axis + (sl,) + (slice(None),) * (ndim - axis - 1)
+@numba.njit(cache=True)
+def _scan_loop(x: Array, out: Array, reverse: bool, exclusive: bool, prod: bool) -> None:
+    """Running sum/product over axis 1 of (outer, n, inner) arrays; inner loop is contiguous."""
+    outer, n, inner = x.shape
+    for o in range(outer):
+        for s in range(n):
+            j = n - 1 - s if reverse else s
+            if s == 0:
+                if exclusive:
+                    out[o, j, :] = 1 if prod else 0
+                else:
+                    out[o, j, :] = x[o, j, :]
+                continue
+            p = j + 1 if reverse else j - 1
+            src = p if exclusive else j
+            if prod:
+                for i in range(inner):
+                    out[o, j, i] = out[o, p, i] * x[o, src, i]
+            else:
+                for i in range(inner):
+                    out[o, j, i] = out[o, p, i] + x[o, src, i]
 
 
-def _scan(ctx: KernelContext, x: Array, axis_in: Array, ufunc: np.ufunc, identity: int) -> Array:
-    """Inclusive/exclusive, forward/reverse running ``ufunc`` along the axis input."""
+def _scan(ctx: KernelContext, x: Array, axis_in: Array, prod: bool) -> Array:
+    """Inclusive/exclusive, forward/reverse running sum or product along the axis input."""
     axis = _norm_axis(ctx, int(np.asarray(axis_in).reshape(-1)[0]), x.ndim)
     exclusive, reverse = bool(ctx.attr("exclusive", 0)), bool(ctx.attr("reverse", 0))
     out = ctx.out(0, x.shape, x.dtype)
+    if x.size == 0:
+        return out
     acc = _acc_dtype(x.dtype)
-    dst = out if acc == x.dtype else np.empty(x.shape, acc)
-    src, view = (np.flip(x, axis), np.flip(dst, axis)) if reverse else (x, dst)
-    if x.shape[axis] and exclusive:
-        view[_along(axis, x.ndim, slice(0, 1))] = identity
-        src, view = (
-            src[_along(axis, x.ndim, slice(0, -1))],
-            view[_along(axis, x.ndim, slice(1, None))],
-        )
-    ufunc.accumulate(src, axis=axis, dtype=acc, out=view)
-    if dst is not out:
-        np.copyto(out, dst, casting="unsafe")
+    shape3 = (math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :]))
+    src = np.ascontiguousarray(x, dtype=acc).reshape(shape3)
+    direct = acc == x.dtype and out.flags.c_contiguous
+    dst = out.reshape(shape3) if direct else np.empty(shape3, acc)
+    _scan_loop(src, dst, reverse, exclusive, prod)
+    if not direct:
+        np.copyto(out, dst.reshape(x.shape), casting="unsafe")
     return out
 
 
 @REGISTRY.register("CumSum", since=11)
 def cum_sum(ctx: KernelContext, x: Array, axis: Array) -> Array:
     """Running sum along an axis (attributes exclusive, reverse)."""
-    return _scan(ctx, x, axis, np.add, 0)
+    return _scan(ctx, x, axis, prod=False)
 
 
 @REGISTRY.register("CumProd", since=26)
 def cum_prod(ctx: KernelContext, x: Array, axis: Array) -> Array:
     """Running product along an axis (attributes exclusive, reverse)."""
-    return _scan(ctx, x, axis, np.multiply, 1)
+    return _scan(ctx, x, axis, prod=True)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from onnx import helper
+
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
 
 from ._registry import REGISTRY
