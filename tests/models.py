@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_genrt.dispatch_bench import elementwise_chain
+
 
 def mlp(hidden: int = 16, seed: int = 0, batch: int | str = "batch") -> onnx.ModelProto:
     """y = relu(x @ w1 + b1) @ w2 * 0.5 + x, with a few shape ops on the way."""
@@ -47,21 +49,7 @@ def mlp_reference(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 
 def chain(length: int, width: int = 8) -> onnx.ModelProto:
     """``length`` tiny elementwise nodes in a row: a model that is all dispatch cost."""
-    nodes = []
-    prev = "x"
-    for i in range(length):
-        op = ("Add", "Mul", "Sub")[i % 3]
-        out = "y" if i == length - 1 else f"t{i}"
-        nodes.append(helper.make_node(op, [prev, "c"], [out], name=f"n{i}"))
-        prev = out
-    graph = helper.make_graph(
-        nodes,
-        "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])],
-        [numpy_helper.from_array(np.full((1, width), 1.0001, np.float32), "c")],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return elementwise_chain(length, width)
 
 
 def chain_reference(length: int, x: np.ndarray) -> np.ndarray:

@@ -96,3 +96,15 @@ def run_case_with_kernel(case: Any) -> None:
             assert_output_matches(
                 f"{case.name}[set {i}] output {j}", got[j], want, case.rtol, case.atol
             )
+
+
+def call_kernel(op: str, *inputs: Any, opset: int, n_out: int = 1, **attrs: Any) -> Any:
+    """Call the CPU kernel for ai.onnx ``op`` directly on ``inputs`` with ``attrs``."""
+    from onnx import helper
+
+    node = helper.make_node(
+        op, [f"i{k}" for k in range(len(inputs))], [f"o{k}" for k in range(n_out)], **attrs
+    )
+    kdef = REGISTRY.lookup("", op, opset)
+    assert kdef is not None, op
+    return kdef.fn(KernelContext(NodeInfo.from_proto(node, opset)), *inputs)

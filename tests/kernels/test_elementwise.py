@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from onnx_genrt.core.kernels import KernelContext, NodeInfo
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 
 sys.path.insert(0, str(Path(__file__).parent))
-from onnx_cases import run_case_with_kernel, run_kernel, single_node_cases  # noqa: E402
+from onnx_cases import call_kernel, run_case_with_kernel, run_kernel, single_node_cases  # noqa: E402
 
 ELEMENTWISE_OPS = [
     "Abs",
@@ -151,13 +152,7 @@ def test_backend_case(case: Any) -> None:
 # --------------------------------------------------------------------------- own checks
 
 
-def _call(op: str, *inputs: Any, opset: int = 22, n_out: int = 1, **attrs: Any) -> Any:
-    node = helper.make_node(
-        op, [f"i{k}" for k in range(len(inputs))], [f"o{k}" for k in range(n_out)], **attrs
-    )
-    kdef = REGISTRY.lookup("", op, opset)
-    assert kdef is not None, op
-    return kdef.fn(KernelContext(NodeInfo.from_proto(node, opset)), *inputs)
+_call = functools.partial(call_kernel, opset=22)
 
 
 _RNG = np.random.default_rng(0)

@@ -34,6 +34,9 @@ NN_OPS = (
     "RotaryEmbedding",
     "QuantizeLinear",
     "DequantizeLinear",
+    "Conv",
+    "GlobalAveragePool",
+    "GlobalMaxPool",
 )
 
 # Backend cases that cannot pass, with the reason (kept empty when all pass).
@@ -467,3 +470,117 @@ def test_quantize_dequantize_per_axis_round_trip() -> None:
     assert q.dtype == np.int8
     (back,) = _run(_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=0), 21, q, scale, zp)
     np.testing.assert_allclose(back, x, atol=float(scale.max()) / 2 + 1e-7)
+
+
+# ----------------------------------------------------------------------------- Attention tiling
+
+
+def _onnx_reference(node, opset: int, inputs: list[np.ndarray | None]) -> list[np.ndarray]:
+    from onnx.reference import ReferenceEvaluator
+
+    names = [n for n, a in zip(node.input, inputs, strict=False) if n and a is not None]
+    arrays = [a for n, a in zip(node.input, inputs, strict=False) if n and a is not None]
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info(n, _ORT_TYPES[a.dtype], a.shape)
+            for n, a in zip(names, arrays, strict=True)
+        ],
+        [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in node.output if n],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return ReferenceEvaluator(model).run(None, dict(zip(names, arrays, strict=True)))
+
+
+def _qkv(b: int, hq: int, hkv: int, sq: int, skv: int, d: int) -> list[np.ndarray]:
+    return [
+        RNG.standard_normal((b, hq, sq, d)).astype(np.float32),
+        RNG.standard_normal((b, hkv, skv, d)).astype(np.float32),
+        RNG.standard_normal((b, hkv, skv, d)).astype(np.float32),
+    ]
+
+
+def _tiling_cases() -> list[tuple[str, int, dict, list[str], list]]:
+    q, k, v = _qkv(2, 4, 2, 9, 9, 16)
+    past = [RNG.standard_normal((2, 2, 5, 16)).astype(np.float32) for _ in range(2)]
+    mask4 = RNG.random((2, 1, 9, 14)) > 0.2
+    q2, k2, v2 = _qkv(2, 4, 1, 3, 12, 8)
+    nonpad = np.array([7, 12], np.int64)
+    q3, k3, v3 = _qkv(1, 2, 2, 7, 7, 8)
+    past3 = [RNG.standard_normal((1, 2, 6, 8)).astype(np.float32) for _ in range(2)]
+    q4, k4, v4 = _qkv(1, 2, 2, 8, 8, 8)
+    fmask = (RNG.standard_normal((8, 6)) * 2).astype(np.float32)
+    return [
+        (
+            "causal_past_gqa_boolmask",
+            23,
+            {"is_causal": 1},
+            ["q", "k", "v", "m", "pk", "pv"],
+            [q, k, v, mask4, *past],
+        ),
+        (
+            "causal_nonpad",
+            24,
+            {"is_causal": 1},
+            ["q", "k", "v", "", "", "", "n"],
+            [q2, k2, v2, None, None, None, nonpad],
+        ),
+        (
+            "causal_window_past",
+            25,
+            {"is_causal": 1, "left_window_size": 3},
+            ["q", "k", "v", "", "pk", "pv"],
+            [q3, k3, v3, None, *past3],
+        ),
+        (
+            "bidirectional_window_short_mask",
+            25,
+            {"left_window_size": 2, "right_window_size": 1, "softcap": 2.0},
+            ["q", "k", "v", "m"],
+            [q4, k4, v4, fmask],
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name,opset,attrs,inputs,arrays", _tiling_cases(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_attention_tiled_matches_onnx_reference(
+    monkeypatch, name, opset, attrs, inputs, arrays
+) -> None:
+    from onnx_genrt.providers.cpu.kernels import attention as attention_mod
+
+    node = _node("Attention", inputs, ["y"], **attrs)
+    (want,) = _onnx_reference(node, opset, arrays)
+    (whole,) = _run(node, opset, *arrays)
+    monkeypatch.setattr(attention_mod, "_SCORE_BUDGET", 40)  # a few query rows per tile
+    (tiled,) = _run(node, opset, *arrays)
+    np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(tiled, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- Conv
+
+
+@pytest.mark.parametrize(
+    "xshape,wshape,attrs",
+    [
+        (
+            (2, 6, 17, 13),
+            (4, 3, 3, 2),
+            {"group": 2, "strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 2, 1]},
+        ),
+        ((1, 8, 50), (16, 8, 3), {"auto_pad": "SAME_UPPER", "strides": [2]}),
+        ((1, 4, 9, 9), (4, 1, 3, 3), {"group": 4, "auto_pad": "SAME_LOWER"}),
+    ],
+)
+def test_conv_vs_onnxruntime(xshape: tuple, wshape: tuple, attrs: dict) -> None:
+    x = RNG.standard_normal(xshape).astype(np.float32)
+    w = RNG.standard_normal(wshape).astype(np.float32)
+    bias = RNG.standard_normal(wshape[0]).astype(np.float32)
+    node = _node("Conv", ["x", "w", "b"], ["y"], **attrs)
+    (y,) = _run(node, 22, x, w, bias)
+    (want,) = _ort(node, 22, [x, w, bias], [np.float32])
+    assert y.dtype == np.float32 and y.shape == want.shape
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)

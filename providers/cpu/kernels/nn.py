@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, normalization, quant  # noqa: F401  (register on import)
+from . import attention, conv, normalization, quant  # noqa: F401  (register on import)
 from ._nn_common import (
     as_compute,
     compute_dtype,
