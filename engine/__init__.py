@@ -1,1 +1,29 @@
-"""Generation engine (KV cache, decoding, speculative decoding)."""
+"""Generation engine: static KV cache, greedy and sampled decoding, speculative decoding."""
+
+from .api import GenerationResult, generate, make_generator, make_proposer, stream
+from .config import GenAIConfig, SearchOptions, load_config
+from .generator import Generator
+from .model import GeneratorParams, Model
+from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
+from .speculative import SpeculativeGenerator
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "DraftModelProposer",
+    "GenAIConfig",
+    "GenerationResult",
+    "Generator",
+    "GeneratorParams",
+    "MTPProposer",
+    "Model",
+    "PromptLookupProposer",
+    "Proposer",
+    "SearchOptions",
+    "SpeculativeGenerator",
+    "Tokenizer",
+    "generate",
+    "load_config",
+    "make_generator",
+    "make_proposer",
+    "stream",
+]

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    from onnx_genrt import generate_cli
+
+    generate_cli.add_parser(sub)
+
     p = sub.add_parser("providers", help="list execution providers, their availability and why not")
     p.set_defaults(func=_cmd_providers)
 
@@ -99,7 +103,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    from onnx_genrt.core.errors import OnnxGenrtError
+
+    try:
+        return int(args.func(args) or 0)
+    except OnnxGenrtError as exc:
+        print(f"onnx-genrt {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

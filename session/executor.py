@@ -233,17 +233,8 @@ class Executor:
     # -- eager runs -------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str]) -> list[Any]:
         """Eager run on fresh outputs; memory planned per distinct input-shape set."""
-        key = tuple((n, str(v.dtype), tuple(v.shape)) for n, v in sorted(feeds.items()))
-        layout = self._eager_layouts.get(key)
         env = dict(feeds)
-        if layout is None:
-            layout = self._execute_and_plan(env, {})
-            self._eager_layouts[key] = layout
-            if len(self._eager_layouts) > EAGER_PLAN_CACHE:
-                self._eager_layouts.popitem(last=False)
-        else:
-            self._eager_layouts.move_to_end(key)
-            self._execute(env, layout, {})
+        layout = self._eager_run(env, {})
         results = []
         for name in output_names:
             value = env[name] if name in env else self._constant(name)
@@ -251,6 +242,23 @@ class Executor:
                 value = value.copy()
             results.append(value)
         return results
+
+    def run_bound_eager(self, binding: IOBinding) -> None:
+        """Run on bound buffers without any graph slot (prefill-like, varying shapes)."""
+        self._eager_run(dict(binding.inputs), binding.outputs)
+
+    def _eager_run(self, env: dict[str, Any], outs: Mapping[str, Any]) -> Layout:
+        key = tuple((n, str(v.dtype), tuple(v.shape)) for n, v in sorted(env.items()))
+        layout = self._eager_layouts.get(key)
+        if layout is None:
+            layout = self._execute_and_plan(env, outs, bind_outputs=False)
+            self._eager_layouts[key] = layout
+            if len(self._eager_layouts) > EAGER_PLAN_CACHE:
+                self._eager_layouts.popitem(last=False)
+        else:
+            self._eager_layouts.move_to_end(key)
+            self._execute(env, layout, outs)
+        return layout
 
     def _constant(self, name: str) -> Any:
         return self.plan.constants[name]
@@ -330,7 +338,9 @@ class Executor:
         provider.copy(Tensor(src, dt, provider.device), Tensor(target, dt, provider.device))
 
     # -- planning ---------------------------------------------------------------
-    def _execute_and_plan(self, env: dict[str, Any], outs: Mapping[str, Any]) -> Layout:
+    def _execute_and_plan(
+        self, env: dict[str, Any], outs: Mapping[str, Any], bind_outputs: bool = True
+    ) -> Layout:
         """Eager run that records every value's shape, then plans memory from them."""
         inputs = set(env)
         record = _Record()
@@ -347,7 +357,7 @@ class Executor:
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             lifetimes.append(Lifetime(name, nbytes, first, max(first, last_use.get(name, first))))
         layout = Layout(record.shapes, plan_memory(lifetimes))
-        self._materialize(layout, outs)
+        self._materialize(layout, outs if bind_outputs else {})
         return layout
 
     def _materialize(self, layout: Layout, outs: Mapping[str, Any]) -> None:

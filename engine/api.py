@@ -1,0 +1,162 @@
+"""``generate`` and ``stream``: the plain entry points over Model and Generator."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
+
+from .generator import Generator
+from .model import GeneratorParams, Model
+from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
+from .speculative import SpeculativeGenerator
+
+SPEC_KINDS = ("mtp", "draft", "ngram")
+
+
+@dataclass
+class GenerationResult:
+    """Text, tokens and what the run measured."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    stop_reason: str
+    speculation: dict[str, Any] = field(default_factory=dict)
+    graph_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens) - self.prompt_tokens
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        generated = self.new_tokens - 1  # the first token comes from the prefill
+        return generated / self.decode_seconds if self.decode_seconds > 0 and generated > 0 else 0.0
+
+
+def make_proposer(
+    model: Model, spec: str, max_length: int, min_confidence: float = 0.1
+) -> Proposer:
+    """The proposer named ``spec`` (mtp, draft or ngram) for ``model``."""
+    if spec == "ngram":
+        return PromptLookupProposer()
+    conf = model.config.speculative
+    if spec == "mtp":
+        mtp = conf.get("mtp")
+        if not mtp:
+            raise ModelLoadError(f"{model.folder}/genai_config.json has no speculative.mtp section")
+        inputs, outputs = mtp.get("inputs", {}), mtp.get("outputs", {})
+        return MTPProposer(
+            model.session_for(mtp.get("filename", "mtp/model.onnx")),
+            hidden_input=inputs.get("hidden_states", "hidden_states"),
+            ids_input=inputs.get("input_ids", "input_ids"),
+            logits_output=outputs.get("logits", "logits"),
+            hidden_output=outputs.get("hidden_states", "mtp_hidden_states"),
+            min_confidence=min_confidence,
+        )
+    if spec == "draft":
+        draft = conf.get("draft")
+        if not draft:
+            raise ModelLoadError(
+                f"{model.folder}/genai_config.json has no speculative.draft section"
+            )
+        folder = Path(model.folder) / draft.get("path", "draft")
+        draft_model = Model(folder, model.providers, enable_graphs=model.enable_graphs)
+        return DraftModelProposer(draft_model, max_length, min_confidence=min_confidence)
+    raise InvalidInputError(f"unknown speculation kind {spec!r}; choose one of {SPEC_KINDS}")
+
+
+def make_generator(
+    model: Model, params: GeneratorParams, spec: str | None = None, k: int = 4
+) -> Generator:
+    if spec is None:
+        return Generator(model, params)
+    proposer = make_proposer(model, spec, params.search.max_length)
+    return SpeculativeGenerator(model, params, proposer, k=k)
+
+
+def stream(
+    model: Model,
+    prompt: str | list[int],
+    max_new_tokens: int = 128,
+    *,
+    spec: str | None = None,
+    k: int = 4,
+    stop: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    result: list[GenerationResult] | None = None,
+    **search: Any,
+) -> Iterator[str]:
+    """Yield text pieces as tokens are generated. Appends a GenerationResult to ``result``."""
+    ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise InvalidInputError("the prompt is empty")
+    context = model.config.context_length
+    if len(ids) + max_new_tokens > context:
+        raise InvalidInputError(
+            f"prompt of {len(ids)} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+            f"model's context length of {context}"
+        )
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + max_new_tokens, **search)
+    gen = make_generator(model, params, spec, k)
+    if ignore_eos:
+        gen.eos = set()
+    decoder = model.tokenizer.create_stream() if _has_tokenizer(model) else None
+    t0 = time.perf_counter()
+    gen.append_tokens(ids)
+    gen.generate_next_token()
+    t1 = time.perf_counter()
+    text = ""
+    reason = "max_new_tokens"
+    while True:
+        piece = "".join(decoder.decode(t) for t in gen.get_next_tokens()) if decoder else ""
+        text += piece
+        hit = next((s for s in stop if s in text), None)
+        if hit is not None:
+            cut = text.index(hit)
+            piece = piece[: max(0, len(piece) - (len(text) - cut))]
+            text = text[:cut]
+            reason = f"stop string {hit!r}"
+            if piece:
+                yield piece
+            break
+        if piece:
+            yield piece
+        if gen.is_done():
+            if gen.tokens and gen.tokens[-1] in gen.eos:
+                reason = "eos"
+            break
+        gen.generate_next_token()
+    t2 = time.perf_counter()
+    if result is not None:
+        spec_stats = gen.spec.as_dict() if isinstance(gen, SpeculativeGenerator) else {}
+        stats = {"target": gen.graph_stats()}
+        if isinstance(gen, SpeculativeGenerator):
+            stats["proposer"] = gen.proposer.graph_stats()
+        result.append(
+            GenerationResult(
+                text, gen.get_sequence(), len(ids), t1 - t0, t2 - t1, reason, spec_stats, stats
+            )
+        )
+
+
+def generate(
+    model: Model, prompt: str | list[int], max_new_tokens: int = 128, **kwargs: Any
+) -> GenerationResult:
+    """Generate and return the whole result (text, tokens, timings, statistics)."""
+    out: list[GenerationResult] = []
+    for _ in stream(model, prompt, max_new_tokens, result=out, **kwargs):
+        pass
+    return out[0]
+
+
+def _has_tokenizer(model: Model) -> bool:
+    return (Path(model.folder) / "tokenizer.json").is_file()

@@ -1,0 +1,188 @@
+"""A decoder session over a static KV cache, with one persistent binding per step width.
+
+The KV cache is allocated once at ``max_length`` and bound as both past and present, so the
+same bindings serve every step: the current length lives in the attention mask (from which
+the model derives ``seqlens_k`` and positions), not in any shape. A graph captured for a
+step width therefore stays valid as the sequence grows, and rewinding is just lowering the
+length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from onnx_genrt.core.dtypes import DType
+from onnx_genrt.core.errors import InvalidInputError, ModelLoadError, NonFiniteError
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.tensor import Tensor
+from onnx_genrt.session import InferenceSession, IOBinding
+
+from .config import DecoderIO, GenAIConfig
+
+
+@dataclass
+class StepOutput:
+    """Host views of one step's results: logits ``[M, vocab]`` and hidden ``[M, H]`` or None."""
+
+    logits: np.ndarray
+    hidden: np.ndarray | None
+
+
+class StaticKVCache:
+    """Per-layer key and value buffers of shape ``[1, kv_heads, max_length, head_size]``."""
+
+    def __init__(
+        self,
+        session: InferenceSession,
+        io: DecoderIO,
+        layers: int,
+        max_length: int,
+        kv_heads: int,
+        head_size: int,
+    ):
+        spec = session.input_spec(io.past_key % 0)
+        if spec.shape is None or len(spec.shape) != 4:
+            raise ModelLoadError(
+                f"{io.past_key % 0} must be rank 4, the model declares {spec.shape}"
+            )
+        for axis, want in ((1, kv_heads), (3, head_size)):
+            if isinstance(spec.shape[axis], int) and spec.shape[axis] != want:
+                raise ModelLoadError(
+                    f"{io.past_key % 0} dimension {axis} is {spec.shape[axis]}, the config says {want}"
+                )
+        provider = session.main_provider
+        dtype = DType.from_numpy(spec.dtype)
+        shape = (1, kv_heads, max_length, head_size)
+        self.keys = [provider.allocate(shape, dtype).buffer for _ in range(layers)]
+        self.values = [provider.allocate(shape, dtype).buffer for _ in range(layers)]
+        for buf in (*self.keys, *self.values):
+            buf[...] = 0
+        self.max_length = max_length
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in (*self.keys, *self.values))
+
+
+class DecoderRunner:
+    """Runs the decoder for M new tokens at the cache's current length."""
+
+    def __init__(
+        self, session: InferenceSession, config: GenAIConfig, max_length: int, spare: int = 0
+    ):
+        """``spare`` extra cache rows let a padded verify step run near ``max_length``."""
+        max_length = min(max_length + spare, config.context_length)
+        io, layers = config.io, config.num_layers
+        self.session = session
+        self.io = io
+        self.layers = layers
+        self.provider = session.main_provider
+        outputs = {o.name for o in session.get_outputs()}
+        self.hidden_name = io.hidden_states or (
+            "hidden_states" if "hidden_states" in outputs else None
+        )
+        self.cache = StaticKVCache(
+            session, io, layers, max_length, config.num_kv_heads, config.head_size
+        )
+        self._bindings: dict[int, tuple[IOBinding, dict[str, Any]]] = {}
+        self._mask_host = np.zeros((1, max_length), np.int64)
+        spec = session.output_spec(io.logits)
+        self.vocab = int(spec.shape[-1]) if spec.shape and isinstance(spec.shape[-1], int) else None
+        self.logits_dtype = spec.dtype or np.float32
+
+    @property
+    def max_length(self) -> int:
+        return self.cache.max_length
+
+    def _binding(self, width: int, keep: bool = True) -> tuple[IOBinding, dict[str, Any]]:
+        """The persistent binding for steps of ``width`` tokens (made once per width)."""
+        if keep and width in self._bindings:
+            return self._bindings[width]
+        io, b = self.io, self.session.io_binding()
+        bufs: dict[str, Any] = {}
+        bufs["ids"] = b.bind_input(io.input_ids, np.zeros((1, width), np.int64))
+        if io.attention_mask:
+            bufs["mask"] = b.bind_input(io.attention_mask, self._mask_host.copy())
+        if io.position_ids:
+            bufs["pos"] = b.bind_input(io.position_ids, np.zeros((1, width), np.int64))
+        for i in range(self.layers):
+            b.bind_input(io.past_key % i, self.cache.keys[i])
+            b.bind_input(io.past_value % i, self.cache.values[i])
+            b.bind_output(io.present_key % i, self.cache.keys[i])
+            b.bind_output(io.present_value % i, self.cache.values[i])
+        vocab = self.vocab
+        if vocab is None:
+            raise ModelLoadError(f"output {io.logits!r} needs a static vocabulary dimension")
+        bufs["logits"] = b.bind_output(io.logits, shape=(1, width, vocab), dtype=self.logits_dtype)
+        if self.hidden_name:
+            hspec = self.session.output_spec(self.hidden_name)
+            bufs["hidden"] = b.bind_output(
+                self.hidden_name, shape=(1, width, int(hspec.shape[-1])), dtype=hspec.dtype
+            )
+        if keep:
+            self._bindings[width] = (b, bufs)
+        return b, bufs
+
+    def _write(self, buf: Any, host: np.ndarray) -> None:
+        if isinstance(buf, np.ndarray):
+            buf[...] = host
+        else:
+            self.provider.copy_from_host(
+                host, Tensor(buf, DType.from_numpy(buf.dtype), self.provider.device)
+            )
+
+    def forward(
+        self,
+        tokens: list[int] | np.ndarray,
+        slot: DeviceGraphSlot | None,
+        width: int | None = None,
+    ) -> StepOutput:
+        """Feed ``tokens`` at positions ``length ..``; pad to ``width`` rows when given.
+
+        ``slot=None`` runs eagerly (prefill); a slot replays that slot's graph. The cache
+        length grows by ``len(tokens)``; padded rows write KV that later steps overwrite.
+        """
+        n = len(tokens)
+        width = width or n
+        start = self.cache.length
+        if n == 0 or n > width:
+            raise InvalidInputError(f"cannot feed {n} tokens in a step of width {width}")
+        if start + width > self.max_length:
+            raise InvalidInputError(
+                f"sequence of {start + width} tokens exceeds the KV cache of {self.max_length}"
+            )
+        binding, bufs = self._binding(width, keep=slot is not None)
+        ids = np.zeros((1, width), np.int64)
+        ids[0, :n] = tokens
+        self._write(bufs["ids"], ids)
+        if "mask" in bufs:
+            self._mask_host[0, : start + width] = 1
+            self._mask_host[0, start + width :] = 0
+            self._write(bufs["mask"], self._mask_host)
+        if "pos" in bufs:
+            self._write(bufs["pos"], np.arange(start, start + width, dtype=np.int64)[None, :])
+        if slot is None:
+            self.session.executor.run_bound_eager(binding)
+        else:
+            self.session.run_with_iobinding(binding, slot)
+        self.cache.length = start + n
+        logits = self.provider.to_numpy(bufs["logits"])[0, :n]
+        if not np.isfinite(logits).all():
+            raise NonFiniteError(
+                f"non-finite logits at positions {start}..{start + n - 1} "
+                f"(slot {slot.value if slot else 'eager'})"
+            )
+        hidden = self.provider.to_numpy(bufs["hidden"])[0, :n] if "hidden" in bufs else None
+        return StepOutput(logits, hidden)
+
+    def rewind_to(self, length: int) -> None:
+        """Forget every position from ``length`` on; later steps overwrite them."""
+        if not 0 <= length <= self.cache.length:
+            raise InvalidInputError(
+                f"cannot rewind to {length}: the cache holds {self.cache.length}"
+            )
+        self.cache.length = length

@@ -1,0 +1,122 @@
+"""Token-by-token generation over a static KV cache (greedy or sampled)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from onnx_genrt.core.errors import InvalidInputError
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+from .decoder import DecoderRunner
+from .model import GeneratorParams, Model
+from .sampling import pick
+
+
+class Generator:
+    """Holds one sequence. ``append_tokens`` feeds a prompt; ``generate_next_token`` adds one.
+
+    The last token of the sequence is *pending*: chosen but not yet fed to the model. The KV
+    cache therefore holds ``len(sequence) - 1`` positions between calls, and rewinding is
+    a matter of lowering that length.
+    """
+
+    def __init__(self, model: Model, params: GeneratorParams, spare: int = 0) -> None:
+        self.model = model
+        self.params = params
+        self.search = params.search
+        cfg = model.config
+        self.runner = DecoderRunner(model.session, cfg, self.search.max_length, spare)
+        self.rng = np.random.default_rng(self.search.seed)
+        self.tokens: list[int] = []
+        self._next_logits: np.ndarray | None = None
+        self._last_hidden: np.ndarray | None = None
+        self._new: list[int] = []
+        self.eos = set(cfg.eos_token_ids)
+
+    # -- feeding -----------------------------------------------------------------
+    def append_tokens(self, ids: Sequence[int]) -> None:
+        """Feed tokens (a prompt or a continuation); afterwards the next token can be picked."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise InvalidInputError("append_tokens needs at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidInputError(f"token ids {bad[:5]} are outside the vocabulary of {vocab}")
+        total = len(self.tokens) + len(ids)
+        if total > self.search.max_length:
+            raise InvalidInputError(
+                f"{total} tokens exceed max_length {self.search.max_length} "
+                f"(context length {self.model.config.context_length})"
+            )
+        feed = self._take_pending() + ids
+        self.tokens.extend(ids)
+        self._run(feed)
+
+    def _take_pending(self) -> list[int]:
+        """The pending token, if the cache does not hold it yet."""
+        if self.tokens and self.runner.cache.length == len(self.tokens) - 1:
+            return [self.tokens[-1]]
+        return []
+
+    def _run(self, feed: list[int]) -> None:
+        slot = DeviceGraphSlot.PRIMARY if len(feed) == 1 else None
+        out = self.runner.forward(feed, slot)
+        self._next_logits = out.logits[-1]
+        self._last_hidden = out.hidden[-1] if out.hidden is not None else None
+
+    # -- stepping ----------------------------------------------------------------
+    def generate_next_token(self) -> None:
+        if self.is_done():
+            raise InvalidInputError("generation is done (eos or max_length reached)")
+        if not self.tokens:
+            raise InvalidInputError("append_tokens first: there is no prompt")
+        if self._next_logits is None:
+            self._run(self._take_pending())
+        token = pick(
+            self._next_logits, self.search, self.rng, self.tokens if self._penalize else ()
+        )
+        self.tokens.append(token)
+        self._next_logits = None
+        self._new = [token]
+
+    @property
+    def _penalize(self) -> bool:
+        return self.search.repetition_penalty != 1.0
+
+    def get_next_tokens(self) -> list[int]:
+        """Tokens added by the last ``generate_next_token`` call."""
+        return list(self._new)
+
+    def is_done(self) -> bool:
+        if not self.tokens:
+            return False
+        if len(self.tokens) >= self.search.max_length:
+            return True
+        return (
+            bool(self._new)
+            and self._new[-1] in self.eos
+            and len(self.tokens) >= self.search.min_length
+        )
+
+    def get_sequence(self, index: int = 0) -> list[int]:
+        if index != 0:
+            raise IndexError("this generator holds a single sequence (index 0)")
+        return list(self.tokens)
+
+    def rewind_to(self, length: int) -> None:
+        """Keep the first ``length`` tokens; the next step recomputes from there."""
+        if not 0 <= length <= len(self.tokens):
+            raise InvalidInputError(
+                f"cannot rewind to {length}: the sequence has {len(self.tokens)}"
+            )
+        self.tokens = self.tokens[:length]
+        self.runner.rewind_to(min(self.runner.cache.length, max(length - 1, 0)))
+        self._next_logits = None
+        self._last_hidden = None
+        self._new = []
+
+    def graph_stats(self) -> dict[str, dict]:
+        return self.model.session.executor.all_stats()

@@ -1,0 +1,76 @@
+"""Model and GeneratorParams, modelled on onnxruntime-genai's Python API."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from onnx_genrt.core.errors import InvalidInputError
+from onnx_genrt.session import InferenceSession
+from onnx_genrt.session.inference_session import ProviderArg
+
+from .config import GenAIConfig, SearchOptions, load_config
+from .sampling import validate
+from .tokenizer import Tokenizer
+
+
+class Model:
+    """A decoder folder (genai_config.json, model.onnx, tokenizer.json) loaded on a provider."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        provider: str | Sequence[ProviderArg] = "cpu",
+        *,
+        enable_graphs: bool = True,
+    ) -> None:
+        self.folder = Path(folder)
+        self.config: GenAIConfig = load_config(self.folder)
+        self.providers = [provider] if isinstance(provider, str) else list(provider)
+        self.enable_graphs = enable_graphs
+        self.session = InferenceSession(
+            self.config.model_path, providers=self.providers, enable_graphs=enable_graphs
+        )
+        self._tokenizer: Tokenizer | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer(self.folder)
+        return self._tokenizer
+
+    def session_for(self, relative: str) -> InferenceSession:
+        """A session for another ONNX file in the folder (an MTP head), on the same providers."""
+        return InferenceSession(
+            self.folder / relative, providers=self.providers, enable_graphs=self.enable_graphs
+        )
+
+    def __repr__(self) -> str:
+        return f"Model({str(self.folder)!r}, type={self.config.model_type!r}, providers={self.providers})"
+
+
+class GeneratorParams:
+    """Search options for one generation; unknown option names are refused."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.search = dataclasses.replace(
+            model.config.search,
+            max_length=min(model.config.search.max_length, model.config.context_length),
+        )
+
+    def set_search_options(self, **options: Any) -> None:
+        known = {f.name for f in dataclasses.fields(SearchOptions)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidInputError(f"unknown search options {unknown}; known: {sorted(known)}")
+        search = dataclasses.replace(self.search, **options)
+        validate(search)
+        if search.max_length > self.model.config.context_length:
+            raise InvalidInputError(
+                f"max_length {search.max_length} exceeds the model's context length "
+                f"{self.model.config.context_length}"
+            )
+        self.search = search

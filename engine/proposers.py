@@ -1,0 +1,172 @@
+"""Draft proposers for speculative decoding: prompt lookup, a draft model, an MTP head."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.session import InferenceSession
+
+from .decoder import DecoderRunner
+from .model import Model
+
+
+def _confidence(logits: np.ndarray) -> tuple[int, float]:
+    """Argmax token and its softmax probability."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = int(np.argmax(x))
+    p = 1.0 / np.exp(x - x[top]).sum()
+    return top, float(p)
+
+
+class Proposer(ABC):
+    """Proposes up to ``k`` tokens to follow ``tokens`` (whose last token is pending)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def propose(self, tokens: Sequence[int], hidden: np.ndarray | None, k: int) -> list[int]:
+        """Drafts; ``hidden`` is the target's hidden state that predicted the pending token."""
+
+    def graph_stats(self) -> dict[str, dict]:
+        return {}
+
+
+class PromptLookupProposer(Proposer):
+    """n-gram lookup: continue the longest recent suffix that already occurred in the text."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, tokens: Sequence[int], hidden: np.ndarray | None, k: int) -> list[int]:
+        seq = np.asarray(tokens, dtype=np.int64)
+        n_tokens = len(seq)
+        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
+            suffix = seq[n_tokens - n :]
+            windows = np.lib.stride_tricks.sliding_window_view(seq[: n_tokens - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                drafts = seq[start : start + k].tolist()
+                if drafts:
+                    return drafts
+        return []
+
+
+class DraftModelProposer(Proposer):
+    """A smaller model with the same tokenizer, kept in step with the accepted text.
+
+    Catching up on accepted tokens runs at a fixed width ``k + 1`` (padded) in the draft
+    session's ``VERIFY`` slot; each further draft token runs at width 1 in ``DRAFT``.
+    """
+
+    name = "draft"
+
+    def __init__(self, model: Model, max_length: int, min_confidence: float = 0.0) -> None:
+        cfg = model.config
+        self.model = model
+        self.runner = DecoderRunner(model.session, cfg, max_length)
+        self.fed: list[int] = []
+        self.min_confidence = min_confidence
+        self._logits: np.ndarray | None = None
+
+    def propose(self, tokens: Sequence[int], hidden: np.ndarray | None, k: int) -> list[int]:
+        tokens = list(tokens)
+        common = 0
+        limit = min(len(self.fed), len(tokens))
+        while common < limit and self.fed[common] == tokens[common]:
+            common += 1
+        if common == len(tokens) and (common < len(self.fed) or self._logits is None):
+            common -= 1  # re-feed the last token to get its logits back
+        self.runner.rewind_to(common)
+        self.fed = tokens[:common]
+        todo = tokens[common:]
+        width = k + 1
+        if len(tokens) + k > self.runner.max_length:
+            return []
+        if len(todo) > width:  # a prompt: one eager prefill
+            self._logits = self.runner.forward(todo, None).logits[-1]
+        elif todo:  # accepted tokens since the last call: fixed width, graphed
+            self._logits = self.runner.forward(todo, DeviceGraphSlot.VERIFY, width).logits[-1]
+        self.fed.extend(todo)
+        if self._logits is None:
+            return []
+        logits = self._logits
+        drafts: list[int] = []
+        for i in range(k):
+            token, p = _confidence(logits)
+            if p < self.min_confidence:
+                break
+            drafts.append(token)
+            if i == k - 1 or len(self.fed) + 1 > self.runner.max_length:
+                break
+            logits = self.runner.forward([token], DeviceGraphSlot.DRAFT).logits[-1]
+            self.fed.append(token)
+            self._logits = logits
+        return drafts
+
+    def graph_stats(self) -> dict[str, dict]:
+        return self.model.session.executor.all_stats()
+
+
+class MTPProposer(Proposer):
+    """A multi-token-prediction head: from the target's hidden state at t and token t+1,
+    predict t+2; chain it by feeding back its own hidden state and its draft."""
+
+    name = "mtp"
+
+    def __init__(
+        self,
+        session: InferenceSession,
+        hidden_input: str = "hidden_states",
+        ids_input: str = "input_ids",
+        logits_output: str = "logits",
+        hidden_output: str = "mtp_hidden_states",
+        min_confidence: float = 0.0,
+    ) -> None:
+        self.session = session
+        self.min_confidence = min_confidence
+        hidden_size = int(session.input_spec(hidden_input).shape[-1])
+        vocab = int(session.output_spec(logits_output).shape[-1])
+        b = session.io_binding()
+        self._hidden = b.bind_input(hidden_input, np.zeros((1, 1, hidden_size), np.float32))
+        self._ids = b.bind_input(ids_input, np.zeros((1, 1), np.int64))
+        self._logits = b.bind_output(logits_output, shape=(1, 1, vocab), dtype=np.float32)
+        self._hidden_out = b.bind_output(hidden_output, shape=(1, 1, hidden_size), dtype=np.float32)
+        self._binding = b
+
+    def propose(self, tokens: Sequence[int], hidden: np.ndarray | None, k: int) -> list[int]:
+        if hidden is None:
+            raise ValueError("the MTP proposer needs the target model's hidden states output")
+        provider = self.session.main_provider
+        drafts: list[int] = []
+        state = np.asarray(hidden, dtype=np.float32).reshape(1, 1, -1)
+        token = int(tokens[-1])
+        for _ in range(k):
+            _write(provider, self._hidden, state)
+            _write(provider, self._ids, np.array([[token]], np.int64))
+            self.session.run_with_iobinding(self._binding, DeviceGraphSlot.DRAFT)
+            token, p = _confidence(provider.to_numpy(self._logits)[0, 0])
+            if p < self.min_confidence:
+                break
+            drafts.append(token)
+            state = np.array(provider.to_numpy(self._hidden_out), copy=True)
+        return drafts
+
+    def graph_stats(self) -> dict[str, dict]:
+        return self.session.executor.all_stats()
+
+
+def _write(provider, buf, host: np.ndarray) -> None:
+    if isinstance(buf, np.ndarray):
+        buf[...] = host
+    else:
+        from onnx_genrt.core.dtypes import DType
+        from onnx_genrt.core.tensor import Tensor
+
+        provider.copy_from_host(host, Tensor(buf, DType.from_numpy(buf.dtype), provider.device))

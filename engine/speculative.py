@@ -1,0 +1,129 @@
+"""Speculative decoding: propose k drafts, verify them in one fixed-width step, keep the
+longest agreeing prefix. The output equals plain decoding's (greedy) or follows the same
+distribution (sampling, by the standard rejection rule).
+
+Steps with drafts run the target at width ``k + 1`` (drafts padded) in slot ``VERIFY``;
+steps without drafts run width 1 in slot ``PRIMARY``. Rejected drafts are rewound by
+lowering the cache length: nothing is copied and no graph is reset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+from .generator import Generator
+from .model import GeneratorParams, Model
+from .proposers import Proposer
+from .sampling import distribution, penalize_repetition
+
+
+@dataclass
+class SpeculationStats:
+    verify_steps: int = 0
+    plain_steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(np.mean(self.accepted_lengths)) if self.accepted_lengths else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "verify_steps": self.verify_steps,
+            "plain_steps": self.plain_steps,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted, 3),
+        }
+
+
+class SpeculativeGenerator(Generator):
+    """A Generator whose ``generate_next_token`` may add several tokens at once."""
+
+    def __init__(self, model: Model, params: GeneratorParams, proposer: Proposer, k: int = 4):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        super().__init__(model, params, spare=k)
+        self.proposer = proposer
+        self.k = k
+        self.spec = SpeculationStats()
+
+    def generate_next_token(self) -> None:
+        if self.is_done():
+            super().generate_next_token()  # raises the usual error
+        if not self.tokens:
+            raise ValueError("append_tokens first: there is no prompt")
+        if self._next_logits is not None:  # right after a prompt: its logits are ready
+            return super().generate_next_token()
+        room = self.search.max_length - len(self.tokens) - 1
+        fits = self.runner.cache.length + self.k + 1 <= self.runner.max_length
+        k = min(self.k, room) if fits else 0
+        drafts = self.proposer.propose(self.tokens, self._last_hidden, k) if k > 0 else []
+        drafts = drafts[:k]
+        if not drafts:
+            self.spec.plain_steps += 1
+            return super().generate_next_token()
+        self._verify(drafts)
+
+    def _verify(self, drafts: list[int]) -> None:
+        pending = self.tokens[-1]
+        start = self.runner.cache.length
+        out = self.runner.forward([pending, *drafts], DeviceGraphSlot.VERIFY, width=self.k + 1)
+        history = list(self.tokens)
+        new: list[int] = []
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            row = penalize_repetition(out.logits[i], history, self.search.repetition_penalty)
+            draft = drafts[i] if i < len(drafts) else None
+            token, ok = self._accept(row, draft)
+            new.append(token)
+            history.append(token)
+            if not ok or token in self.eos:
+                break
+            accepted += 1
+        accepted = min(accepted, len(drafts))
+        # Positions pending..pending+accepted are valid; the rest is rewound.
+        self.runner.rewind_to(start + 1 + accepted)
+        self._last_hidden = out.hidden[accepted] if out.hidden is not None else None
+        room = self.search.max_length - len(self.tokens)
+        new = new[:room]
+        self.tokens.extend(new)
+        self._new = new
+        self._next_logits = None
+        self.spec.verify_steps += 1
+        self.spec.proposed += len(drafts)
+        self.spec.accepted += accepted
+        self.spec.accepted_lengths.append(accepted)
+
+    def _accept(self, logits: np.ndarray, draft: int | None) -> tuple[int, bool]:
+        """(token to emit, whether it was the draft). Greedy: agree with argmax.
+
+        Sampling with a deterministic draft q = onehot(d): accept d with probability p(d);
+        otherwise sample from p with d removed and renormalised. This keeps the target
+        distribution exactly.
+        """
+        if not self.search.do_sample:
+            target = int(np.argmax(logits))
+            return target, draft is not None and draft == target
+        p = distribution(logits, self.search)
+        if draft is None:
+            return int(self.rng.choice(p.size, p=p)), False
+        if self.rng.random() < p[draft]:
+            return draft, True
+        residual = p.copy()
+        residual[draft] = 0.0
+        total = residual.sum()
+        if total <= 0.0:
+            return draft, True
+        return int(self.rng.choice(p.size, p=residual / total)), False

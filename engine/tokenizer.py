@@ -1,0 +1,89 @@
+"""HF ``tokenizers`` wrapper: encode, decode, streaming decode and chat templates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from onnx_genrt.core.errors import ModelLoadError
+
+
+class Tokenizer:
+    """Loads ``tokenizer.json`` (and ``tokenizer_config.json`` when present) from a folder."""
+
+    def __init__(self, folder: str | Path) -> None:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError as exc:  # pragma: no cover - tokenizers is a dependency
+            raise ModelLoadError(
+                "the 'tokenizers' package is needed to read tokenizer.json"
+            ) from exc
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"no tokenizer.json in {folder}")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:
+            raise ModelLoadError(f"{path} cannot be read: {exc}") from None
+        cfg_path = folder / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def create_stream(self) -> TokenizerStream:
+        return TokenizerStream(self)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.config.get("chat_template")
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render the model's chat template (needs jinja2)."""
+        template = self.chat_template
+        if not template:
+            raise ModelLoadError("this model's tokenizer_config.json has no chat_template")
+        try:
+            import jinja2
+        except ImportError as exc:
+            raise ModelLoadError("rendering a chat template needs the 'jinja2' package") from exc
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.config.get("bos_token") or "",
+            eos_token=self.config.get("eos_token") or "",
+        )
+
+
+class TokenizerStream:
+    """Decode one token at a time, emitting only complete characters."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    def decode(self, token: int) -> str:
+        self._ids.append(int(token))
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        new = text[self._emitted :]
+        self._emitted = len(text)
+        return new

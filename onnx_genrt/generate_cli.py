@@ -1,0 +1,138 @@
+"""``onnx-genrt generate``: stream text from a model folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+
+def default_model_dir() -> Path:
+    """The embedded default model shipped in the package."""
+    return Path(str(resources.files("onnx_genrt") / "models" / "default"))
+
+
+def add_search_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("search options")
+    g.add_argument(
+        "--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)"
+    )
+    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument(
+        "--ignore-eos", action="store_true", help="generate max-new-tokens regardless of eos"
+    )
+
+
+def search_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "do_sample": args.do_sample,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "seed": args.seed,
+    }
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a model folder (streams tokens)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="model folder (default: the embedded model)"
+    )
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--provider", default="cpu", help="execution provider (default: cpu)")
+    p.add_argument(
+        "--spec", choices=["mtp", "draft", "ngram"], default=None, help="speculative decoding"
+    )
+    p.add_argument("-k", type=int, default=4, help="drafts per speculative step (default 4)")
+    p.add_argument(
+        "--no-graphs", action="store_true", help="disable graph capture (for comparison)"
+    )
+    p.add_argument(
+        "--stats", action="store_true", help="print timings and graph statistics to stderr"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON result instead of streaming")
+    add_search_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from onnx_genrt.engine import Model, stream
+
+    folder = args.model or default_model_dir()
+    model = Model(folder, args.provider, enable_graphs=not args.no_graphs)
+    results: list = []
+    pieces = stream(
+        model,
+        args.prompt,
+        args.max_new_tokens,
+        spec=args.spec,
+        k=args.k,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+        result=results,
+        **search_kwargs(args),
+    )
+    started = False
+    for piece in pieces:
+        if not args.json:
+            if not started:
+                sys.stdout.write(args.prompt)
+                started = True
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    res = results[0]
+    if args.json:
+        print(json.dumps(_as_json(res), indent=2))
+    else:
+        print()
+    if args.stats:
+        print(_stats_text(res), file=sys.stderr)
+    return 0
+
+
+def _as_json(res) -> dict:
+    return {
+        "text": res.text,
+        "tokens": res.tokens,
+        "prompt_tokens": res.prompt_tokens,
+        "new_tokens": res.new_tokens,
+        "prefill_seconds": res.prefill_seconds,
+        "decode_seconds": res.decode_seconds,
+        "decode_tokens_per_second": res.decode_tokens_per_second,
+        "stop_reason": res.stop_reason,
+        "speculation": res.speculation,
+        "graph_stats": res.graph_stats,
+    }
+
+
+def _stats_text(res) -> str:
+    lines = [
+        f"prompt {res.prompt_tokens} tokens, prefill {res.prefill_seconds * 1e3:.1f} ms; "
+        f"{res.new_tokens} new tokens at {res.decode_tokens_per_second:.1f} tok/s; stop: {res.stop_reason}"
+    ]
+    if res.speculation:
+        s = res.speculation
+        lines.append(
+            f"speculation: acceptance {s['acceptance_rate']:.1%}, mean accepted {s['mean_accepted_length']:.2f}, "
+            f"{s['verify_steps']} verify + {s['plain_steps']} plain steps"
+        )
+    for who, slots in res.graph_stats.items():
+        for slot, st in slots.items():
+            lines.append(
+                f"{who}/{slot}: captures {st['captures']}, replays {st['replays']}, "
+                f"fallbacks {st['fallbacks']}, invalidations {st['invalidations']}"
+            )
+            for reason, count in st["fallback_reasons"].items():
+                lines.append(f"  fallback x{count}: {reason}")
+    return "\n".join(lines)

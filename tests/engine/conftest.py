@@ -1,0 +1,32 @@
+"""Session-scoped LLM fixtures (built by onnxruntime-genai's builder, cached on disk)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ..llm_fixtures import DRAFT_QWEN2, TINY_QWEN2, build_qwen2, random_mtp_head
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir() -> Path:
+    """A random 2-layer Qwen2 (fp32) with hidden_states output, a random MTP head and a
+    draft model, wired through genai_config.json's speculative section."""
+    folder = build_qwen2(TINY_QWEN2)
+    random_mtp_head(folder, TINY_QWEN2["hidden_size"], TINY_QWEN2["vocab_size"])
+    draft = build_qwen2(DRAFT_QWEN2, seed=3)
+    link = folder / "draft"
+    if not link.exists():
+        link.symlink_to(draft, target_is_directory=True)
+    _add_speculative_section(folder)
+    return folder
+
+
+def _add_speculative_section(folder: Path) -> None:
+    import json
+
+    from onnx_genrt.engine.config import SPECULATIVE_FILE
+
+    spec = {"mtp": {"filename": "mtp/model.onnx"}, "draft": {"path": "draft"}}
+    (folder / SPECULATIVE_FILE).write_text(json.dumps(spec, indent=2))

@@ -1,0 +1,170 @@
+"""The Generator API, sampling filters and the errors users hit."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from onnx_genrt.core.errors import InvalidInputError, ModelLoadError, NonFiniteError
+from onnx_genrt.engine import Generator, GeneratorParams, Model, generate
+from onnx_genrt.engine.config import SearchOptions
+from onnx_genrt.engine.sampling import distribution, penalize_repetition
+
+
+def _greedy(model, prompt, new):
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new)
+    gen = Generator(model, params)
+    gen.eos = set()
+    gen.append_tokens(prompt)
+    while not gen.is_done():
+        gen.generate_next_token()
+    return gen
+
+
+def test_rewind_then_regenerate_reproduces_the_sequence(qwen2_dir):
+    model = Model(qwen2_dir)
+    prompt = [11, 22, 33, 44]
+    gen = _greedy(model, prompt, 20)
+    full = gen.get_sequence()
+    gen.rewind_to(len(prompt) + 5)
+    assert gen.get_sequence() == full[: len(prompt) + 5]
+    while not gen.is_done():
+        gen.generate_next_token()
+    assert gen.get_sequence() == full
+
+
+def test_append_tokens_continues_a_conversation(qwen2_dir):
+    model = Model(qwen2_dir)
+    a = _greedy(model, [1, 2, 3], 5).get_sequence()
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(a) + 6)
+    gen = Generator(model, params)
+    gen.eos = set()
+    gen.append_tokens([1, 2, 3])
+    for _ in range(5):
+        gen.generate_next_token()
+    gen.append_tokens([7, 8])
+    gen.generate_next_token()
+    ref = _greedy(model, [*a, 7, 8], 1).get_sequence()
+    assert gen.get_sequence() == ref
+
+
+def test_prompt_longer_than_the_context_is_refused(qwen2_dir):
+    model = Model(qwen2_dir)
+    ctx = model.config.context_length
+    with pytest.raises(InvalidInputError, match=f"exceeds the model's context length of {ctx}"):
+        generate(model, [1] * (ctx - 10), max_new_tokens=20)
+    params = GeneratorParams(model)
+    with pytest.raises(InvalidInputError, match="exceeds the model's context length"):
+        params.set_search_options(max_length=ctx + 1)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"temperature": 0.0, "do_sample": True}, "temperature must be > 0"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"min_p": 1.5}, "min_p must be in"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"beams": 4}, "unknown search options"),
+    ],
+)
+def test_bad_search_options_are_named(qwen2_dir, options, message):
+    params = GeneratorParams(Model(qwen2_dir))
+    with pytest.raises(InvalidInputError, match=message):
+        params.set_search_options(**options)
+
+
+def test_token_outside_vocabulary_is_refused(qwen2_dir):
+    model = Model(qwen2_dir)
+    gen = Generator(model, GeneratorParams(model))
+    with pytest.raises(InvalidInputError, match=r"outside the vocabulary of 512"):
+        gen.append_tokens([1, 99999])
+
+
+def test_non_finite_logits_raise_instead_of_producing_text(qwen2_dir, tmp_path):
+    folder = tmp_path / "nan_model"
+    shutil.copytree(qwen2_dir, folder, symlinks=True)
+    model_proto = onnx.load(str(folder / "model.onnx"))
+    for init in model_proto.graph.initializer:
+        if "final_norm" in init.name:
+            arr = numpy_helper.to_array(init).copy()
+            arr[0] = np.nan
+            init.CopyFrom(numpy_helper.from_array(arr, init.name))
+    onnx.save_model(
+        model_proto,
+        str(folder / "model.onnx"),
+        save_as_external_data=True,
+        location="model.onnx.data",
+    )
+    with pytest.raises(NonFiniteError, match="non-finite logits"):
+        generate(Model(folder), [1, 2, 3], max_new_tokens=4)
+
+
+def test_missing_config_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="no genai_config.json"):
+        Model(tmp_path)
+
+
+def _reference_distribution(logits, temperature, top_k, top_p, min_p):
+    """Independent float64 reference of the filters, written the slow, obvious way."""
+    z = np.asarray(logits, np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = sorted(range(len(p)), key=lambda i: (-p[i], i))
+    allowed = set(range(len(p)))
+    if top_k:
+        allowed &= set(order[:top_k]) | {i for i in range(len(p)) if p[i] == p[order[top_k - 1]]}
+    if top_p < 1.0:
+        kept, mass = set(), 0.0
+        for i in order:
+            kept.add(i)
+            mass += p[i]
+            if mass >= top_p:
+                break
+        allowed &= kept
+    if min_p:
+        allowed &= {i for i in range(len(p)) if p[i] >= min_p * p.max()}
+    q = np.array([p[i] if i in allowed else 0.0 for i in range(len(p))])
+    return q / q.sum()
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.0),
+        (1.3, 0, 0.8, 0.0),
+        (1.0, 0, 1.0, 0.1),
+        (0.9, 8, 0.9, 0.05),
+    ],
+)
+def test_sampling_filters_match_a_float64_reference(temperature, top_k, top_p, min_p):
+    logits = np.random.default_rng(5).standard_normal(40).astype(np.float32) * 3
+    options = SearchOptions(
+        do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
+    np.testing.assert_allclose(
+        distribution(logits, options),
+        _reference_distribution(logits, temperature, top_k, top_p, min_p),
+        atol=1e-12,
+    )
+
+
+def test_repetition_penalty_follows_ctrl():
+    logits = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
+    out = penalize_repetition(logits, [0, 1], 2.0)
+    np.testing.assert_allclose(out, [1.0, -4.0, 1.0, 0.5])
+
+
+def test_stop_string_and_streaming(qwen2_dir):
+    model = Model(qwen2_dir)
+    res = generate(model, [5, 17, 99], max_new_tokens=16, ignore_eos=True)
+    assert res.new_tokens == 16 and res.stop_reason == "max_new_tokens"
+    assert res.graph_stats["target"]["primary"]["replays"] > 0

@@ -1,0 +1,148 @@
+"""Speculative decoding: token-identical to greedy, both slots replaying, sampling exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from onnx_genrt.engine import (
+    DraftModelProposer,
+    Generator,
+    GeneratorParams,
+    Model,
+    MTPProposer,
+    PromptLookupProposer,
+    SpeculativeGenerator,
+)
+from onnx_genrt.engine.config import SearchOptions
+
+PROMPTS = [
+    [5, 17, 99, 3, 250, 7, 5, 17, 99],
+    [1, 2, 3, 4, 1, 2, 3, 4, 1, 2],
+    [300, 12],
+    [42, 7, 42, 7, 42],
+    [9, 8, 7, 6, 5, 4, 3, 2, 1],
+    [100, 200, 300, 400, 500, 100, 200],
+]
+
+
+def _run(gen, prompt):
+    gen.eos = set()
+    gen.append_tokens(prompt)
+    while not gen.is_done():
+        gen.generate_next_token()
+    return gen.get_sequence()
+
+
+def _params(model, prompt, new=48, **search):
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, **search)
+    return params
+
+
+def _proposer(kind: str, folder, max_length: int):
+    if kind == "ngram":
+        return PromptLookupProposer()
+    if kind == "mtp":
+        return MTPProposer(Model(folder).session_for("mtp/model.onnx"))
+    if kind == "draft":
+        return DraftModelProposer(Model(folder / "draft"), max_length)
+    if kind == "self-draft":  # the target as its own draft: every draft is accepted
+        return DraftModelProposer(Model(folder), max_length)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp", "draft", "self-draft"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_speculative_output_is_token_identical_to_greedy(qwen2_dir, kind, k):
+    model = Model(qwen2_dir)
+    for prompt in PROMPTS:
+        greedy = _run(Generator(model, _params(model, prompt)), prompt)
+        params = _params(model, prompt)
+        spec = SpeculativeGenerator(
+            model, params, _proposer(kind, qwen2_dir, params.search.max_length), k=k
+        )
+        assert _run(spec, prompt) == greedy, (kind, prompt)
+    if kind == "self-draft":
+        assert spec.spec.acceptance_rate == 1.0
+        assert spec.spec.verify_steps < 48 / k + 2
+
+
+def test_both_slots_replay_over_256_tokens_with_bounded_invalidations(qwen2_dir):
+    model = Model(qwen2_dir)
+    prompt = [5, 17, 99, 3, 250, 7, 5, 17, 99, 3]
+    params = _params(model, prompt, new=256)
+    spec = SpeculativeGenerator(model, params, PromptLookupProposer(), k=4)
+    _run(spec, prompt)
+    stats = spec.graph_stats()
+    assert spec.spec.verify_steps > 0 and spec.spec.plain_steps > 0
+    for slot in ("primary", "verify"):
+        assert stats[slot]["replays"] > 0, stats
+        assert stats[slot]["invalidations"] == 0, stats
+        assert stats[slot]["fallbacks"] == 0, stats
+        assert stats[slot]["captures"] == 1, stats
+
+
+def test_mtp_head_runs_graphed_in_its_own_slot(qwen2_dir):
+    model = Model(qwen2_dir)
+    prompt = PROMPTS[0]
+    params = _params(model, prompt, new=64)
+    proposer = MTPProposer(model.session_for("mtp/model.onnx"))
+    spec = SpeculativeGenerator(model, params, proposer, k=3)
+    _run(spec, prompt)
+    draft_stats = proposer.graph_stats()["draft"]
+    assert draft_stats["replays"] > 0 and draft_stats["invalidations"] == 0
+
+
+def test_rejected_drafts_are_rewound_not_kept(qwen2_dir):
+    """A proposer that is always wrong: every step rejects, and the text stays greedy."""
+
+    class Wrong(PromptLookupProposer):
+        def propose(self, tokens, hidden, k):
+            return [(tokens[-1] + 1 + i) % 512 for i in range(k)]
+
+    model = Model(qwen2_dir)
+    prompt = PROMPTS[2]
+    greedy = _run(Generator(model, _params(model, prompt)), prompt)
+    spec = SpeculativeGenerator(model, _params(model, prompt), Wrong(), k=4)
+    assert _run(spec, prompt) == greedy
+    assert spec.spec.verify_steps > 0
+
+
+def test_rejection_rule_preserves_the_target_distribution():
+    """Accept a fixed draft with prob p(d), else resample from p without d: the emitted
+    token must follow p exactly. Chi-square over 40k draws."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(12).astype(np.float32) * 2
+    options = SearchOptions(do_sample=True, temperature=0.8, top_k=0, top_p=1.0)
+
+    class Probe(SpeculativeGenerator):
+        def __init__(self):  # only the acceptance rule is exercised
+            self.search = options
+            self.rng = np.random.default_rng(1)
+
+    probe = Probe()
+    from onnx_genrt.engine.sampling import distribution
+
+    p = distribution(logits, options)
+    draft = int(np.argsort(p)[len(p) // 2])  # a middling draft: accepted sometimes
+    counts = np.zeros(p.size)
+    for _ in range(40_000):
+        token, _ = probe._accept(logits, draft)
+        counts[token] += 1
+    expected = p * counts.sum()
+    chi2, pvalue = scipy_stats.chisquare(counts, expected)
+    assert pvalue > 1e-3, (chi2, pvalue)
+
+
+def test_sampled_speculation_is_seeded_and_valid(qwen2_dir):
+    model = Model(qwen2_dir)
+    prompt = PROMPTS[1]
+    outs = []
+    for _ in range(2):
+        params = _params(model, prompt, new=32, do_sample=True, temperature=0.9, top_k=50, seed=7)
+        spec = SpeculativeGenerator(model, params, PromptLookupProposer(), k=3)
+        outs.append(_run(spec, prompt))
+    assert outs[0] == outs[1]
+    assert len(outs[0]) == len(prompt) + 32
