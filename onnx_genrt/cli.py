@@ -43,15 +43,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if not args.dispatch:
+        from onnx_genrt import llm_bench
+
+        return llm_bench.run_bench(args)
     from onnx_genrt import dispatch_bench
 
     results = []
     for provider in args.provider:
-        print(
-            f"measuring {provider}: {args.nodes} nodes x {args.repeats} runs x 5 ...",
-            file=sys.stderr,
-        )
-        results.append(dispatch_bench.measure(provider, args.nodes, args.repeats))
+        print(f"measuring {provider}: {args.nodes} nodes x 50 runs x 5 ...", file=sys.stderr)
+        results.append(dispatch_bench.measure(provider, args.nodes, 50))
     print(dispatch_bench.format_table(results))
     return 0
 
@@ -77,12 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=24, help="steps per slot (default: 24)")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("bench", help="per-node dispatch cost, eager against graph replay")
-    p.add_argument(
-        "--provider", action="append", default=None, help="provider(s) to measure (default: cpu)"
+    p = sub.add_parser(
+        "bench",
+        help="decode speed side by side with onnxruntime-genai and an onnxruntime loop (--dispatch: per-node cost)",
     )
-    p.add_argument("--nodes", type=int, default=200, help="nodes in the chain model")
-    p.add_argument("--repeats", type=int, default=50, help="runs per timing sample")
+    from onnx_genrt import llm_bench
+
+    llm_bench.add_arguments(p)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("conformance", help="run ONNX's own backend node tests against a provider")

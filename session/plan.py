@@ -25,8 +25,8 @@ NONDETERMINISTIC = {
     "Multinomial",
     "Bernoulli",
 }
-#: Do not fold results larger than this into the plan (bytes).
-FOLD_LIMIT = 64 << 20
+#: Do not fold results larger than this (bytes); a tied embedding transposed once is far below it.
+FOLD_LIMIT = 2 << 30
 
 
 @dataclass

@@ -13,7 +13,6 @@ import numba
 import numpy as np
 from onnx import TensorProto
 
-_LOW_PRECISION = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _ONNX_FLOATS = {
     TensorProto.FLOAT: np.dtype(np.float32),
     TensorProto.FLOAT16: np.dtype(np.float16),
@@ -64,16 +63,6 @@ def wants_output(ctx, index: int) -> bool:
     """True when the node has output ``index`` with a non-empty name."""
     names = ctx.node.output_names
     return index < len(names) and bool(names[index])
-
-
-def finish(x: np.ndarray, dtype: np.dtype, ctx=None, index: int = 0) -> np.ndarray:
-    """``x`` cast to ``dtype``: into the output buffer when given a ctx, else a new array."""
-    if ctx is None:
-        return x if x.dtype == dtype else x.astype(dtype)
-    out = ctx.out(index, x.shape, dtype)
-    if out is not x:
-        out[...] = x
-    return out
 
 
 # ----------------------------------------------------------------------------- row kernels

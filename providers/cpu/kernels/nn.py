@@ -15,7 +15,6 @@ from ._nn_common import (
 )
 from ._registry import REGISTRY
 
-_F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 
 

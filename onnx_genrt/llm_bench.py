@@ -1,0 +1,195 @@
+"""``onnx-genrt bench``: prefill and decode speed, side by side with onnxruntime-genai and a
+plain onnxruntime loop on the same model files, measured in one run."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class BenchRow:
+    runtime: str
+    prefill_ms: float
+    decode_tok_s: float
+    tokens: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _median_run(fn: Callable[[], tuple[float, float, list[int], dict]], repeats: int, label: str) -> BenchRow:
+    prefill, decode, tokens, extra = [], [], [], {}
+    for i in range(repeats + 1):  # the first run warms up (compiles, captures)
+        _progress(f"  {label}: run {i + 1}/{repeats + 1}{' (warm-up)' if i == 0 else ''}")
+        p, d, tokens, extra = fn()
+        if i:
+            prefill.append(p)
+            decode.append(d)
+    return BenchRow(label, statistics.median(prefill) * 1e3, statistics.median(decode), tokens, extra)
+
+
+def bench_ours(folder: Path, prompt: list[int], new: int, provider: str, spec: str | None, k: int, graphs: bool):
+    from onnx_genrt.engine import Model, generate
+
+    model = Model(folder, provider, enable_graphs=graphs)
+
+    def once():
+        res = generate(model, prompt, new, spec=spec, k=k, ignore_eos=True)
+        return res.prefill_seconds, res.decode_tokens_per_second, res.tokens, {
+            "speculation": res.speculation,
+            "graph_stats": res.graph_stats,
+        }
+
+    return once
+
+
+def bench_onnxruntime_genai(folder: Path, prompt: list[int], new: int):
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+
+    def once():
+        params = og.GeneratorParams(model)
+        total = len(prompt) + new
+        params.set_search_options(max_length=total, min_length=total, do_sample=False)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(prompt)
+        gen.generate_next_token()
+        t1 = time.perf_counter()
+        while not gen.is_done():
+            gen.generate_next_token()
+        t2 = time.perf_counter()
+        tokens = [int(t) for t in gen.get_sequence(0)]
+        return t1 - t0, (len(tokens) - len(prompt) - 1) / (t2 - t1), tokens, {}
+
+    return once
+
+
+def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int):
+    """A plain onnxruntime greedy loop: growing KV cache fed back as numpy arrays."""
+    import onnxruntime as ort
+
+    from onnx_genrt.engine.config import load_config
+
+    cfg = load_config(folder)
+    sess = ort.InferenceSession(str(cfg.model_path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    past_names = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values")]
+    dtype = np.float16 if "float16" in sess.get_inputs()[-1].type else np.float32
+
+    def once():
+        past = {n: np.zeros((1, cfg.num_kv_heads, 0, cfg.head_size), dtype) for n in past_names}
+        ids = list(prompt)
+        feed = list(prompt)
+        t0 = time.perf_counter()
+        t1 = t0
+        for step in range(new):
+            outs = dict(
+                zip(
+                    names,
+                    sess.run(
+                        None,
+                        {
+                            cfg.io.input_ids: np.array([feed], np.int64),
+                            cfg.io.attention_mask: np.ones((1, len(ids)), np.int64),
+                            **past,
+                        },
+                    ),
+                    strict=True,
+                )
+            )
+            token = int(np.argmax(outs[cfg.io.logits][0, -1]))
+            ids.append(token)
+            feed = [token]
+            past = {n: outs[n.replace("past_key_values", "present")] for n in past_names}
+            if step == 0:
+                t1 = time.perf_counter()
+        t2 = time.perf_counter()
+        return t1 - t0, (new - 1) / (t2 - t1), ids, {}
+
+    return once
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from onnx_genrt.generate_cli import default_model_dir
+
+    folder = Path(args.model or default_model_dir())
+    rng = np.random.default_rng(0)
+    from onnx_genrt.engine.config import load_config
+
+    cfg = load_config(folder)
+    prompt = rng.integers(1, cfg.vocab_size, args.prompt_tokens).tolist()
+    new = args.tokens
+    rows: list[BenchRow] = []
+    _progress(f"bench: {folder.name}, prompt {len(prompt)} tokens, {new} new tokens, median of {args.repeats}")
+    for provider in args.provider:
+        for graphs in ([True, False] if args.compare_eager else [True]):
+            label = f"onnx-genrt[{provider}{'' if graphs else ',eager'}]"
+            rows.append(_median_run(bench_ours(folder, prompt, new, provider, None, args.k, graphs), args.repeats, label))
+        for spec in args.spec:
+            label = f"onnx-genrt[{provider},{spec}]"
+            rows.append(_median_run(bench_ours(folder, prompt, new, provider, spec, args.k, True), args.repeats, label))
+    if not args.no_reference:
+        try:
+            rows.append(_median_run(bench_onnxruntime_genai(folder, prompt, new), args.repeats, "onnxruntime-genai"))
+        except ImportError as exc:
+            _progress(f"  onnxruntime-genai skipped: {exc}")
+        try:
+            rows.append(_median_run(bench_onnxruntime_loop(folder, prompt, new), args.repeats, "onnxruntime loop"))
+        except ImportError as exc:
+            _progress(f"  onnxruntime loop skipped: {exc}")
+    print(format_rows(rows))
+    return 0
+
+
+def format_rows(rows: list[BenchRow]) -> str:
+    ref = {r.runtime: r for r in rows}
+    genai = ref.get("onnxruntime-genai")
+    loop = ref.get("onnxruntime loop")
+    base = rows[0].tokens if rows else []
+    lines = [
+        f"{'runtime':<28}{'prefill ms':>11}{'decode tok/s':>14}{'vs genai':>10}{'vs ort loop':>13}  same tokens  notes"
+    ]
+    for r in rows:
+        vs_genai = f"{r.decode_tok_s / genai.decode_tok_s:.2f}x" if genai else "-"
+        vs_loop = f"{r.decode_tok_s / loop.decode_tok_s:.2f}x" if loop else "-"
+        same = "yes" if r.tokens == base else "NO"
+        notes = []
+        spec = r.extra.get("speculation")
+        if spec:
+            notes.append(f"acceptance {spec['acceptance_rate']:.0%}, mean accepted {spec['mean_accepted_length']:.2f}")
+        for who, slots in r.extra.get("graph_stats", {}).items():
+            for slot, st in slots.items():
+                notes.append(
+                    f"{who}/{slot} c{st['captures']} r{st['replays']} f{st['fallbacks']} i{st['invalidations']}"
+                )
+        lines.append(
+            f"{r.runtime:<28}{r.prefill_ms:>11.2f}{r.decode_tok_s:>14.1f}{vs_genai:>10}{vs_loop:>13}  {same:<11}  {'; '.join(notes)}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--provider", action="append", default=None, help="provider(s) (default: cpu)")
+    p.add_argument("--spec", action="append", default=[], choices=["mtp", "draft", "ngram"], help="also time speculation")
+    p.add_argument("-k", type=int, default=4, help="drafts per speculative step")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per run (eos ignored)")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    p.add_argument("--compare-eager", action="store_true", help="also time with graphs off")
+    p.add_argument("--no-reference", action="store_true", help="skip onnxruntime-genai and the onnxruntime loop")
+    p.add_argument("--dispatch", action="store_true", help="per-node dispatch cost instead (eager vs replay)")
+    p.add_argument("--nodes", type=int, default=200, help="--dispatch: nodes in the chain model")

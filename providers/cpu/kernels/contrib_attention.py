@@ -1,0 +1,454 @@
+"""CPU kernels: com.microsoft GroupQueryAttention and RotaryEmbedding (onnxruntime contrib ops).
+
+GroupQueryAttention keeps its KV cache in BNSH buffers. When ``past_key`` is at least
+``total_sequence_length`` long it is the shared past/present buffer: the new keys and values
+are written into it in place and it is returned as ``present_key`` (the same object).
+Otherwise a present buffer of ``total_sequence_length`` is filled (concat mode). Each
+batch entry b holds seqlens_k[b] + 1 tokens after the step, the new ones at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+
+from ._nn_common import softmax_rows
+from ._registry import REGISTRY
+from .attention import _rope
+
+_F32 = np.dtype(np.float32)
+_SCORE_BUDGET = 1 << 23  # score elements per query chunk (32 MiB of float32)
+
+# Optional GroupQueryAttention inputs past the ones this kernel implements.
+_REFUSED_INPUTS = {12: "k_scale", 13: "v_scale", 14: "q_norm_weight", 15: "k_norm_weight"}
+
+
+# ----------------------------------------------------------------------------- rotary helpers
+
+
+def rotate(x4: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """Rotary embedding of (B, H, S, D) ``x4`` as a new float32 array.
+
+    ``cos``/``sin`` are (B, S, rot/2); features past ``rot`` pass through unchanged.
+    """
+    rot = 2 * cos.shape[-1]
+    if rot > x4.shape[-1]:
+        raise ValueError(f"rotary dim {rot} exceeds head size {x4.shape[-1]}")
+    src = x4 if x4.dtype == _F32 else x4.astype(_F32)
+    out = np.empty(x4.shape, _F32)
+    c = np.ascontiguousarray(cos, dtype=_F32)
+    s = np.ascontiguousarray(sin, dtype=_F32)
+    _rope(src, c, s, out, rot, interleaved)
+    return out
+
+
+def _gather_cache(cache: np.ndarray, pos: np.ndarray, what: str) -> np.ndarray:
+    """cos/sin cache rows at ``pos``, bounds-checked."""
+    if pos.size and (pos.min() < 0 or pos.max() >= cache.shape[0]):
+        raise ValueError(f"{what}: position {int(pos.max())} outside cache of {cache.shape[0]}")
+    return cache[pos]
+
+
+# ----------------------------------------------------------------------------- RotaryEmbedding
+
+
+def _rotary_check(node: NodeInfo, _types: object) -> str | None:
+    if node.attr("is_packed_batching", 0):
+        return "RotaryEmbedding is_packed_batching=1 is not supported"
+    return None
+
+
+def _rotary_positions(position_ids: np.ndarray, b: int, s: int) -> np.ndarray:
+    """(B, S) positions from (B, S) ids or a single start offset."""
+    pos = position_ids.astype(np.intp, copy=False)
+    if pos.size == 1:
+        return np.broadcast_to(pos.reshape(()) + np.arange(s), (b, s))
+    return pos.reshape(b, s)
+
+
+@REGISTRY.register("RotaryEmbedding", since=1, domain=MS_DOMAIN, check=_rotary_check)
+def rotary_embedding_ms(
+    ctx: KernelContext,
+    x: np.ndarray,
+    position_ids: np.ndarray,
+    cos_cache: np.ndarray,
+    sin_cache: np.ndarray,
+) -> np.ndarray:
+    """com.microsoft RotaryEmbedding on (B, S, hidden) or (B, N, S, H); ``scale`` is unused."""
+    if ctx.attr("is_packed_batching", 0):
+        raise NotImplementedError(f"{ctx.node.describe()}: is_packed_batching=1")
+    half = cos_cache.shape[1]
+    if x.ndim == 4:
+        x4 = x
+    elif x.ndim == 3:
+        b, s, hidden = x.shape
+        heads = int(ctx.attr("num_heads", 0)) or hidden // (2 * half)
+        if heads <= 0 or hidden % heads:
+            raise ValueError(f"{ctx.node.describe()}: hidden {hidden} not divisible by {heads}")
+        x4 = x.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
+    else:
+        raise ValueError(f"{ctx.node.describe()}: input must be 3-D or 4-D, got {x.shape}")
+    b, _, s, d = x4.shape
+    rot = int(ctx.attr("rotary_embedding_dim", 0)) or d
+    if rot != 2 * half or rot > d:
+        raise ValueError(f"{ctx.node.describe()}: rotary dim {rot} vs cos cache {cos_cache.shape}")
+    pos = _rotary_positions(position_ids, b, s)
+    cos = _gather_cache(cos_cache, pos, ctx.node.describe())
+    sin = _gather_cache(sin_cache, pos, ctx.node.describe())
+    y4 = rotate(x4, cos, sin, bool(ctx.attr("interleaved", 0)))
+    out = ctx.out(0, x.shape, x.dtype)
+    if x.ndim == 4:
+        out[...] = y4
+    else:
+        out.reshape(b, s, y4.shape[1], d)[...] = y4.transpose(0, 2, 1, 3)
+    return out
+
+
+# ----------------------------------------------------------------------------- GQA config
+
+
+@dataclass(frozen=True)
+class _GqaConfig:
+    heads: int
+    kv_heads: int
+    scale: float | None
+    rotary: bool
+    interleaved: bool
+    window: int  # keys a query sees, itself included (<= 0: unlimited)
+    softcap: float
+    smooth: bool
+    causal: bool
+
+    @classmethod
+    def from_ctx(cls, ctx: KernelContext) -> _GqaConfig:
+        scale = ctx.attr("scale")
+        return cls(
+            int(ctx.attr("num_heads")),
+            int(ctx.attr("kv_num_heads")),
+            None if scale is None or float(scale) == 0.0 else float(scale),
+            bool(ctx.attr("do_rotary", 0)),
+            bool(ctx.attr("rotary_interleaved", 0)),
+            int(ctx.attr("local_window_size", -1)),
+            float(ctx.attr("softcap", 0.0)),
+            int(ctx.attr("smooth_softmax", -1)) == 1,
+            bool(ctx.attr("causal", 1)),
+        )
+
+
+def _gqa_check(node: NodeInfo, _types: object) -> str | None:
+    """Reason this GroupQueryAttention node is not supported, or None."""
+    names = node.input_names
+    for i, what in _REFUSED_INPUTS.items():
+        if i < len(names) and names[i]:
+            return f"GroupQueryAttention input {what!r} is not supported"
+    if (len(node.output_names) > 3 and node.output_names[3]) or node.attr("qk_output", 0):
+        return "GroupQueryAttention output_qk / qk_output is not supported"
+    if node.attr("sliding_window_cache", 0):
+        return "GroupQueryAttention sliding_window_cache=1 is not supported"
+    for a in ("k_quant_type", "v_quant_type"):
+        if node.attr(a, "NONE") != "NONE":
+            return f"GroupQueryAttention {a}={node.attr(a)!r} (quantized KV cache) is not supported"
+    if node.attr("causal", 1) not in (0, 1):
+        return f"GroupQueryAttention causal={node.attr('causal')} must be 0 or 1"
+    if not node.attr("causal", 1) and node.attr("local_window_size", -1) != -1:
+        return "GroupQueryAttention local_window_size needs causal=1"
+    return None
+
+
+# ----------------------------------------------------------------------------- GQA pieces
+
+
+def _split_qkv(
+    cfg: _GqaConfig, query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(B, S, heads, H) views of Q, K, V from separate or packed inputs."""
+    b, s, width = query.shape
+    n, kvn = cfg.heads, cfg.kv_heads
+    if n <= 0 or kvn <= 0 or n % kvn:
+        raise ValueError(f"num_heads {n} must be a positive multiple of kv_num_heads {kvn}")
+    if key is None:
+        if value is not None or width % (n + 2 * kvn):
+            raise ValueError(f"packed QKV width {width} does not fit {n}+2*{kvn} heads")
+        h = width // (n + 2 * kvn)
+        qkv = query.reshape(b, s, n + 2 * kvn, h)
+        return qkv[:, :, :n], qkv[:, :, n : n + kvn], qkv[:, :, n + kvn :]
+    if value is None or width % n:
+        raise ValueError(f"query width {width} not divisible by {n} heads (or value missing)")
+    h = width // n
+    if key.shape != (b, s, kvn * h) or value.shape != key.shape:
+        raise ValueError(f"key/value shapes {key.shape}, {value.shape} != {(b, s, kvn * h)}")
+    return query.reshape(b, s, n, h), key.reshape(b, s, kvn, h), value.reshape(b, s, kvn, h)
+
+
+@dataclass(frozen=True)
+class _Lengths:
+    total: np.ndarray  # keys per batch entry after this step (seqlens_k + 1)
+    new: np.ndarray  # valid new tokens per batch entry
+    past: np.ndarray  # tokens cached before this step
+    first_prompt: bool
+
+
+def _lengths(
+    seqlens_k: np.ndarray, total_len: int, s: int, query_seqlens: np.ndarray | None
+) -> _Lengths:
+    """Per-batch total / new / past lengths from seqlens_k (and query_seqlens)."""
+    total = seqlens_k.astype(np.int64).reshape(-1) + 1
+    if total.size and total.min() < 1:
+        raise ValueError(f"seqlens_k must be >= 0, got {seqlens_k}")
+    if query_seqlens is None:
+        new = np.minimum(total, s)
+    else:
+        new = query_seqlens.astype(np.int64).reshape(-1)
+        if new.shape != total.shape or (new < 0).any() or (new > np.minimum(total, s)).any():
+            raise ValueError(f"query_seqlens {query_seqlens} invalid for seqlens_k {seqlens_k}")
+    first = query_seqlens is None and s == total_len
+    return _Lengths(total, new, total - new, first)
+
+
+def _present(
+    ctx: KernelContext,
+    index: int,
+    past: np.ndarray | None,
+    shape: tuple[int, int, int],
+    dtype: np.dtype,
+    lens: _Lengths,
+    total_len: int,
+) -> np.ndarray:
+    """The present KV buffer: ``past`` itself when it can hold ``total_len`` tokens, else new.
+
+    A new buffer (concat mode, or a read-only past) is max(past, total) long; it gets each
+    entry's cached tokens copied and the rest zeroed. The caller writes the new tokens.
+    """
+    b, kvn, h = shape
+    cap = 0
+    if past is not None:
+        if past.ndim != 4 or past.shape[:2] != (b, kvn) or past.shape[3] != h:
+            raise ValueError(f"past shape {past.shape} does not fit {(b, kvn, '*', h)}")
+        if past.dtype != dtype:
+            raise NotImplementedError(f"past dtype {past.dtype} differs from query {dtype}")
+        cap = past.shape[2]
+    length = max(cap, total_len)
+    if lens.total.size and lens.total.max() > length:
+        raise ValueError(f"seqlens_k needs {lens.total.max()} slots, present has {length}")
+    if past is not None and cap >= total_len and past.flags.writeable:
+        return past
+    if lens.past.size and lens.past.max() > cap:
+        raise ValueError(f"seqlens_k implies {lens.past.max()} cached tokens, past has {cap}")
+    out = ctx.out(index, (b, kvn, length, h), dtype)
+    for i in range(b):
+        p, t = int(lens.past[i]), int(lens.total[i])
+        if p:
+            out[i, :, :p] = past[i, :, :p]
+        out[i, :, t:] = 0
+    return out
+
+
+def _positions(
+    lens: _Lengths, s: int, position_ids: np.ndarray | None, cache_len: int
+) -> np.ndarray:
+    """(B, S) rotary positions; padding rows are clamped into the cache."""
+    b = lens.total.shape[0]
+    rows = np.arange(s)
+    if position_ids is None:
+        pos = lens.past.reshape(-1, 1) + rows
+    elif lens.first_prompt:  # onnxruntime: a first prompt only reads the first id
+        pos = np.broadcast_to(int(position_ids.reshape(-1)[0]) + rows, (b, s))
+    else:
+        pos = position_ids.astype(np.int64).reshape(b, s)
+    valid = rows < lens.new.reshape(-1, 1)
+    bad = valid & ((pos < 0) | (pos >= cache_len))
+    if bad.any():
+        raise ValueError(f"rotary position {int(pos[bad].max())} outside cos/sin cache")
+    return np.clip(pos, 0, cache_len - 1).astype(np.intp)
+
+
+# ----------------------------------------------------------------------------- GQA scores
+
+
+@numba.njit(cache=True)
+def _mask_scores(scores, rows, row0, past, total, k0, window, causal):
+    """Set scores outside each query's key range to -inf.
+
+    Row r is query row0 + r % rows at absolute position past + that; it sees keys
+    [pos - window + 1, pos] (clipped to [0, total)), or all of [0, total) when not causal.
+    Column j is key k0 + j.
+    """
+    n, m = scores.shape
+    for r in range(n):
+        pos = past + row0 + r % rows
+        hi = min(pos, total - 1) if causal else total - 1
+        lo = max(0, pos - window + 1) if window > 0 else 0
+        a = min(max(lo - k0, 0), m)
+        e = min(max(hi - k0 + 1, a), m)
+        for j in range(a):
+            scores[r, j] = -np.inf
+        for j in range(e, m):
+            scores[r, j] = -np.inf
+
+
+@numba.njit(cache=True)
+def _softmax_sink_rows(scores, sinks):
+    """Row softmax with an extra logit ``sinks[r]`` in each row's denominator (in place)."""
+    n, m = scores.shape
+    for r in range(n):
+        row = scores[r]
+        mx = sinks[r]
+        for j in range(m):
+            mx = max(mx, row[j])
+        total = math.exp(sinks[r] - mx)
+        for j in range(m):
+            v = math.exp(row[j] - mx)
+            row[j] = v
+            total += v
+        inv = 1.0 / total
+        for j in range(m):
+            row[j] *= inv
+
+
+@dataclass
+class _BatchAttn:
+    """Attention of one batch entry: its keys, values and the rules for its scores."""
+
+    cfg: _GqaConfig
+    keys: np.ndarray  # (kvN, T, H) float32
+    values: np.ndarray
+    past: int
+    bias: np.ndarray | None  # (N or 1, S, total_len)
+    sinks: np.ndarray | None  # (N,)
+
+    def key_range(self, i0: int, i1: int) -> tuple[int, int]:
+        """Keys [k0, k1) that queries [i0, i1) may see."""
+        t = self.keys.shape[1]
+        k1 = min(t, self.past + i1) if self.cfg.causal else t
+        w = self.cfg.window
+        k0 = max(0, self.past + i0 - w + 1) if w > 0 and self.cfg.causal else 0
+        return min(k0, k1), k1
+
+    def chunk(self, qc: np.ndarray, i0: int, i1: int) -> np.ndarray:
+        """Attention output (kvN, G*rows, H) for query rows [i0, i1) given as (kvN, G*rows, H)."""
+        cfg = self.cfg
+        k0, k1 = self.key_range(i0, i1)
+        scores = np.matmul(qc, self.keys[:, k0:k1].swapaxes(1, 2))
+        if cfg.softcap > 0.0:
+            scores *= np.float32(1.0 / cfg.softcap)
+            np.tanh(scores, out=scores)
+            scores *= np.float32(cfg.softcap)
+        rows = i1 - i0
+        if self.bias is not None:
+            groups = cfg.heads // cfg.kv_heads
+            bias = self.bias[:, i0:i1, k0:k1]
+            if bias.shape[0] == cfg.heads:
+                bias = bias.reshape(cfg.kv_heads, groups, rows, k1 - k0)
+            scores.reshape(cfg.kv_heads, groups, rows, k1 - k0)[...] += bias
+        flat = scores.reshape(-1, k1 - k0)
+        t = self.keys.shape[1]
+        _mask_scores(flat, rows, i0, self.past, t, k0, cfg.window, cfg.causal)
+        if self.sinks is None:
+            softmax_rows(flat, flat, True)
+        else:
+            _softmax_sink_rows(flat, np.repeat(self.sinks, rows))
+        return np.matmul(scores, self.values[:, k0:k1])
+
+
+def _attend(attn: _BatchAttn, q: np.ndarray) -> np.ndarray:
+    """(N, S, H) float32 output of one batch entry from scaled (N, S, H) float32 queries."""
+    cfg = attn.cfg
+    n, s, h = q.shape
+    kvn, groups = cfg.kv_heads, cfg.heads // cfg.kv_heads
+    q5 = q.reshape(kvn, groups, s, h)
+    y = np.empty((kvn, groups, s, h), _F32)
+    t = max(1, attn.keys.shape[1])
+    step = max(1, min(s, _SCORE_BUDGET // (n * t)))
+    for i0 in range(0, s, step):
+        i1 = min(s, i0 + step)
+        qc = q5[:, :, i0:i1].reshape(kvn, groups * (i1 - i0), h)
+        y[:, :, i0:i1] = attn.chunk(qc, i0, i1).reshape(kvn, groups, i1 - i0, h)
+    return y.reshape(n, s, h)
+
+
+def _as_f32(x: np.ndarray) -> np.ndarray:
+    return x if x.dtype == _F32 else x.astype(_F32)
+
+
+# ----------------------------------------------------------------------------- GQA kernel
+
+
+@REGISTRY.register("GroupQueryAttention", since=1, domain=MS_DOMAIN, check=_gqa_check)
+def group_query_attention(
+    ctx: KernelContext,
+    query: np.ndarray,
+    key: np.ndarray | None = None,
+    value: np.ndarray | None = None,
+    past_key: np.ndarray | None = None,
+    past_value: np.ndarray | None = None,
+    seqlens_k: np.ndarray | None = None,
+    total_sequence_length: np.ndarray | None = None,
+    cos_cache: np.ndarray | None = None,
+    sin_cache: np.ndarray | None = None,
+    position_ids: np.ndarray | None = None,
+    attention_bias: np.ndarray | None = None,
+    head_sink: np.ndarray | None = None,
+    *rest: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """onnxruntime GroupQueryAttention: GQA with rotary, KV cache, window, softcap, sinks.
+
+    ``rest`` holds k_scale, v_scale, q_norm_weight, k_norm_weight (all refused) and
+    query_seqlens (right-padded chunks).
+    """
+    reason = _gqa_check(ctx.node, ())
+    if reason or any(r is not None for r in rest[:4]):
+        raise NotImplementedError(f"{ctx.node.describe()}: {reason or 'quantized KV / QK norm'}")
+    if seqlens_k is None or total_sequence_length is None:
+        raise ValueError(f"{ctx.node.describe()}: seqlens_k and total_sequence_length needed")
+    if (past_key is None) != (past_value is None):
+        raise ValueError(f"{ctx.node.describe()}: past_key and past_value go together")
+    cfg = _GqaConfig.from_ctx(ctx)
+    q, k, v = _split_qkv(cfg, query, key, value)
+    b, s, _, h = q.shape
+    total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    lens = _lengths(seqlens_k, total_len, s, rest[4] if len(rest) > 4 else None)
+    if lens.total.shape[0] != b:
+        raise ValueError(f"{ctx.node.describe()}: seqlens_k has {lens.total.shape[0]} entries")
+    dtype = query.dtype
+    t_max = int(lens.total.max()) if b else 0
+    present_k = _present(ctx, 1, past_key, (b, cfg.kv_heads, h), dtype, lens, total_len)
+    present_v = _present(ctx, 2, past_value, (b, cfg.kv_heads, h), dtype, lens, total_len)
+
+    q4, k4, v4 = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if cfg.rotary:
+        if cos_cache is None or sin_cache is None:
+            raise ValueError(f"{ctx.node.describe()}: do_rotary needs cos_cache and sin_cache")
+        pos = _positions(lens, s, position_ids, cos_cache.shape[0])
+        cos, sin = cos_cache[pos], sin_cache[pos]
+        q4 = rotate(q4, cos, sin, cfg.interleaved)
+        k4 = rotate(k4, cos, sin, cfg.interleaved)
+    scale = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(h)
+    qs = np.multiply(q4, np.float32(scale), dtype=_F32, order="C")  # (B, N, S, H)
+
+    sinks = None
+    if attention_bias is not None and (
+        attention_bias.ndim != 4 or attention_bias.shape[2] != s or attention_bias.shape[3] < t_max
+    ):
+        raise ValueError(f"{ctx.node.describe()}: attention_bias shape {attention_bias.shape}")
+    if head_sink is not None:
+        sinks = _as_f32(head_sink).reshape(-1)
+    elif cfg.smooth:
+        sinks = np.zeros(cfg.heads, _F32)
+    out = ctx.out(0, (b, s, cfg.heads * h), dtype)
+    out4 = out.reshape(b, s, cfg.heads, h)
+    for i in range(b):
+        p, t, n_new = int(lens.past[i]), int(lens.total[i]), int(lens.new[i])
+        present_k[i, :, p:t] = k4[i, :, :n_new]
+        present_v[i, :, p:t] = v4[i, :, :n_new]
+        bias = None
+        if attention_bias is not None:
+            bias = _as_f32(attention_bias[i if attention_bias.shape[0] > 1 else 0])
+        keys, values = _as_f32(present_k[i, :, :t]), _as_f32(present_v[i, :, :t])
+        attn = _BatchAttn(cfg, keys, values, p, bias, sinks)
+        out4[i] = _attend(attn, qs[i]).transpose(1, 0, 2)
+    return out, present_k, present_v

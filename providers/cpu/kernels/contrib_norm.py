@@ -1,0 +1,107 @@
+"""CPU kernels: onnxruntime's RMS / skip layer normalizations (com.microsoft and ai.onnx)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
+
+from ._nn_common import compute_dtype, layer_norm_rows, output_count, rms_norm_rows
+from ._registry import REGISTRY
+from .normalization import _normalize
+
+_F32 = np.dtype(np.float32)
+_EMPTY = np.empty(0, _F32)
+
+
+def _simplified_layer_norm(
+    ctx: KernelContext, x: np.ndarray, scale: np.ndarray
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """RMS norm over axis.. (attrs axis, epsilon, stash_type); optional inv_std_var output."""
+    y, _, inv = _normalize(ctx, x, scale, None, rms=True)
+    if output_count(ctx) == 1:
+        return y
+    axis = int(ctx.attr("axis", -1)) % x.ndim
+    stat_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
+    return y, inv.reshape(stat_shape).astype(_F32, copy=False)
+
+
+# onnxruntime registers SimplifiedLayerNormalization in the ONNX domain; models use that one.
+REGISTRY.register("SimplifiedLayerNormalization", since=1)(_simplified_layer_norm)
+REGISTRY.register("SimplifiedLayerNormalization", since=1, domain=MS_DOMAIN)(_simplified_layer_norm)
+
+
+def _skip_sum(x: np.ndarray, skip: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """x + skip (+ bias) in the compute dtype; skip may be (1, S, H) or (S, H)."""
+    cdt = compute_dtype(x.dtype)
+    h = np.add(x, skip, dtype=cdt)
+    if h.shape != x.shape:
+        raise ValueError(f"skip shape {skip.shape} does not broadcast to input {x.shape}")
+    if bias is not None:
+        h += bias.astype(cdt, copy=False)
+    return h
+
+
+def _skip_norm(
+    ctx: KernelContext,
+    x: np.ndarray,
+    skip: np.ndarray,
+    gamma: np.ndarray,
+    beta: np.ndarray | None,
+    bias: np.ndarray | None,
+    rms: bool,
+) -> np.ndarray | tuple[np.ndarray, ...]:
+    """Shared body: (output, mean, inv_std_var, input_skip_bias_sum), trimmed to the outputs."""
+    h = _skip_sum(x, skip, bias)
+    cols = x.shape[-1]
+    rows = h.size // cols if cols else 0
+    cdt = h.dtype
+    eps = cdt.type(float(ctx.attr("epsilon", 1e-12)))
+    src = h.reshape(rows, cols)
+    y = ctx.out(0, x.shape, x.dtype)
+    direct = y.dtype == cdt and y.flags.c_contiguous
+    dst = y.reshape(rows, cols) if direct else np.empty_like(src)
+    mean, inv = np.zeros(rows, cdt), np.empty(rows, cdt)
+    g = np.ascontiguousarray(gamma, dtype=cdt).reshape(-1)
+    if rows and rms:
+        rms_norm_rows(src, g, eps, dst, inv)
+    elif rows:
+        bt = _EMPTY.astype(cdt) if beta is None else np.ascontiguousarray(beta, cdt).reshape(-1)
+        layer_norm_rows(src, g, bt, eps, dst, mean, inv)
+    if not direct:
+        y[...] = dst.reshape(x.shape)
+    n = output_count(ctx)
+    if n == 1:
+        return y
+    stat = x.shape[:-1] + (1,)
+    outs = [y, mean.reshape(stat).astype(_F32), inv.reshape(stat).astype(_F32)]
+    if n > 3:
+        total = ctx.out(3, x.shape, x.dtype)
+        total[...] = h
+        outs.append(total)
+    return tuple(outs[:n])
+
+
+@REGISTRY.register("SkipSimplifiedLayerNormalization", since=1, domain=MS_DOMAIN)
+def skip_simplified_layer_norm(
+    ctx: KernelContext,
+    x: np.ndarray,
+    skip: np.ndarray,
+    gamma: np.ndarray,
+    bias: np.ndarray | None = None,
+) -> np.ndarray | tuple[np.ndarray, ...]:
+    """RMS norm of x + skip (+ bias); mean output is zeros (unused), as in onnxruntime."""
+    return _skip_norm(ctx, x, skip, gamma, None, bias, rms=True)
+
+
+@REGISTRY.register("SkipLayerNormalization", since=1, domain=MS_DOMAIN)
+def skip_layer_norm(
+    ctx: KernelContext,
+    x: np.ndarray,
+    skip: np.ndarray,
+    gamma: np.ndarray,
+    beta: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+) -> np.ndarray | tuple[np.ndarray, ...]:
+    """LayerNorm of x + skip (+ bias) with gamma (and beta) over the last axis."""
+    return _skip_norm(ctx, x, skip, gamma, beta, bias, rms=False)

@@ -1,0 +1,267 @@
+"""CPU kernels: onnxruntime's MatMulNBits and GatherBlockQuantized (com.microsoft).
+
+MatMulNBits dequantizes its packed weight to float32 once and keeps it (see
+``DequantCache``), so every later call, a decode step's GEMV included, is one plain BLAS
+call. The trade-off is memory: the cached float32 weight takes 32/bits times the packed
+bytes (8x for 4-bit: a model with 4 GB of 4-bit weights holds 32 GB of float32). Set
+``ONNX_GENRT_NBITS_CACHE=0`` (or ``contrib_quant.DEQUANT_CACHE.enabled = False``) to
+dequantize on every call instead, trading that memory for time.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+
+import ml_dtypes
+import numba
+import numpy as np
+
+from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+
+from ._nn_common import normalize_axis
+from ._registry import REGISTRY
+
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_NBITS = (2, 4, 8)
+_SMALL_INTS = {np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)}
+
+
+def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 values packed low bits first along the last axis -> one uint8 per value."""
+    if bits == 8:
+        return packed
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)
+    vals = (packed[..., None] >> shifts) & np.uint8((1 << bits) - 1)
+    return vals.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+
+
+# ----------------------------------------------------------------------------- dequant cache
+
+
+class DequantCache:
+    """Dequantized weights keyed on the identity of their source arrays.
+
+    An entry lives as long as every source array does (weak references), so a weight
+    dropped with its session frees its float copy. Entries assume the sources are not
+    modified in place, which holds for initializers.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.builds = 0
+        self._entries: dict[tuple, tuple[list[weakref.ref], np.ndarray]] = {}
+
+    def get(
+        self, sources: tuple[np.ndarray | None, ...], params: tuple, build: Callable[[], np.ndarray]
+    ) -> np.ndarray:
+        """The cached array for ``sources``/``params``, built (and kept) on a miss."""
+        live = [a for a in sources if a is not None]
+        key = (tuple(id(a) for a in sources), params)
+        hit = self._entries.get(key)
+        if hit is not None and all(r() is a for r, a in zip(hit[0], live, strict=True)):
+            return hit[1]
+        value = build()
+        self.builds += 1
+        if self.enabled:
+            drop = self._dropper(key)
+            self._entries[key] = ([weakref.ref(a, drop) for a in live], value)
+        return value
+
+    def _dropper(self, key: tuple) -> Callable[[weakref.ref], None]:
+        entries = self._entries
+        return lambda _ref: entries.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+DEQUANT_CACHE = DequantCache(os.environ.get("ONNX_GENRT_NBITS_CACHE", "1") != "0")
+
+
+# ----------------------------------------------------------------------------- MatMulNBits
+
+
+@numba.njit(cache=True)
+def _dequant_nbits(packed, scales, zeros, bits, block, k, out):
+    """out[n, col] = (q - zero) * scale for packed (N, blocks, blob) uint8 weights."""
+    n, nb, blob = packed.shape
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    for r in range(n):
+        for bi in range(nb):
+            s = scales[r, bi]
+            z = zeros[r, bi]
+            base = bi * block
+            for byte in range(blob):
+                v = packed[r, bi, byte]
+                for e in range(per):
+                    col = base + byte * per + e
+                    if col < k:
+                        out[r, col] = (np.float32((v >> (e * bits)) & mask) - z) * s
+
+
+def _nbits_zeros(zp: np.ndarray | None, n: int, nb: int, bits: int) -> np.ndarray:
+    """(N, blocks) float32 zero points from packed uint8, float, or the 2^(bits-1) default."""
+    if zp is None:
+        return np.full((n, nb), float(1 << (bits - 1)), _F32)
+    if zp.dtype == _U8:
+        return unpack_bits(zp.reshape(n, -1), bits)[:, :nb].astype(_F32)
+    return zp.reshape(n, nb).astype(_F32)
+
+
+def dequantize_nbits(
+    b: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, k: int, n: int, bits: int, block: int
+) -> np.ndarray:
+    """The (N, K) float32 weight of a MatMulNBits node."""
+    nb = -(-k // block)
+    blob = block * bits // 8
+    packed = np.ascontiguousarray(b, _U8).reshape(n, nb, blob)
+    sc = np.ascontiguousarray(scales, _F32).reshape(n, nb)
+    out = np.empty((n, k), _F32)
+    _dequant_nbits(packed, sc, _nbits_zeros(zp, n, nb, bits), bits, block, k, out)
+    return out
+
+
+def _nbits_check(node: NodeInfo, _types: object) -> str | None:
+    bits = int(node.attr("bits", 4))
+    block = int(node.attr("block_size", 0))
+    if bits not in _NBITS:
+        return f"MatMulNBits bits={bits} is not supported (2, 4 or 8)"
+    if block < 16 or block & (block - 1):
+        return f"MatMulNBits block_size={block} must be a power of 2 >= 16"
+    names = node.input_names
+    if len(names) > 4 and names[4]:
+        return "MatMulNBits g_idx input is not supported"
+    if node.attr("weight_prepacked", 0):
+        return "MatMulNBits weight_prepacked is not supported"
+    return None
+
+
+@REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
+def matmul_nbits(
+    ctx: KernelContext,
+    a: np.ndarray,
+    b: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None = None,
+    g_idx: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+) -> np.ndarray:
+    """Y = A @ dequant(B)^T (+ bias); float32 math whatever accuracy_level asks."""
+    reason = _nbits_check(ctx.node, ())
+    if reason or g_idx is not None:
+        raise NotImplementedError(f"{ctx.node.describe()}: {reason or 'g_idx'}")
+    k, n = int(ctx.attr("K")), int(ctx.attr("N"))
+    bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size"))
+    if a.shape[-1] != k:
+        raise ValueError(f"{ctx.node.describe()}: A has {a.shape[-1]} columns, K is {k}")
+    out = ctx.out(0, (*a.shape[:-1], n), a.dtype)
+    out2 = out.reshape(-1, n)
+    if b.size == 0:  # an omitted projection: zeros (+ bias)
+        out2[...] = 0 if bias is None else bias
+        return out
+    params = (k, n, bits, block)
+    w = DEQUANT_CACHE.get(
+        (b, scales, zero_points), params, lambda: dequantize_nbits(b, scales, zero_points, *params)
+    )
+    a2 = a.reshape(-1, k)
+    if a.dtype == _F32 and out2.flags.c_contiguous and bias is None:
+        np.matmul(a2, w.T, out=out2)
+        return out
+    y = np.matmul(a2.astype(_F32, copy=False), w.T)
+    if bias is not None:
+        y += bias.astype(_F32, copy=False)
+    out2[...] = y
+    return out
+
+
+# ----------------------------------------------------------------------------- GatherBlockQuantized
+
+
+def _values(data: np.ndarray, bits: int, packed: bool) -> np.ndarray:
+    """Quantized values as float32 (uint8 data unpacked along the last axis when packed)."""
+    return (unpack_bits(data, bits) if packed else data).astype(_F32)
+
+
+def _default_zero(data: np.ndarray, bits: int) -> float:
+    return float(1 << (bits - 1)) if data.dtype == _U8 else 0.0
+
+
+def _take_params(
+    p: np.ndarray, idx: np.ndarray, axis: int, block: int, same_axis: bool
+) -> np.ndarray:
+    """Scales / zero points gathered like the data (size-1 axes broadcast)."""
+    if same_axis:
+        return np.take(p, idx // block, axis=axis)
+    if p.shape[axis] == 1:
+        return np.take(p, np.zeros_like(idx), axis=axis)
+    return np.take(p, idx, axis=axis)
+
+
+def _expand_blocks(p: np.ndarray, axis: int, block: int, length: int) -> np.ndarray:
+    """Repeat per-block parameters along ``axis`` to ``length`` elements."""
+    if p.shape[axis] == 1:
+        return p
+    reps = block if block else length
+    return np.take(np.repeat(p, reps, axis=axis), np.arange(length), axis=axis)
+
+
+@REGISTRY.register("GatherBlockQuantized", since=1, domain=MS_DOMAIN)
+def gather_block_quantized(
+    ctx: KernelContext,
+    data: np.ndarray,
+    indices: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None = None,
+) -> np.ndarray:
+    """Gather rows of block-quantized ``data`` and dequantize them; bad indices give zeros."""
+    bits = int(ctx.attr("bits", 4))
+    block = int(ctx.attr("block_size", 128))
+    packed = data.dtype == _U8 and bits < 8
+    is_float = data.dtype.kind == "V" or (
+        type(data.dtype).__module__.startswith("ml_dtypes") and data.dtype not in _SMALL_INTS
+    )
+    if data.dtype != _U8 and data.dtype not in _SMALL_INTS and not is_float:
+        raise NotImplementedError(f"{ctx.node.describe()}: data type {data.dtype}")
+    if packed and bits not in _NBITS:
+        raise NotImplementedError(f"{ctx.node.describe()}: bits={bits}")
+    rank = data.ndim
+    g = normalize_axis(int(ctx.attr("gather_axis", 0)), rank, "gather_axis")
+    qa = normalize_axis(int(ctx.attr("quantize_axis", 1)), rank, "quantize_axis")
+    if packed and g == rank - 1:
+        raise ValueError(f"{ctx.node.describe()}: packed uint8 data cannot gather on its last axis")
+    dim = data.shape[g]
+    idx = indices.astype(np.int64)
+    idx = np.where(idx < 0, idx + dim, idx)
+    valid = (idx >= 0) & (idx < dim)
+    safe = np.where(valid, idx, 0)
+
+    q = _values(np.take(data, safe, axis=g), bits, packed)
+    sc = _take_params(scales.astype(_F32), safe, g, block, g == qa)
+    zp = None
+    if zero_points is not None:
+        zvals = _values(zero_points, bits, packed)
+        zvals = zvals[..., : scales.shape[-1]] if packed else zvals
+        zp = _take_params(zvals, safe, g, block, g == qa)
+    out_qa = qa if qa < g else qa + indices.ndim - 1
+    if g != qa:
+        sc = _expand_blocks(sc, out_qa, block, q.shape[out_qa])
+        if zp is not None:
+            zp = _expand_blocks(zp, out_qa, block, q.shape[out_qa])
+    if zp is not None:
+        q -= zp
+    elif not is_float and _default_zero(data, bits):
+        q -= _default_zero(data, bits)
+    q *= sc
+    if not valid.all():
+        mask_shape = (1,) * g + indices.shape + (1,) * (rank - g - 1)
+        q *= valid.reshape(mask_shape)
+    out = ctx.out(0, q.shape, scales.dtype)
+    out[...] = q
+    return out
