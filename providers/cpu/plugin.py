@@ -6,12 +6,12 @@ from onnx_genrt.core.hookspecs import hookimpl
 from onnx_genrt.core.registry import ProviderSpec
 
 
-def _factory(**options: object):
+def _factory(threads: int | None = 1, **options: object):
     from .provider import CPUProvider
 
     if options:
-        raise TypeError(f"cpu provider takes no options, got {sorted(options)}")
-    return CPUProvider()
+        raise TypeError(f"cpu provider options are: threads; got {sorted(options)}")
+    return CPUProvider(threads=threads)
 
 
 @hookimpl

@@ -75,10 +75,19 @@ class CPUProvider(ExecutionProvider):
     GRAPH_SLOTS = frozenset(DeviceGraphSlot)
     CAPTURE_EXECUTES = True
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = 1) -> None:
+        """``threads`` caps BLAS and Numba threads for the process (``None`` leaves them).
+
+        The default is 1: decode-sized matmuls gain little from a second thread, and
+        multi-threaded OpenBLAS spin-waits badly when another process holds a core (an
+        11x slower decode was measured on a 2-core machine with one core busy).
+        """
         super().__init__()
         self._graphs: dict[DeviceGraphSlot, RecordedGraph] = {}
         self._recording: RecordedGraph | None = None
+        self.threads = threads
+        if threads is not None:
+            set_threads(threads)
 
     @property
     def device(self) -> Device:
@@ -144,6 +153,17 @@ class CPUProvider(ExecutionProvider):
         """Number of kernel calls in the slot's graph (0 when none)."""
         graph = self._graphs.get(slot)
         return len(graph.calls) if graph else 0
+
+
+def set_threads(threads: int) -> None:
+    """Cap the BLAS and Numba thread pools of this process."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads, user_api="blas")
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
