@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +29,8 @@ class RecordedGraph:
     """
 
     def __init__(self) -> None:
-        self.calls: list[Callable[[], None]] = []
+        self.calls: list[Callable[[], Any]] = []
+        self.bound = 0  # calls recorded as prebound closures
 
     def record(
         self, fn: Callable[..., Any], ctx: KernelContext, inputs: Sequence[Any], outputs: Any
@@ -36,6 +38,12 @@ class RecordedGraph:
         outs = outputs if isinstance(outputs, tuple | list) else (outputs,)
         targets = tuple(outs)
         args = tuple(inputs)
+        bind = getattr(fn, "bind", None)
+        if bind is not None and len(targets) == 1 and isinstance(targets[0], np.ndarray):
+            # The kernel offers a prebound call (a ufunc with its buffers): no wrapper at all.
+            self.calls.append(bind(ctx, args, targets[0]))
+            self.bound += 1
+            return
 
         def call() -> None:
             result = fn(ctx, *args)
@@ -56,6 +64,9 @@ class RecordedGraph:
 
 def _copy_kernel(ctx: Any, src: np.ndarray) -> np.ndarray:
     return src
+
+
+_copy_kernel.bind = lambda ctx, inputs, out: functools.partial(np.copyto, out, inputs[0])  # type: ignore[attr-defined]
 
 
 def _same_memory(a: Any, b: Any) -> bool:

@@ -7,6 +7,7 @@ for float16/bfloat16 inputs and are cast back once at the end.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,7 +73,13 @@ def _unary(ufunc: np.ufunc, *, quiet: bool = False) -> Callable[..., Array]:
                 return ufunc(x, out=out)
         return ufunc(x, out=out)
 
+    def bind(ctx: KernelContext, inputs: Sequence[Array], out: Array) -> Callable[[], Any]:
+        if quiet:
+            return functools.partial(_quietly, ufunc, inputs[0], out)
+        return functools.partial(ufunc, inputs[0], out=out)
+
     kernel.__name__ = ufunc.__name__
+    kernel.bind = bind  # type: ignore[attr-defined]
     return kernel
 
 
@@ -83,8 +90,17 @@ def _binary(ufunc: np.ufunc, out_dtype: np.dtype | None = None) -> Callable[...,
         dt = a.dtype if out_dtype is None else out_dtype
         return ufunc(a, b, out=ctx.out(0, _bshape(a, b), dt))
 
+    def bind(ctx: KernelContext, inputs: Sequence[Array], out: Array) -> Callable[[], Any]:
+        return functools.partial(ufunc, inputs[0], inputs[1], out=out)
+
     kernel.__name__ = ufunc.__name__
+    kernel.bind = bind  # type: ignore[attr-defined]
     return kernel
+
+
+def _quietly(ufunc: np.ufunc, x: Array, out: Array) -> Array:
+    with _quiet():
+        return ufunc(x, out=out)
 
 
 def _flat_loop(ctx: KernelContext, x: Array, loop: Callable[..., None], *params: Any) -> Array:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import attention, conv, normalization, quant  # noqa: F401  (register on import)
@@ -53,6 +55,24 @@ def _matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def _bind_matmul(ctx, inputs, out: np.ndarray):
+    """Replay closure for the float32 path: one BLAS call on prebuilt views."""
+    a, b = inputs
+    if not (a.dtype == b.dtype == out.dtype == np.float32):
+        return functools.partial(_replay_kernel, matmul_kernel, ctx, a, b, out)
+    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous:
+        return functools.partial(
+            np.matmul, a.reshape(-1, a.shape[-1]), b, out=out.reshape(-1, out.shape[-1])
+        )
+    return functools.partial(np.matmul, a, b, out=out)
+
+
+def _replay_kernel(fn, ctx, a, b, out) -> None:
+    result = fn(ctx, a, b)
+    if result is not out:
+        np.copyto(out, result, casting="unsafe")
+
+
 def matmul(ctx, a: np.ndarray, b: np.ndarray, index: int = 0) -> np.ndarray:
     """MatMul with float32 BLAS for every float type; integers through numpy."""
     if a.dtype != b.dtype:
@@ -81,6 +101,9 @@ def _is_ml_float(dt: np.dtype) -> bool:
 def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """ONNX MatMul (numpy matmul semantics, batched broadcasting, 1-D operands)."""
     return matmul(ctx, a, b)
+
+
+matmul_kernel.bind = _bind_matmul  # type: ignore[attr-defined]
 
 
 @REGISTRY.register("Gemm", since=1)
