@@ -137,3 +137,123 @@ def random_mtp_head(folder: Path, hidden: int, vocab: int, seed: int = 1) -> Pat
         helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path)
     )
     return path
+
+
+# ----------------------------------------------------------------------------- parity fixtures
+
+
+def hf_checkpoint(config: dict, seed: int = 0) -> Path:
+    """The HF checkpoint (``save_pretrained`` folder) that ``build_qwen2(config, "fp32", seed)``
+    converts: the ``-hf`` sibling of the built model, built (and cached) if needed."""
+    hf = build_qwen2(config, "fp32", seed)
+    hf = hf.with_name(hf.name + "-hf")
+    if not (hf / "config.json").is_file():  # the converted model was cached without it
+        _save_hf(config, seed, hf)
+    return hf
+
+
+def build_qwen2_with_options(
+    config: dict, precision: str, seed: int = 0, options: dict | None = None
+) -> Path:
+    """Like ``build_qwen2`` (hidden_states on), with extra builder options such as
+    ``{"accuracy_level": 1}``; converts the same HF checkpoint as ``hf_checkpoint``."""
+    import shutil
+
+    import onnxruntime_genai
+
+    options = {"include_hidden_states": "true", **(options or {})}
+    key = json.dumps(
+        [config, precision, seed, options, onnxruntime_genai.__version__], sort_keys=True
+    )
+    tag = hashlib.sha256(key.encode()).hexdigest()[:12]
+    folder = cache_root() / f"qwen2-{precision}-opts-{tag}"
+    if (folder / "genai_config.json").is_file():
+        return folder
+    hf = hf_checkpoint(config, seed)
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(hf),
+        "-o",
+        str(tmp),
+        "-p",
+        precision,
+        "-e",
+        "cpu",
+        "-c",
+        str(tmp / "cache"),
+        "--extra_options",
+        *(f"{k}={v}" for k, v in sorted(options.items())),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"model builder failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    if (tmp / "cache").exists():
+        shutil.rmtree(tmp / "cache")
+    tmp.rename(folder)
+    return folder
+
+
+def export_dynamo(config: dict, seed: int = 0, opset: int = 23) -> Path:
+    """``model.onnx`` of the ``hf_checkpoint`` exported by ``torch.onnx.export(dynamo=True)``.
+
+    The graph is a no-cache forward: ``input_ids [1, seq]`` (seq dynamic) to ``logits
+    [1, seq, vocab]``, in standard ONNX ops only. Attention runs through SDPA, so at opset
+    23 the exporter's optimizer emits Attention, RMSNormalization and RotaryEmbedding; at
+    opset 18 it writes them as primitive ops. Cached by config, seed, opset and the
+    torch / transformers / onnxscript versions.
+    """
+    import shutil
+
+    import onnxscript
+    import torch
+    import transformers
+
+    versions = [torch.__version__, transformers.__version__, onnxscript.__version__]
+    key = json.dumps([config, seed, opset, versions], sort_keys=True)
+    tag = hashlib.sha256(key.encode()).hexdigest()[:12]
+    folder = cache_root() / f"qwen2-dynamo-opset{opset}-{tag}"
+    path = folder / "model.onnx"
+    if path.is_file():
+        return path
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_checkpoint(config, seed), dtype=torch.float32, attn_implementation="sdpa"
+    )
+
+    class LogitsOnly(torch.nn.Module):
+        """``input_ids -> logits`` without a KV cache (the graph re-reads the whole sequence)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+    wrapper = LogitsOnly().eval()
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7]], dtype=torch.int64)
+    seq = torch.export.Dim("seq", min=1, max=config["max_position_embeddings"])
+    with torch.no_grad():
+        program = torch.onnx.export(
+            wrapper,
+            (ids,),
+            dynamo=True,
+            opset_version=opset,
+            input_names=["input_ids"],
+            output_names=["logits"],
+            dynamic_shapes=({1: seq},),
+            optimize=True,
+            verbose=False,
+        )
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    program.save(str(tmp / "model.onnx"), external_data=False)
+    tmp.rename(folder)
+    return path
