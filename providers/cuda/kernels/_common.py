@@ -1,0 +1,210 @@
+"""Shared helpers of the CUDA kernels: output buffers, capture checks, host ints, compiling."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import cupy
+import numpy as np
+
+from onnx_genrt.core.kernels import KernelContext
+
+#: Options for every module this package compiles (NVRTC through CuPy, which caches them).
+OPTIONS = ("-std=c++17",)
+
+F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
+
+#: C storage type of each dtype the RawKernels take; fp16 travels as raw 16-bit words.
+_STORAGE = {F32: "float", F16: "unsigned short"}
+
+
+class CaptureUnsupported(RuntimeError):
+    """Work that cannot be recorded into a CUDA graph was attempted while capturing."""
+
+
+def capturing(ctx: KernelContext) -> bool:
+    """True while the provider's stream records a graph."""
+    provider = ctx.provider
+    if provider is not None and hasattr(provider, "capturing"):
+        return provider.capturing is not None
+    return bool(cupy.cuda.get_current_stream().is_capturing())
+
+
+def refuse_in_capture(ctx: KernelContext, what: str) -> None:
+    """Raise :class:`CaptureUnsupported` naming the node when capturing."""
+    if capturing(ctx):
+        raise CaptureUnsupported(f"{ctx.node.describe()}: {what} cannot run inside a CUDA graph")
+
+
+def out(ctx: KernelContext, index: int, shape: Sequence[int], dtype: Any) -> cupy.ndarray:
+    """The planned buffer for output ``index`` when it fits, else a new device array.
+
+    While capturing, a missing planned buffer is an error: memory allocated inside a capture
+    returns to the pool afterwards and a replay would write into someone else's bytes.
+    """
+    shape = tuple(int(s) for s in shape)
+    dt = np.dtype(dtype)
+    if index < len(ctx.planned):
+        buf = ctx.planned[index]
+        if (
+            isinstance(buf, cupy.ndarray)
+            and buf.shape == shape
+            and buf.dtype == dt
+            and buf.flags.c_contiguous
+        ):
+            return buf
+    refuse_in_capture(ctx, f"output {index} {list(shape)} {dt} has no planned buffer; allocating")
+    return cupy.empty(shape, dt)
+
+
+def contiguous(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
+    """``x`` when C-contiguous, else a contiguous copy (not allowed while capturing)."""
+    if x.flags.c_contiguous:
+        return x
+    refuse_in_capture(ctx, "copying a non-contiguous input")
+    return cupy.ascontiguousarray(x)
+
+
+def host_ints(ctx: KernelContext, value: Any) -> list[int]:
+    """A small integer tensor (shape, axes, slice bounds) as Python ints.
+
+    Host arrays are read directly. Device arrays are looked up in the provider's host
+    shadow (kept for small integer constants by ``as_array``); otherwise they are read with
+    a blocking copy, which is refused while capturing.
+    """
+    if value is None:
+        return []
+    if not isinstance(value, cupy.ndarray):
+        return [int(v) for v in np.asarray(value).reshape(-1)]
+    shadow = getattr(ctx.provider, "host_shadow", None)
+    if shadow is not None:
+        host = shadow(value)
+        if host is not None:
+            return [int(v) for v in host.reshape(-1)]
+    refuse_in_capture(ctx, "reading a device tensor on the host")
+    stream = getattr(ctx.provider, "stream", None)
+    return [int(v) for v in value.get(stream=stream).reshape(-1)]
+
+
+def storage(ctx: KernelContext, dtype: Any) -> str:
+    """C storage type of ``dtype`` for the RawKernels (fp32 and fp16 for now)."""
+    dt = np.dtype(dtype)
+    try:
+        return _STORAGE[dt]
+    except KeyError:
+        raise TypeError(
+            f"{ctx.node.describe()}: dtype {dt} is not supported by the CUDA kernels "
+            "(float32 and float16 only; bfloat16 comes later)"
+        ) from None
+
+
+def normalize_axis(ctx: KernelContext, axis: int, rank: int) -> int:
+    if not -rank <= axis < max(rank, 1):
+        raise ValueError(f"{ctx.node.describe()}: axis {axis} out of range for rank {rank}")
+    return axis + rank if axis < 0 else axis
+
+
+def rows_cols(shape: Sequence[int], axis: int) -> tuple[int, int]:
+    """(rows, cols) of ``shape`` flattened to 2-D at ``axis``."""
+    return math.prod(shape[:axis]), math.prod(shape[axis:])
+
+
+def row_threads(cols: int) -> int:
+    """Threads per block for a one-block-per-row kernel: a power of two from 32 to 1024."""
+    threads = 32
+    while threads < 1024 and threads * 4 < cols:
+        threads *= 2
+    return threads
+
+
+_FUNCTIONS: dict[tuple[str, str, int], cupy.RawKernel] = {}
+
+
+def function(source: str, name: str) -> cupy.RawKernel:
+    """Kernel ``name`` (a template instance such as ``f<float>``) compiled from ``source``."""
+    key = (source, name, cupy.cuda.runtime.getDevice())
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        module = cupy.RawModule(code=source, options=OPTIONS, name_expressions=(name,))
+        fn = module.get_function(name)
+        _FUNCTIONS[key] = fn
+    return fn
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors on the current device."""
+    dev = cupy.cuda.runtime.getDevice()
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
+    return _SM_COUNT[dev]
+
+
+def scratch(ctx: KernelContext, nbytes: int) -> cupy.ndarray:
+    """Scratch bytes that stay at their address while graphs use them (provider-owned)."""
+    get = getattr(ctx.provider, "scratch", None)
+    if get is not None:
+        return get(nbytes)
+    refuse_in_capture(ctx, "scratch memory without a CUDA provider")
+    return cupy.empty(nbytes, np.uint8)
+
+
+#: Device helpers shared by the RawKernel sources: fp16 <-> fp32 and block reductions.
+DEVICE_COMMON = r"""
+#define DEVI __device__ __forceinline__
+typedef unsigned short half_t;
+
+DEVI float h2f(half_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+DEVI half_t f2h(float f) { half_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+
+DEVI float ld(const float* p, long long i) { return p[i]; }
+DEVI float ld(const half_t* p, long long i) { return h2f(p[i]); }
+DEVI void st(float* p, long long i, float v) { p[i] = v; }
+DEVI void st(half_t* p, long long i, float v) { p[i] = f2h(v); }
+
+DEVI float neg_inf() { return __int_as_float(0xff800000); }
+
+DEVI float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+DEVI float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide sum / max; blockDim.x is a multiple of 32, sh holds at least 33 floats.
+DEVI float block_sum(float v, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float w = lane < warps ? sh[lane] : 0.f;
+    w = warp_sum(w);
+    if (lane == 0) sh[32] = w;
+  }
+  __syncthreads();
+  return sh[32];
+}
+DEVI float block_max(float v, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float w = lane < warps ? sh[lane] : neg_inf();
+    w = warp_max(w);
+    if (lane == 0) sh[32] = w;
+  }
+  __syncthreads();
+  return sh[32];
+}
+"""

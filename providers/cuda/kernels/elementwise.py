@@ -1,0 +1,217 @@
+"""CUDA kernels: elementwise math, activations, comparisons, Where, Cast and Identity.
+
+Float math runs in float32 for float16 inputs (float64 for float64) and rounds once.
+Every kernel writes into its output buffer with broadcasting; nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cupy
+import numpy as np
+from onnx import TensorProto, helper
+
+from onnx_genrt.core.kernels import KernelContext, NodeInfo
+
+from ._common import OPTIONS, out
+from ._registry import REGISTRY
+
+BOOL = np.dtype(np.bool_)
+
+#: Compute type per element type (``GenrtAcc<T>::type``) and overloaded math on it.
+_PREAMBLE = r"""
+template <typename T> struct GenrtAcc { typedef double type; };
+template <> struct GenrtAcc<float> { typedef float type; };
+template <> struct GenrtAcc<float16> { typedef float type; };
+
+__device__ __forceinline__ float genrt_math_exp(float x) { return expf(x); }
+__device__ __forceinline__ double genrt_math_exp(double x) { return exp(x); }
+__device__ __forceinline__ float genrt_math_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double genrt_math_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float genrt_math_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double genrt_math_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float genrt_math_erf(float x) { return erff(x); }
+__device__ __forceinline__ double genrt_math_erf(double x) { return erf(x); }
+__device__ __forceinline__ float genrt_math_pow(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double genrt_math_pow(double a, double b) { return pow(a, b); }
+"""
+
+
+def _unary_kernel(name: str, body: str) -> cupy.ElementwiseKernel:
+    """``y = body(x)`` where ``v`` is x in its compute type ``A``."""
+    op = f"typedef GenrtAcc<T>::type A; const A v = (A)x; y = (T)({body});"
+    return cupy.ElementwiseKernel(
+        "T x", "T y", op, f"genrt_{name}", preamble=_PREAMBLE, options=OPTIONS
+    )
+
+
+_UNARY: dict[str, tuple[int, cupy.ElementwiseKernel]] = {
+    "Neg": (1, _unary_kernel("neg", "-v")),
+    "Sqrt": (1, _unary_kernel("sqrt", "genrt_math_sqrt(v)")),
+    "Reciprocal": (1, _unary_kernel("reciprocal", "(A)1 / v")),
+    "Exp": (1, _unary_kernel("exp", "genrt_math_exp(v)")),
+    "Tanh": (1, _unary_kernel("tanh", "genrt_math_tanh(v)")),
+    "Sigmoid": (1, _unary_kernel("sigmoid", "(A)1 / ((A)1 + genrt_math_exp(-v))")),
+    "Relu": (1, _unary_kernel("relu", "v < (A)0 ? (A)0 : v")),
+    "Erf": (9, _unary_kernel("erf", "genrt_math_erf(v)")),
+}
+
+#: Integer inputs of these run through CuPy's exact integer ufuncs.
+_INT_UNARY = {
+    "Neg": lambda x, y: cupy.negative(x, out=y),
+    "Relu": lambda x, y: cupy.maximum(x, x.dtype.type(0), out=y),
+}
+
+
+def _unary(kernel: cupy.ElementwiseKernel, op_type: str) -> Callable[..., cupy.ndarray]:
+    def run(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
+        y = out(ctx, 0, x.shape, x.dtype)
+        if x.size == 0:
+            return y
+        if x.dtype.kind in "iu" and op_type in _INT_UNARY:
+            return _INT_UNARY[op_type](x, y)  # exact for int64, unlike a trip through double
+        kernel(x, y)
+        return y
+
+    run.__name__ = op_type.lower()
+    return run
+
+
+for _op, (_since, _kernel) in _UNARY.items():
+    REGISTRY.register(_op, since=_since)(_unary(_kernel, _op))
+
+
+# ----------------------------------------------------------------------------- binary
+
+_INT_DIV = cupy.ElementwiseKernel(
+    "T a, T b", "T z", "z = b == (T)0 ? (T)0 : a / b", "genrt_int_div", options=OPTIONS
+)
+_POW = cupy.ElementwiseKernel(
+    "T a, U b",
+    "T z",
+    "typedef GenrtAcc<T>::type A; z = (T)genrt_math_pow((A)a, (A)b);",
+    "genrt_pow",
+    preamble=_PREAMBLE,
+    options=OPTIONS,
+)
+
+
+def _bshape(*arrays: Any) -> tuple[int, ...]:
+    return tuple(np.broadcast_shapes(*(tuple(a.shape) for a in arrays)))
+
+
+def _binary(ufunc: Any, out_dtype: np.dtype | None = None) -> Callable[..., cupy.ndarray]:
+    def run(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
+        z = out(ctx, 0, _bshape(a, b), a.dtype if out_dtype is None else out_dtype)
+        if z.size:
+            ufunc(a, b, out=z)
+        return z
+
+    run.__name__ = ufunc.__name__
+    return run
+
+
+REGISTRY.register("Add", since=7)(_binary(cupy.add))
+REGISTRY.register("Sub", since=7)(_binary(cupy.subtract))
+REGISTRY.register("Mul", since=7)(_binary(cupy.multiply))
+REGISTRY.register("Equal", since=7)(_binary(cupy.equal, BOOL))
+REGISTRY.register("Less", since=7)(_binary(cupy.less, BOOL))
+REGISTRY.register("Greater", since=7)(_binary(cupy.greater, BOOL))
+
+
+@REGISTRY.register("Div", since=7)
+def div(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
+    """Division; integers truncate toward zero like C (x / 0 gives 0 rather than a trap)."""
+    z = out(ctx, 0, _bshape(a, b), a.dtype)
+    if not z.size:
+        return z
+    if a.dtype.kind in "iu":
+        _INT_DIV(a, b, z)
+    else:
+        cupy.true_divide(a, b, out=z)
+    return z
+
+
+@REGISTRY.register("Pow", since=7)
+def pow_(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
+    """a ** b in the base's compute type; the output has the base's dtype."""
+    z = out(ctx, 0, _bshape(a, b), a.dtype)
+    if z.size:
+        _POW(a, b, z)
+    return z
+
+
+# ----------------------------------------------------------------------------- Where
+
+_WHERE = cupy.ElementwiseKernel(
+    "bool c, T x, T y", "T z", "z = c ? x : y", "genrt_where", options=OPTIONS
+)
+
+
+@REGISTRY.register("Where", since=9)
+def where(ctx: KernelContext, cond: cupy.ndarray, x: cupy.ndarray, y: cupy.ndarray) -> Any:
+    """x where cond else y (all three broadcast)."""
+    z = out(ctx, 0, _bshape(cond, x, y), x.dtype)
+    if z.size:
+        _WHERE(cond, x, y, z)
+    return z
+
+
+# ----------------------------------------------------------------------------- Cast
+
+#: Element types Cast handles on CUDA (bfloat16 and the 8/4-bit floats come later).
+_CAST_TYPES = {
+    TensorProto.FLOAT,
+    TensorProto.FLOAT16,
+    TensorProto.DOUBLE,
+    TensorProto.INT8,
+    TensorProto.INT16,
+    TensorProto.INT32,
+    TensorProto.INT64,
+    TensorProto.UINT8,
+    TensorProto.UINT16,
+    TensorProto.UINT32,
+    TensorProto.UINT64,
+    TensorProto.BOOL,
+}
+
+
+def _to_code(to: Any) -> int:
+    if isinstance(to, str):
+        return int(TensorProto.DataType.Value(to.upper()))
+    return int(to)
+
+
+def _cast_check(node: NodeInfo, input_types: Sequence[Any]) -> str | None:
+    to = node.attr("to")
+    if to is None:
+        return "Cast needs a 'to' attribute"
+    try:
+        code = _to_code(to)
+    except ValueError:
+        return f"Cast to={to!r}: unknown element type"
+    if code not in _CAST_TYPES:
+        name = TensorProto.DataType.Name(code) if code in TensorProto.DataType.values() else code
+        return f"Cast to {name} is not supported on CUDA yet"
+    return None
+
+
+@REGISTRY.register("Cast", since=1, check=_cast_check)
+def cast(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
+    """Convert to the ``to`` type (C conversions: floats truncate toward zero into ints)."""
+    target = np.dtype(helper.tensor_dtype_to_np_dtype(_to_code(ctx.attr("to"))))
+    y = out(ctx, 0, x.shape, target)
+    if y.size:
+        cupy.copyto(y, x, casting="unsafe")
+    return y
+
+
+@REGISTRY.register("Identity", since=1)
+def identity(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
+    """A copy of the input."""
+    y = out(ctx, 0, x.shape, x.dtype)
+    if y.size:
+        cupy.copyto(y, x)
+    return y

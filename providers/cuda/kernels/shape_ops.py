@@ -1,0 +1,195 @@
+"""CUDA kernels: reshape family (views), Transpose, Concat, Slice and Gather.
+
+Shape, axes and slice-bound inputs are read on the host (see ``_common.host_ints``); they
+are constants in the models this runtime targets, so capture never waits on the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from onnx_genrt.core.kernels import KernelContext
+
+from ._common import OPTIONS, contiguous, host_ints, normalize_axis, out, refuse_in_capture
+from ._registry import REGISTRY
+
+
+def _view(ctx: KernelContext, x: cupy.ndarray, shape: list[int]) -> cupy.ndarray:
+    """``x`` reshaped without a copy (a copy of a strided input is refused in capture)."""
+    if not x.flags.c_contiguous:
+        refuse_in_capture(ctx, "reshaping a non-contiguous tensor")
+    return x.reshape(shape)
+
+
+def _reshape_target(ctx: KernelContext, in_shape: tuple[int, ...], shape: list[int]) -> list[int]:
+    """Resolve 0 (copy the input dim unless allowzero) and one -1 in a Reshape target."""
+    allowzero = ctx.opset >= 14 and bool(ctx.attr("allowzero", 0))
+    target = list(shape)
+    for i, s in enumerate(target):
+        if s == 0 and not allowzero:
+            if i >= len(in_shape):
+                raise ValueError(f"{ctx.node.describe()}: 0 at position {i} beyond input rank")
+            target[i] = in_shape[i]
+    unknown = [i for i, s in enumerate(target) if s == -1]
+    total = math.prod(in_shape)
+    if len(unknown) > 1:
+        raise ValueError(f"{ctx.node.describe()}: more than one -1 in shape {shape}")
+    if unknown:
+        known = math.prod(s for s in target if s != -1)
+        if known == 0 or total % known:
+            raise ValueError(f"{ctx.node.describe()}: cannot reshape {in_shape} to {shape}")
+        target[unknown[0]] = total // known
+    if math.prod(target) != total or any(s < 0 for s in target):
+        raise ValueError(f"{ctx.node.describe()}: cannot reshape {in_shape} to {shape}")
+    return target
+
+
+@REGISTRY.register("Reshape", since=1)
+def reshape(ctx: KernelContext, x: cupy.ndarray, shape=None) -> cupy.ndarray:
+    """Reshape as a view (shape attribute before opset 5, input after)."""
+    target = host_ints(ctx, ctx.attr("shape", [])) if ctx.opset < 5 else host_ints(ctx, shape)
+    return _view(ctx, x, _reshape_target(ctx, tuple(x.shape), target))
+
+
+@REGISTRY.register("Flatten", since=1)
+def flatten(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
+    """Flatten to 2-D around ``axis`` (a view)."""
+    axis = int(ctx.attr("axis", 1))
+    axis = axis + x.ndim if axis < 0 else axis
+    if not 0 <= axis <= x.ndim:
+        raise ValueError(f"{ctx.node.describe()}: axis {axis} out of range for rank {x.ndim}")
+    return _view(ctx, x, [math.prod(x.shape[:axis]), math.prod(x.shape[axis:])])
+
+
+def _axes(ctx: KernelContext, raw: list[int], rank: int) -> list[int]:
+    axes = [normalize_axis(ctx, int(a), rank) for a in raw]
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{ctx.node.describe()}: repeated axis in {raw}")
+    return axes
+
+
+@REGISTRY.register("Squeeze", since=1)
+def squeeze(ctx: KernelContext, x: cupy.ndarray, axes=None) -> cupy.ndarray:
+    """Drop size-1 dims (axes attribute before opset 13, input after; none = all 1s)."""
+    if ctx.opset < 13:
+        raw = ctx.attr("axes", None)
+    else:
+        raw = None if axes is None else host_ints(ctx, axes)
+    if raw is None:
+        return _view(ctx, x, [d for d in x.shape if d != 1])
+    ax = _axes(ctx, list(raw), x.ndim)
+    for a in ax:
+        if x.shape[a] != 1:
+            raise ValueError(f"{ctx.node.describe()}: cannot squeeze axis {a} of size {x.shape[a]}")
+    return _view(ctx, x, [d for i, d in enumerate(x.shape) if i not in ax])
+
+
+@REGISTRY.register("Unsqueeze", since=1)
+def unsqueeze(ctx: KernelContext, x: cupy.ndarray, axes=None) -> cupy.ndarray:
+    """Insert size-1 dims (axes attribute before opset 13, input after)."""
+    raw = host_ints(ctx, ctx.attr("axes", [])) if ctx.opset < 13 else host_ints(ctx, axes)
+    ax = set(_axes(ctx, raw, x.ndim + len(raw)))
+    dims = iter(x.shape)
+    return _view(ctx, x, [1 if i in ax else next(dims) for i in range(x.ndim + len(ax))])
+
+
+@REGISTRY.register("Transpose", since=1)
+def transpose(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
+    """Permute axes (default: reverse) into a contiguous output."""
+    perm = ctx.attr("perm", None)
+    perm = list(range(x.ndim))[::-1] if perm is None else _axes(ctx, list(perm), x.ndim)
+    if len(perm) != x.ndim:
+        raise ValueError(f"{ctx.node.describe()}: perm {perm} does not match rank {x.ndim}")
+    if perm == sorted(perm):
+        return x
+    moved = x.transpose(perm)
+    y = out(ctx, 0, moved.shape, x.dtype)
+    if y.size:
+        cupy.copyto(y, moved)
+    return y
+
+
+@REGISTRY.register("Concat", since=1)
+def concat(ctx: KernelContext, *inputs: cupy.ndarray) -> cupy.ndarray:
+    """Join inputs along ``axis``: one copy per input into its slice of the output."""
+    parts = [t for t in inputs if t is not None]
+    rank = parts[0].ndim
+    axis = normalize_axis(ctx, int(ctx.attr("axis", 1 if ctx.opset < 4 else 0)), rank)
+    shape = list(parts[0].shape)
+    shape[axis] = sum(int(t.shape[axis]) for t in parts)
+    y = out(ctx, 0, shape, parts[0].dtype)
+    index: list[slice] = [slice(None)] * rank
+    offset = 0
+    for t in parts:
+        width = int(t.shape[axis])
+        if width and t.size:
+            index[axis] = slice(offset, offset + width)
+            cupy.copyto(y[tuple(index)], t)
+        offset += width
+    return y
+
+
+@REGISTRY.register("Slice", since=1)
+def slice_(ctx: KernelContext, x: cupy.ndarray, starts=None, ends=None, axes=None, steps=None):
+    """Strided slice into a contiguous output; bounds are host constants (clamped like ONNX)."""
+    if ctx.opset < 10:
+        st, en = host_ints(ctx, ctx.attr("starts", [])), host_ints(ctx, ctx.attr("ends", []))
+        ax = host_ints(ctx, ctx.attr("axes", None)) or list(range(len(st)))
+        sp = [1] * len(st)
+    else:
+        st, en = host_ints(ctx, starts), host_ints(ctx, ends)
+        ax = host_ints(ctx, axes) if axes is not None else list(range(len(st)))
+        sp = host_ints(ctx, steps) if steps is not None else [1] * len(st)
+    if not len(st) == len(en) == len(ax) == len(sp):
+        raise ValueError(f"{ctx.node.describe()}: starts/ends/axes/steps lengths differ")
+    index: list[slice] = [slice(None)] * x.ndim
+    for a, s, e, step in zip(_axes(ctx, ax, x.ndim), st, en, sp, strict=True):
+        if step == 0:
+            raise ValueError(f"{ctx.node.describe()}: step must not be zero")
+        index[a] = slice(s, e, step)  # Python slicing clamps exactly as ONNX specifies
+    view = x[tuple(index)]
+    y = out(ctx, 0, view.shape, x.dtype)
+    if y.size:
+        cupy.copyto(y, view)
+    return y
+
+
+_GATHER = cupy.ElementwiseKernel(
+    "raw T data, raw I idx, int64 dim, int64 nidx, int64 inner",
+    "T y",
+    """
+    const long long q = i / inner, r = i - q * inner;
+    const long long o = q / nidx, j = q - o * nidx;
+    long long k = (long long)idx[j];
+    if (k < 0) k += dim;
+    k = k < 0 ? 0 : (k >= dim ? dim - 1 : k);  // out of range: clamp, never fault
+    y = data[(o * dim + k) * inner + r];
+    """,
+    "genrt_gather",
+    options=OPTIONS,
+)
+
+
+@REGISTRY.register("Gather", since=1)
+def gather(ctx: KernelContext, x: cupy.ndarray, indices: cupy.ndarray) -> cupy.ndarray:
+    """Take along ``axis`` with device indices; negatives count from the end.
+
+    Indices are not range-checked (that would need a host sync); out-of-range ones clamp.
+    """
+    axis = normalize_axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
+    if not isinstance(indices, cupy.ndarray):
+        refuse_in_capture(ctx, "uploading host indices")
+        indices = cupy.asarray(indices)
+    shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1 :])
+    y = out(ctx, 0, shape, x.dtype)
+    if y.size == 0:
+        return y
+    data = contiguous(ctx, x).reshape(-1)
+    idx = contiguous(ctx, indices).reshape(-1)
+    dim = int(x.shape[axis])
+    inner = math.prod(x.shape[axis + 1 :])
+    _GATHER(data, idx, np.int64(dim), np.int64(idx.size), np.int64(inner), y)
+    return y

@@ -1,0 +1,275 @@
+"""The CUDA execution provider: CuPy memory, one non-blocking stream, CUDA graphs per slot.
+
+Everything this provider does goes onto ``self.stream``: kernel launches, device copies and
+host copies (through a pinned staging buffer). Work queued elsewhere (CuPy's default
+stream) is not ordered with it; write into bound buffers under ``with provider.stream:``
+or with ``array.set(host, stream=provider.stream)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import cupy
+import numpy as np
+
+from onnx_genrt.core.device import Device
+from onnx_genrt.core.dtypes import DType
+from onnx_genrt.core.errors import GraphCaptureError
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.kernels import KernelContext, KernelDef, KernelRegistry
+from onnx_genrt.core.provider import ExecutionProvider
+from onnx_genrt.core.tensor import Tensor
+
+from .kernels import REGISTRY
+
+#: Host copies up to this size go through the pinned staging buffer (async on the stream).
+STAGING_MAX = 64 << 20
+#: Integer arrays up to this many elements keep a host copy when uploaded by ``as_array``.
+SHADOW_MAX_ELEMS = 64
+#: Host copies of small integer arrays kept at once (oldest dropped first).
+SHADOW_ENTRIES = 4096
+
+
+class CUDAProvider(ExecutionProvider):
+    """Runs kernels on one NVIDIA GPU through CuPy; holds a CUDA graph in each slot."""
+
+    name = "cuda"
+    GRAPH_SLOTS = frozenset(DeviceGraphSlot)
+    CAPTURE_EXECUTES = False
+
+    def __init__(self, device_id: int = 0) -> None:
+        super().__init__()
+        self._index = int(device_id)
+        self._device = Device("cuda", self._index)
+        self._cuda_device = cupy.cuda.Device(self._index)
+        with self._cuda_device:
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._scope = (
+            self.stream if self._index == 0 else _DeviceStream(self._cuda_device, self.stream)
+        )
+        self._graphs: dict[DeviceGraphSlot, Any] = {}
+        self._staging: np.ndarray | None = None
+        self._staging_mem: Any = None
+        self._staging_done: Any = None
+        self._shadow: OrderedDict[tuple, tuple[Any, np.ndarray]] = OrderedDict()
+        self._scratch: Any = None
+        self._retired_scratch: list[Any] = []
+
+    # -- device and memory -------------------------------------------------
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def kernels(self) -> KernelRegistry:
+        return REGISTRY
+
+    def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
+        with self._scope:
+            buf = cupy.empty(tuple(int(s) for s in shape), dtype.numpy)
+        return Tensor(buf, dtype, self._device)
+
+    def copy_from_host(self, array: np.ndarray, out: Tensor | None = None) -> Tensor:
+        self._refuse_host_copy("host-to-device copy")
+        host = np.asarray(array)
+        if out is None:
+            host = np.asarray(host, order="C")  # ascontiguousarray would make 0-d 1-d
+            with self._scope:
+                buf = cupy.empty(host.shape, host.dtype)
+            self._upload(host, buf)
+            return Tensor(buf, DType.from_numpy(host.dtype), self._device)
+        dst = out.buffer
+        host = np.asarray(np.broadcast_to(host, dst.shape), dtype=dst.dtype, order="C")
+        if dst.flags.c_contiguous:
+            self._upload(host, dst)
+        else:
+            with self._scope:
+                tmp = cupy.empty(host.shape, host.dtype)
+            self._upload(host, tmp)
+            with self._scope:
+                cupy.copyto(dst, tmp)
+        return out
+
+    def copy_to_host(self, tensor: Tensor, out: np.ndarray | None = None) -> np.ndarray:
+        self._refuse_host_copy("device-to-host copy")
+        src = tensor.buffer
+        if not isinstance(src, cupy.ndarray):
+            host = src
+        elif src.size == 0:
+            host = np.empty(src.shape, src.dtype)
+        else:
+            host = self._download(src, keep_view=out is not None)
+        if out is None:
+            return host if host is not src else np.array(src, copy=True)
+        np.copyto(out, host)
+        return out
+
+    def _download(self, src: Any, keep_view: bool) -> np.ndarray:
+        """A device array to the host; the staging view itself when ``keep_view``."""
+        if not src.flags.c_contiguous:
+            with self._scope:
+                src = cupy.ascontiguousarray(src)
+        nbytes = int(src.nbytes)
+        if nbytes > STAGING_MAX:
+            return src.get(stream=self.stream)
+        view = self._staging_view(nbytes, src.dtype, tuple(src.shape))
+        src.get(stream=self.stream, out=view)  # blocking: waits for the stream
+        return view if keep_view else view.copy()
+
+    def copy(self, src: Tensor, dst: Tensor) -> None:
+        if not isinstance(src.buffer, cupy.ndarray):
+            self.copy_from_host(src.buffer, dst)
+            return
+        if not isinstance(dst.buffer, cupy.ndarray):
+            self.copy_to_host(src, dst.buffer)
+            return
+        with self._scope:
+            cupy.copyto(dst.buffer, src.buffer)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def as_array(self, host: np.ndarray) -> Any:
+        """Host array to a CuPy array on this device; CuPy arrays pass through.
+
+        Small integer arrays (shapes, axes, slice bounds) also keep a host copy, so kernels
+        read them without a device sync. Do not write such arrays in place afterwards.
+        """
+        if isinstance(host, cupy.ndarray):
+            return host
+        arr = np.asarray(host, order="C")
+        dev = self.copy_from_host(arr).buffer
+        if arr.dtype.kind in "iu" and arr.size <= SHADOW_MAX_ELEMS:
+            self._shadow[_shadow_key(dev)] = (dev, arr.copy())
+            while len(self._shadow) > SHADOW_ENTRIES:
+                self._shadow.popitem(last=False)
+        return dev
+
+    def host_shadow(self, array: Any) -> np.ndarray | None:
+        """The host copy of a small integer array uploaded by ``as_array``, if kept."""
+        if not isinstance(array, cupy.ndarray):
+            return np.asarray(array)
+        hit = self._shadow.get(_shadow_key(array))
+        return None if hit is None else hit[1]
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        if not isinstance(array, cupy.ndarray):
+            return np.asarray(array)
+        return self.copy_to_host(Tensor(array, DType.from_numpy(array.dtype), self._device))
+
+    def scratch(self, nbytes: int) -> Any:
+        """Scratch bytes for kernels (split-K partial sums).
+
+        The buffer only grows outside a capture, and a replaced buffer is kept alive, since
+        graphs captured earlier still write into it.
+        """
+        nbytes = max(int(nbytes), 1)
+        if self._scratch is None or self._scratch.size < nbytes:
+            if self.capturing is not None:
+                raise GraphCaptureError(
+                    f"scratch of {nbytes} bytes needed while capturing, {self._scratch_size()} "
+                    "held; run the step eagerly first"
+                )
+            if self._scratch is not None:
+                self._retired_scratch.append(self._scratch)
+            with self._scope:
+                self._scratch = cupy.empty(max(nbytes, 2 * self._scratch_size()), np.uint8)
+        return self._scratch[:nbytes]
+
+    def _scratch_size(self) -> int:
+        return 0 if self._scratch is None else int(self._scratch.size)
+
+    # -- kernels ------------------------------------------------------------
+    def launch(self, kdef: KernelDef, ctx: KernelContext, inputs: Sequence[Any]) -> Any:
+        with self._scope:
+            return kdef.fn(ctx, *inputs)
+
+    # -- graph hooks ----------------------------------------------------------
+    def _graph_begin(self, slot: DeviceGraphSlot) -> None:
+        with self._scope:
+            self.stream.begin_capture()
+
+    def _graph_end(self, slot: DeviceGraphSlot) -> None:
+        with self._scope:
+            graph = self.stream.end_capture()
+            with contextlib.suppress(Exception):
+                graph.upload(self.stream)
+        self._drop_graph(slot)
+        self._graphs[slot] = graph
+
+    def _graph_abort(self, slot: DeviceGraphSlot) -> None:
+        with contextlib.suppress(Exception), self._scope:
+            self.stream.end_capture()
+
+    def _graph_replay(self, slot: DeviceGraphSlot) -> None:
+        with self._scope:
+            self._graphs[slot].launch(self.stream)
+
+    def _graph_reset(self, slot: DeviceGraphSlot) -> None:
+        self._drop_graph(slot)
+
+    def _graph_exists(self, slot: DeviceGraphSlot) -> bool:
+        return slot in self._graphs
+
+    def _drop_graph(self, slot: DeviceGraphSlot) -> None:
+        if slot in self._graphs:
+            if self.capturing is None:
+                self.stream.synchronize()  # a replay in flight must finish first
+            del self._graphs[slot]
+
+    # -- host staging -------------------------------------------------------------
+    def _refuse_host_copy(self, what: str) -> None:
+        if self.capturing is not None:
+            raise GraphCaptureError(
+                f"{what} while capturing slot {self.capturing.value!r}: host copies cannot be "
+                "recorded into a CUDA graph"
+            )
+
+    def _staging_view(self, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The pinned staging buffer as an array, once the last upload from it is done."""
+        if self._staging_done is not None:
+            self._staging_done.synchronize()
+            self._staging_done = None
+        if self._staging is None or self._staging.size < nbytes:
+            size = max(nbytes, 1 << 20, 0 if self._staging is None else 2 * self._staging.size)
+            size = min(max(size, nbytes), max(STAGING_MAX, nbytes))
+            self._staging_mem = cupy.cuda.alloc_pinned_memory(size)
+            self._staging = np.frombuffer(self._staging_mem, np.uint8, size)
+        return self._staging[:nbytes].view(dtype).reshape(shape)
+
+    def _upload(self, host: np.ndarray, dst: Any) -> None:
+        """Contiguous ``host`` into contiguous ``dst`` (same shape and dtype) on the stream."""
+        nbytes = int(host.nbytes)
+        if nbytes == 0:
+            return
+        if nbytes > STAGING_MAX:
+            dst.set(host, stream=self.stream)  # pageable: returns once the source is consumed
+            return
+        view = self._staging_view(nbytes, host.dtype, host.shape)
+        np.copyto(view, host)
+        dst.set(view, stream=self.stream)
+        self._staging_done = self.stream.record()
+
+
+def _shadow_key(array: Any) -> tuple:
+    return (int(array.data.ptr), tuple(array.shape), array.dtype.str)
+
+
+class _DeviceStream:
+    """Makes a device and then a stream current (for providers not on device 0)."""
+
+    def __init__(self, device: Any, stream: Any) -> None:
+        self._device = device
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        self._device.__enter__()
+        self._stream.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stream.__exit__(*exc)
+        self._device.__exit__(*exc)

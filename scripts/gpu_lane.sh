@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# GPU lane: run from the repository root on the GPU machine (no network there).
+#   bash scripts/gpu_lane.sh
+# Installs the project without fetching anything, runs the GPU tests with the GPU required,
+# lists providers, runs the dispatch bench and prints a summary. Logs go to $OUT when set.
+# GPU_LANE_PYTEST_ARGS overrides the extra pytest arguments (default: -x).
+set -euo pipefail
+
+PY="${PYTHON:-python3}"
+LOGDIR="${OUT:-/tmp/gpu_lane}"
+mkdir -p "$LOGDIR"
+LOG="$LOGDIR/gpu_lane.log"
+
+main() {
+  echo "== machine"
+  nvidia-smi -L || echo "nvidia-smi failed"
+  "$PY" -V
+  "$PY" - <<'EOF' || echo "CuPy does not import or sees no GPU"
+import cupy, numpy
+rt = cupy.cuda.runtime
+print(f"cupy {cupy.__version__}, numpy {numpy.__version__}, CUDA runtime {rt.runtimeGetVersion()}, "
+      f"driver {rt.driverGetVersion()}, devices {rt.getDeviceCount()}")
+props = rt.getDeviceProperties(0)
+print(f"device 0: {props['name'].decode()}, {props['multiProcessorCount']} SMs")
+EOF
+  "$PY" -c "import setuptools, pip; print('setuptools', setuptools.__version__, 'pip', pip.__version__)" \
+    || echo "setuptools missing: the install below will fail"
+  if "$PY" -c "import numba; print('numba', numba.__version__)"; then
+    NUMBA="imports"
+  else
+    NUMBA="does NOT import (CPU provider unusable here)"
+  fi
+
+  echo "== install (no network, no build isolation)"
+  if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . ; then
+    echo "editable install failed; installing a regular copy"
+    "$PY" -m pip install -q --no-deps --no-build-isolation .
+  fi
+  CLI=(onnx-genrt)
+  command -v onnx-genrt >/dev/null || CLI=("$PY" -m onnx_genrt)
+  if "$PY" -c "import onnx_genrt.providers.cpu.provider" 2>"$LOGDIR/cpu_import.txt"; then
+    CPU_PROVIDER="imports"
+  else
+    CPU_PROVIDER="does NOT import: $(tail -n 1 "$LOGDIR/cpu_import.txt")"
+  fi
+
+  echo "== GPU tests"
+  set +e
+  # shellcheck disable=SC2086
+  ONNX_GENRT_REQUIRE_GPU=1 "$PY" -m pytest -q tests/gpu ${GPU_LANE_PYTEST_ARGS--x} -rA \
+    --junitxml="$LOGDIR/gpu_tests.xml"
+  TESTS_RC=$?
+  set -e
+
+  echo "== providers"
+  "${CLI[@]}" providers || echo "onnx-genrt providers failed"
+
+  echo "== dispatch bench (eager vs replay per node)"
+  BENCH=(bench)
+  if "${CLI[@]}" bench --help 2>/dev/null | grep -q -- "--dispatch"; then
+    BENCH=(bench --dispatch)
+  fi
+  : >"$LOGDIR/bench.txt"
+  if ! "${CLI[@]}" "${BENCH[@]}" --provider cuda --provider cpu | tee "$LOGDIR/bench.txt"; then
+    echo "bench with cpu failed; cuda alone:"
+    "${CLI[@]}" "${BENCH[@]}" --provider cuda | tee "$LOGDIR/bench.txt" || echo "cuda bench failed"
+  fi
+
+  echo "== summary"
+  "$PY" - "$LOGDIR/gpu_tests.xml" <<'EOF' || echo "tests: no junit report"
+import sys
+import xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+print(f"tests: {passed} passed, {tot['failures']} failed, {tot['errors']} errors, {tot['skipped']} skipped")
+for case in root.iter("testcase"):
+    for bad in list(case):
+        if bad.tag in ("failure", "error"):
+            msg = (bad.get("message") or "").splitlines()[0][:160] if bad.get("message") else ""
+            print(f"  {bad.tag.upper()}: {case.get('name')}: {msg}")
+EOF
+  echo "pytest exit code: $TESTS_RC"
+  echo "numba: $NUMBA; CPU provider: $CPU_PROVIDER"
+  echo "dispatch (us per node):"
+  sed 's/^/  /' "$LOGDIR/bench.txt"
+  return "$TESTS_RC"
+}
+
+main "$@" 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"
