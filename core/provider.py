@@ -66,7 +66,7 @@ class ExecutionProvider(ABC):
 
     def as_array(self, host: np.ndarray) -> Any:
         """Host array to this provider's array type (used for feeds and constants)."""
-        return self.copy_from_host(np.ascontiguousarray(host)).buffer
+        return self.copy_from_host(np.require(host, requirements="C")).buffer
 
     def to_numpy(self, array: Any) -> np.ndarray:
         """This provider's array type to a host numpy array."""

@@ -56,10 +56,9 @@ class StaticKVCache:
         provider = session.main_provider
         dtype = DType.from_numpy(spec.dtype)
         shape = (1, kv_heads, max_length, head_size)
-        self.keys = [provider.allocate(shape, dtype).buffer for _ in range(layers)]
-        self.values = [provider.allocate(shape, dtype).buffer for _ in range(layers)]
-        for buf in (*self.keys, *self.values):
-            buf[...] = 0
+        zeros = np.zeros(shape, dtype.numpy)  # through the provider: on its stream
+        self.keys = [provider.copy_from_host(zeros).buffer for _ in range(layers)]
+        self.values = [provider.copy_from_host(zeros).buffer for _ in range(layers)]
         self.max_length = max_length
         self.length = 0
 

@@ -238,7 +238,13 @@ class Executor:
         results = []
         for name in output_names:
             value = env[name] if name in env else self._constant(name)
-            if layout.arena is not None and np.may_share_memory(value, layout.arena):
+            # A host view into the arena would be overwritten by the next run; device
+            # values are copied to the host by the caller before anything else runs.
+            if (
+                isinstance(value, np.ndarray)
+                and isinstance(layout.arena, np.ndarray)
+                and np.may_share_memory(value, layout.arena)
+            ):
                 value = value.copy()
             results.append(value)
         return results
@@ -333,9 +339,13 @@ class Executor:
                 f"output {name!r} of {where} has shape {list(value.shape)}, but the bound buffer "
                 f"has shape {list(target.shape)}"
             )
+        if value.dtype != target.dtype:
+            where = step.node.describe() if step is not None else "constant"
+            raise KernelError(
+                f"output {name!r} of {where} is {value.dtype}, but the bound buffer is {target.dtype}"
+            )
         dt = DType.from_numpy(target.dtype)
-        src = value if value.dtype == target.dtype else value.astype(target.dtype)
-        provider.copy(Tensor(src, dt, provider.device), Tensor(target, dt, provider.device))
+        provider.copy(Tensor(value, dt, provider.device), Tensor(target, dt, provider.device))
 
     # -- planning ---------------------------------------------------------------
     def _execute_and_plan(
