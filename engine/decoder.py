@@ -9,7 +9,6 @@ length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,14 +20,40 @@ from onnx_genrt.core.tensor import Tensor
 from onnx_genrt.session import InferenceSession, IOBinding
 
 from .config import DecoderIO, GenAIConfig
+from .decode_heads import ARGMAX, NONFINITE
 
 
-@dataclass
 class StepOutput:
-    """Host views of one step's results: logits ``[M, vocab]`` and hidden ``[M, H]`` or None."""
+    """One step's results for its ``n`` real rows, brought to the host only when read.
 
-    logits: np.ndarray
-    hidden: np.ndarray | None
+    ``tokens`` (the device argmax of each row) costs M int64s; ``logits`` costs M x vocab.
+    Values are read from the step's bound buffers, so read them before the next step of
+    the same width overwrites those buffers.
+    """
+
+    def __init__(self, provider: Any, bufs: dict[str, Any], n: int) -> None:
+        self._provider, self._bufs, self._n = provider, bufs, n
+        self._cache: dict[str, np.ndarray | None] = {}
+
+    def _get(self, key: str) -> np.ndarray | None:
+        if key not in self._cache:
+            buf = self._bufs.get(key)
+            self._cache[key] = None if buf is None else self._provider.to_numpy(buf)[0, : self._n]
+        return self._cache[key]
+
+    @property
+    def logits(self) -> np.ndarray:
+        return self._get("logits")
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Greedy token of every row (device argmax when the model has the decode heads)."""
+        tokens = self._get("argmax")
+        return tokens if tokens is not None else np.argmax(self.logits, axis=-1)
+
+    @property
+    def hidden(self) -> np.ndarray | None:
+        return self._get("hidden")
 
 
 class StaticKVCache:
@@ -81,6 +106,7 @@ class DecoderRunner:
         self.layers = layers
         self.provider = session.main_provider
         outputs = {o.name for o in session.get_outputs()}
+        self._outputs = outputs
         self.hidden_name = io.hidden_states or (
             "hidden_states" if "hidden_states" in outputs else None
         )
@@ -117,6 +143,9 @@ class DecoderRunner:
         if vocab is None:
             raise ModelLoadError(f"output {io.logits!r} needs a static vocabulary dimension")
         bufs["logits"] = b.bind_output(io.logits, shape=(1, width, vocab), dtype=self.logits_dtype)
+        if ARGMAX in self._outputs:
+            bufs["argmax"] = b.bind_output(ARGMAX, shape=(1, width), dtype=np.int64)
+            bufs["nonfinite"] = b.bind_output(NONFINITE, shape=(), dtype=self.logits_dtype)
         if self.hidden_name:
             hspec = self.session.output_spec(self.hidden_name)
             bufs["hidden"] = b.bind_output(
@@ -169,14 +198,24 @@ class DecoderRunner:
         else:
             self.session.run_with_iobinding(binding, slot)
         self.cache.length = start + n
-        logits = self.provider.to_numpy(bufs["logits"])[0, :n]
-        if not np.isfinite(logits).all():
+        self._check_finite(bufs, start, n, slot)
+        return StepOutput(self.provider, bufs, n)
+
+    def _check_finite(self, bufs: dict[str, Any], start: int, n: int, slot: Any) -> None:
+        """Raise on NaN or infinite logits; one scalar read when the decode heads exist.
+
+        The probe covers every row of the step, padded rows included: a padded verify row
+        holds a real token's logits, so a non-finite value there is a real fault too.
+        """
+        if "nonfinite" in bufs:
+            ok = bool(np.isfinite(self.provider.to_numpy(bufs["nonfinite"])))
+        else:
+            ok = bool(np.isfinite(self.provider.to_numpy(bufs["logits"])[0, :n]).all())
+        if not ok:
             raise NonFiniteError(
                 f"non-finite logits at positions {start}..{start + n - 1} "
                 f"(slot {slot.value if slot else 'eager'})"
             )
-        hidden = self.provider.to_numpy(bufs["hidden"])[0, :n] if "hidden" in bufs else None
-        return StepOutput(logits, hidden)
 
     def rewind_to(self, length: int) -> None:
         """Forget every position from ``length`` on; later steps overwrite them."""

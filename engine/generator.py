@@ -9,7 +9,7 @@ import numpy as np
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
-from .decoder import DecoderRunner
+from .decoder import DecoderRunner, StepOutput
 from .model import GeneratorParams, Model
 from .sampling import pick
 
@@ -30,8 +30,10 @@ class Generator:
         self.runner = DecoderRunner(model.session, cfg, self.search.max_length, spare)
         self.rng = np.random.default_rng(self.search.seed)
         self.tokens: list[int] = []
-        self._next_logits: np.ndarray | None = None
-        self._last_hidden: np.ndarray | None = None
+        # The step whose last row predicts the next token (None until the pending token is fed).
+        self._next: StepOutput | None = None
+        # The step and row whose hidden state predicted the pending token (for MTP).
+        self._hidden_at: tuple[StepOutput, int] | None = None
         self._new: list[int] = []
         self.eos = set(cfg.eos_token_ids)
 
@@ -64,8 +66,8 @@ class Generator:
     def _run(self, feed: list[int]) -> None:
         slot = DeviceGraphSlot.PRIMARY if len(feed) == 1 else None
         out = self.runner.forward(feed, slot)
-        self._next_logits = out.logits[-1]
-        self._last_hidden = out.hidden[-1] if out.hidden is not None else None
+        self._next = out
+        self._hidden_at = (out, len(feed) - 1)
 
     # -- stepping ----------------------------------------------------------------
     def generate_next_token(self) -> None:
@@ -73,18 +75,30 @@ class Generator:
             raise InvalidInputError("generation is done (eos or max_length reached)")
         if not self.tokens:
             raise InvalidInputError("append_tokens first: there is no prompt")
-        if self._next_logits is None:
+        if self._next is None:
             self._run(self._take_pending())
-        token = pick(
-            self._next_logits, self.search, self.rng, self.tokens if self._penalize else ()
-        )
+        token = self._choose(self._next, -1, self.tokens)
         self.tokens.append(token)
-        self._next_logits = None
+        self._next = None
         self._new = [token]
 
     @property
-    def _penalize(self) -> bool:
-        return self.search.repetition_penalty != 1.0
+    def _plain_greedy(self) -> bool:
+        return not self.search.do_sample and self.search.repetition_penalty == 1.0
+
+    def _choose(self, out: StepOutput, row: int, history: Sequence[int]) -> int:
+        """Next token from one row: the device argmax when plain greedy, else from logits."""
+        if self._plain_greedy:
+            return int(out.tokens[row])
+        return pick(out.logits[row], self.search, self.rng, history)
+
+    @property
+    def _last_hidden(self) -> np.ndarray | None:
+        if self._hidden_at is None:
+            return None
+        out, row = self._hidden_at
+        hidden = out.hidden
+        return None if hidden is None else hidden[row]
 
     def get_next_tokens(self) -> list[int]:
         """Tokens added by the last ``generate_next_token`` call."""
@@ -114,8 +128,8 @@ class Generator:
             )
         self.tokens = self.tokens[:length]
         self.runner.rewind_to(min(self.runner.cache.length, max(length - 1, 0)))
-        self._next_logits = None
-        self._last_hidden = None
+        self._next = None
+        self._hidden_at = None
         self._new = []
 
     def graph_stats(self) -> dict[str, dict]:

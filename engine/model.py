@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from onnx_genrt.core.errors import InvalidInputError
-from onnx_genrt.session import InferenceSession
+from onnx_genrt.session import InferenceSession, load_model
 from onnx_genrt.session.inference_session import ProviderArg
 
 from .config import GenAIConfig, SearchOptions, load_config
+from .decode_heads import add_decode_heads
 from .sampling import validate
 from .tokenizer import Tokenizer
 
@@ -30,8 +31,9 @@ class Model:
         self.config: GenAIConfig = load_config(self.folder)
         self.providers = [provider] if isinstance(provider, str) else list(provider)
         self.enable_graphs = enable_graphs
+        proto = add_decode_heads(load_model(self.config.model_path), self.config.io.logits)
         self.session = InferenceSession(
-            self.config.model_path, providers=self.providers, enable_graphs=enable_graphs
+            proto, providers=self.providers, enable_graphs=enable_graphs
         )
         self._tokenizer: Tokenizer | None = None
 

@@ -64,7 +64,7 @@ class SpeculativeGenerator(Generator):
             super().generate_next_token()  # raises the usual error
         if not self.tokens:
             raise ValueError("append_tokens first: there is no prompt")
-        if self._next_logits is not None:  # right after a prompt: its logits are ready
+        if self._next is not None:  # right after a prompt: its logits are ready
             return super().generate_next_token()
         room = self.search.max_length - len(self.tokens) - 1
         fits = self.runner.cache.length + self.k + 1 <= self.runner.max_length
@@ -83,10 +83,15 @@ class SpeculativeGenerator(Generator):
         history = list(self.tokens)
         new: list[int] = []
         accepted = 0
+        greedy_tokens = out.tokens if self._plain_greedy else None
         for i in range(len(drafts) + 1):
-            row = penalize_repetition(out.logits[i], history, self.search.repetition_penalty)
             draft = drafts[i] if i < len(drafts) else None
-            token, ok = self._accept(row, draft)
+            if greedy_tokens is not None:  # k+1 ids read back; acceptance is a compare
+                token = int(greedy_tokens[i])
+                ok = draft is not None and draft == token
+            else:
+                row = penalize_repetition(out.logits[i], history, self.search.repetition_penalty)
+                token, ok = self._accept(row, draft)
             new.append(token)
             history.append(token)
             if not ok or token in self.eos:
@@ -95,12 +100,12 @@ class SpeculativeGenerator(Generator):
         accepted = min(accepted, len(drafts))
         # Positions pending..pending+accepted are valid; the rest is rewound.
         self.runner.rewind_to(start + 1 + accepted)
-        self._last_hidden = out.hidden[accepted] if out.hidden is not None else None
+        self._hidden_at = (out, accepted)
         room = self.search.max_length - len(self.tokens)
         new = new[:room]
         self.tokens.extend(new)
         self._new = new
-        self._next_logits = None
+        self._next = None
         self.spec.verify_steps += 1
         self.spec.proposed += len(drafts)
         self.spec.accepted += accepted

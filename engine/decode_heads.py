@@ -1,0 +1,45 @@
+"""Small additions to a decoder graph so the host reads back little per step.
+
+``argmax`` gives the greedy token of every row on the device, and ``nonfinite`` is
+``sum(logits - logits)``: 0 when every logit is finite, NaN otherwise. With both in the
+captured graph, a greedy step reads back M token ids and one float instead of M x vocab
+logits, and non-finite logits still raise instead of producing text.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+ARGMAX = "onnx_genrt.argmax"
+NONFINITE = "onnx_genrt.nonfinite"
+
+
+def add_decode_heads(model: onnx.ModelProto, logits: str) -> onnx.ModelProto:
+    """Return ``model`` with the argmax and non-finite outputs appended (in place)."""
+    graph = model.graph
+    if any(o.name == ARGMAX for o in graph.output):
+        return model
+    found = [o for o in graph.output if o.name == logits]
+    if not found:
+        raise ValueError(f"the model has no output {logits!r}")
+    logits_type = found[0].type.tensor_type.elem_type or TensorProto.FLOAT
+    diff = "onnx_genrt.logits_minus_logits"
+    graph.node.extend(
+        [
+            helper.make_node(
+                "ArgMax", [logits], [ARGMAX], name="onnx_genrt/argmax", axis=-1, keepdims=0
+            ),
+            helper.make_node("Sub", [logits, logits], [diff], name="onnx_genrt/nonfinite_sub"),
+            helper.make_node(
+                "ReduceSum", [diff], [NONFINITE], name="onnx_genrt/nonfinite_sum", keepdims=0
+            ),
+        ]
+    )
+    graph.output.extend(
+        [
+            helper.make_tensor_value_info(ARGMAX, TensorProto.INT64, None),
+            helper.make_tensor_value_info(NONFINITE, logits_type, []),
+        ]
+    )
+    return model
