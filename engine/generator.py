@@ -11,7 +11,7 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
 from .decoder import DecoderRunner, StepOutput
 from .model import GeneratorParams, Model
-from .sampling import pick
+from .sampling import penalize_repetition, pick
 
 
 class Generator:
@@ -89,8 +89,19 @@ class Generator:
     def _choose(self, out: StepOutput, row: int, history: Sequence[int]) -> int:
         """Next token from one row: the device argmax when plain greedy, else from logits."""
         if self._plain_greedy:
-            return int(out.tokens[row])
-        return pick(out.logits[row], self.search, self.rng, history)
+            token = int(out.tokens[row])
+            if not (token in self.eos and len(history) < self.search.min_length):
+                return token
+        return pick(self.row_logits(out, row, history), self.search, self.rng, ())
+
+    def row_logits(self, out: StepOutput, row: int, history: Sequence[int]) -> np.ndarray:
+        """One row's logits after the repetition penalty and, before ``min_length``, with
+        end-of-sequence tokens ruled out (as onnxruntime-genai does)."""
+        logits = penalize_repetition(out.logits[row], history, self.search.repetition_penalty)
+        if self.eos and len(history) < self.search.min_length:
+            logits = np.array(logits, dtype=np.float32, copy=True)
+            logits[[t for t in self.eos if t < logits.shape[-1]]] = -np.inf
+        return logits
 
     @property
     def _last_hidden(self) -> np.ndarray | None:

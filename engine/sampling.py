@@ -79,6 +79,6 @@ def pick(
     """Next token from one row of logits."""
     logits = penalize_repetition(logits, previous, options.repetition_penalty)
     if not options.do_sample:
-        return int(np.argmax(logits))
+        return int(np.argmax(logits))  # an all -inf row picks index 0, like np.argmax
     p = distribution(logits, options)
     return int(rng.choice(p.size, p=p))

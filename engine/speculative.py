@@ -18,7 +18,7 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from .generator import Generator
 from .model import GeneratorParams, Model
 from .proposers import Proposer
-from .sampling import distribution, penalize_repetition
+from .sampling import distribution
 
 
 @dataclass
@@ -87,11 +87,10 @@ class SpeculativeGenerator(Generator):
         for i in range(len(drafts) + 1):
             draft = drafts[i] if i < len(drafts) else None
             if greedy_tokens is not None:  # k+1 ids read back; acceptance is a compare
-                token = int(greedy_tokens[i])
+                token = self._choose(out, i, history)
                 ok = draft is not None and draft == token
             else:
-                row = penalize_repetition(out.logits[i], history, self.search.repetition_penalty)
-                token, ok = self._accept(row, draft)
+                token, ok = self._accept(self.row_logits(out, i, history), draft)
             new.append(token)
             history.append(token)
             if not ok or token in self.eos:

@@ -45,7 +45,8 @@ def bench_ours(folder: Path, prompt: list[int], new: int, provider: str, spec: s
     model = Model(folder, provider, enable_graphs=graphs)
 
     def once():
-        res = generate(model, prompt, new, spec=spec, k=k, ignore_eos=True)
+        # min_length = the full length: eos is ruled out, as in the onnxruntime-genai row.
+        res = generate(model, prompt, new, spec=spec, k=k, min_length=len(prompt) + new)
         return res.prefill_seconds, res.decode_tokens_per_second, res.tokens, {
             "speculation": res.speculation,
             "graph_stats": res.graph_stats,
@@ -110,7 +111,9 @@ def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int):
                     strict=True,
                 )
             )
-            token = int(np.argmax(outs[cfg.io.logits][0, -1]))
+            row = outs[cfg.io.logits][0, -1].astype(np.float32)
+            row[list(cfg.eos_token_ids)] = -np.inf  # min_length = full length, like the others
+            token = int(np.argmax(row))
             ids.append(token)
             feed = [token]
             past = {n: outs[n.replace("past_key_values", "present")] for n in past_names}

@@ -1,0 +1,45 @@
+"""pytest-benchmark: greedy decode, onnx-genrt against onnxruntime-genai and a plain
+onnxruntime loop on the same model files, in one run.
+
+``pytest tests/bench --benchmark-enable`` times them; the normal test run executes each
+body once and checks that all three runtimes produce the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from onnx_genrt.llm_bench import bench_onnxruntime_genai, bench_onnxruntime_loop, bench_ours
+
+from ..llm_fixtures import TINY_QWEN2, build_qwen2
+
+PROMPT = [5, 17, 99, 3, 250, 7, 11, 42]
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return build_qwen2(TINY_QWEN2)
+
+
+RUNTIMES = {
+    "onnx-genrt": lambda f: bench_ours(f, PROMPT, NEW, "cpu", None, 4, True),
+    "onnx-genrt-ngram": lambda f: bench_ours(f, PROMPT, NEW, "cpu", "ngram", 4, True),
+    "onnxruntime-genai": lambda f: bench_onnxruntime_genai(f, PROMPT, NEW),
+    "onnxruntime-loop": lambda f: bench_onnxruntime_loop(f, PROMPT, NEW),
+}
+_tokens: dict[str, list[int]] = {}
+
+
+@pytest.mark.benchmark(group="greedy-tiny-qwen2-32-tokens")
+@pytest.mark.parametrize("runtime", list(RUNTIMES))
+def test_greedy_decode(benchmark, folder, runtime):
+    once = RUNTIMES[runtime](folder)
+    once()  # warm-up: compile, plan, capture
+    _, _, tokens, extra = benchmark(once)
+    benchmark.extra_info["new_tokens"] = NEW
+    _tokens[runtime] = tokens
+    assert len(tokens) == len(PROMPT) + NEW
+    others = {k: v for k, v in _tokens.items() if k != runtime}
+    for name, seq in others.items():
+        assert seq == tokens, f"{runtime} and {name} disagree"
