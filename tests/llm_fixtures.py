@@ -257,3 +257,17 @@ def export_dynamo(config: dict, seed: int = 0, opset: int = 23) -> Path:
     program.save(str(tmp / "model.onnx"), external_data=False)
     tmp.rename(folder)
     return path
+
+
+def greedy_generator(model, prompt: list[int], new: int):
+    """Our Generator run greedily for ``new`` tokens with eos ignored; returns it."""
+    from onnx_genrt.engine import Generator, GeneratorParams
+
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new)
+    gen = Generator(model, params)
+    gen.eos = set()
+    gen.append_tokens(prompt)
+    while not gen.is_done():
+        gen.generate_next_token()
+    return gen

@@ -14,16 +14,9 @@ from onnx_genrt.engine import Generator, GeneratorParams, Model, generate
 from onnx_genrt.engine.config import SearchOptions
 from onnx_genrt.engine.sampling import distribution, penalize_repetition
 
+from ..llm_fixtures import greedy_generator
 
-def _greedy(model, prompt, new):
-    params = GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new)
-    gen = Generator(model, params)
-    gen.eos = set()
-    gen.append_tokens(prompt)
-    while not gen.is_done():
-        gen.generate_next_token()
-    return gen
+_greedy = greedy_generator
 
 
 def test_rewind_then_regenerate_reproduces_the_sequence(qwen2_dir):

@@ -6,19 +6,15 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from onnx_genrt.engine import Generator, GeneratorParams, Model
+from onnx_genrt.engine import Model
+
+from ..llm_fixtures import greedy_generator
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [300], [42, 42, 42, 7]]
 
 
 def _ours(model: Model, prompt: list[int], new: int) -> tuple[list[int], dict]:
-    params = GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new)
-    gen = Generator(model, params)
-    gen.eos = set()
-    gen.append_tokens(prompt)
-    while not gen.is_done():
-        gen.generate_next_token()
+    gen = greedy_generator(model, prompt, new)
     return gen.get_sequence(), gen.graph_stats()
 
 

@@ -19,6 +19,7 @@ from ..llm_fixtures import (
     build_qwen2,
     build_qwen2_with_options,
     export_dynamo,
+    greedy_generator,
     hf_checkpoint,
 )
 
@@ -75,16 +76,7 @@ def engine_greedy(model, prompt: list[int], steps: int) -> tuple[np.ndarray, lis
 
 def engine_generate(model, prompt: list[int], new: int) -> list[int]:
     """New tokens from our Generator, greedy, with eos ignored."""
-    from onnx_genrt.engine import Generator, GeneratorParams
-
-    params = GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new)
-    gen = Generator(model, params)
-    gen.eos = set()
-    gen.append_tokens(prompt)
-    while not gen.is_done():
-        gen.generate_next_token()
-    return gen.get_sequence()[len(prompt) :]
+    return greedy_generator(model, prompt, new).get_sequence()[len(prompt) :]
 
 
 def ort_forced(folder: Path, prompt: list[int], continuation: list[int]) -> np.ndarray:
