@@ -136,25 +136,21 @@ class Executor:
     def all_stats(self) -> dict[str, dict[str, Any]]:
         return {s.value: st.stats.as_dict() for s, st in self._states.items()}
 
-    def reset_slot(self, slot: DeviceGraphSlot) -> None:
-        """Drop the slot's graph and planned memory (counted as an invalidation if captured)."""
+    def reset_slot(self, slot: DeviceGraphSlot, signature: Signature | None = None) -> None:
+        """Drop the slot's graph, latch and planned memory; other slots are untouched.
+
+        Dropping a captured graph counts as an invalidation.
+        """
         state = self.state(slot)
         if state.captured:
             state.stats.invalidations += 1
-        self._drop_graph(slot, state)
-        state.signature = None
+        provider = self.main_provider
+        if provider is not None and slot in provider.graph_slots:
+            provider.reset_graph(slot)
+        state.captured = False
+        state.signature = signature
         state.warmups = 0
         state.layout = None
-
-    def _drop_graph(self, slot: DeviceGraphSlot, state: SlotState) -> None:
-        if state.captured or self._provider_declares(slot):
-            provider = self.main_provider
-            if provider is not None and slot in provider.graph_slots:
-                provider.reset_graph(slot)
-        state.captured = False
-
-    def _provider_declares(self, slot: DeviceGraphSlot) -> bool:
-        return self.main_provider is not None and slot in self.main_provider.graph_slots
 
     def capture_blocker(self, slot: DeviceGraphSlot) -> str | None:
         """Why ``slot`` cannot be captured, or None when it can."""
@@ -178,12 +174,7 @@ class Executor:
         state = self.state(slot)
         sig = binding.signature()
         if sig != state.signature:
-            if state.captured:
-                state.stats.invalidations += 1
-                self._drop_graph(slot, state)
-            state.signature = sig
-            state.warmups = 0
-            state.layout = None
+            self.reset_slot(slot, sig)
         env = dict(binding.inputs)
         outs = binding.outputs
         if state.captured:
