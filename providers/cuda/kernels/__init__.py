@@ -4,7 +4,18 @@ Every kernel is written to be captured into a CUDA graph: no cuBLAS, no host syn
 allocation while the provider's stream is capturing (see ``_common.out``).
 """
 
-from . import elementwise, matmul, nn, normalization, shape_ops  # noqa: F401  (register on import)
+from . import (  # noqa: F401  (register on import)
+    constants,
+    contrib_attention,
+    contrib_norm,
+    contrib_quant,
+    elementwise,
+    matmul,
+    nn,
+    normalization,
+    reduce,
+    shape_ops,
+)
 from ._registry import REGISTRY
 
 __all__ = ["REGISTRY"]

@@ -1,0 +1,567 @@
+"""CUDA kernels: com.microsoft MatMulNBits and GatherBlockQuantized.
+
+MatMulNBits, M <= 16 (decode and verify steps; capturable): a GEMV that dequantizes the
+packed ``[N, blocks, blob]`` weight on the fly. A warp owns one output column n (two when
+N is large, or a 1/wpr share of K when there are few columns); its lanes read consecutive
+32-bit words of the packed rows (8 int4 values each, so a warp reads 128 contiguous bytes),
+four words per lane per round with their scales and zero points loaded before any math,
+then the matching activations of up to 16 rows. Accumulation in float32:
+``y = sum over words of s * sum_k a_k * (q_k - z)``. Rows of at most 128 words (K <= 1024
+at 4 bits) run on a persistent variant whose warps prefetch their next columns' words while
+computing the current ones.
+
+MatMulNBits, M > 16 (prefill; eager only): the weight is dequantized once into the
+activation dtype as ``[N, K]`` (cached per weight, see :data:`DEQUANT_CACHE`) and multiplied
+with cuBLAS, which CuPy refuses inside a stream capture, so that case raises while capturing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import cupy
+import numpy as np
+
+from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+
+from ._common import (
+    DEVICE_COMMON,
+    CaptureUnsupported,
+    capturing,
+    contiguous,
+    function,
+    out,
+    refuse_in_capture,
+    sm_count,
+    storage,
+)
+from ._registry import REGISTRY
+
+#: Largest M that runs on the GEMV kernel.
+GEMV_MAX_M = 16
+#: Packed rows of at most this many 32-bit words (K <= 1024 at 4 bits) run on the persistent,
+#: prefetching GEMV; ``ONNX_GENRT_NBITS_STREAM=0`` keeps them on the one-round kernel.
+STREAM_MAX_WORDS = 128
+STREAM_GEMV = os.environ.get("ONNX_GENRT_NBITS_STREAM", "1") != "0"
+_NBITS = (2, 4, 8)
+
+_SOURCE = (
+    DEVICE_COMMON
+    + r"""
+// Zero point of block blk of row n. zp_mode 0: 2^(bits-1); 1: packed uint8 (zrow bytes per
+// row, low bits first); 2: one float per block (same type as the scales).
+template <typename W, int BITS>
+DEVI float zero_at(const unsigned char* zp_u8, const W* zp_f, int zp_mode, long long n, int nb,
+                   int zrow, int blk) {
+  if (zp_mode == 1) {
+    const int per = 8 / BITS;
+    const unsigned int byte = zp_u8[n * zrow + blk / per];
+    return (float)((byte >> ((blk % per) * BITS)) & ((1u << BITS) - 1u));
+  }
+  if (zp_mode == 2) return ld(zp_f, n * nb + blk);
+  return (float)(1 << (BITS - 1));
+}
+
+// E = 32 / BITS activations of row pointer a from k0 as floats (zeros past K); vector
+// loads when vec says the rows are 16-byte aligned.
+template <int E>
+DEVI void load_a(const float* a, int k0, int K, int vec, float* v) {
+  if constexpr (E % 4 == 0) {
+    if (vec && k0 + E <= K) {
+#pragma unroll
+      for (int e = 0; e < E; e += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(a + k0 + e);
+        v[e] = q.x; v[e + 1] = q.y; v[e + 2] = q.z; v[e + 3] = q.w;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) v[e] = k0 + e < K ? a[k0 + e] : 0.f;
+}
+template <int E>
+DEVI void load_a(const half_t* a, int k0, int K, int vec, float* v) {
+  if constexpr (E % 8 == 0) {
+    if (vec && k0 + E <= K) {
+#pragma unroll
+      for (int e = 0; e < E; e += 8) {
+        const uint4 q = *reinterpret_cast<const uint4*>(a + k0 + e);
+        const unsigned int w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          v[e + 2 * u] = h2f((half_t)(w[u] & 0xffffu));
+          v[e + 2 * u + 1] = h2f((half_t)(w[u] >> 16));
+        }
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) v[e] = k0 + e < K ? h2f(a[k0 + e]) : 0.f;
+}
+
+// One packed 32-bit word per column r (E = 32 / BITS values from k0, scale s[r], zero z[r])
+// into the MT row sums of each column. q comes exactly from the float bits of 2^23 + q;
+// integer zero points fold into that subtraction (zint), float ones are subtracted after.
+template <typename S, int MT, int BITS, int NR>
+DEVI void nbits_word(const unsigned int* q, const float* s, const float* z, int zint, int k0,
+                     const S* __restrict__ A, int M, int K, int a_vec, float (*acc)[MT]) {
+  constexpr int E = 32 / BITS;
+  constexpr unsigned int MASK = (1u << BITS) - 1u;
+  float qv[NR][E];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    const float off = zint ? 8388608.f + z[r] : 8388608.f;
+    const float zf = zint ? 0.f : z[r];
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+      qv[r][e] = (__uint_as_float(((q[r] >> (e * BITS)) & MASK) | 0x4B000000u) - off) - zf;
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    if (m < M) {
+      float a[E];
+      load_a<E>(A + (long long)m * K, k0, K, a_vec, a);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) d = fmaf(a[e], qv[r][e], d);
+        acc[r][m] = fmaf(s[r], d, acc[r][m]);
+      }
+    }
+  }
+}
+
+// C[m, n] = sum_k A[m, k] * (q[n, k] - z[n, k / block]) * s[n, k / block] (+ bias[n]).
+// block (32, 8): warp y owns columns NR * (blockIdx.x * (8 / wpr) + y / wpr) + [0, NR) and
+// the (y % wpr)-th share of their 32-bit words. Each round a lane loads U words of each of
+// its columns (and their scales and zero points) before any math, so a warp has
+// NR * U * 128 bytes of weights in flight. MT >= M rows of A.
+template <typename S, typename W, int MT, int BITS, int NR>
+__global__ void __launch_bounds__(256) nbits_gemv(
+    const S* __restrict__ A, const unsigned int* __restrict__ B, const W* __restrict__ scales,
+    const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
+    const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
+    int words, int zrow, int zp_mode, int has_bias, int wpr, int a_vec) {
+  constexpr int E = 32 / BITS;
+  constexpr int U = 4;
+  __shared__ float red[8][NR][MT];
+  const int lane = threadIdx.x, wy = threadIdx.y;
+  const long long n0 = ((long long)blockIdx.x * (8 / wpr) + wy / wpr) * NR;
+  const int share = wy % wpr;
+  const int zint = zp_mode != 2;
+  float acc[NR][MT];
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  const int step = 32 * wpr;
+  if (n0 < N) {
+    for (int w0 = share * 32 + lane; w0 < words; w0 += U * step) {
+      unsigned int q[U][NR];
+      float s[U][NR], z[U][NR];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int w = w0 + u * step;
+        const int blk = (w * E) / block;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const long long n = n0 + r;
+          const bool ok = w < words && w * E < K && n < N;
+          q[u][r] = ok ? __ldg(B + n * words + w) : 0u;
+          s[u][r] = ok ? ld(scales, n * nb + blk) : 0.f;
+          z[u][r] = ok ? zero_at<W, BITS>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int w = w0 + u * step;
+        if (w < words && w * E < K)
+          nbits_word<S, MT, BITS, NR>(q[u], s[u], z[u], zint, w * E, A, M, K, a_vec, acc);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = warp_sum(acc[r][m]);
+  if (wpr > 1) {
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) red[wy][r][m] = acc[r][m];
+    }
+    __syncthreads();
+    if (share == 0 && lane == 0) {
+      for (int p = 1; p < wpr; ++p) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+          for (int m = 0; m < MT; ++m) acc[r][m] += red[wy + p][r][m];
+      }
+    }
+  }
+  if (share == 0 && lane == 0) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const long long n = n0 + r;
+      if (n < N) {
+        const float bv = has_bias ? ld(bias, n) : 0.f;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+          if (m < M) st(C, (long long)m * N + n, acc[r][m] + bv);
+      }
+    }
+  }
+}
+
+// Rows that fit one round (words <= 32 * U): persistent warps. Warp j of the grid takes
+// column groups j, j + W, ... (NR columns each) and issues the loads of its next group
+// before the math of the current one, so memory and math overlap within every warp.
+template <typename S, typename W, int MT, int BITS, int NR>
+__global__ void __launch_bounds__(256) nbits_gemv_stream(
+    const S* __restrict__ A, const unsigned int* __restrict__ B, const W* __restrict__ scales,
+    const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
+    const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
+    int words, int zrow, int zp_mode, int has_bias, int a_vec) {
+  constexpr int E = 32 / BITS;
+  constexpr int U = 4;
+  const int lane = threadIdx.x;
+  const long long nwarps = (long long)gridDim.x * blockDim.y;
+  const long long groups = (N + NR - 1) / NR;
+  const int zint = zp_mode != 2;
+  unsigned int q[U][NR];
+  float s[U][NR], z[U][NR];
+  long long g = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+  auto fetch = [&](long long gg) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int w = lane + 32 * u;
+      const int blk = (w * E) / block;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const long long n = gg * NR + r;
+        const bool ok = w < words && w * E < K && n < N;
+        q[u][r] = ok ? __ldg(B + n * words + w) : 0u;
+        s[u][r] = ok ? ld(scales, n * nb + blk) : 0.f;
+        z[u][r] = ok ? zero_at<W, BITS>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk) : 0.f;
+      }
+    }
+  };
+  if (g < groups) fetch(g);
+  for (; g < groups; g += nwarps) {
+    unsigned int cq[U][NR];
+    float cs[U][NR], cz[U][NR];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < NR; ++r) { cq[u][r] = q[u][r]; cs[u][r] = s[u][r]; cz[u][r] = z[u][r]; }
+    if (g + nwarps < groups) fetch(g + nwarps);
+    float acc[NR][MT];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+      for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int w = lane + 32 * u;
+      if (w < words && w * E < K)
+        nbits_word<S, MT, BITS, NR>(cq[u], cs[u], cz[u], zint, w * E, A, M, K, a_vec, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const long long n = g * NR + r;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const float v = warp_sum(acc[r][m]);
+        if (lane == 0 && n < N && m < M) st(C, (long long)m * N + n, v + (has_bias ? ld(bias, n) : 0.f));
+      }
+    }
+  }
+}
+
+// W[n, k] = (q - z) * s for the cuBLAS path; one thread per output element.
+template <typename S, typename W, int BITS>
+__global__ void nbits_dequant(const unsigned char* __restrict__ B, const W* __restrict__ scales,
+                              const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
+                              S* __restrict__ out, int K, long long total, int nb, int block,
+                              long long row_bytes, int zrow, int zp_mode) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long n = i / K;
+  const int k = (int)(i - n * K);
+  constexpr int per = 8 / BITS;
+  const unsigned int byte = B[n * row_bytes + k / per];
+  const float q = (float)((byte >> ((k % per) * BITS)) & ((1u << BITS) - 1u));
+  const int blk = k / block;
+  const float z = zero_at<W, BITS>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk);
+  st(out, i, (q - z) * ld(scales, n * nb + blk));
+}
+
+// GatherBlockQuantized, gather axis 0 of a 2-D packed table, blocks along the last axis.
+// out[i, c] = (q[idx[i], c] - z) * s[idx[i], c / block]; invalid indices give zeros.
+template <typename I, typename W, int BITS>
+__global__ void gather_block_quant(const unsigned char* __restrict__ data,
+                                   const I* __restrict__ idx, const W* __restrict__ scales,
+                                   const unsigned char* __restrict__ zp, W* __restrict__ out,
+                                   long long rows, int cols, int row_bytes, int nb, int block,
+                                   int zrow, int has_zp, long long total) {
+  const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= total) return;
+  const long long i = t / cols;
+  const int c = (int)(t - i * cols);
+  long long r = (long long)idx[i];
+  if (r < 0) r += rows;
+  if (r < 0 || r >= rows) { st(out, t, 0.f); return; }
+  constexpr int per = 8 / BITS;
+  const unsigned int byte = data[r * row_bytes + c / per];
+  const float q = (float)((byte >> ((c % per) * BITS)) & ((1u << BITS) - 1u));
+  const int blk = c / block;
+  float z = (float)(1 << (BITS - 1));
+  if (has_zp) {
+    const unsigned int zb = zp[r * zrow + blk / per];
+    z = (float)((zb >> ((blk % per) * BITS)) & ((1u << BITS) - 1u));
+  }
+  st(out, t, (q - z) * ld(scales, r * nb + blk));
+}
+"""
+)
+
+
+# ----------------------------------------------------------------------------- dequant cache
+
+
+class DequantCache:
+    """Dequantized ``[N, K]`` weights for the cuBLAS path, keyed on their sources' addresses.
+
+    An entry holds its source arrays, so their addresses cannot be reused while it lives;
+    entries assume the sources are not modified in place (they are initializers). ``clear()``
+    drops everything (a session that frees its weights should call it).
+    """
+
+    def __init__(self) -> None:
+        self.builds = 0
+        self._entries: dict[tuple, tuple[tuple, cupy.ndarray]] = {}
+
+    def get(self, sources: tuple, params: tuple, build) -> cupy.ndarray:
+        key = (tuple(0 if a is None else int(a.data.ptr) for a in sources), params)
+        hit = self._entries.get(key)
+        if hit is not None:
+            return hit[1]
+        value = build()
+        self.builds += 1
+        self._entries[key] = (sources, value)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+DEQUANT_CACHE = DequantCache()
+
+
+# ----------------------------------------------------------------------------- MatMulNBits
+
+
+def _nbits_check(node: NodeInfo, _types: object) -> str | None:
+    bits = int(node.attr("bits", 4))
+    block = int(node.attr("block_size", 0))
+    if bits not in _NBITS:
+        return f"MatMulNBits bits={bits} is not supported (2, 4 or 8)"
+    if block < 16 or block & (block - 1):
+        return f"MatMulNBits block_size={block} must be a power of 2 >= 16"
+    names = node.input_names
+    if len(names) > 4 and names[4]:
+        return "MatMulNBits g_idx input is not supported"
+    if node.attr("weight_prepacked", 0):
+        return "MatMulNBits weight_prepacked is not supported"
+    return None
+
+
+def gemv_wpr(n: int, words: int, sms: int) -> int:
+    """Warps per output column (group): more when there are too few to fill the GPU."""
+    wpr = 1
+    while wpr < 8 and -(-n * wpr // 8) < 4 * sms and words >= 32 * 2 * wpr * 2:
+        wpr *= 2
+    return wpr
+
+
+_REGS: dict[int, int] = {}
+
+
+def stream_blocks(fn, groups: int, sms: int) -> int:
+    """Blocks of the persistent GEMV: as many as fit on the GPU at once, at most one per
+    8 column groups."""
+    regs = _REGS.get(id(fn))
+    if regs is None:  # a driver query, made once per kernel (the first call is eager)
+        regs = _REGS[id(fn)] = max(1, int(getattr(fn, "num_regs", 64) or 64))
+    per_sm = max(1, min(8, 65536 // (-(-regs // 8) * 8 * 256)))
+    return max(1, min(-(-groups // 8), per_sm * sms))
+
+
+def _zero_args(ctx: KernelContext, zp, scales, n: int, nb: int, bits: int):
+    """(zp_u8, zp_f, zrow, zp_mode) kernel arguments for the zero points."""
+    if zp is None:
+        return scales, scales, 0, 0
+    zp = contiguous(ctx, zp)
+    if zp.dtype == np.uint8:
+        zrow = zp.size // n if n else 0
+        if zrow * n != zp.size or zrow * (8 // bits) < nb:
+            raise ValueError(
+                f"{ctx.node.describe()}: packed zero points {list(zp.shape)} do not fit "
+                f"{n} rows of {nb} blocks"
+            )
+        return zp, scales, zrow, 1
+    if zp.dtype != scales.dtype or zp.size != n * nb:
+        raise ValueError(
+            f"{ctx.node.describe()}: zero points {zp.dtype}{list(zp.shape)} must be uint8 or "
+            f"{scales.dtype} [{n}, {nb}]"
+        )
+    return scales, zp, nb, 2
+
+
+@REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
+def matmul_nbits(ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None, bias=None):
+    """Y = A @ dequant(B)^T (+ bias); float32 accumulation; fp32 or fp16 A and scales."""
+    desc = ctx.node.describe()
+    reason = _nbits_check(ctx.node, ())
+    if reason or g_idx is not None:
+        raise NotImplementedError(f"{desc}: {reason or 'g_idx'}")
+    k, n = int(ctx.attr("K")), int(ctx.attr("N"))
+    bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size"))
+    if a.shape[-1] != k:
+        raise ValueError(f"{desc}: A has {a.shape[-1]} columns, K is {k}")
+    s_type, w_type = storage(ctx, a.dtype), storage(ctx, scales.dtype)
+    y = out(ctx, 0, (*a.shape[:-1], n), a.dtype)
+    m = int(y.size // n) if n else 0
+    if y.size == 0:
+        return y
+    if b.size == 0:  # an omitted projection: zeros (+ bias)
+        y2 = y.reshape(m, n)
+        if bias is None:
+            y2.fill(0)
+        else:
+            cupy.copyto(y2, bias.reshape(1, n))
+        return y
+    nb = -(-k // block)
+    blob = block * bits // 8
+    if b.dtype != np.uint8 or b.size != n * nb * blob:
+        raise ValueError(f"{desc}: B {b.dtype}{list(b.shape)} is not uint8 [{n}, {nb}, {blob}]")
+    if scales.size != n * nb:
+        raise ValueError(f"{desc}: scales {list(scales.shape)} do not fit [{n}, {nb}]")
+    if bias is not None and (bias.size != n or bias.dtype != a.dtype):
+        raise ValueError(f"{desc}: bias must be {a.dtype} [{n}]")
+    b, scales = contiguous(ctx, b), contiguous(ctx, scales)
+    zp_u8, zp_f, zrow, zp_mode = _zero_args(ctx, zero_points, scales, n, nb, bits)
+    bias_arg = contiguous(ctx, bias) if bias is not None else y
+    a = contiguous(ctx, a)
+    if m <= GEMV_MAX_M:
+        if b.data.ptr % 4:
+            refuse_in_capture(ctx, "copying a misaligned packed weight")
+            b = b.copy()
+        words = nb * blob // 4
+        mt = next(t for t in (1, 2, 4, 8, 16) if t >= m)
+        sms = sm_count()
+        nr = 2 if n >= 16 * 8 * sms else 1  # columns per warp: more bytes in flight
+        groups = -(-n // nr)
+        wpr = gemv_wpr(groups, words, sms)
+        vec_elems = 16 // a.dtype.itemsize
+        a_vec = int(a.data.ptr % 16 == 0 and k % vec_elems == 0)
+        args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
+        args += (np.int32(nb), np.int32(block), np.int32(words), np.int32(zrow))
+        args += (np.int32(zp_mode), np.int32(bias is not None))
+        if STREAM_GEMV and words <= STREAM_MAX_WORDS:
+            name = f"nbits_gemv_stream<{s_type}, {w_type}, {mt}, {bits}, {nr}>"
+            fn = function(_SOURCE, name)
+            fn((stream_blocks(fn, groups, sms),), (32, 8), (*args, np.int32(a_vec)))
+            return y
+        fn = function(_SOURCE, f"nbits_gemv<{s_type}, {w_type}, {mt}, {bits}, {nr}>")
+        fn((-(-groups * wpr // 8),), (32, 8), (*args, np.int32(wpr), np.int32(a_vec)))
+        return y
+    if capturing(ctx):
+        raise CaptureUnsupported(
+            f"{desc}: MatMulNBits with M={m} > {GEMV_MAX_M} needs cuBLAS on a dequantized "
+            "weight, and CuPy refuses cuBLAS during stream capture; this shape runs eagerly"
+        )
+    params = (k, n, bits, block, a.dtype.str)
+
+    def build() -> cupy.ndarray:
+        w = cupy.empty((n, k), a.dtype)
+        fn = function(_SOURCE, f"nbits_dequant<{s_type}, {w_type}, {bits}>")
+        total = n * k
+        fn(
+            (-(-total // 256),),
+            (256,),
+            (b, scales, zp_u8, zp_f, w, np.int32(k), np.int64(total), np.int32(nb))
+            + (np.int32(block), np.int64(nb * blob), np.int32(zrow), np.int32(zp_mode)),
+        )
+        return w
+
+    w = DEQUANT_CACHE.get((b, scales, zero_points), params, build)
+    y2 = y.reshape(m, n)
+    cupy.matmul(a.reshape(m, k), w.T, out=y2)
+    if bias is not None:
+        y2 += bias.reshape(1, n)
+    return y
+
+
+# ----------------------------------------------------------------------------- GatherBlockQuantized
+
+
+def _gbq_check(node: NodeInfo, _types: object) -> str | None:
+    bits = int(node.attr("bits", 4))
+    if bits not in _NBITS:
+        return f"GatherBlockQuantized bits={bits} is not supported on CUDA"
+    if int(node.attr("gather_axis", 0)) != 0:
+        return "GatherBlockQuantized gather_axis != 0 is not supported on CUDA"
+    if int(node.attr("quantize_axis", 1)) not in (1, -1):
+        return "GatherBlockQuantized quantize_axis other than the last of 2-D data is not supported on CUDA"
+    block = int(node.attr("block_size", 128))
+    if block < 16 or block & (block - 1):
+        return f"GatherBlockQuantized block_size={block} must be a power of 2 >= 16"
+    return None
+
+
+@REGISTRY.register("GatherBlockQuantized", since=1, domain=MS_DOMAIN, check=_gbq_check)
+def gather_block_quantized(ctx: KernelContext, data, indices, scales, zero_points=None):
+    """Rows of a uint8 block-quantized 2-D table, dequantized; bad indices give zeros."""
+    desc = ctx.node.describe()
+    reason = _gbq_check(ctx.node, ())
+    if reason:
+        raise NotImplementedError(f"{desc}: {reason}")
+    bits = int(ctx.attr("bits", 4))
+    block = int(ctx.attr("block_size", 128))
+    if data.dtype != np.uint8 or data.ndim != 2:
+        raise NotImplementedError(f"{desc}: only 2-D uint8 data runs on CUDA, got {data.dtype}")
+    rows, row_bytes = int(data.shape[0]), int(data.shape[1])
+    cols = row_bytes * (8 // bits)
+    nb = -(-cols // block)
+    if scales.ndim != 2 or int(scales.shape[0]) != rows or int(scales.shape[1]) < nb:
+        raise ValueError(f"{desc}: scales {list(scales.shape)} do not fit [{rows}, {nb}]")
+    nb = int(scales.shape[1])
+    if not isinstance(indices, cupy.ndarray):
+        refuse_in_capture(ctx, "uploading host indices")
+        indices = cupy.asarray(indices)
+    if indices.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{desc}: indices must be int32 or int64")
+    zrow, has_zp, zp = 0, 0, data
+    if zero_points is not None:
+        if zero_points.dtype != np.uint8 or int(zero_points.shape[0]) != rows:
+            raise NotImplementedError(f"{desc}: zero points must be packed uint8 [{rows}, *]")
+        zp, zrow, has_zp = contiguous(ctx, zero_points), int(zero_points.size // rows), 1
+    y = out(ctx, 0, (*indices.shape, cols), scales.dtype)
+    total = int(y.size)
+    if total == 0:
+        return y
+    i_type = "int" if indices.dtype == np.int32 else "long long"
+    fn = function(_SOURCE, f"gather_block_quant<{i_type}, {storage(ctx, scales.dtype)}, {bits}>")
+    args = (contiguous(ctx, data), contiguous(ctx, indices), contiguous(ctx, scales), zp, y)
+    args += (np.int64(rows), np.int32(cols), np.int32(row_bytes), np.int32(nb))
+    args += (np.int32(block), np.int32(zrow), np.int32(has_zp), np.int64(total))
+    fn((-(-total // 256),), (256,), args)
+    return y
