@@ -66,6 +66,9 @@ EOF
     "${CLI[@]}" "${BENCH[@]}" --provider cuda | tee "$LOGDIR/bench.txt" || echo "cuda bench failed"
   fi
 
+  echo "== LLM bench (Qwen2.5-0.5B shape, random weights)"
+  bash scripts/gpu_llm_bench.sh || echo "LLM bench failed"
+
   echo "== summary"
   "$PY" - "$LOGDIR/gpu_tests.xml" <<'EOF' || echo "tests: no junit report"
 import sys
@@ -85,6 +88,9 @@ EOF
   echo "numba: $NUMBA; CPU provider: $CPU_PROVIDER"
   echo "dispatch (us per node):"
   sed 's/^/  /' "$LOGDIR/bench.txt"
+  for f in "$LOGDIR"/bench-fp16.txt "$LOGDIR"/bench-int4.txt; do
+    [ -f "$f" ] && { echo "$(basename "$f"):"; sed 's/^/  /' "$f"; }
+  done
   return "$TESTS_RC"
 }
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# LLM benchmark on the GPU machine (called by gpu_lane.sh; needs the onnxruntime-genai wheel
+# carried in .whl/ because that machine has no network). Builds a Qwen2.5-0.5B-shaped Qwen2
+# with random weights (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
+# vocab 151936, tied embeddings) through onnxruntime-genai's builder, then times greedy
+# decode on CUDA with graphs on and off. Random weights: fixed token count, eos ruled out.
+set -uo pipefail
+PY="${PYTHON:-python3}"
+LOGDIR="${OUT:-/tmp/gpu_lane}"
+WORK="${GPU_BENCH_DIR:-/tmp/onnx_genrt_bench}"
+TOKENS="${GPU_BENCH_TOKENS:-128}"
+mkdir -p "$WORK" "$LOGDIR"
+whl=$(ls .whl/onnxruntime_genai-*.whl 2>/dev/null | head -n 1)
+if [ -z "$whl" ]; then
+  echo "no onnxruntime-genai wheel in .whl/: LLM bench skipped"
+  exit 0
+fi
+"$PY" -m pip install -q --no-index --no-deps --target "$WORK/site" "$whl" || exit 1
+export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+
+"$PY" - "$WORK" <<'EOF2' || exit 1
+import sys, torch, transformers
+out = sys.argv[1] + "/hf-0.5b"
+import os
+if not os.path.exists(out + "/config.json"):
+    cfg = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+        max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1000000.0)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(cfg).to(torch.float16).save_pretrained(out)
+print("hf checkpoint:", out)
+EOF2
+
+for prec in fp16 int4; do
+  dst="$WORK/qwen05b-$prec"
+  if [ ! -f "$dst/genai_config.json" ]; then
+    echo "== building $prec"
+    "$PY" -m onnxruntime_genai.models.builder -i "$WORK/hf-0.5b" -o "$dst" -p "$prec" -e cuda \
+      -c "$WORK/cache" >"$LOGDIR/builder-$prec.log" 2>&1 || { echo "builder $prec failed"; tail -n 20 "$LOGDIR/builder-$prec.log"; continue; }
+  fi
+  echo "== bench $prec ($TOKENS tokens, eager vs graphed)"
+  "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --compare-eager --no-reference \
+    --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 2>"$LOGDIR/bench-$prec.err" | tee "$LOGDIR/bench-$prec.txt" \
+    || { echo "bench $prec failed"; tail -n 30 "$LOGDIR/bench-$prec.err"; }
+done
