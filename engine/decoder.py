@@ -95,11 +95,8 @@ class StaticKVCache:
 class DecoderRunner:
     """Runs the decoder for M new tokens at the cache's current length."""
 
-    def __init__(
-        self, session: InferenceSession, config: GenAIConfig, max_length: int, spare: int = 0
-    ):
-        """``spare`` extra cache rows let a padded verify step run near ``max_length``."""
-        max_length = min(max_length + spare, config.context_length)
+    def __init__(self, session: InferenceSession, config: GenAIConfig, max_length: int):
+        max_length = min(max_length, config.context_length)
         io, layers = config.io, config.num_layers
         self.session = session
         self.io = io

@@ -9,7 +9,7 @@ import numpy as np
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
-from .decoder import DecoderRunner, StepOutput
+from .decoder import StepOutput
 from .model import GeneratorParams, Model
 from .sampling import penalize_repetition, pick
 
@@ -27,7 +27,7 @@ class Generator:
         self.params = params
         self.search = params.search
         cfg = model.config
-        self.runner = DecoderRunner(model.session, cfg, self.search.max_length, spare)
+        self.runner = model.acquire_runner(self, self.search.max_length + spare)
         self.rng = np.random.default_rng(self.search.seed)
         self.tokens: list[int] = []
         # The step whose last row predicts the next token (None until the pending token is fed).

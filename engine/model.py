@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from onnx_genrt.session.inference_session import ProviderArg
 
 from .config import GenAIConfig, SearchOptions, load_config
 from .decode_heads import add_decode_heads
+from .decoder import DecoderRunner
 from .sampling import validate
 from .tokenizer import Tokenizer
 
@@ -36,12 +38,32 @@ class Model:
             proto, providers=self.providers, enable_graphs=enable_graphs
         )
         self._tokenizer: Tokenizer | None = None
+        self._runners: list[tuple[DecoderRunner, weakref.ref]] = []
 
     @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             self._tokenizer = Tokenizer(self.folder)
         return self._tokenizer
+
+    def acquire_runner(self, owner: object, length: int) -> DecoderRunner:
+        """A decoder runner (KV cache + bindings) holding at least ``length`` positions.
+
+        Runners are pooled by capacity (powers of two, at least 256, at most the context
+        length) and handed to one live owner at a time. Reusing one keeps its buffers, and
+        so its captured graphs, valid from one generation to the next.
+        """
+        context = self.config.context_length
+        capacity = min(max(256, 1 << max(min(length, context) - 1, 1).bit_length()), context)
+        for runner, holder in self._runners:
+            if runner.max_length == capacity and holder() is None:
+                self._runners.remove((runner, holder))
+                runner.rewind_to(0)
+                self._runners.append((runner, weakref.ref(owner)))
+                return runner
+        runner = DecoderRunner(self.session, self.config, capacity)
+        self._runners.append((runner, weakref.ref(owner)))
+        return runner
 
     def session_for(self, relative: str) -> InferenceSession:
         """A session for another ONNX file in the folder (an MTP head), on the same providers."""

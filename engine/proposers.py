@@ -10,7 +10,6 @@ import numpy as np
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession
 
-from .decoder import DecoderRunner
 from .model import Model
 
 
@@ -68,9 +67,8 @@ class DraftModelProposer(Proposer):
     name = "draft"
 
     def __init__(self, model: Model, max_length: int, min_confidence: float = 0.0) -> None:
-        cfg = model.config
         self.model = model
-        self.runner = DecoderRunner(model.session, cfg, max_length)
+        self.runner = model.acquire_runner(self, max_length)
         self.fed: list[int] = []
         self.min_confidence = min_confidence
         self._logits: np.ndarray | None = None

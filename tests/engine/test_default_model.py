@@ -1,0 +1,55 @@
+"""The embedded trained model: Python-like text, and speculation equal to greedy."""
+
+from __future__ import annotations
+
+import pytest
+
+from onnx_genrt.cli import main as cli_main
+from onnx_genrt.engine import Model, generate
+from onnx_genrt.generate_cli import default_model_dir
+
+PROMPTS = ["class Foo:\n    def __init__(self", "import os\n\ndef main(", "for i in range(", "def "]
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(default_model_dir())
+
+
+def test_greedy_text_looks_like_python(model):
+    text = generate(model, "class Foo:\n    def __init__(self", max_new_tokens=64).text
+    assert "\n    " in text or "\n        " in text  # indented blocks
+    assert any(word in text for word in ("return", "self", "def ", "if "))
+
+
+@pytest.mark.parametrize("spec", ["mtp", "draft", "ngram"])
+def test_speculation_on_the_embedded_model_equals_greedy(model, spec):
+    for prompt in PROMPTS:
+        greedy = generate(model, prompt, max_new_tokens=48)
+        fast = generate(model, prompt, max_new_tokens=48, spec=spec, k=4)
+        assert fast.tokens == greedy.tokens, (spec, prompt)
+        assert fast.speculation["proposed"] > 0
+
+
+def test_mtp_replays_both_slots_over_256_tokens(model):
+    res = generate(
+        model, "class Foo:\n    def __init__(self", max_new_tokens=256, spec="mtp", min_length=266
+    )
+    target = res.graph_stats["target"]
+    for slot in ("primary", "verify"):
+        assert target[slot]["replays"] > 0, target
+        assert target[slot]["invalidations"] <= 1, target
+        assert target[slot]["fallbacks"] == 0, target
+    assert res.graph_stats["proposer"]["draft"]["replays"] > 0
+    assert res.speculation["acceptance_rate"] > 0.2, res.speculation
+
+
+def test_generate_cli_streams_text(capsys):
+    assert (
+        cli_main(
+            ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "16", "--spec", "mtp"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("def add(a, b):") and len(out) > len("def add(a, b):")
