@@ -28,7 +28,9 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _median_run(fn: Callable[[], tuple[float, float, list[int], dict]], repeats: int, label: str) -> BenchRow:
+def _median_run(
+    fn: Callable[[], tuple[float, float, list[int], dict]], repeats: int, label: str
+) -> BenchRow:
     prefill, decode, tokens, extra = [], [], [], {}
     for i in range(repeats + 1):  # the first run warms up (compiles, captures)
         _progress(f"  {label}: run {i + 1}/{repeats + 1}{' (warm-up)' if i == 0 else ''}")
@@ -36,10 +38,14 @@ def _median_run(fn: Callable[[], tuple[float, float, list[int], dict]], repeats:
         if i:
             prefill.append(p)
             decode.append(d)
-    return BenchRow(label, statistics.median(prefill) * 1e3, statistics.median(decode), tokens, extra)
+    return BenchRow(
+        label, statistics.median(prefill) * 1e3, statistics.median(decode), tokens, extra
+    )
 
 
-def bench_ours(folder: Path, prompt: list[int], new: int, provider: str, spec: str | None, k: int, graphs: bool):
+def bench_ours(
+    folder: Path, prompt: list[int], new: int, provider: str, spec: str | None, k: int, graphs: bool
+):
     from onnx_genrt.engine import Model, generate
 
     model = Model(folder, provider, enable_graphs=graphs)
@@ -47,10 +53,15 @@ def bench_ours(folder: Path, prompt: list[int], new: int, provider: str, spec: s
     def once():
         # min_length = the full length: eos is ruled out, as in the onnxruntime-genai row.
         res = generate(model, prompt, new, spec=spec, k=k, min_length=len(prompt) + new)
-        return res.prefill_seconds, res.decode_tokens_per_second, res.tokens, {
-            "speculation": res.speculation,
-            "graph_stats": res.graph_stats,
-        }
+        return (
+            res.prefill_seconds,
+            res.decode_tokens_per_second,
+            res.tokens,
+            {
+                "speculation": res.speculation,
+                "graph_stats": res.graph_stats,
+            },
+        )
 
     return once
 
@@ -136,21 +147,43 @@ def run_bench(args: argparse.Namespace) -> int:
     prompt = rng.integers(1, cfg.vocab_size, args.prompt_tokens).tolist()
     new = args.tokens
     rows: list[BenchRow] = []
-    _progress(f"bench: {folder.name}, prompt {len(prompt)} tokens, {new} new tokens, median of {args.repeats}")
+    _progress(
+        f"bench: {folder.name}, prompt {len(prompt)} tokens, {new} new tokens, median of {args.repeats}"
+    )
     for provider in args.provider:
-        for graphs in ([True, False] if args.compare_eager else [True]):
+        for graphs in [True, False] if args.compare_eager else [True]:
             label = f"onnx-genrt[{provider}{'' if graphs else ',eager'}]"
-            rows.append(_median_run(bench_ours(folder, prompt, new, provider, None, args.k, graphs), args.repeats, label))
+            rows.append(
+                _median_run(
+                    bench_ours(folder, prompt, new, provider, None, args.k, graphs),
+                    args.repeats,
+                    label,
+                )
+            )
         for spec in args.spec:
             label = f"onnx-genrt[{provider},{spec}]"
-            rows.append(_median_run(bench_ours(folder, prompt, new, provider, spec, args.k, True), args.repeats, label))
+            rows.append(
+                _median_run(
+                    bench_ours(folder, prompt, new, provider, spec, args.k, True),
+                    args.repeats,
+                    label,
+                )
+            )
     if not args.no_reference:
         try:
-            rows.append(_median_run(bench_onnxruntime_genai(folder, prompt, new), args.repeats, "onnxruntime-genai"))
+            rows.append(
+                _median_run(
+                    bench_onnxruntime_genai(folder, prompt, new), args.repeats, "onnxruntime-genai"
+                )
+            )
         except ImportError as exc:
             _progress(f"  onnxruntime-genai skipped: {exc}")
         try:
-            rows.append(_median_run(bench_onnxruntime_loop(folder, prompt, new), args.repeats, "onnxruntime loop"))
+            rows.append(
+                _median_run(
+                    bench_onnxruntime_loop(folder, prompt, new), args.repeats, "onnxruntime loop"
+                )
+            )
         except ImportError as exc:
             _progress(f"  onnxruntime loop skipped: {exc}")
     print(format_rows(rows))
@@ -172,7 +205,9 @@ def format_rows(rows: list[BenchRow]) -> str:
         notes = []
         spec = r.extra.get("speculation")
         if spec:
-            notes.append(f"acceptance {spec['acceptance_rate']:.0%}, mean accepted {spec['mean_accepted_length']:.2f}")
+            notes.append(
+                f"acceptance {spec['acceptance_rate']:.0%}, mean accepted {spec['mean_accepted_length']:.2f}"
+            )
         for who, slots in r.extra.get("graph_stats", {}).items():
             for slot, st in slots.items():
                 notes.append(
@@ -185,14 +220,28 @@ def format_rows(rows: list[BenchRow]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None, help="model folder (default: the embedded model)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="model folder (default: the embedded model)"
+    )
     p.add_argument("--provider", action="append", default=None, help="provider(s) (default: cpu)")
-    p.add_argument("--spec", action="append", default=[], choices=["mtp", "draft", "ngram"], help="also time speculation")
+    p.add_argument(
+        "--spec",
+        action="append",
+        default=[],
+        choices=["mtp", "draft", "ngram"],
+        help="also time speculation",
+    )
     p.add_argument("-k", type=int, default=4, help="drafts per speculative step")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per run (eos ignored)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
     p.add_argument("--compare-eager", action="store_true", help="also time with graphs off")
-    p.add_argument("--no-reference", action="store_true", help="skip onnxruntime-genai and the onnxruntime loop")
-    p.add_argument("--dispatch", action="store_true", help="per-node dispatch cost instead (eager vs replay)")
+    p.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip onnxruntime-genai and the onnxruntime loop",
+    )
+    p.add_argument(
+        "--dispatch", action="store_true", help="per-node dispatch cost instead (eager vs replay)"
+    )
     p.add_argument("--nodes", type=int, default=200, help="--dispatch: nodes in the chain model")
