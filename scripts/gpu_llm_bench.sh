@@ -42,4 +42,12 @@ for prec in fp16 int4; do
   "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --compare-eager --no-reference \
     --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 2>"$LOGDIR/bench-$prec.err" | tee "$LOGDIR/bench-$prec.txt" \
     || { echo "bench $prec failed"; tail -n 30 "$LOGDIR/bench-$prec.err"; }
+  echo "== verify vs decode step cost ($prec, k=4, 256 cached positions)"
+  "$PY" -m onnx_genrt.step_cost --model "$dst" --provider cuda -k 4 | tee "$LOGDIR/step-$prec.txt" \
+    || echo "step cost $prec failed"
 done
+
+echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens)"
+"$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec draft --spec ngram --no-reference \
+  --tokens 256 --prompt-tokens 16 --repeats 3 2>"$LOGDIR/bench-default.err" | tee "$LOGDIR/bench-default.txt" \
+  || { echo "default-model bench failed"; tail -n 30 "$LOGDIR/bench-default.err"; }

@@ -908,3 +908,33 @@ def build_fixtures(dest: Path = FIXTURES) -> None:
 if __name__ == "__main__":
     if "--build" in sys.argv:
         build_fixtures()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(
+    ("axes", "keepdims", "opset"), [([-1], 1, 18), ([1, 2], 0, 18), (None, 1, 13)]
+)
+def test_reduce_mean_matches_numpy(dtype, axes, keepdims, opset):
+    import cupy
+
+    from onnx_genrt.core.kernels import KernelContext, NodeInfo
+    from onnx_genrt.core.registry import get_registry
+    from onnx_genrt.providers.cuda.kernels import REGISTRY as CUDA
+
+    provider = get_registry().create("cuda")
+    x = np.random.default_rng(3).standard_normal((2, 5, 7)).astype(dtype)
+    attrs = {"keepdims": keepdims}
+    if opset < 18 and axes is not None:
+        attrs["axes"] = axes
+    node = NodeInfo("ReduceMean", "rm", "", opset, attrs)
+    args = [cupy.asarray(x)]
+    if opset >= 18 and axes is not None:
+        args.append(provider.as_array(np.array(axes, np.int64)))
+    got = provider.launch(CUDA.lookup("", "ReduceMean", opset), KernelContext(node, provider), args)
+    provider.synchronize()
+    ref = x.astype(np.float64).mean(
+        axis=None if axes is None else tuple(axes), keepdims=bool(keepdims)
+    )
+    tol = 1e-5 if dtype == np.float32 else 2e-3
+    np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64), ref, rtol=tol, atol=tol)

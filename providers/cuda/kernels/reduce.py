@@ -83,9 +83,12 @@ def _threads(red: int) -> int:
     return t
 
 
-def _axes(ctx: KernelContext, x, axes_in) -> list[int] | None:
-    """Sorted axes to reduce; None means "no reduction" (noop_with_empty_axes)."""
-    if ctx.opset >= 13:
+def _axes(ctx: KernelContext, x, axes_in, input_from: int = 13) -> list[int] | None:
+    """Sorted axes to reduce; None means "no reduction" (noop_with_empty_axes).
+
+    ``input_from`` is the opset from which axes come as an input (13 for ReduceSum, 18 for
+    the other reductions)."""
+    if ctx.opset >= input_from:
         raw = host_ints(ctx, axes_in) if axes_in is not None else []
     else:
         raw = list(ctx.attr("axes", []) or [])
@@ -98,10 +101,10 @@ def _axes(ctx: KernelContext, x, axes_in) -> list[int] | None:
 
 
 @REGISTRY.register("ReduceSum", since=1)
-def reduce_sum(ctx: KernelContext, x, axes=None):
+def reduce_sum(ctx: KernelContext, x, axes=None, _input_from: int = 13):
     """Sum over ``axes`` (keepdims default 1); contiguous axis runs are capturable."""
     keep = bool(ctx.attr("keepdims", 1))
-    ax = _axes(ctx, x, axes)
+    ax = _axes(ctx, x, axes, _input_from)
     if ax is None:
         y = out(ctx, 0, x.shape, x.dtype)
         if y.size:
@@ -135,4 +138,19 @@ def reduce_sum(ctx: KernelContext, x, axes=None):
     acc = np.float32 if x.dtype == np.float16 else None
     res = cupy.sum(x, axis=tuple(ax), keepdims=keep, dtype=acc)
     cupy.copyto(y, res.reshape(y.shape), casting="unsafe")
+    return y
+
+
+@REGISTRY.register("ReduceMean", since=1)
+def reduce_mean(ctx: KernelContext, x, axes=None):
+    """Mean = the sum kernel, then one in-place scale (capturable like ReduceSum)."""
+    if np.dtype(x.dtype).kind != "f":
+        raise NotImplementedError(
+            f"{ctx.node.describe()}: ReduceMean of {x.dtype} is not supported"
+        )
+    ax = _axes(ctx, x, axes, 18)
+    y = reduce_sum(ctx, x, axes, 18)
+    if ax is not None and y.size:
+        count = math.prod(x.shape[a] for a in ax)
+        y *= y.dtype.type(1.0 / count) if count else y.dtype.type(np.nan)
     return y

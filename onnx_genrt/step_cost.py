@@ -1,0 +1,64 @@
+"""Verify-step cost against decode-step cost: graphed M=1 (PRIMARY) and M=k+1 (VERIFY).
+
+The ratio projects speculative speed-up: with mean accepted length a, a speculative step
+emits a+1 tokens for one verify plus the proposer's cost, against a+1 decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+
+class _Owner:
+    """Holds the runner for the measurement (runners are lent to weak-referenceable owners)."""
+
+
+def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> dict[str, float]:
+    from onnx_genrt.engine import Model
+
+    model = Model(folder, provider)
+    owner = _Owner()
+    runner = model.acquire_runner(owner, context + k + 2)
+    runner.forward(list(range(1, context + 1)), None)
+    times: dict[str, list[float]] = {"decode": [], "verify": []}
+    for name, slot, width in (
+        ("decode", DeviceGraphSlot.PRIMARY, 1),
+        ("verify", DeviceGraphSlot.VERIFY, k + 1),
+    ):
+        tokens = list(range(7, 7 + width))
+        for i in range(steps + 3):
+            runner.rewind_to(context)
+            start = time.perf_counter()
+            _ = runner.forward(tokens, slot, width).tokens  # read the ids back, as a step does
+            if i >= 3:
+                times[name].append(time.perf_counter() - start)
+    stats = model.session.executor.all_stats()
+    out = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    out["ratio"] = out["verify"] / out["decode"]
+    out["replays_primary"] = stats["primary"]["replays"]
+    out["replays_verify"] = stats["verify"]["replays"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--provider", default="cuda")
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--context", type=int, default=256, help="cached positions before each step")
+    p.add_argument("--steps", type=int, default=50)
+    a = p.parse_args()
+    r = measure(a.model, a.provider, a.k, a.context, a.steps)
+    print(
+        f"{a.model.name}: decode (M=1) {r['decode']:.3f} ms, verify (M={a.k + 1}) {r['verify']:.3f} ms, "
+        f"verify/decode {r['ratio']:.2f}x (replays primary {r['replays_primary']}, verify {r['replays_verify']})"
+    )
+
+
+if __name__ == "__main__":
+    main()
