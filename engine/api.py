@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
+from onnx_genrt.session import load_model
 
 from .generator import Generator
 from .model import GeneratorParams, Model
@@ -54,11 +55,14 @@ def make_proposer(
             raise ModelLoadError(f"{model.folder}/genai_config.json has no speculative.mtp section")
         inputs, outputs = mtp.get("inputs", {}), mtp.get("outputs", {})
         return MTPProposer(
-            model.session_for(mtp.get("filename", "mtp/model.onnx")),
-            hidden_input=inputs.get("hidden_states", "hidden_states"),
-            ids_input=inputs.get("input_ids", "input_ids"),
-            logits_output=outputs.get("logits", "logits"),
-            hidden_output=outputs.get("hidden_states", "mtp_hidden_states"),
+            load_model(Path(model.folder) / mtp.get("filename", "mtp/model.onnx")),
+            model.session_from_proto,
+            names={
+                "hidden_input": inputs.get("hidden_states", "hidden_states"),
+                "ids_input": inputs.get("input_ids", "input_ids"),
+                "logits_output": outputs.get("logits", "logits"),
+                "hidden_output": outputs.get("hidden_states", "mtp_hidden_states"),
+            },
             min_confidence=min_confidence,
         )
     if spec == "draft":

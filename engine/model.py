@@ -65,6 +65,10 @@ class Model:
         self._runners.append((runner, weakref.ref(owner)))
         return runner
 
+    def session_from_proto(self, proto) -> InferenceSession:
+        """A session for another graph (an MTP chain), on the same providers."""
+        return InferenceSession(proto, providers=self.providers, enable_graphs=self.enable_graphs)
+
     def session_for(self, relative: str) -> InferenceSession:
         """A session for another ONNX file in the folder (an MTP head), on the same providers."""
         return InferenceSession(

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+import onnx
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession
 
 from .model import Model
+from .mtp_chain import CONFIDENCES, DRAFTS, unroll_mtp_head
 
 
 def _confidence(logits: np.ndarray) -> tuple[int, float]:
@@ -114,50 +117,69 @@ class DraftModelProposer(Proposer):
 
 class MTPProposer(Proposer):
     """A multi-token-prediction head: from the target's hidden state at t and token t+1,
-    predict t+2; chain it by feeding back its own hidden state and its draft."""
+    predict t+2; chained by feeding back its own hidden state and its draft.
+
+    The head is unrolled ``k`` times into one graph (see ``mtp_chain``), which runs in the
+    ``DRAFT`` slot: one replay per speculative step, 2k numbers read back. Drafts stop at the
+    first one whose probability is below ``min_confidence``.
+    """
 
     name = "mtp"
 
     def __init__(
         self,
-        session: InferenceSession,
-        hidden_input: str = "hidden_states",
-        ids_input: str = "input_ids",
-        logits_output: str = "logits",
-        hidden_output: str = "mtp_hidden_states",
+        head: onnx.ModelProto,
+        make_session: Callable[[onnx.ModelProto], InferenceSession],
+        names: dict[str, str] | None = None,
         min_confidence: float = 0.0,
     ) -> None:
-        self.session = session
+        self.head = head
+        self.make_session = make_session
+        self.names = names or {}
         self.min_confidence = min_confidence
-        hidden_size = int(session.input_spec(hidden_input).shape[-1])
-        vocab = int(session.output_spec(logits_output).shape[-1])
-        b = session.io_binding()
-        self._hidden = b.bind_input(hidden_input, np.zeros((1, 1, hidden_size), np.float32))
-        self._ids = b.bind_input(ids_input, np.zeros((1, 1), np.int64))
-        self._logits = b.bind_output(logits_output, shape=(1, 1, vocab), dtype=np.float32)
-        self._hidden_out = b.bind_output(hidden_output, shape=(1, 1, hidden_size), dtype=np.float32)
-        self._binding = b
+        self._chains: dict[int, tuple[InferenceSession, Any, Any, Any, Any]] = {}
+
+    def _chain(self, k: int):
+        """The chain for up to ``k`` drafts; a longer one already built serves shorter asks."""
+        longer = [size for size in self._chains if size >= k]
+        if longer:
+            return self._chains[min(longer)]
+        if k not in self._chains:
+            model = unroll_mtp_head(self.head, k, **self.names)
+            session = self.make_session(model)
+            hidden_name = self.names.get("hidden_input", "hidden_states")
+            hidden_size = int(session.input_spec(hidden_name).shape[-1])
+            b = session.io_binding()
+            hidden = b.bind_input(hidden_name, np.zeros((1, 1, hidden_size), np.float32))
+            ids = b.bind_input(self.names.get("ids_input", "input_ids"), np.zeros((1, 1), np.int64))
+            drafts = b.bind_output(DRAFTS, shape=(1, k), dtype=np.int64)
+            confs = b.bind_output(CONFIDENCES, shape=(1, k), dtype=np.float32)
+            self._chains[k] = (session, b, hidden, ids, (drafts, confs))
+        return self._chains[k]
 
     def propose(self, tokens: Sequence[int], hidden: np.ndarray | None, k: int) -> list[int]:
         if hidden is None:
             raise ValueError("the MTP proposer needs the target model's hidden states output")
-        provider = self.session.main_provider
-        drafts: list[int] = []
-        state = np.asarray(hidden, dtype=np.float32).reshape(1, 1, -1)
-        token = int(tokens[-1])
-        for _ in range(k):
-            _write(provider, self._hidden, state)
-            _write(provider, self._ids, np.array([[token]], np.int64))
-            self.session.run_with_iobinding(self._binding, DeviceGraphSlot.DRAFT)
-            token, p = _confidence(provider.to_numpy(self._logits)[0, 0])
+        session, binding, hidden_buf, ids_buf, (drafts_buf, confs_buf) = self._chain(k)
+        provider = session.main_provider
+        _write(provider, hidden_buf, np.asarray(hidden, dtype=np.float32).reshape(1, 1, -1))
+        _write(provider, ids_buf, np.array([[int(tokens[-1])]], np.int64))
+        session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
+        drafts = provider.to_numpy(drafts_buf)[0, :k]
+        confs = provider.to_numpy(confs_buf)[0, :k]
+        out: list[int] = []
+        for token, p in zip(drafts.tolist(), confs.tolist(), strict=True):
             if p < self.min_confidence:
                 break
-            drafts.append(token)
-            state = np.array(provider.to_numpy(self._hidden_out), copy=True)
-        return drafts
+            out.append(int(token))
+        return out
 
     def graph_stats(self) -> dict[str, dict]:
-        return self.session.executor.all_stats()
+        stats: dict[str, dict] = {}
+        for k, (session, *_rest) in self._chains.items():
+            for slot, st in session.executor.all_stats().items():
+                stats[slot if len(self._chains) == 1 else f"{slot}(k={k})"] = st
+        return stats
 
 
 def _write(provider, buf, host: np.ndarray) -> None:

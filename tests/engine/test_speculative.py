@@ -16,6 +16,7 @@ from onnx_genrt.engine import (
     SpeculativeGenerator,
 )
 from onnx_genrt.engine.config import SearchOptions
+from onnx_genrt.session import load_model
 
 PROMPTS = [
     [5, 17, 99, 3, 250, 7, 5, 17, 99],
@@ -35,6 +36,11 @@ def _run(gen, prompt):
     return gen.get_sequence()
 
 
+def _mtp(model: Model) -> MTPProposer:
+    head = load_model(model.folder / "mtp" / "model.onnx")
+    return MTPProposer(head, model.session_from_proto)
+
+
 def _params(model, prompt, new=48, **search):
     params = GeneratorParams(model)
     params.set_search_options(max_length=len(prompt) + new, **search)
@@ -45,7 +51,7 @@ def _proposer(kind: str, folder, max_length: int):
     if kind == "ngram":
         return PromptLookupProposer()
     if kind == "mtp":
-        return MTPProposer(Model(folder).session_for("mtp/model.onnx"))
+        return _mtp(Model(folder))
     if kind == "draft":
         return DraftModelProposer(Model(folder / "draft"), max_length)
     if kind == "self-draft":  # the target as its own draft: every draft is accepted
@@ -88,7 +94,7 @@ def test_mtp_head_runs_graphed_in_its_own_slot(qwen2_dir):
     model = Model(qwen2_dir)
     prompt = PROMPTS[0]
     params = _params(model, prompt, new=64)
-    proposer = MTPProposer(model.session_for("mtp/model.onnx"))
+    proposer = _mtp(model)
     spec = SpeculativeGenerator(model, params, proposer, k=3)
     _run(spec, prompt)
     draft_stats = proposer.graph_stats()["draft"]
@@ -146,3 +152,26 @@ def test_sampled_speculation_is_seeded_and_valid(qwen2_dir):
         outs.append(_run(spec, prompt))
     assert outs[0] == outs[1]
     assert len(outs[0]) == len(prompt) + 32
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_unrolled_mtp_chain_equals_running_the_head_k_times(qwen2_dir, k):
+    """The chain graph, run by onnxruntime, against the head run k times by onnxruntime."""
+    import onnxruntime as ort
+
+    from onnx_genrt.engine.mtp_chain import unroll_mtp_head
+
+    head = load_model(qwen2_dir / "mtp" / "model.onnx")
+    chain = ort.InferenceSession(unroll_mtp_head(head, k).SerializeToString())
+    single = ort.InferenceSession(head.SerializeToString())
+    rng = np.random.default_rng(k)
+    hidden = rng.standard_normal((1, 1, 64)).astype(np.float32)
+    token = np.array([[17]], np.int64)
+    drafts, confs = chain.run(None, {"hidden_states": hidden, "input_ids": token})
+    for i in range(k):
+        logits, hidden = single.run(None, {"hidden_states": hidden, "input_ids": token})
+        p = np.exp(logits[0, 0].astype(np.float64) - logits[0, 0].max())
+        p /= p.sum()
+        token = np.array([[int(np.argmax(logits[0, 0]))]], np.int64)
+        assert drafts[0, i] == token[0, 0]
+        np.testing.assert_allclose(confs[0, i], p.max(), rtol=1e-5)
