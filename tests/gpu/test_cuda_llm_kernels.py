@@ -938,3 +938,30 @@ def test_reduce_mean_matches_numpy(dtype, axes, keepdims, opset):
     )
     tol = 1e-5 if dtype == np.float32 else 2e-3
     np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["ReduceMax", "ReduceMin"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_reduce_max_min_match_numpy_and_capture(op, dtype):
+    import cupy
+
+    from onnx_genrt.core.registry import get_registry
+    from onnx_genrt.providers.cuda.kernels import REGISTRY as CUDA
+
+    provider = get_registry().create("cuda")
+    x = np.random.default_rng(4).standard_normal((1, 1, 4099)).astype(dtype)
+    node = NodeInfo(op, "r", "", 18, {"keepdims": 0})
+    xd = cupy.asarray(x)
+    axes = provider.as_array(np.array([-1], np.int64))
+    y = cupy.full((1, 1), np.nan, dtype)
+    ctx = KernelContext(node, provider, [y])
+    kdef = CUDA.lookup("", op, 18)
+    provider.begin_capture(DeviceGraphSlot.DRAFT)
+    provider.launch(kdef, ctx, [xd, axes])
+    provider.end_capture(DeviceGraphSlot.DRAFT)
+    provider.replay(DeviceGraphSlot.DRAFT)
+    provider.synchronize()
+    ref = x.max(axis=-1) if op == "ReduceMax" else x.min(axis=-1)
+    np.testing.assert_array_equal(cupy.asnumpy(y), ref)
+    provider.reset_graph(DeviceGraphSlot.DRAFT)

@@ -154,3 +154,25 @@ def reduce_mean(ctx: KernelContext, x, axes=None):
         count = math.prod(x.shape[a] for a in ax)
         y *= y.dtype.type(1.0 / count) if count else y.dtype.type(np.nan)
     return y
+
+
+@REGISTRY.register(["ReduceMax", "ReduceMin"], since=1)
+def reduce_extreme(ctx: KernelContext, x, axes=None):
+    """Max or min over ``axes`` through CuPy's reduction kernel, written into the output."""
+    keep = bool(ctx.attr("keepdims", 1))
+    ax = _axes(ctx, x, axes, 18)
+    if ax is None:
+        y = out(ctx, 0, x.shape, x.dtype)
+        cupy.copyto(y, x)
+        return y
+    shape = (
+        [1 if i in ax else d for i, d in enumerate(x.shape)]
+        if keep
+        else [d for i, d in enumerate(x.shape) if i not in ax]
+    )
+    y = out(ctx, 0, shape, x.dtype)
+    if x.size == 0:
+        raise ValueError(f"{ctx.node.describe()}: {ctx.node.op_type} of an empty tensor")
+    reduce = cupy.amax if ctx.node.op_type == "ReduceMax" else cupy.amin
+    reduce(x, axis=tuple(ax), keepdims=keep, out=y)
+    return y
