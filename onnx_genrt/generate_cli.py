@@ -14,6 +14,11 @@ def default_model_dir() -> Path:
     return Path(str(resources.files("onnx_genrt") / "models" / "default"))
 
 
+def provider_arg(name: str, threads: int | None):
+    """``name``, or ``(name, {"threads": n})`` for the CPU provider when --threads is given."""
+    return (name, {"threads": threads}) if threads is not None and name == "cpu" else name
+
+
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search options")
     g.add_argument(
@@ -70,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     from onnx_genrt.engine import Model, stream
 
     folder = args.model or default_model_dir()
-    model = Model(folder, args.provider, enable_graphs=not args.no_graphs)
+    model = Model(
+        folder, [provider_arg(args.provider, args.threads)], enable_graphs=not args.no_graphs
+    )
     results: list = []
     pieces = stream(
         model,

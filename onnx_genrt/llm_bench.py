@@ -44,11 +44,11 @@ def _median_run(
 
 
 def bench_ours(
-    folder: Path, prompt: list[int], new: int, provider: str, spec: str | None, k: int, graphs: bool
+    folder: Path, prompt: list[int], new: int, provider: Any, spec: str | None, k: int, graphs: bool
 ):
     from onnx_genrt.engine import Model, generate
 
-    model = Model(folder, provider, enable_graphs=graphs)
+    model = Model(folder, [provider], enable_graphs=graphs)
 
     def once():
         # min_length = the full length: eos is ruled out, as in the onnxruntime-genai row.
@@ -137,7 +137,7 @@ def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int):
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from onnx_genrt.generate_cli import default_model_dir
+    from onnx_genrt.generate_cli import default_model_dir, provider_arg
 
     folder = Path(args.model or default_model_dir())
     rng = np.random.default_rng(0)
@@ -152,19 +152,36 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     for provider in args.provider:
         for graphs in [True, False] if args.compare_eager else [True]:
-            label = f"onnx-genrt[{provider}{'' if graphs else ',eager'}]"
+            tag = f"{provider},{args.threads}t" if args.threads and provider == "cpu" else provider
+            label = f"onnx-genrt[{tag}{'' if graphs else ',eager'}]"
             rows.append(
                 _median_run(
-                    bench_ours(folder, prompt, new, provider, None, args.k, graphs),
+                    bench_ours(
+                        folder,
+                        prompt,
+                        new,
+                        provider_arg(provider, args.threads),
+                        None,
+                        args.k,
+                        graphs,
+                    ),
                     args.repeats,
                     label,
                 )
             )
         for spec in args.spec:
-            label = f"onnx-genrt[{provider},{spec}]"
+            label = f"onnx-genrt[{tag},{spec}]"
             rows.append(
                 _median_run(
-                    bench_ours(folder, prompt, new, provider, spec, args.k, True),
+                    bench_ours(
+                        folder,
+                        prompt,
+                        new,
+                        provider_arg(provider, args.threads),
+                        spec,
+                        args.k,
+                        True,
+                    ),
                     args.repeats,
                     label,
                 )
@@ -241,6 +258,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip onnxruntime-genai and the onnxruntime loop",
     )
+    p.add_argument("--threads", type=int, default=None, help="CPU provider threads (default 1)")
     p.add_argument(
         "--dispatch", action="store_true", help="per-node dispatch cost instead (eager vs replay)"
     )
