@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-graphs", action="store_true", help="disable graph capture (for comparison)"
     )
+    p.add_argument("--threads", type=int, default=None, help="CPU provider threads (default 1)")
     p.add_argument(
         "--stats", action="store_true", help="print timings and graph statistics to stderr"
     )
