@@ -45,36 +45,51 @@ class GenerationResult:
 def make_proposer(
     model: Model, spec: str, max_length: int, min_confidence: float = 0.1
 ) -> Proposer:
-    """The proposer named ``spec`` (mtp, draft or ngram) for ``model``."""
+    """The proposer named ``spec`` (mtp, draft or ngram) for ``model``.
+
+    MTP proposers and draft models are kept on the model, so later generations reuse their
+    sessions and captured graphs instead of building and capturing them again.
+    """
     if spec == "ngram":
         return PromptLookupProposer()
-    conf = model.config.speculative
     if spec == "mtp":
-        mtp = conf.get("mtp")
-        if not mtp:
-            raise ModelLoadError(f"{model.folder}/genai_config.json has no speculative.mtp section")
-        inputs, outputs = mtp.get("inputs", {}), mtp.get("outputs", {})
-        return MTPProposer(
-            load_model(Path(model.folder) / mtp.get("filename", "mtp/model.onnx")),
-            model.session_from_proto,
-            names={
-                "hidden_input": inputs.get("hidden_states", "hidden_states"),
-                "ids_input": inputs.get("input_ids", "input_ids"),
-                "logits_output": outputs.get("logits", "logits"),
-                "hidden_output": outputs.get("hidden_states", "mtp_hidden_states"),
-            },
-            min_confidence=min_confidence,
-        )
+        key = ("mtp", min_confidence)
+        if key not in model.proposers:
+            model.proposers[key] = _make_mtp(model, min_confidence)
+        return model.proposers[key]
     if spec == "draft":
-        draft = conf.get("draft")
-        if not draft:
-            raise ModelLoadError(
-                f"{model.folder}/genai_config.json has no speculative.draft section"
-            )
-        folder = Path(model.folder) / draft.get("path", "draft")
-        draft_model = Model(folder, model.providers, enable_graphs=model.enable_graphs)
-        return DraftModelProposer(draft_model, max_length, min_confidence=min_confidence)
+        if "draft" not in model.proposers:
+            model.proposers["draft"] = _draft_model(model)
+        return DraftModelProposer(
+            model.proposers["draft"], max_length, min_confidence=min_confidence
+        )
     raise InvalidInputError(f"unknown speculation kind {spec!r}; choose one of {SPEC_KINDS}")
+
+
+def _make_mtp(model: Model, min_confidence: float) -> MTPProposer:
+    mtp = model.config.speculative.get("mtp")
+    if not mtp:
+        raise ModelLoadError(f"{model.folder}/speculative.json has no mtp section")
+    inputs, outputs = mtp.get("inputs", {}), mtp.get("outputs", {})
+    return MTPProposer(
+        load_model(Path(model.folder) / mtp.get("filename", "mtp/model.onnx")),
+        model.session_from_proto,
+        names={
+            "hidden_input": inputs.get("hidden_states", "hidden_states"),
+            "ids_input": inputs.get("input_ids", "input_ids"),
+            "logits_output": outputs.get("logits", "logits"),
+            "hidden_output": outputs.get("hidden_states", "mtp_hidden_states"),
+        },
+        min_confidence=min_confidence,
+    )
+
+
+def _draft_model(model: Model) -> Model:
+    draft = model.config.speculative.get("draft")
+    if not draft:
+        raise ModelLoadError(f"{model.folder}/speculative.json has no draft section")
+    folder = Path(model.folder) / draft.get("path", "draft")
+    return Model(folder, model.providers, enable_graphs=model.enable_graphs)
 
 
 def make_generator(

@@ -39,6 +39,8 @@ class Model:
         )
         self._tokenizer: Tokenizer | None = None
         self._runners: list[tuple[DecoderRunner, weakref.ref]] = []
+        #: Proposers and draft models built for this model, reused across generations.
+        self.proposers: dict[Any, Any] = {}
 
     @property
     def tokenizer(self) -> Tokenizer:
