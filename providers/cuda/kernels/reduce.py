@@ -156,9 +156,12 @@ def reduce_mean(ctx: KernelContext, x, axes=None):
     return y
 
 
-@REGISTRY.register(["ReduceMax", "ReduceMin"], since=1)
+@REGISTRY.register("ReduceMax", since=1)
 def reduce_extreme(ctx: KernelContext, x, axes=None):
-    """Max or min over ``axes`` through CuPy's reduction kernel, written into the output."""
+    """Max over ``axes`` through CuPy's reduction kernel, written into the output.
+
+    ReduceMin through ``cupy.amin`` failed its GPU test in the last lane run (cause not yet
+    found), so it is not claimed; ReduceMax passed in fp32 and fp16, captured."""
     keep = bool(ctx.attr("keepdims", 1))
     ax = _axes(ctx, x, axes, 18)
     if ax is None:
@@ -173,6 +176,5 @@ def reduce_extreme(ctx: KernelContext, x, axes=None):
     y = out(ctx, 0, shape, x.dtype)
     if x.size == 0:
         raise ValueError(f"{ctx.node.describe()}: {ctx.node.op_type} of an empty tensor")
-    reduce = cupy.amax if ctx.node.op_type == "ReduceMax" else cupy.amin
-    reduce(x, axis=tuple(ax), keepdims=keep, out=y)
+    cupy.amax(x, axis=tuple(ax), keepdims=keep, out=y)
     return y
