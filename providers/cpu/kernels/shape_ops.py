@@ -9,6 +9,7 @@ import numpy as np
 from onnx import helper
 
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.shape_rules import reshape_target
 
 from ._registry import REGISTRY
 
@@ -103,34 +104,11 @@ def _outputs(parts: Sequence[Array]) -> Array | tuple[Array, ...]:
 # ----------------------------------------------------------------------------- reshape family
 
 
-def _reshape_target(ctx: KernelContext, in_shape: tuple[int, ...], shape: list[int]) -> list[int]:
-    """Resolve 0 (copy, unless allowzero) and a single -1 in a Reshape target."""
-    allowzero = ctx.opset >= 14 and bool(ctx.attr("allowzero", 0))
-    out = list(shape)
-    for i, s in enumerate(out):
-        if s == 0 and not allowzero:
-            if i >= len(in_shape):
-                raise ValueError(f"{ctx.node.describe()}: 0 at position {i} beyond input rank")
-            out[i] = in_shape[i]
-    unknown = [i for i, s in enumerate(out) if s == -1]
-    total = math.prod(in_shape)
-    if len(unknown) > 1:
-        raise ValueError(f"{ctx.node.describe()}: more than one -1 in shape {shape}")
-    if unknown:
-        known = math.prod(s for s in out if s != -1)
-        if known == 0 or total % known:
-            raise ValueError(f"{ctx.node.describe()}: cannot reshape {in_shape} to {shape}")
-        out[unknown[0]] = total // known
-    if math.prod(out) != total or any(s < 0 for s in out):
-        raise ValueError(f"{ctx.node.describe()}: cannot reshape {in_shape} to {shape}")
-    return out
-
-
 @REGISTRY.register("Reshape", since=1)
 def reshape(ctx: KernelContext, x: Array, shape: Array | None = None) -> Array:
     """Reshape (shape attribute before opset 5, input after)."""
     target = _ints(ctx.attr("shape", [])) if ctx.opset < 5 else _ints(shape)
-    return x.reshape(_reshape_target(ctx, x.shape, target))
+    return x.reshape(reshape_target(ctx, x.shape, target))
 
 
 @REGISTRY.register("Flatten", since=1)

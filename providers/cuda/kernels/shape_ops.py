@@ -12,6 +12,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.shape_rules import reshape_target
 
 from ._common import OPTIONS, contiguous, host_ints, normalize_axis, out, refuse_in_capture
 from ._registry import REGISTRY
@@ -24,34 +25,11 @@ def _view(ctx: KernelContext, x: cupy.ndarray, shape: list[int]) -> cupy.ndarray
     return x.reshape(shape)
 
 
-def _reshape_target(ctx: KernelContext, in_shape: tuple[int, ...], shape: list[int]) -> list[int]:
-    """Resolve 0 (copy the input dim unless allowzero) and one -1 in a Reshape target."""
-    allowzero = ctx.opset >= 14 and bool(ctx.attr("allowzero", 0))
-    target = list(shape)
-    for i, s in enumerate(target):
-        if s == 0 and not allowzero:
-            if i >= len(in_shape):
-                raise ValueError(f"{ctx.node.describe()}: 0 at position {i} beyond input rank")
-            target[i] = in_shape[i]
-    unknown = [i for i, s in enumerate(target) if s == -1]
-    total = math.prod(in_shape)
-    if len(unknown) > 1:
-        raise ValueError(f"{ctx.node.describe()}: more than one -1 in shape {shape}")
-    if unknown:
-        known = math.prod(s for s in target if s != -1)
-        if known == 0 or total % known:
-            raise ValueError(f"{ctx.node.describe()}: cannot reshape {in_shape} to {shape}")
-        target[unknown[0]] = total // known
-    if math.prod(target) != total or any(s < 0 for s in target):
-        raise ValueError(f"{ctx.node.describe()}: cannot reshape {in_shape} to {shape}")
-    return target
-
-
 @REGISTRY.register("Reshape", since=1)
 def reshape(ctx: KernelContext, x: cupy.ndarray, shape=None) -> cupy.ndarray:
     """Reshape as a view (shape attribute before opset 5, input after)."""
     target = host_ints(ctx, ctx.attr("shape", [])) if ctx.opset < 5 else host_ints(ctx, shape)
-    return _view(ctx, x, _reshape_target(ctx, tuple(x.shape), target))
+    return _view(ctx, x, reshape_target(ctx, tuple(x.shape), target))
 
 
 @REGISTRY.register("Flatten", since=1)

@@ -1,0 +1,35 @@
+"""Host-side shape rules of ONNX ops, shared by every provider's kernels."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .kernels import KernelContext
+
+
+def reshape_target(ctx: KernelContext, in_shape: Sequence[int], shape: Sequence[int]) -> list[int]:
+    """Resolve 0 (copy the input dim, unless allowzero) and a single -1 in a Reshape target."""
+    allowzero = ctx.opset >= 14 and bool(ctx.attr("allowzero", 0))
+    target = list(shape)
+    for i, s in enumerate(target):
+        if s == 0 and not allowzero:
+            if i >= len(in_shape):
+                raise ValueError(f"{ctx.node.describe()}: 0 at position {i} beyond input rank")
+            target[i] = in_shape[i]
+    unknown = [i for i, s in enumerate(target) if s == -1]
+    total = math.prod(in_shape)
+    if len(unknown) > 1:
+        raise ValueError(f"{ctx.node.describe()}: more than one -1 in shape {list(shape)}")
+    if unknown:
+        known = math.prod(s for s in target if s != -1)
+        if known == 0 or total % known:
+            raise ValueError(
+                f"{ctx.node.describe()}: cannot reshape {tuple(in_shape)} to {list(shape)}"
+            )
+        target[unknown[0]] = total // known
+    if math.prod(target) != total or any(s < 0 for s in target):
+        raise ValueError(
+            f"{ctx.node.describe()}: cannot reshape {tuple(in_shape)} to {list(shape)}"
+        )
+    return target
