@@ -68,6 +68,13 @@ class ExecutionProvider(ABC):
         """Host array to this provider's array type (used for feeds and constants)."""
         return self.copy_from_host(np.require(host, requirements="C")).buffer
 
+    def write_from_host(self, buffer: Any, host: np.ndarray) -> None:
+        """Copy ``host`` into an existing buffer of this provider, in place (same shape)."""
+        if isinstance(buffer, np.ndarray):
+            np.copyto(buffer, host, casting="unsafe")
+            return
+        self.copy_from_host(host, Tensor(buffer, DType.from_numpy(buffer.dtype), self.device))
+
     def to_numpy(self, array: Any) -> np.ndarray:
         """This provider's array type to a host numpy array."""
         if isinstance(array, np.ndarray):

@@ -16,7 +16,6 @@ import numpy as np
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError, NonFiniteError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
-from onnx_genrt.core.tensor import Tensor
 from onnx_genrt.session import InferenceSession, IOBinding
 
 from .config import DecoderIO, GenAIConfig
@@ -152,14 +151,6 @@ class DecoderRunner:
             self._bindings[width] = (b, bufs)
         return b, bufs
 
-    def _write(self, buf: Any, host: np.ndarray) -> None:
-        if isinstance(buf, np.ndarray):
-            buf[...] = host
-        else:
-            self.provider.copy_from_host(
-                host, Tensor(buf, DType.from_numpy(buf.dtype), self.provider.device)
-            )
-
     def forward(
         self,
         tokens: list[int] | np.ndarray,
@@ -183,13 +174,15 @@ class DecoderRunner:
         binding, bufs = self._binding(width, keep=slot is not None)
         ids = np.zeros((1, width), np.int64)
         ids[0, :n] = tokens
-        self._write(bufs["ids"], ids)
+        self.provider.write_from_host(bufs["ids"], ids)
         if "mask" in bufs:
             self._mask_host[0, : start + width] = 1
             self._mask_host[0, start + width :] = 0
-            self._write(bufs["mask"], self._mask_host)
+            self.provider.write_from_host(bufs["mask"], self._mask_host)
         if "pos" in bufs:
-            self._write(bufs["pos"], np.arange(start, start + width, dtype=np.int64)[None, :])
+            self.provider.write_from_host(
+                bufs["pos"], np.arange(start, start + width, dtype=np.int64)[None, :]
+            )
         if slot is None:
             self.session.executor.run_bound_eager(binding)
         else:

@@ -162,8 +162,8 @@ class MTPProposer(Proposer):
             raise ValueError("the MTP proposer needs the target model's hidden states output")
         session, binding, hidden_buf, ids_buf, (drafts_buf, confs_buf) = self._chain(k)
         provider = session.main_provider
-        _write(provider, hidden_buf, np.asarray(hidden, dtype=np.float32).reshape(1, 1, -1))
-        _write(provider, ids_buf, np.array([[int(tokens[-1])]], np.int64))
+        provider.write_from_host(hidden_buf, np.asarray(hidden, dtype=np.float32).reshape(1, 1, -1))
+        provider.write_from_host(ids_buf, np.array([[int(tokens[-1])]], np.int64))
         session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
         drafts = provider.to_numpy(drafts_buf)[0, :k]
         confs = provider.to_numpy(confs_buf)[0, :k]
@@ -180,13 +180,3 @@ class MTPProposer(Proposer):
             for slot, st in session.executor.all_stats().items():
                 stats[slot if len(self._chains) == 1 else f"{slot}(k={k})"] = st
         return stats
-
-
-def _write(provider, buf, host: np.ndarray) -> None:
-    if isinstance(buf, np.ndarray):
-        buf[...] = host
-    else:
-        from onnx_genrt.core.dtypes import DType
-        from onnx_genrt.core.tensor import Tensor
-
-        provider.copy_from_host(host, Tensor(buf, DType.from_numpy(buf.dtype), provider.device))
