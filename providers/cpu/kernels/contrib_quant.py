@@ -18,14 +18,15 @@ import ml_dtypes
 import numba
 import numpy as np
 
-from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
+from onnx_genrt.core.op_rules import NBITS, matmul_nbits_unsupported
 
 from ._nn_common import normalize_axis
 from ._registry import REGISTRY
 
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
-_NBITS = (2, 4, 8)
+_NBITS = NBITS
 _SMALL_INTS = {np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)}
 
 
@@ -128,19 +129,7 @@ def dequantize_nbits(
     return out
 
 
-def _nbits_check(node: NodeInfo, _types: object) -> str | None:
-    bits = int(node.attr("bits", 4))
-    block = int(node.attr("block_size", 0))
-    if bits not in _NBITS:
-        return f"MatMulNBits bits={bits} is not supported (2, 4 or 8)"
-    if block < 16 or block & (block - 1):
-        return f"MatMulNBits block_size={block} must be a power of 2 >= 16"
-    names = node.input_names
-    if len(names) > 4 and names[4]:
-        return "MatMulNBits g_idx input is not supported"
-    if node.attr("weight_prepacked", 0):
-        return "MatMulNBits weight_prepacked is not supported"
-    return None
+_nbits_check = matmul_nbits_unsupported
 
 
 @REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)

@@ -9,7 +9,7 @@ import numpy as np
 from onnx import helper
 
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
-from onnx_genrt.core.shape_rules import reshape_target
+from onnx_genrt.core.op_rules import reshape_target
 
 from ._registry import REGISTRY
 

@@ -23,6 +23,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import NBITS, matmul_nbits_unsupported
 
 from ._common import (
     DEVICE_COMMON,
@@ -43,7 +44,7 @@ GEMV_MAX_M = 16
 #: prefetching GEMV; ``ONNX_GENRT_NBITS_STREAM=0`` keeps them on the one-round kernel.
 STREAM_MAX_WORDS = 128
 STREAM_GEMV = os.environ.get("ONNX_GENRT_NBITS_STREAM", "1") != "0"
-_NBITS = (2, 4, 8)
+_NBITS = NBITS
 
 _SOURCE = (
     DEVICE_COMMON
@@ -368,19 +369,7 @@ DEQUANT_CACHE = DequantCache()
 # ----------------------------------------------------------------------------- MatMulNBits
 
 
-def _nbits_check(node: NodeInfo, _types: object) -> str | None:
-    bits = int(node.attr("bits", 4))
-    block = int(node.attr("block_size", 0))
-    if bits not in _NBITS:
-        return f"MatMulNBits bits={bits} is not supported (2, 4 or 8)"
-    if block < 16 or block & (block - 1):
-        return f"MatMulNBits block_size={block} must be a power of 2 >= 16"
-    names = node.input_names
-    if len(names) > 4 and names[4]:
-        return "MatMulNBits g_idx input is not supported"
-    if node.attr("weight_prepacked", 0):
-        return "MatMulNBits weight_prepacked is not supported"
-    return None
+_nbits_check = matmul_nbits_unsupported
 
 
 def gemv_wpr(n: int, words: int, sms: int) -> int:

@@ -12,7 +12,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
-from onnx_genrt.core.shape_rules import reshape_target
+from onnx_genrt.core.op_rules import reshape_target
 
 from ._common import OPTIONS, contiguous, host_ints, normalize_axis, out, refuse_in_capture
 from ._registry import REGISTRY

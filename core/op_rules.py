@@ -1,11 +1,14 @@
-"""Host-side shape rules of ONNX ops, shared by every provider's kernels."""
+"""Host-side rules of ONNX ops (shapes, supported attributes), shared by every provider."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-from .kernels import KernelContext
+from .kernels import KernelContext, NodeInfo
+
+#: Bit widths MatMulNBits kernels support.
+NBITS = (2, 4, 8)
 
 
 def reshape_target(ctx: KernelContext, in_shape: Sequence[int], shape: Sequence[int]) -> list[int]:
@@ -33,3 +36,19 @@ def reshape_target(ctx: KernelContext, in_shape: Sequence[int], shape: Sequence[
             f"{ctx.node.describe()}: cannot reshape {tuple(in_shape)} to {list(shape)}"
         )
     return target
+
+
+def matmul_nbits_unsupported(node: NodeInfo, _types: object = ()) -> str | None:
+    """Why a MatMulNBits node's attributes cannot run, or None (a kernel ``check``)."""
+    bits = int(node.attr("bits", 4))
+    block = int(node.attr("block_size", 0))
+    if bits not in NBITS:
+        return f"MatMulNBits bits={bits} is not supported (2, 4 or 8)"
+    if block < 16 or block & (block - 1):
+        return f"MatMulNBits block_size={block} must be a power of 2 >= 16"
+    names = node.input_names
+    if len(names) > 4 and names[4]:
+        return "MatMulNBits g_idx input is not supported"
+    if node.attr("weight_prepacked", 0):
+        return "MatMulNBits weight_prepacked is not supported"
+    return None
