@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from .kernels import KernelContext, NodeInfo
 
 #: Bit widths MatMulNBits kernels support.
@@ -52,3 +54,20 @@ def matmul_nbits_unsupported(node: NodeInfo, _types: object = ()) -> str | None:
     if node.attr("weight_prepacked", 0):
         return "MatMulNBits weight_prepacked is not supported"
     return None
+
+
+def matmul_shape(ctx: KernelContext, a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
+    """Result shape of ONNX MatMul (numpy matmul rules, 1-D operands included)."""
+    a, b = tuple(a), tuple(b)
+    if not a or not b:
+        raise ValueError(f"{ctx.node.describe()}: MatMul operands must have rank >= 1")
+    a2 = (1, *a) if len(a) == 1 else a
+    b2 = (*b, 1) if len(b) == 1 else b
+    if a2[-1] != b2[-2]:
+        raise ValueError(f"{ctx.node.describe()}: MatMul inner dimensions differ: {a} @ {b}")
+    shape = (*np.broadcast_shapes(a2[:-2], b2[:-2]), a2[-2], b2[-1])
+    if len(a) == 1:
+        shape = shape[:-2] + shape[-1:]
+    if len(b) == 1:
+        shape = shape[:-1]
+    return tuple(int(s) for s in shape)

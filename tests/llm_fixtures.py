@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,31 +56,8 @@ def build_qwen2(
     hf = folder.with_name(folder.name + "-hf")
     _save_hf(config, seed, hf)
     tmp = folder.with_name(folder.name + ".tmp")
-    cmd = [
-        sys.executable,
-        "-m",
-        "onnxruntime_genai.models.builder",
-        "-i",
-        str(hf),
-        "-o",
-        str(tmp),
-        "-p",
-        precision,
-        "-e",
-        "cpu",
-        "-c",
-        str(tmp / "cache"),
-    ]
-    if hidden_states:
-        cmd += ["--extra_options", "include_hidden_states=true"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"model builder failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    for leftover in (tmp / "cache",):
-        if leftover.exists():
-            import shutil
-
-            shutil.rmtree(leftover)
+    extra = ["include_hidden_states=true"] if hidden_states else []
+    _run_builder(hf, tmp, precision, extra)
     tmp.rename(folder)
     return folder
 
@@ -157,7 +135,6 @@ def build_qwen2_with_options(
 ) -> Path:
     """Like ``build_qwen2`` (hidden_states on), with extra builder options such as
     ``{"accuracy_level": 1}``; converts the same HF checkpoint as ``hf_checkpoint``."""
-    import shutil
 
     import onnxruntime_genai
 
@@ -171,30 +148,7 @@ def build_qwen2_with_options(
         return folder
     hf = hf_checkpoint(config, seed)
     tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    cmd = [
-        sys.executable,
-        "-m",
-        "onnxruntime_genai.models.builder",
-        "-i",
-        str(hf),
-        "-o",
-        str(tmp),
-        "-p",
-        precision,
-        "-e",
-        "cpu",
-        "-c",
-        str(tmp / "cache"),
-        "--extra_options",
-        *(f"{k}={v}" for k, v in sorted(options.items())),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"model builder failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    if (tmp / "cache").exists():
-        shutil.rmtree(tmp / "cache")
+    _run_builder(hf, tmp, precision, [f"{k}={v}" for k, v in sorted(options.items())])
     tmp.rename(folder)
     return folder
 
@@ -271,3 +225,31 @@ def greedy_generator(model, prompt: list[int], new: int):
     while not gen.is_done():
         gen.generate_next_token()
     return gen
+
+
+def _run_builder(hf: Path, out: Path, precision: str, extra_options: list[str]) -> None:
+    """onnxruntime-genai's model builder, CPU target, into a fresh ``out`` (its cache
+    folder removed after); raises with the builder's output on failure."""
+    if out.exists():
+        shutil.rmtree(out)
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(hf),
+        "-o",
+        str(out),
+        "-p",
+        precision,
+        "-e",
+        "cpu",
+        "-c",
+        str(out / "cache"),
+    ]
+    if extra_options:
+        cmd += ["--extra_options", *extra_options]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"model builder failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    shutil.rmtree(out / "cache", ignore_errors=True)

@@ -6,6 +6,8 @@ import functools
 
 import numpy as np
 
+from onnx_genrt.core.op_rules import matmul_shape
+
 from . import attention, conv, normalization, quant  # noqa: F401  (register on import)
 from ._nn_common import (
     as_compute,
@@ -21,23 +23,6 @@ _F64 = np.dtype(np.float64)
 
 
 # ----------------------------------------------------------------------------- MatMul / Gemm
-
-
-def _matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    """Result shape of np.matmul for operand shapes ``a`` and ``b`` (ONNX MatMul rules)."""
-    if len(a) == 0 or len(b) == 0:
-        raise ValueError("MatMul operands must have rank >= 1")
-    a2 = (1, *a) if len(a) == 1 else a
-    b2 = (*b, 1) if len(b) == 1 else b
-    if a2[-1] != b2[-2]:
-        raise ValueError(f"MatMul inner dimensions differ: {a} @ {b}")
-    batch = np.broadcast_shapes(a2[:-2], b2[:-2])
-    shape = (*batch, a2[-2], b2[-1])
-    if len(a) == 1:
-        shape = shape[:-2] + shape[-1:]
-    if len(b) == 1:
-        shape = shape[:-1]
-    return shape
 
 
 def _matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -79,7 +64,7 @@ def matmul(ctx, a: np.ndarray, b: np.ndarray, index: int = 0) -> np.ndarray:
         raise TypeError(
             f"{ctx.node.describe()}: MatMul operand dtypes differ: {a.dtype}, {b.dtype}"
         )
-    shape = _matmul_shape(a.shape, b.shape)
+    shape = matmul_shape(ctx, a.shape, b.shape)
     out = ctx.out(index, shape, a.dtype)
     if a.dtype.kind != "f" and not _is_ml_float(a.dtype):
         out[...] = np.matmul(a, b)

@@ -17,6 +17,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.op_rules import matmul_shape
 
 from ._common import (
     DEVICE_COMMON,
@@ -171,23 +172,6 @@ __global__ void splitk_sum(const float* __restrict__ P, S* __restrict__ C, long 
 }
 """
 )
-
-
-def matmul_shape(ctx: KernelContext, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    """Result shape of ONNX MatMul (numpy matmul rules, 1-D operands included)."""
-    if not a or not b:
-        raise ValueError(f"{ctx.node.describe()}: MatMul operands must have rank >= 1")
-    a2 = (1, *a) if len(a) == 1 else a
-    b2 = (*b, 1) if len(b) == 1 else b
-    if a2[-1] != b2[-2]:
-        raise ValueError(f"{ctx.node.describe()}: MatMul inner dimensions differ: {a} @ {b}")
-    batch = np.broadcast_shapes(a2[:-2], b2[:-2])
-    shape = (*batch, a2[-2], b2[-1])
-    if len(a) == 1:
-        shape = shape[:-2] + shape[-1:]
-    if len(b) == 1:
-        shape = shape[:-1]
-    return tuple(int(s) for s in shape)
 
 
 def skinny_dims(a_shape: tuple[int, ...], b_shape: tuple[int, ...]):
