@@ -99,6 +99,10 @@ class KernelContext:
 
 Kernel = Callable[..., Any]
 SupportCheck = Callable[[NodeInfo, Sequence[Any]], str | None]
+#: ``prepack(provider, node, input_index, host_array)``: a constant input in the layout the
+#: kernel prefers (a transposed weight, say), made once when the session is built; None
+#: keeps the plain array. The kernel then receives whatever prepack returned.
+Prepack = Callable[[Any, NodeInfo, int, np.ndarray], Any]
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class KernelDef:
     since: int
     fn: Kernel
     check: SupportCheck | None = None
+    prepack: Prepack | None = None
 
 
 class KernelRegistry:
@@ -124,13 +129,14 @@ class KernelRegistry:
         since: int = 1,
         domain: str = ONNX_DOMAIN,
         check: SupportCheck | None = None,
+        prepack: Prepack | None = None,
     ) -> Callable[[Kernel], Kernel]:
         """Decorator: register ``fn`` for ``op_type`` (or several) from opset ``since``."""
         names = [op_type] if isinstance(op_type, str) else list(op_type)
 
         def deco(fn: Kernel) -> Kernel:
             for name in names:
-                self.add(KernelDef(normalize_domain(domain), name, since, fn, check))
+                self.add(KernelDef(normalize_domain(domain), name, since, fn, check, prepack))
             return fn
 
         return deco

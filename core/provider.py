@@ -81,6 +81,15 @@ class ExecutionProvider(ABC):
             return array
         return self.copy_to_host(Tensor(array, DType.from_numpy(array.dtype), self.device))
 
+    def to_numpy_many(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """Several arrays to the host at once; a device provider waits only once for all."""
+        return [np.array(self.to_numpy(a), copy=True) for a in arrays]
+
+    def copy_array(self, src: Any, dst: Any) -> None:
+        """Device to device between two of this provider's arrays (same shape and dtype)."""
+        dt = DType.from_numpy(dst.dtype)
+        self.copy(Tensor(src, dt, self.device), Tensor(dst, dt, self.device))
+
     def _allocate_workspace(self, nbytes: int) -> Any:
         return self.allocate((nbytes,), DType.UINT8).buffer
 

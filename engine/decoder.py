@@ -30,9 +30,17 @@ class StepOutput:
     the same width overwrites those buffers.
     """
 
-    def __init__(self, provider: Any, bufs: dict[str, Any], n: int) -> None:
+    def __init__(
+        self,
+        provider: Any,
+        bufs: dict[str, Any],
+        n: int,
+        read: dict[str, np.ndarray] | None = None,
+    ) -> None:
         self._provider, self._bufs, self._n = provider, bufs, n
-        self._cache: dict[str, np.ndarray | None] = {}
+        self._cache: dict[str, np.ndarray | None] = {
+            key: value[0, :n] for key, value in (read or {}).items()
+        }
 
     def _get(self, key: str) -> np.ndarray | None:
         if key not in self._cache:
@@ -53,6 +61,35 @@ class StepOutput:
     @property
     def hidden(self) -> np.ndarray | None:
         return self._get("hidden")
+
+    def hidden_state(self, row: int) -> HiddenState | None:
+        """Row ``row``'s hidden state, left on the device until someone asks for it."""
+        if self._bufs.get("hidden") is None:
+            return None
+        return HiddenState(self, row if row >= 0 else self._n + row)
+
+
+class HiddenState:
+    """One row of a step's hidden-states output: on the device, or as a host array.
+
+    An MTP head on the same device copies it device to device; anything else reads it back.
+    Valid until the next step of the same width overwrites the bound buffer.
+    """
+
+    def __init__(self, out: StepOutput, row: int) -> None:
+        self._out, self.row = out, row
+
+    @property
+    def provider(self) -> Any:
+        return self._out._provider
+
+    def device_row(self) -> Any:
+        """The row as a [1, 1, hidden] view of the step's bound output buffer."""
+        buf = self._out._bufs["hidden"]
+        return buf[:, self.row : self.row + 1]
+
+    def numpy(self) -> np.ndarray:
+        return self._out.hidden[self.row]
 
 
 class StaticKVCache:
@@ -188,17 +225,22 @@ class DecoderRunner:
         else:
             self.session.run_with_iobinding(binding, slot)
         self.cache.length = start + n
-        self._check_finite(bufs, start, n, slot)
-        return StepOutput(self.provider, bufs, n)
+        read = self._check_finite(bufs, start, n, slot)
+        return StepOutput(self.provider, bufs, n, read)
 
-    def _check_finite(self, bufs: dict[str, Any], start: int, n: int, slot: Any) -> None:
-        """Raise on NaN or infinite logits; one scalar read when the decode heads exist.
+    def _check_finite(
+        self, bufs: dict[str, Any], start: int, n: int, slot: Any
+    ) -> dict[str, np.ndarray]:
+        """Raise on NaN or infinite logits; returns what it read back on the way.
 
-        The probe covers every row of the step, padded rows included: a padded verify row
-        holds a real token's logits, so a non-finite value there is a real fault too.
+        With the decode heads, the probe scalar and the step's argmax ids come back in one
+        transfer. The probe covers every row of the step, padded rows included: a padded
+        verify row holds a real token's logits, so a non-finite value there is a real fault.
         """
+        read: dict[str, np.ndarray] = {}
         if "nonfinite" in bufs:
-            ok = bool(np.isfinite(self.provider.to_numpy(bufs["nonfinite"])))
+            probe, read["argmax"] = self.provider.to_numpy_many([bufs["nonfinite"], bufs["argmax"]])
+            ok = bool(np.isfinite(probe))
         else:
             ok = bool(np.isfinite(self.provider.to_numpy(bufs["logits"])[0, :n]).all())
         if not ok:
@@ -206,6 +248,7 @@ class DecoderRunner:
                 f"non-finite logits at positions {start}..{start + n - 1} "
                 f"(slot {slot.value if slot else 'eager'})"
             )
+        return read
 
     def rewind_to(self, length: int) -> None:
         """Forget every position from ``length`` on; later steps overwrite them."""

@@ -9,7 +9,7 @@ import numpy as np
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
-from .decoder import StepOutput
+from .decoder import HiddenState, StepOutput
 from .model import GeneratorParams, Model
 from .sampling import penalize_repetition, pick
 
@@ -104,12 +104,12 @@ class Generator:
         return logits
 
     @property
-    def _last_hidden(self) -> np.ndarray | None:
+    def _last_hidden(self) -> HiddenState | None:
+        """The hidden state that predicted the pending token (left on the device)."""
         if self._hidden_at is None:
             return None
         out, row = self._hidden_at
-        hidden = out.hidden
-        return None if hidden is None else hidden[row]
+        return out.hidden_state(row)
 
     def get_next_tokens(self) -> list[int]:
         """Tokens added by the last ``generate_next_token`` call."""

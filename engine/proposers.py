@@ -12,6 +12,7 @@ import onnx
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession
 
+from .decoder import HiddenState
 from .model import Model
 from .mtp_chain import CONFIDENCES, DRAFTS, unroll_mtp_head
 
@@ -30,7 +31,7 @@ class Proposer(ABC):
     name: str = ""
 
     @abstractmethod
-    def propose(self, tokens: Sequence[int], hidden: np.ndarray | None, k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], hidden: HiddenState | None, k: int) -> list[int]:
         """Drafts; ``hidden`` is the target's hidden state that predicted the pending token."""
 
     def graph_stats(self) -> dict[str, dict]:
@@ -45,7 +46,7 @@ class PromptLookupProposer(Proposer):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, tokens: Sequence[int], hidden: np.ndarray | None, k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], hidden: HiddenState | None, k: int) -> list[int]:
         seq = np.asarray(tokens, dtype=np.int64)
         n_tokens = len(seq)
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
@@ -76,7 +77,7 @@ class DraftModelProposer(Proposer):
         self.min_confidence = min_confidence
         self._logits: np.ndarray | None = None
 
-    def propose(self, tokens: Sequence[int], hidden: np.ndarray | None, k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], hidden: HiddenState | None, k: int) -> list[int]:
         tokens = list(tokens)
         common = 0
         limit = min(len(self.fed), len(tokens))
@@ -157,22 +158,36 @@ class MTPProposer(Proposer):
             self._chains[k] = (session, b, hidden, ids, (drafts, confs))
         return self._chains[k]
 
-    def propose(self, tokens: Sequence[int], hidden: np.ndarray | None, k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], hidden: HiddenState | None, k: int) -> list[int]:
         if hidden is None:
             raise ValueError("the MTP proposer needs the target model's hidden states output")
         session, binding, hidden_buf, ids_buf, (drafts_buf, confs_buf) = self._chain(k)
         provider = session.main_provider
-        provider.write_from_host(hidden_buf, np.asarray(hidden, dtype=np.float32).reshape(1, 1, -1))
+        self._feed_hidden(provider, hidden, hidden_buf)
         provider.write_from_host(ids_buf, np.array([[int(tokens[-1])]], np.int64))
         session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
-        drafts = provider.to_numpy(drafts_buf)[0, :k]
-        confs = provider.to_numpy(confs_buf)[0, :k]
+        drafts, confs = provider.to_numpy_many([drafts_buf, confs_buf])
+        drafts, confs = drafts[0, :k], confs[0, :k]
         out: list[int] = []
         for token, p in zip(drafts.tolist(), confs.tolist(), strict=True):
             if p < self.min_confidence:
                 break
             out.append(int(token))
         return out
+
+    @staticmethod
+    def _feed_hidden(provider: Any, hidden: HiddenState | np.ndarray, dst: Any) -> None:
+        """The target's hidden row into the chain's input: device to device when both live on
+        the same kind of device with the same dtype, else through the host."""
+        if isinstance(hidden, HiddenState):
+            src = hidden.device_row()
+            same_kind = type(src) is type(dst) and hidden.provider.device == provider.device
+            if same_kind and src.dtype == dst.dtype and src.size == dst.size:
+                # The target's step was read back already, so its output is complete.
+                provider.copy_array(src.reshape(dst.shape), dst)
+                return
+            hidden = hidden.numpy()
+        provider.write_from_host(dst, np.asarray(hidden, dtype=dst.dtype).reshape(dst.shape))
 
     def graph_stats(self) -> dict[str, dict]:
         stats: dict[str, dict] = {}

@@ -42,6 +42,9 @@ for prec in fp16 int4; do
   "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --compare-eager --no-reference \
     --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 2>"$LOGDIR/bench-$prec.err" | tee "$LOGDIR/bench-$prec.txt" \
     || { echo "bench $prec failed"; tail -n 30 "$LOGDIR/bench-$prec.err"; }
+  echo "== step profile ($prec, decode M=1, 256 cached positions)"
+  "$PY" -m onnx_genrt.step_profile --model "$dst" --provider cuda --top 10 | tee "$LOGDIR/profile-$prec.txt" \
+    || echo "step profile $prec failed"
   echo "== verify vs decode step cost ($prec, k=4, 256 cached positions)"
   "$PY" -m onnx_genrt.step_cost --model "$dst" --provider cuda -k 4 | tee "$LOGDIR/step-$prec.txt" \
     || echo "step cost $prec failed"

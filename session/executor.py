@@ -102,13 +102,10 @@ class Executor:
     def _prepare(self) -> None:
         for i, step in enumerate(self.plan.steps):
             args = []
-            for name in step.inputs:
+            for index, name in enumerate(step.inputs):
                 const = None
                 if name and name in self.plan.constants:
-                    key = (id(step.provider), name)
-                    if key not in self._consts:
-                        self._consts[key] = step.provider.as_array(self.plan.constants[name])
-                    const = self._consts[key]
+                    const = self._constant_arg(step, index, name)
                 args.append((name, const))
                 if name and const is None:
                     self._last_use[name] = i
@@ -116,6 +113,24 @@ class Executor:
         for name, i in self._last_use.items():
             if name not in self._graph_outputs:
                 self._free_after[i].append(name)
+
+    def _constant_arg(self, step: Any, index: int, name: str) -> Any:
+        """A constant input on the step's provider, in the kernel's prepacked layout if any.
+
+        Each layout is made once per provider and shared by every step that asks for it.
+        """
+        provider, host = step.provider, self.plan.constants[name]
+        prepack = step.kernel.prepack
+        if prepack is not None:
+            key = (id(provider), name, prepack)
+            if key not in self._consts:
+                self._consts[key] = prepack(provider, step.node, index, host)
+            if self._consts[key] is not None:
+                return self._consts[key]
+        key = (id(provider), name)
+        if key not in self._consts:
+            self._consts[key] = provider.as_array(host)
+        return self._consts[key]
 
     # -- slots ----------------------------------------------------------------
     @property
@@ -416,6 +431,8 @@ class _Record:
 def _may_alias(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         return bool(np.may_share_memory(a, b))
+    if type(a) is not type(b):  # a prepacked constant is never an output's view
+        return False
     may_share = getattr(type(a), "__module__", "").startswith("cupy")
     if may_share:
         import cupy

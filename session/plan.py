@@ -16,6 +16,8 @@ from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpErr
 from onnx_genrt.core.kernels import KernelContext, KernelDef, NodeInfo, normalize_domain, opset_map
 from onnx_genrt.core.provider import ExecutionProvider
 
+from .fusion import fuse_gate_up, fuse_silu_mul
+
 #: Ops whose output changes from run to run; never folded.
 NONDETERMINISTIC = {
     "RandomNormal",
@@ -58,6 +60,8 @@ class GraphPlan:
     inputs: list[ValueSpec]
     outputs: list[ValueSpec]
     folded: int = 0
+    #: Steps that replace several nodes (see ``session.fusion``).
+    fused: int = 0
     value_types: dict[str, ValueSpec] = field(default_factory=dict)
 
     @property
@@ -199,7 +203,11 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
         listed = "\n  ".join(unsupported[:20])
         more = f"\n  ... and {len(unsupported) - 20} more" if len(unsupported) > 20 else ""
         raise UnsupportedOpError(f"no provider can run these nodes:\n  {listed}{more}")
-    plan = GraphPlan(steps, constants, inputs, outputs, folded)
+    keep = {o.name for o in outputs}
+    steps, fused = fuse_silu_mul(steps, keep)
+    steps, merged = fuse_gate_up(steps, constants, keep)
+    fused += merged
+    plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)
     plan.value_types = _infer_value_types(model)
     return plan
 

@@ -197,3 +197,51 @@ def test_bound_run_writes_into_bound_output(rows):
     sess.run_with_iobinding(binding)
     assert y.__array_interface__["data"][0] == address
     np.testing.assert_allclose(binding.get_outputs()["y"], mlp_reference(model, x), rtol=1e-5)
+
+
+def test_prepacked_constants_are_made_once_and_only_in_the_packed_layout():
+    """A kernel's prepack hook turns a constant weight into its own layout once per
+    provider; the kernel receives it, and no plain copy is kept when nothing else reads it."""
+    from dataclasses import dataclass
+
+    from onnx_genrt.core.kernels import KernelRegistry
+    from onnx_genrt.providers.cpu.kernels import REGISTRY
+
+    @dataclass(frozen=True)
+    class Transposed:
+        t: np.ndarray
+
+    calls: list[tuple[str, int]] = []
+
+    def prepack(provider, node, index, host):
+        calls.append((node.name, index))
+        return Transposed(np.ascontiguousarray(host.T)) if index == 1 else None
+
+    def matmul(ctx, a, b):
+        assert isinstance(b, Transposed), type(b)
+        return a @ b.t.T
+
+    class PackingCPU(CPUProvider):
+        name = "packing-cpu"
+        _registry = KernelRegistry()
+
+        @property
+        def kernels(self):
+            if not len(self._registry):
+                for op in ("Add", "Relu", "Sigmoid", "Mul", "Softmax"):
+                    kdef = REGISTRY.lookup("", op, 21)
+                    if kdef is not None:
+                        self._registry.add(kdef)
+                self._registry.register("MatMul", since=1, prepack=prepack)(matmul)
+            return self._registry
+
+    model = mlp(hidden=8)
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMul"]
+    sess = InferenceSession(model, providers=[PackingCPU()])
+    assert sorted(calls) == sorted((n.name, 1) for n in matmuls)
+    weights = {n.input[1] for n in matmuls}
+    plain = [k for k in sess.executor._consts if len(k) == 2 and k[1] in weights]
+    assert plain == []  # only the transposed layout exists
+    x = np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32)
+    (y,) = sess.run(["y"], {"x": x})
+    np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)

@@ -202,3 +202,45 @@ def test_unsorted_graph_is_ordered_topologically():
     x = np.ones((1, 4), np.float32)
     (y,) = InferenceSession(model).run(None, {"x": x})
     np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-6)
+
+
+def _gated_mlp(keep_act: bool) -> onnx.ModelProto:
+    """y = (g * sigmoid(g)) * u with g = x @ wg, u = x @ wu; optionally exposing the act."""
+    rng = np.random.default_rng(11)
+    wg = rng.standard_normal((8, 12)).astype(np.float32)
+    wu = rng.standard_normal((8, 12)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "wg"], ["g"], name="gate"),
+        helper.make_node("MatMul", ["x", "wu"], ["u"], name="up"),
+        helper.make_node("Sigmoid", ["g"], ["s"], name="sig"),
+        helper.make_node("Mul", ["s", "g"], ["act"], name="act"),  # operands swapped on purpose
+        helper.make_node("Mul", ["u", "act"], ["y"], name="mul"),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 12])]
+    if keep_act:
+        outputs.append(helper.make_tensor_value_info("act", TensorProto.FLOAT, ["b", 12]))
+    graph = helper.make_graph(
+        nodes,
+        "gated",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 8])],
+        outputs,
+        [numpy_helper.from_array(wg, "wg"), numpy_helper.from_array(wu, "wu")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("keep_act", [False, True])
+def test_gated_mlp_fuses_unless_the_act_is_an_output(keep_act):
+    model = _gated_mlp(keep_act)
+    sess = InferenceSession(model)
+    ops = [s.node.op_type for s in sess.plan.steps]
+    if keep_act:
+        assert sess.plan.fused == 0 and ops.count("Sigmoid") == 1
+    else:  # SiluMul, then gate and up as one projection onto [wg | wu]
+        assert sess.plan.fused == 2 and ops == ["MatMul", "SiluMul"]
+        assert "wg" not in sess.plan.constants and "wu" not in sess.plan.constants
+    x = np.random.default_rng(5).standard_normal((3, 8)).astype(np.float32)
+    (y,) = sess.run(["y"], {"x": x})
+    w = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
+    g, u = x.astype(np.float64) @ w["wg"], x.astype(np.float64) @ w["wu"]
+    np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)

@@ -54,7 +54,7 @@ class CUDAProvider(ExecutionProvider):
         self._graphs: dict[DeviceGraphSlot, Any] = {}
         self._staging: np.ndarray | None = None
         self._staging_mem: Any = None
-        self._staging_done: Any = None
+        self._staging_used = 0
         self._shadow: OrderedDict[tuple, tuple[Any, np.ndarray]] = OrderedDict()
         self._scratch: Any = None
         self._retired_scratch: list[Any] = []
@@ -118,7 +118,30 @@ class CUDAProvider(ExecutionProvider):
             return src.get(stream=self.stream)
         view = self._staging_view(nbytes, src.dtype, tuple(src.shape))
         src.get(stream=self.stream, out=view)  # blocking: waits for the stream
+        self._staging_used = 0  # the stream is idle: every staged upload has been consumed
         return view if keep_view else view.copy()
+
+    def to_numpy_many(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """Small device arrays queued to pinned memory one after another, then one wait."""
+        self._refuse_host_copy("device-to-host copy")
+        srcs = [a for a in arrays if isinstance(a, cupy.ndarray)]
+        total = sum(_aligned_size(int(a.nbytes)) for a in srcs)
+        if total > STAGING_MAX or any(not a.flags.c_contiguous for a in srcs):
+            return super().to_numpy_many(arrays)
+        views: list[np.ndarray] = []
+        for a in arrays:
+            if not isinstance(a, cupy.ndarray):
+                views.append(np.asarray(a))
+                continue
+            view = self._staging_view(int(a.nbytes), a.dtype, tuple(a.shape))
+            if a.nbytes:
+                cupy.cuda.runtime.memcpyAsync(
+                    view.ctypes.data, a.data.ptr, int(a.nbytes), 2, self.stream.ptr
+                )  # 2: device to host
+            views.append(view)
+        self.stream.synchronize()
+        self._staging_used = 0
+        return [v.copy() for v in views]
 
     def copy(self, src: Tensor, dst: Tensor) -> None:
         if not isinstance(src.buffer, cupy.ndarray):
@@ -230,16 +253,23 @@ class CUDAProvider(ExecutionProvider):
             )
 
     def _staging_view(self, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        """The pinned staging buffer as an array, once the last upload from it is done."""
-        if self._staging_done is not None:
-            self._staging_done.synchronize()
-            self._staging_done = None
-        if self._staging is None or self._staging.size < nbytes:
-            size = max(nbytes, 1 << 20, 0 if self._staging is None else 2 * self._staging.size)
-            size = min(max(size, nbytes), max(STAGING_MAX, nbytes))
-            self._staging_mem = cupy.cuda.alloc_pinned_memory(size)
-            self._staging = np.frombuffer(self._staging_mem, np.uint8, size)
-        return self._staging[:nbytes].view(dtype).reshape(shape)
+        """The next free bytes of the pinned staging ring, as an array.
+
+        Uploads queued on the stream read their bytes later, so each takes fresh bytes; the
+        ring starts over (after waiting for the stream) only when it is full.
+        """
+        need = _aligned_size(nbytes)
+        if self._staging is None or self._staging_used + need > self._staging.size:
+            self.stream.synchronize()  # every queued copy from the ring is done
+            self._staging_used = 0
+            if self._staging is None or self._staging.size < need:
+                old = 0 if self._staging is None else 2 * self._staging.size
+                size = min(max(need, 1 << 20, old), max(STAGING_MAX, need))
+                self._staging_mem = cupy.cuda.alloc_pinned_memory(size)
+                self._staging = np.frombuffer(self._staging_mem, np.uint8, size)
+        start = self._staging_used
+        self._staging_used += need
+        return self._staging[start : start + nbytes].view(dtype).reshape(shape)
 
     def _upload(self, host: np.ndarray, dst: Any) -> None:
         """Contiguous ``host`` into contiguous ``dst`` (same shape and dtype) on the stream."""
@@ -252,7 +282,11 @@ class CUDAProvider(ExecutionProvider):
         view = self._staging_view(nbytes, host.dtype, host.shape)
         np.copyto(view, host)
         dst.set(view, stream=self.stream)
-        self._staging_done = self.stream.record()
+
+
+def _aligned_size(nbytes: int) -> int:
+    """Bytes a staging slot takes: 256-byte aligned, at least one alignment unit."""
+    return max(256, -(-nbytes // 256) * 256)
 
 
 def _shadow_key(array: Any) -> tuple:

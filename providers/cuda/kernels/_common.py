@@ -178,6 +178,46 @@ DEVI float warp_max(float v) {
   return v;
 }
 
+// Finishes a warp-per-column GEMV (block (32, 8)): sums each lane's acc[r][m] over the warp,
+// then over the wpc warps sharing the columns (red: the block's [8][NR][MT] shared floats);
+// lane 0 of share 0 writes C[m, n0 + r] (+ bias). Every thread of the block must call it.
+template <typename S, int NR, int MT>
+DEVI void gemv_store(float (&acc)[NR][MT], float (*red)[NR][MT], int wy, int wpc, int lane,
+                     long long n0, int N, int M, S* C, const S* bias, int has_bias) {
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = warp_sum(acc[r][m]);
+  if (wpc > 1) {
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) red[wy][r][m] = acc[r][m];
+    }
+    __syncthreads();
+    if (wy % wpc == 0 && lane == 0) {
+      for (int p = 1; p < wpc; ++p)
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+          for (int m = 0; m < MT; ++m) acc[r][m] += red[wy + p][r][m];
+    }
+  }
+  if (wy % wpc == 0 && lane == 0) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const long long n = n0 + r;
+      if (n < N) {
+        const float bv = has_bias ? ld(bias, n) : 0.f;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+          if (m < M) st(C, (long long)m * N + n, acc[r][m] + bv);
+      }
+    }
+  }
+}
+
 // Block-wide sum / max; blockDim.x is a multiple of 32, sh holds at least 33 floats.
 DEVI float block_sum(float v, float* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;

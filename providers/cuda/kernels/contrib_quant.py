@@ -37,6 +37,7 @@ from ._common import (
     storage,
 )
 from ._registry import REGISTRY
+from .matmul import gemv_layout
 
 #: Largest M that runs on the GEMV kernel.
 GEMV_MAX_M = 16
@@ -44,6 +45,9 @@ GEMV_MAX_M = 16
 #: prefetching GEMV; ``ONNX_GENRT_NBITS_STREAM=0`` keeps them on the one-round kernel.
 STREAM_MAX_WORDS = 128
 STREAM_GEMV = os.environ.get("ONNX_GENRT_NBITS_STREAM", "1") != "0"
+#: 4-bit weights with blocks of a multiple of 32 run on ``nbits4_gemv16`` (16-byte loads);
+#: ``ONNX_GENRT_NBITS_CHUNK16=0`` keeps them on the 32-bit-word kernels above.
+CHUNK16_GEMV = os.environ.get("ONNX_GENRT_NBITS_CHUNK16", "1") != "0"
 _NBITS = NBITS
 
 _SOURCE = (
@@ -283,6 +287,62 @@ __global__ void __launch_bounds__(256) nbits_gemv_stream(
   }
 }
 
+// 4-bit weights in blocks of a multiple of 32, K a multiple of 32, rows 16-byte aligned:
+// C[m, n] = sum_k A[m, k] * (q[n, k] - z) * s (+ bias). Block (32, 8), laid out as gemv_nk:
+// warp y owns NR columns and the (y % wpc)-th share of their 16-byte chunks (32 values, one
+// scale each); a lane loads U chunks of each column, with scales and zeros, before any math.
+template <typename S, typename W, int MT, int NR>
+__global__ void __launch_bounds__(256) nbits4_gemv16(
+    const S* __restrict__ A, const uint4* __restrict__ B, const W* __restrict__ scales,
+    const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
+    const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
+    int row_chunks, int zrow, int zp_mode, int has_bias, int wpc) {
+  constexpr int U = 2;
+  __shared__ float red[8][NR][MT];
+  const int lane = threadIdx.x, wy = threadIdx.y;
+  const long long n0 = ((long long)blockIdx.x * (8 / wpc) + wy / wpc) * NR;
+  const int share = wy % wpc;
+  const int chunks = K / 32, step = 32 * wpc;
+  const int zint = zp_mode != 2;
+  float acc[NR][MT];
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
+    uint4 q[U][NR];
+    float s[U][NR], z[U][NR];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * step;
+      const int blk = (c * 32) / block;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const long long n = n0 + r;
+        const bool ok = c < chunks && n < N;
+        q[u][r] = ok ? __ldg(B + n * row_chunks + c) : make_uint4(0u, 0u, 0u, 0u);
+        s[u][r] = ok ? ld(scales, n * nb + blk) : 0.f;
+        z[u][r] = ok ? zero_at<W, 4>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * step;
+      if (c < chunks) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          unsigned int qw[NR];
+#pragma unroll
+          for (int r = 0; r < NR; ++r)
+            qw[r] = w == 0 ? q[u][r].x : w == 1 ? q[u][r].y : w == 2 ? q[u][r].z : q[u][r].w;
+          nbits_word<S, MT, 4, NR>(qw, s[u], z[u], zint, c * 32 + 8 * w, A, M, K, 1, acc);
+        }
+      }
+    }
+  }
+  gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, bias, has_bias);
+}
+
 // W[n, k] = (q - z) * s for the cuBLAS path; one thread per output element.
 template <typename S, typename W, int BITS>
 __global__ void nbits_dequant(const unsigned char* __restrict__ B, const W* __restrict__ scales,
@@ -414,6 +474,19 @@ def _zero_args(ctx: KernelContext, zp, scales, n: int, nb: int, bits: int):
     return scales, zp, nb, 2
 
 
+def _chunk16_fits(bits: int, block: int, k: int, row_bytes: int, b, a) -> bool:
+    """Whether ``nbits4_gemv16`` applies: 4 bits, 16-byte chunks within one block, aligned."""
+    return (
+        CHUNK16_GEMV
+        and bits == 4
+        and block % 32 == 0
+        and k % 32 == 0
+        and row_bytes % 16 == 0
+        and b.data.ptr % 16 == 0
+        and a.data.ptr % 16 == 0
+    )
+
+
 @REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
 def matmul_nbits(ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None, bias=None):
     """Y = A @ dequant(B)^T (+ bias); float32 accumulation; fp32 or fp16 A and scales."""
@@ -449,6 +522,15 @@ def matmul_nbits(ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None,
     zp_u8, zp_f, zrow, zp_mode = _zero_args(ctx, zero_points, scales, n, nb, bits)
     bias_arg = contiguous(ctx, bias) if bias is not None else y
     a = contiguous(ctx, a)
+    if m <= GEMV_MAX_M and _chunk16_fits(bits, block, k, nb * blob, b, a):
+        mt, nr, wpc = gemv_layout(m, k // 32, n, sm_count())
+        fn = function(_SOURCE, f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}>")
+        args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
+        args += (np.int32(nb), np.int32(block), np.int32(nb * blob // 16), np.int32(zrow))
+        args += (np.int32(zp_mode), np.int32(bias is not None), np.int32(wpc))
+        groups = -(-n // nr)
+        fn((-(-groups * wpc // 8),), (32, 8), args)
+        return y
     if m <= GEMV_MAX_M:
         if b.data.ptr % 4:
             refuse_in_capture(ctx, "copying a misaligned packed weight")

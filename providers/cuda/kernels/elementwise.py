@@ -215,3 +215,39 @@ def identity(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
     if y.size:
         cupy.copyto(y, x)
     return y
+
+
+# ----------------------------------------------------------------------------- fused
+
+_SILU_MUL = cupy.ElementwiseKernel(
+    "T g, T u",
+    "T y",
+    "typedef GenrtAcc<T>::type A; const A v = (A)g; "
+    "const A s = (A)1 / ((A)1 + genrt_math_exp(-v)); y = (T)((v * s) * (A)u);",
+    "genrt_silu_mul",
+    preamble=_PREAMBLE,
+    options=OPTIONS,
+)
+
+
+@REGISTRY.register("SiluMul", since=1, domain="onnx_genrt")
+def silu_mul(ctx: KernelContext, g: cupy.ndarray, u: cupy.ndarray | None = None) -> cupy.ndarray:
+    """The runtime's fused gated-MLP activation: ``g * sigmoid(g) * u`` in one launch; with
+    one input and ``split=1``, g and u are the halves of its last axis."""
+    if u is None:
+        half = g.shape[-1] // 2
+        if not ctx.attr("split", 0) or g.shape[-1] % 2:
+            raise ValueError(
+                f"{ctx.node.describe()}: one input needs split=1 and an even last dimension, "
+                f"got {list(g.shape)}"
+            )
+        g, u = g[..., :half], g[..., half:]
+    if g.dtype != u.dtype or g.dtype.kind != "f":
+        raise TypeError(
+            f"{ctx.node.describe()}: SiluMul needs two equal float dtypes, got "
+            f"{g.dtype} and {u.dtype}"
+        )
+    y = out(ctx, 0, _bshape(g, u), g.dtype)
+    if y.size:
+        _SILU_MUL(g, u, y)
+    return y

@@ -7,11 +7,17 @@ block holds up to four rows of A as 4 x V fp32 accumulators; larger M is cut int
 groups whose blocks for one column tile sit side by side in the grid, so B comes from DRAM
 about once and from L2 for the other groups. When the tiles alone cannot fill the GPU, K is
 split across blocks and a second kernel adds the parts.
+
+A constant 2-D weight is prepacked once, when the session is built, as its transpose
+[N, K] (:class:`TransposedWeight`). Then each output column is one contiguous row: a warp
+(or a few, for long rows) reads it with 16-byte loads and reduces with shuffles, in one
+launch with no split-K pass; large M runs cuBLAS on the transposed view.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -158,6 +164,73 @@ __global__ void __launch_bounds__(256) skinny_gemm(
   }
 }
 
+// 16 bytes of S as floats.
+template <typename S> struct Vec16;
+template <> struct Vec16<float> {
+  static constexpr int N = 4;
+  static DEVI void load(const float* p, float* v) { Row<float, 4>::load(p, v); }
+};
+template <> struct Vec16<half_t> {
+  static constexpr int N = 8;
+  static DEVI void load(const half_t* p, float* v) { Row<half_t, 8>::load(p, v); }
+};
+
+// C[m, n] = sum_k A[m, k] * W[n, k]: W is a transposed weight [N, K], K a multiple of 16
+// bytes, A and W 16-byte aligned. Block (32, 8): warp y owns columns NR * g .. NR * g + NR - 1
+// with g = blockIdx.x * (8 / wpc) + y / wpc, and the (y % wpc)-th share of their 16-byte
+// chunks. A lane loads U chunks of each of its columns before any math.
+template <typename S, int MT, int NR>
+__global__ void __launch_bounds__(256) gemv_nk(
+    const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, int M, int K, int N,
+    int wpc) {
+  constexpr int V = Vec16<S>::N;
+  constexpr int U = 2;
+  __shared__ float red[8][NR][MT];
+  const int lane = threadIdx.x, wy = threadIdx.y;
+  const long long n0 = ((long long)blockIdx.x * (8 / wpc) + wy / wpc) * NR;
+  const int share = wy % wpc;
+  const int chunks = K / V, step = 32 * wpc;
+  float acc[NR][MT];
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
+    float w[U][NR][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * step;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        if (c < chunks && n0 + r < N) {
+          Vec16<S>::load(W + (n0 + r) * K + (long long)c * V, w[u][r]);
+        } else {
+#pragma unroll
+          for (int v = 0; v < V; ++v) w[u][r][v] = 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * step;
+      if (c < chunks) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          if (m < M) {
+            float a[V];
+            Vec16<S>::load(A + (long long)m * K + (long long)c * V, a);
+#pragma unroll
+            for (int r = 0; r < NR; ++r)
+#pragma unroll
+              for (int v = 0; v < V; ++v) acc[r][m] = fmaf(a[v], w[u][r][v], acc[r][m]);
+          }
+        }
+      }
+    }
+  }
+  gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, C, 0);
+}
+
 // C[i] = sum over splits of P; i runs over batch * M * N.
 template <typename S>
 __global__ void splitk_sum(const float* __restrict__ P, S* __restrict__ C, long long mn,
@@ -255,10 +328,82 @@ def _skinny(
         )
 
 
-@REGISTRY.register("MatMul", since=1)
+@dataclass(frozen=True)
+class TransposedWeight:
+    """A constant MatMul weight [K, N] kept as its contiguous transpose ``t`` [N, K]."""
+
+    t: cupy.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.t.shape[1]), int(self.t.shape[0]))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.t.dtype
+
+
+def transpose_weight(provider, node, index: int, host: np.ndarray) -> TransposedWeight | None:
+    """Prepack a constant 2-D fp16/fp32 weight (input B) whose rows are whole 16-byte chunks."""
+    host = np.asarray(host)
+    if index != 1 or host.ndim != 2 or host.dtype not in (F32, F16) or 0 in host.shape:
+        return None
+    if (host.shape[0] * host.dtype.itemsize) % 16:
+        return None
+    return TransposedWeight(provider.as_array(np.ascontiguousarray(host.T)))
+
+
+def gemv_layout(m: int, k_chunks: int, n: int, sms: int) -> tuple[int, int, int]:
+    """(MT, NR, wpc) for ``gemv_nk``: rows per thread, columns per warp, warps per column.
+
+    Two columns per warp once the columns alone fill the GPU many times over; more warps per
+    column while the grid is short of blocks and rows are long enough to share.
+    """
+    mt = next(t for t in (1, 2, 4, 8, 16) if t >= m)
+    nr = 2 if mt <= 4 and n >= 16 * 8 * sms else 1
+    groups = -(-n // nr)
+    wpc = 1
+    while wpc < 8 and -(-groups * wpc // 8) < 2 * sms and k_chunks >= 64 * wpc:
+        wpc *= 2
+    return mt, nr, wpc
+
+
+def _gemv_transposed(ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight) -> cupy.ndarray:
+    k, n = w.shape
+    shape = matmul_shape(ctx, tuple(a.shape), (k, n))
+    c = out(ctx, 0, shape, a.dtype)
+    m = int(c.size // n) if n else 0
+    if c.size == 0:
+        return c
+    a = contiguous(ctx, a)
+    if m <= SKINNY_MAX_M and a.data.ptr % 16 == 0:
+        v = 16 // a.dtype.itemsize
+        mt, nr, wpc = gemv_layout(m, k // v, n, sm_count())
+        fn = function(_SOURCE, f"gemv_nk<{storage(ctx, a.dtype)}, {mt}, {nr}>")
+        groups = -(-n // nr)
+        args = (a, w.t, c, np.int32(m), np.int32(k), np.int32(n), np.int32(wpc))
+        fn((-(-groups * wpc // 8),), (32, 8), args)
+        return c
+    if capturing(ctx):
+        raise CaptureUnsupported(
+            f"{ctx.node.describe()}: MatMul {list(a.shape)} @ [{k}, {n}] with M={m} needs "
+            "cuBLAS, and CuPy refuses cuBLAS during stream capture; this shape runs eagerly"
+        )
+    cupy.dot(a.reshape(m, k), w.t.T, out=c.reshape(m, n))
+    return c
+
+
+@REGISTRY.register("MatMul", since=1, prepack=transpose_weight)
 def matmul(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
-    """ONNX MatMul. fp32/fp16 with M <= 16 runs the skinny kernel; the rest uses cuBLAS,
-    which CuPy refuses during stream capture, so that case raises while capturing."""
+    """ONNX MatMul. A prepacked weight runs ``gemv_nk`` for M <= 16; other fp32/fp16 with
+    M <= 16 run the skinny kernel; the rest uses cuBLAS, which CuPy refuses during stream
+    capture, so that case raises while capturing."""
+    if isinstance(b, TransposedWeight):
+        if a.dtype != b.dtype:
+            raise TypeError(
+                f"{ctx.node.describe()}: MatMul operand dtypes differ: {a.dtype}, {b.dtype}"
+            )
+        return _gemv_transposed(ctx, a, b)
     if a.dtype != b.dtype:
         raise TypeError(
             f"{ctx.node.describe()}: MatMul operand dtypes differ: {a.dtype}, {b.dtype}"

@@ -1,0 +1,186 @@
+"""Where one decode step's time goes: the whole step, the graph replay alone, and each op.
+
+    python -m onnx_genrt.step_profile --model DIR --provider cuda [--width 1] [--top 12]
+
+- ``step``: a graphed step as generation runs it (write ids and mask, replay, read back the
+  token ids and the non-finite probe);
+- ``replay``: back-to-back replays of the captured graph, one sync at the end: the device
+  time of the graph, launch gaps included;
+- per op: every node run eagerly and timed alone. On a device with a stream, a spin kernel
+  keeps the device busy while the node's launches are queued, so the events around the
+  node measure its kernels, not the host's launch cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {}
+}
+"""
+
+
+@dataclass
+class NodeTime:
+    op: str
+    name: str
+    ms: float
+
+
+class _Owner:
+    """Holds the runner for the measurement (runners are lent to weak-referenceable owners)."""
+
+
+def _timer(provider: Any):
+    """(start, stop) functions timing work queued on ``provider`` between them, in ms."""
+    stream = getattr(provider, "stream", None)
+    if stream is None:
+        state: dict[str, float] = {}
+
+        def start() -> None:
+            state["t"] = time.perf_counter()
+
+        def stop() -> float:
+            return (time.perf_counter() - state["t"]) * 1e3
+
+        return start, stop, lambda: None
+
+    import cupy
+
+    spin = cupy.RawKernel(_SPIN, "spin")
+    clock_khz = cupy.cuda.Device().attributes["ClockRate"]
+    events: dict[str, Any] = {}
+
+    def start() -> None:
+        with stream:
+            # ~0.5 ms of device work, so the node's launches queue up behind it.
+            spin((1,), (1,), (cupy.int64(clock_khz * 0.5),))
+        events["a"] = stream.record()
+
+    def stop() -> float:
+        b = stream.record()
+        b.synchronize()
+        return cupy.cuda.get_elapsed_time(events["a"], b)
+
+    return start, stop, stream.synchronize
+
+
+def profile_nodes(runner: Any, width: int, repeats: int) -> list[NodeTime]:
+    """Each node of one eager step of ``width`` tokens, timed alone; median of ``repeats``."""
+    provider = runner.provider
+    start, stop, sync = _timer(provider)
+    times: dict[int, list[float]] = defaultdict(list)
+    names: dict[int, tuple[str, str]] = {}
+    original = provider.launch
+    counter = {"i": 0}
+
+    def timed_launch(kdef, ctx, inputs):
+        i = counter["i"]
+        counter["i"] += 1
+        start()
+        result = original(kdef, ctx, inputs)
+        times[i].append(stop())
+        names[i] = (ctx.node.op_type, ctx.node.name)
+        return result
+
+    length = runner.cache.length
+    provider.launch = timed_launch
+    try:
+        for _ in range(repeats):
+            counter["i"] = 0
+            runner.rewind_to(length)
+            runner.forward(list(range(7, 7 + width)), None, width)
+            sync()
+    finally:
+        provider.launch = original
+        runner.rewind_to(length)
+    return [NodeTime(*names[i], statistics.median(t)) for i, t in sorted(times.items())]
+
+
+def profile_step(
+    folder: Path, provider: str, width: int, context: int, steps: int
+) -> dict[str, Any]:
+    from onnx_genrt.engine import Model
+
+    model = Model(folder, provider)
+    owner = _Owner()
+    runner = model.acquire_runner(owner, context + width + 2)
+    runner.forward(list(range(1, context + 1)), None)
+    slot = DeviceGraphSlot.PRIMARY if width == 1 else DeviceGraphSlot.VERIFY
+    tokens = list(range(7, 7 + width))
+    step_times = []
+    for i in range(steps + 3):
+        runner.rewind_to(context)
+        t0 = time.perf_counter()
+        _ = runner.forward(tokens, slot, width).tokens
+        if i >= 3:
+            step_times.append((time.perf_counter() - t0) * 1e3)
+    prov = runner.provider
+    replay_ms = float("nan")
+    if prov.has_graph(slot):
+        prov.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            prov.replay(slot)
+        prov.synchronize()
+        replay_ms = (time.perf_counter() - t0) * 1e3 / steps
+    runner.rewind_to(context)
+    nodes = profile_nodes(runner, width, repeats=5)
+    return {
+        "step_ms": statistics.median(step_times),
+        "replay_ms": replay_ms,
+        "nodes": nodes,
+        "stats": model.session.executor.all_stats().get(slot.value, {}),
+    }
+
+
+def report(result: dict[str, Any], top: int) -> str:
+    nodes: list[NodeTime] = result["nodes"]
+    total = sum(n.ms for n in nodes)
+    by_op: dict[str, list[float]] = defaultdict(list)
+    for n in nodes:
+        by_op[n.op].append(n.ms)
+    lines = [
+        f"step {result['step_ms']:.3f} ms | graph replay alone {result['replay_ms']:.3f} ms | "
+        f"sum of {len(nodes)} nodes timed alone {total:.3f} ms",
+        f"{'op':<34} {'nodes':>5} {'ms':>8} {'share':>6} {'us/node':>8}",
+    ]
+    for op, ts in sorted(by_op.items(), key=lambda kv: -sum(kv[1])):
+        s = sum(ts)
+        lines.append(
+            f"{op:<34} {len(ts):>5} {s:>8.3f} {100 * s / total:>5.1f}% {1e3 * s / len(ts):>8.1f}"
+        )
+    lines.append(f"top {top} nodes:")
+    for n in sorted(nodes, key=lambda n: -n.ms)[:top]:
+        lines.append(f"  {n.ms * 1e3:>8.1f} us  {n.op:<28} {n.name}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m onnx_genrt.step_profile",
+        description="Profile one decode (or verify) step: whole step, graph replay, per op.",
+    )
+    p.add_argument("--model", type=Path, required=True, help="model folder (genai_config.json)")
+    p.add_argument("--provider", default="cuda")
+    p.add_argument("--width", type=int, default=1, help="tokens per step (1 = decode)")
+    p.add_argument("--context", type=int, default=256, help="cached positions before the step")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--top", type=int, default=12)
+    a = p.parse_args(argv)
+    print(report(profile_step(a.model, a.provider, a.width, a.context, a.steps), a.top))
+
+
+if __name__ == "__main__":
+    main()

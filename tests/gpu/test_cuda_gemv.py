@@ -1,0 +1,170 @@
+"""Decode GEMVs on a real GPU: MatMul on prepacked (transposed) weights, 4-bit MatMulNBits on
+16-byte chunks, each against numpy float64, eagerly and replayed from a captured graph.
+
+Marked ``gpu``: skipped without a usable GPU, failed instead when ONNX_GENRT_REQUIRE_GPU=1.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from onnx import helper, numpy_helper
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+pytestmark = pytest.mark.gpu
+
+PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
+
+
+@pytest.fixture(scope="module")
+def cp():
+    from onnx_genrt.providers.cuda.plugin import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"ONNX_GENRT_REQUIRE_GPU=1 but no GPU is usable: {reason}")
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def _matmul_model(w: np.ndarray, dtype) -> object:
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    k, n = w.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="proj")],
+        "gemv",
+        [helper.make_tensor_value_info("x", elem, [1, "m", k])],
+        [helper.make_tensor_value_info("y", elem, [1, "m", n])],
+        [numpy_helper.from_array(w.astype(dtype), "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _check(got, want, dtype, k):
+    tol = 3e-3 if np.dtype(dtype) == np.float16 else 2e-5
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * scale)
+    assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(
+    "k,n", [(64, 1), (896, 1152), (896, 896), (4864, 896), (896, 20000), (24, 7)]
+)
+def test_prepacked_matmul_graphs_and_eager(cp, rng, dtype, k, n):
+    """Weights as initializers are prepacked; M=1 (PRIMARY) and M=5 (VERIFY) capture and
+    replay, M=40 runs cuBLAS on the transposed view eagerly; all against float64."""
+    from onnx_genrt.providers.cuda.kernels.matmul import TransposedWeight
+    from onnx_genrt.session import InferenceSession
+
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+    sess = InferenceSession(_matmul_model(w, dtype), providers=["cuda"])
+    prov = sess.main_provider
+    packed = [a for a in sess.executor._consts.values() if isinstance(a, TransposedWeight)]
+    assert len(packed) == (1 if (k * np.dtype(dtype).itemsize) % 16 == 0 else 0)
+    w64 = w.astype(np.float64)
+    for slot, m in ((PRIMARY, 1), (VERIFY, 5)):
+        binding = sess.io_binding()
+        with prov.stream:
+            x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
+        y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
+        for _ in range(4):
+            host = rng.standard_normal((1, m, k)).astype(dtype)
+            x.set(host, stream=prov.stream)
+            with prov.stream:
+                y.fill(np.nan)
+            sess.run_with_iobinding(binding, slot)
+            _check(prov.to_numpy(y), host.astype(np.float64) @ w64, dtype, k)
+        stats = sess.graph_stats(slot)
+        assert stats.captures == 1 and stats.replays >= 2, (slot, stats)
+        assert stats.fallbacks == 0, dict(stats.fallback_reasons)
+    host = rng.standard_normal((1, 40, k)).astype(dtype)
+    (got,) = sess.run(["y"], {"x": host})
+    _check(np.asarray(got), host.astype(np.float64) @ w64, dtype, k)
+
+
+def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool):
+    nb = -(-k // block)
+    blob = block // 2
+    q = rng.integers(0, 16, (n, nb * block)).astype(np.uint8)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, nb, blob)
+    scales = (rng.uniform(0.5, 1.5, (n, nb)) / (np.sqrt(k) * 8)).astype(dtype)
+    zeros = rng.integers(0, 16, (n, nb)).astype(np.uint8) if zp else np.full((n, nb), 8)
+    inits = [
+        numpy_helper.from_array(packed, "b"),
+        numpy_helper.from_array(scales, "s"),
+    ]
+    inputs = ["x", "b", "s"]
+    if zp:
+        zpad = np.zeros((n, 2 * -(-nb // 2)), np.uint8)
+        zpad[:, :nb] = zeros
+        inits.append(numpy_helper.from_array(zpad[:, 0::2] | (zpad[:, 1::2] << 4), "z"))
+        inputs.append("z")
+    w = (q[:, :k].astype(np.float64) - np.repeat(zeros, block, axis=1)[:, :k]) * np.repeat(
+        scales.astype(np.float64), block, axis=1
+    )[:, :k]
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    node = helper.make_node(
+        "MatMulNBits", inputs, ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block
+    )
+    graph = helper.make_graph(
+        [node],
+        "nbits",
+        [helper.make_tensor_value_info("x", elem, [1, "m", k])],
+        [helper.make_tensor_value_info("y", elem, [1, "m", n])],
+        inits,
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+    )
+    return model, w.T  # [K, N] float64
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(
+    "k,n,block,zp",
+    [(896, 1152, 32, False), (4864, 896, 32, True), (896, 20000, 64, False), (512, 33, 128, True)],
+)
+def test_nbits_chunk16_graphs(cp, rng, dtype, k, n, block, zp):
+    """4-bit weights on 16-byte chunks: M=1 and M=5 captured and replayed against float64."""
+    from onnx_genrt.session import InferenceSession
+
+    model, w64 = _nbits_model(k, n, block, dtype, rng, zp)
+    sess = InferenceSession(model, providers=["cuda"])
+    prov = sess.main_provider
+    for slot, m in ((PRIMARY, 1), (VERIFY, 5)):
+        binding = sess.io_binding()
+        with prov.stream:
+            x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
+        y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
+        for _ in range(4):
+            host = rng.standard_normal((1, m, k)).astype(dtype)
+            x.set(host, stream=prov.stream)
+            with prov.stream:
+                y.fill(np.nan)
+            sess.run_with_iobinding(binding, slot)
+            _check(prov.to_numpy(y), host.astype(np.float64) @ w64, dtype, k)
+        stats = sess.graph_stats(slot)
+        assert stats.captures == 1 and stats.replays >= 2, (slot, stats)
+
+
+def test_transposed_weight_keeps_the_plain_copy_off_the_device(cp, rng):
+    """A weight only MatMul reads is uploaded once, transposed; none of it twice."""
+    from onnx_genrt.providers.cuda.kernels.matmul import TransposedWeight
+    from onnx_genrt.session import InferenceSession
+
+    w = rng.standard_normal((256, 512)).astype(np.float16)
+    sess = InferenceSession(_matmul_model(w, np.float16), providers=["cuda"])
+    consts = list(sess.executor._consts.values())
+    assert len(consts) == 1 and isinstance(consts[0], TransposedWeight)
+    np.testing.assert_array_equal(consts[0].t.get(), w.T)
