@@ -9,6 +9,7 @@ length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,11 +37,14 @@ class StepOutput:
         bufs: dict[str, Any],
         n: int,
         read: dict[str, np.ndarray] | None = None,
+        extra: dict[str, np.ndarray] | None = None,
     ) -> None:
         self._provider, self._bufs, self._n = provider, bufs, n
         self._cache: dict[str, np.ndarray | None] = {
             key: value[0, :n] for key, value in (read or {}).items()
         }
+        #: Values read back with the step from work queued right after it (``after=``).
+        self.extra: dict[str, np.ndarray] = extra or {}
 
     def _get(self, key: str) -> np.ndarray | None:
         if key not in self._cache:
@@ -188,16 +192,23 @@ class DecoderRunner:
             self._bindings[width] = (b, bufs)
         return b, bufs
 
+    def step_buffers(self, width: int) -> dict[str, Any]:
+        """The persistent device buffers of steps of ``width`` tokens (ids, argmax, hidden...)."""
+        return self._binding(width)[1]
+
     def forward(
         self,
         tokens: list[int] | np.ndarray,
         slot: DeviceGraphSlot | None,
         width: int | None = None,
+        after: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> StepOutput:
         """Feed ``tokens`` at positions ``length ..``; pad to ``width`` rows when given.
 
         ``slot=None`` runs eagerly (prefill); a slot replays that slot's graph. The cache
         length grows by ``len(tokens)``; padded rows write KV that later steps overwrite.
+        ``after(bufs)`` may queue more device work on the step's outputs (an MTP chain) and
+        return arrays to read back together with the step's own (``StepOutput.extra``).
         """
         n = len(tokens)
         width = width or n
@@ -225,11 +236,13 @@ class DecoderRunner:
         else:
             self.session.run_with_iobinding(binding, slot)
         self.cache.length = start + n
-        read = self._check_finite(bufs, start, n, slot)
-        return StepOutput(self.provider, bufs, n, read)
+        queued = after(bufs) if after is not None else {}
+        read = self._check_finite(bufs, start, n, slot, queued)
+        extra = {name: read.pop(name) for name in queued}
+        return StepOutput(self.provider, bufs, n, read, extra)
 
     def _check_finite(
-        self, bufs: dict[str, Any], start: int, n: int, slot: Any
+        self, bufs: dict[str, Any], start: int, n: int, slot: Any, queued: dict[str, Any]
     ) -> dict[str, np.ndarray]:
         """Raise on NaN or infinite logits; returns what it read back on the way.
 
@@ -239,9 +252,14 @@ class DecoderRunner:
         """
         read: dict[str, np.ndarray] = {}
         if "nonfinite" in bufs:
-            probe, read["argmax"] = self.provider.to_numpy_many([bufs["nonfinite"], bufs["argmax"]])
+            names = ["argmax", *queued]
+            arrays = [bufs["nonfinite"], bufs["argmax"], *queued.values()]
+            probe, *values = self.provider.to_numpy_many(arrays)
+            read.update(zip(names, values, strict=True))
             ok = bool(np.isfinite(probe))
         else:
+            values = self.provider.to_numpy_many(list(queued.values()))
+            read.update(zip(queued, values, strict=True))
             ok = bool(np.isfinite(self.provider.to_numpy(bufs["logits"])[0, :n]).all())
         if not ok:
             raise NonFiniteError(

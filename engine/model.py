@@ -67,9 +67,11 @@ class Model:
         self._runners.append((runner, weakref.ref(owner)))
         return runner
 
-    def session_from_proto(self, proto) -> InferenceSession:
-        """A session for another graph (an MTP chain), on the same providers."""
-        return InferenceSession(proto, providers=self.providers, enable_graphs=self.enable_graphs)
+    def session_from_proto(self, proto, provider: Any = None) -> InferenceSession:
+        """A session for another graph (an MTP chain), on the same providers; on the given
+        provider instance itself (its stream, its graph slots) when one is passed."""
+        providers = [provider] if provider is not None else self.providers
+        return InferenceSession(proto, providers=providers, enable_graphs=self.enable_graphs)
 
     def session_for(self, relative: str) -> InferenceSession:
         """A session for another ONNX file in the folder (an MTP head), on the same providers."""

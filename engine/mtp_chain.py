@@ -95,3 +95,98 @@ def unroll_mtp_head(
     model = helper.make_model(graph, opset_imports=list(head.opset_import))
     model.ir_version = head.ir_version
     return model
+
+
+#: Inputs and output of a chain that runs right after a verify step (see ``after_verify``).
+VERIFY_IDS = "verify_input_ids"
+VERIFY_ARGMAX = "verify_argmax"
+VERIFY_HIDDEN = "verify_hidden_states"
+DRAFT_COUNT = "draft_count"
+ACCEPTED = "accepted_count"
+
+
+def after_verify(
+    chain: onnx.ModelProto,
+    k: int,
+    hidden_input: str = "hidden_states",
+    ids_input: str = "input_ids",
+    verify_hidden_type: int = TensorProto.FLOAT,
+) -> onnx.ModelProto:
+    """``chain`` fed straight from a verify step of width ``k + 1``, on the device.
+
+    Inputs: the verify step's ids [1, k+1], its argmax [1, k+1] and hidden states
+    [1, k+1, H], and the number of real drafts [1]. The graph counts the accepted drafts
+    (the leading run of ``argmax[i] == ids[i + 1]`` among the real ones), takes the hidden
+    row and argmax at that count (the state that predicts the new pending token) and runs
+    the chain from there. Outputs: the chain's drafts and confidences, and ``accepted_count``.
+    So one verify replay, one chain replay and one read-back make a speculative step.
+    """
+    g = chain.graph
+    opset = next((o.version for o in chain.opset_import if o.domain in ("", "ai.onnx")), 18)
+    by_name = {i.name: i for i in g.input}
+    if hidden_input not in by_name or ids_input not in by_name:
+        raise ValueError(f"the chain has no inputs {hidden_input!r} and {ids_input!r}")
+    hidden_type = by_name[hidden_input].type.tensor_type.elem_type
+    hidden_size = by_name[hidden_input].type.tensor_type.shape.dim[-1]
+    p = "accept/"
+    i64 = TensorProto.INT64
+
+    def const(name: str, values) -> str:
+        inits.append(numpy_helper.from_array(np.asarray(values, np.int64), p + name))
+        return p + name
+
+    inits: list[onnx.TensorProto] = []
+    one, zero, kk, k1 = const("1", [1]), const("0", [0]), const("k", [k]), const("k1", [k + 1])
+    axis1 = const("axis1", [1])
+    nodes = [
+        helper.make_node("Slice", [VERIFY_IDS, one, k1, axis1], [p + "next_ids"]),
+        helper.make_node("Slice", [VERIFY_ARGMAX, zero, kk, axis1], [p + "picks"]),
+        helper.make_node("Equal", [p + "picks", p + "next_ids"], [p + "eq"]),
+        helper.make_node(
+            "Less", [const("arange", np.arange(k)[None, :]), DRAFT_COUNT], [p + "real"]
+        ),
+        helper.make_node("Cast", [p + "eq"], [p + "eq_i"], to=i64),
+        helper.make_node("Cast", [p + "real"], [p + "real_i"], to=i64),
+        helper.make_node("Mul", [p + "eq_i", p + "real_i"], [p + "ok"]),
+    ]
+    prefix = []
+    for j in range(k):  # running product: 1 while every draft so far was accepted
+        col = p + f"ok{j}"
+        nodes.append(
+            helper.make_node(
+                "Slice", [p + "ok", const(f"s{j}", [j]), const(f"e{j}", [j + 1]), axis1], [col]
+            )
+        )
+        if j:
+            nodes.append(helper.make_node("Mul", [prefix[-1], col], [p + f"run{j}"]))
+            col = p + f"run{j}"
+        prefix.append(col)
+    nodes.append(helper.make_node("Concat", prefix, [p + "runs"], axis=1))
+    if opset >= 13:
+        nodes.append(helper.make_node("ReduceSum", [p + "runs", axis1], [ACCEPTED], keepdims=0))
+    else:
+        nodes.append(helper.make_node("ReduceSum", [p + "runs"], [ACCEPTED], axes=[1], keepdims=0))
+    nodes.append(helper.make_node("Gather", [VERIFY_ARGMAX, ACCEPTED], [ids_input], axis=1))
+    gathered = p + "hidden" if hidden_type != verify_hidden_type else hidden_input
+    nodes.append(helper.make_node("Gather", [VERIFY_HIDDEN, ACCEPTED], [gathered], axis=1))
+    if gathered != hidden_input:
+        nodes.append(helper.make_node("Cast", [gathered], [hidden_input], to=hidden_type))
+    width = k + 1
+    dim = hidden_size.dim_value if hidden_size.HasField("dim_value") else "hidden"
+    inputs = [
+        helper.make_tensor_value_info(VERIFY_IDS, i64, [1, width]),
+        helper.make_tensor_value_info(VERIFY_ARGMAX, i64, [1, width]),
+        helper.make_tensor_value_info(VERIFY_HIDDEN, verify_hidden_type, [1, width, dim]),
+        helper.make_tensor_value_info(DRAFT_COUNT, i64, [1]),
+    ]
+    outputs = [*g.output, helper.make_tensor_value_info(ACCEPTED, i64, [1])]
+    graph = helper.make_graph(
+        nodes + list(g.node),
+        f"{g.name}_after_verify",
+        inputs,
+        outputs,
+        list(g.initializer) + inits,
+    )
+    model = helper.make_model(graph, opset_imports=list(chain.opset_import))
+    model.ir_version = chain.ir_version
+    return model

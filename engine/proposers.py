@@ -14,7 +14,17 @@ from onnx_genrt.session import InferenceSession
 
 from .decoder import HiddenState
 from .model import Model
-from .mtp_chain import CONFIDENCES, DRAFTS, unroll_mtp_head
+from .mtp_chain import (
+    ACCEPTED,
+    CONFIDENCES,
+    DRAFT_COUNT,
+    DRAFTS,
+    VERIFY_ARGMAX,
+    VERIFY_HIDDEN,
+    VERIFY_IDS,
+    after_verify,
+    unroll_mtp_head,
+)
 
 
 def _confidence(logits: np.ndarray) -> tuple[int, float]:
@@ -139,6 +149,8 @@ class MTPProposer(Proposer):
         self.names = names or {}
         self.min_confidence = min_confidence
         self._chains: dict[int, tuple[InferenceSession, Any, Any, Any, Any]] = {}
+        self._after: dict[tuple[int, int], Any] = {}
+        self._after_sessions: list[InferenceSession] = []
 
     def _chain(self, k: int):
         """The chain for up to ``k`` drafts; a longer one already built serves shorter asks."""
@@ -167,13 +179,69 @@ class MTPProposer(Proposer):
         provider.write_from_host(ids_buf, np.array([[int(tokens[-1])]], np.int64))
         session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
         drafts, confs = provider.to_numpy_many([drafts_buf, confs_buf])
-        drafts, confs = drafts[0, :k], confs[0, :k]
+        return self.confident(drafts[0, :k], confs[0, :k])
+
+    def confident(self, drafts: np.ndarray, confs: np.ndarray) -> list[int]:
+        """The drafts up to the first one below ``min_confidence``."""
         out: list[int] = []
         for token, p in zip(drafts.tolist(), confs.tolist(), strict=True):
             if p < self.min_confidence:
                 break
             out.append(int(token))
         return out
+
+    def chain_hook(
+        self, runner: Any, k: int, n_drafts: int
+    ) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+        """For ``runner.forward(..., after=hook)`` on a verify step of width ``k + 1``: runs
+        the chain on that step's outputs on the device (``mtp_chain.after_verify``), on the
+        target's own provider and stream, so the verify and the next drafts come back in one
+        read. None when the runner has no hidden-states or argmax outputs."""
+        key = (id(runner), k)
+        if key not in self._after:
+            bufs = runner.step_buffers(k + 1)
+            if "hidden" not in bufs or "argmax" not in bufs:
+                self._after[key] = None
+            else:
+                self._after[key] = self._build_after(runner, bufs, k)
+        built = self._after[key]
+        if built is None:
+            return None
+        session, binding, count_buf, outs = built
+        provider = session.main_provider
+        count = np.array([n_drafts], np.int64)
+
+        def hook(_bufs: dict[str, Any]) -> dict[str, Any]:
+            provider.write_from_host(count_buf, count)
+            session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
+            return outs
+
+        return hook
+
+    def _build_after(self, runner: Any, bufs: dict[str, Any], k: int):
+        names = {n: v for n, v in self.names.items()}
+        chain = unroll_mtp_head(self.head, k, **names)
+        hidden_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(bufs["hidden"].dtype))
+        model = after_verify(
+            chain,
+            k,
+            names.get("hidden_input", "hidden_states"),
+            names.get("ids_input", "input_ids"),
+            verify_hidden_type=hidden_type,
+        )
+        session = self.make_session(model, runner.provider)
+        b = session.io_binding()
+        b.bind_input(VERIFY_IDS, bufs["ids"])
+        b.bind_input(VERIFY_ARGMAX, bufs["argmax"])
+        b.bind_input(VERIFY_HIDDEN, bufs["hidden"])
+        count = b.bind_input(DRAFT_COUNT, np.zeros((1,), np.int64))
+        outs = {
+            "drafts": b.bind_output(DRAFTS, shape=(1, k), dtype=np.int64),
+            "confidences": b.bind_output(CONFIDENCES, shape=(1, k), dtype=np.float32),
+            "accepted": b.bind_output(ACCEPTED, shape=(1,), dtype=np.int64),
+        }
+        self._after_sessions.append(session)
+        return session, b, count, outs
 
     @staticmethod
     def _feed_hidden(provider: Any, hidden: HiddenState | np.ndarray, dst: Any) -> None:
@@ -194,4 +262,7 @@ class MTPProposer(Proposer):
         for k, (session, *_rest) in self._chains.items():
             for slot, st in session.executor.all_stats().items():
                 stats[slot if len(self._chains) == 1 else f"{slot}(k={k})"] = st
+        for i, session in enumerate(self._after_sessions):
+            for slot, st in session.executor.all_stats().items():
+                stats[f"{slot}(after verify{'' if i == 0 else i})"] = st
         return stats

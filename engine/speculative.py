@@ -58,6 +58,8 @@ class SpeculativeGenerator(Generator):
         self.proposer = proposer
         self.k = k
         self.spec = SpeculationStats()
+        # Drafts the proposer already made on the device right after the last verify.
+        self._chained: list[int] | None = None
 
     def generate_next_token(self) -> None:
         if self.is_done():
@@ -69,7 +71,13 @@ class SpeculativeGenerator(Generator):
         room = self.search.max_length - len(self.tokens) - 1
         fits = self.runner.cache.length + self.k + 1 <= self.runner.max_length
         k = min(self.k, room) if fits else 0
-        drafts = self.proposer.propose(self.tokens, self._last_hidden, k) if k > 0 else []
+        chained, self._chained = self._chained, None
+        if k <= 0:
+            drafts = []
+        elif chained is not None:
+            drafts = chained
+        else:
+            drafts = self.proposer.propose(self.tokens, self._last_hidden, k)
         drafts = drafts[:k]
         if not drafts:
             self.spec.plain_steps += 1
@@ -79,7 +87,13 @@ class SpeculativeGenerator(Generator):
     def _verify(self, drafts: list[int]) -> None:
         pending = self.tokens[-1]
         start = self.runner.cache.length
-        out = self.runner.forward([pending, *drafts], DeviceGraphSlot.VERIFY, width=self.k + 1)
+        hook = None
+        chain_hook = getattr(self.proposer, "chain_hook", None)
+        if chain_hook is not None and self._plain_greedy:
+            hook = chain_hook(self.runner, self.k, len(drafts))
+        out = self.runner.forward(
+            [pending, *drafts], DeviceGraphSlot.VERIFY, width=self.k + 1, after=hook
+        )
         history = list(self.tokens)
         new: list[int] = []
         accepted = 0
@@ -109,6 +123,26 @@ class SpeculativeGenerator(Generator):
         self.spec.proposed += len(drafts)
         self.spec.accepted += accepted
         self.spec.accepted_lengths.append(accepted)
+        if out.extra:
+            self._take_chained(out, accepted, new)
+
+    def _take_chained(self, out, accepted: int, new: list[int]) -> None:
+        """Keep the drafts chained on the device when they continue from what was emitted:
+        the device counted the same acceptance and the new pending token is its argmax."""
+        device_accepted = int(out.extra["accepted"].reshape(-1)[0])
+        same = device_accepted == accepted and len(new) == accepted + 1
+        if same and new[-1] == int(out.tokens[accepted]):
+            self._chained = self.proposer.confident(
+                out.extra["drafts"].reshape(-1), out.extra["confidences"].reshape(-1)
+            )
+
+    def append_tokens(self, ids) -> None:
+        self._chained = None
+        super().append_tokens(ids)
+
+    def rewind_to(self, length: int) -> None:
+        self._chained = None
+        super().rewind_to(length)
 
     def _accept(self, logits: np.ndarray, draft: int | None) -> tuple[int, bool]:
         """(token to emit, whether it was the draft). Greedy: agree with argmax.

@@ -91,14 +91,22 @@ def test_both_slots_replay_over_256_tokens_with_bounded_invalidations(qwen2_dir)
 
 
 def test_mtp_head_runs_graphed_in_its_own_slot(qwen2_dir):
+    """Greedy MTP: after the first proposal the chain runs on the verify step's outputs
+    (graphed in DRAFT on the target's provider), so drafts come back with the verify."""
     model = Model(qwen2_dir)
     prompt = PROMPTS[0]
     params = _params(model, prompt, new=64)
     proposer = _mtp(model)
+    calls = []
+    standalone = proposer.propose
+    proposer.propose = lambda *a: calls.append(1) or standalone(*a)
     spec = SpeculativeGenerator(model, params, proposer, k=3)
-    _run(spec, prompt)
-    draft_stats = proposer.graph_stats()["draft"]
-    assert draft_stats["replays"] > 0 and draft_stats["invalidations"] == 0
+    greedy = _run(Generator(model, _params(model, prompt, new=64)), prompt)
+    assert _run(spec, prompt) == greedy
+    after = proposer.graph_stats()["draft(after verify)"]
+    assert after["replays"] > 0 and after["invalidations"] == 0 and after["fallbacks"] == 0
+    assert after["replays"] >= spec.spec.verify_steps - 3
+    assert len(calls) <= 1 + spec.spec.plain_steps  # the first proposal and plain steps only
 
 
 def test_rejected_drafts_are_rewound_not_kept(qwen2_dir):

@@ -1,0 +1,67 @@
+"""The MTP chain run on a verify step's outputs: its acceptance count and its drafts against
+a plain reference (a Python count, and the standalone chain fed the selected row)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx_genrt.engine.mtp_chain import (
+    ACCEPTED,
+    CONFIDENCES,
+    DRAFT_COUNT,
+    DRAFTS,
+    VERIFY_ARGMAX,
+    VERIFY_HIDDEN,
+    VERIFY_IDS,
+    after_verify,
+    unroll_mtp_head,
+)
+from onnx_genrt.generate_cli import default_model_dir
+from onnx_genrt.session import InferenceSession, load_model
+
+
+def _accepted(ids: np.ndarray, argmax: np.ndarray, n: int) -> int:
+    count = 0
+    while count < n and argmax[count] == ids[count + 1]:
+        count += 1
+    return count
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    head = load_model(default_model_dir() / "mtp" / "model.onnx")
+    k = 4
+    chain = unroll_mtp_head(head, k)
+    return k, InferenceSession(chain), InferenceSession(after_verify(chain, k))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_after_verify_counts_the_accepted_run_and_drafts_from_its_row(sessions, seed):
+    k, plain, fused = sessions
+    rng = np.random.default_rng(seed)
+    hidden_size = int(plain.input_spec("hidden_states").shape[-1])
+    argmax = rng.integers(0, 50, (1, k + 1)).astype(np.int64)
+    n_drafts = int(rng.integers(0, k + 1))
+    matches = int(rng.integers(0, k + 1))
+    ids = rng.integers(50, 100, (1, k + 1)).astype(np.int64)  # no accidental matches
+    ids[0, 1 : matches + 1] = argmax[0, :matches]
+    ids[0, n_drafts + 1 :] = argmax[0, n_drafts:k]  # padding that happens to match
+    hidden = rng.standard_normal((1, k + 1, hidden_size)).astype(np.float32)
+    drafts, confs, count = fused.run(
+        [DRAFTS, CONFIDENCES, ACCEPTED],
+        {
+            VERIFY_IDS: ids,
+            VERIFY_ARGMAX: argmax,
+            VERIFY_HIDDEN: hidden,
+            DRAFT_COUNT: np.array([n_drafts], np.int64),
+        },
+    )
+    want = _accepted(ids[0], argmax[0], n_drafts)
+    assert int(count[0]) == want == min(matches, n_drafts)
+    ref_drafts, ref_confs = plain.run(
+        [DRAFTS, CONFIDENCES],
+        {"hidden_states": hidden[:, want : want + 1], "input_ids": argmax[:, want : want + 1]},
+    )
+    np.testing.assert_array_equal(drafts, ref_drafts)
+    np.testing.assert_allclose(confs, ref_confs, rtol=1e-6, atol=1e-7)
