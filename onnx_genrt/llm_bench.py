@@ -204,7 +204,33 @@ def run_bench(args: argparse.Namespace) -> int:
         except ImportError as exc:
             _progress(f"  onnxruntime loop skipped: {exc}")
     print(format_rows(rows))
+    if "cuda" in args.provider:
+        nbytes = weight_bytes_per_token(cfg.model_path)
+        ceiling = args.bandwidth * 1e9 / nbytes if nbytes else float("nan")
+        print(
+            f"roofline: {nbytes / 1e6:.1f} MB of matmul weights read per decode token; at "
+            f"{args.bandwidth:.0f} GB/s the ceiling is {ceiling:.0f} tok/s"
+        )
     return 0
+
+
+def weight_bytes_per_token(model_path: Path) -> int:
+    """Bytes of the initializers that MatMul, Gemm and MatMulNBits nodes read (each once)."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    sizes = {}
+    for init in model.graph.initializer:
+        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
+        sizes[init.name] = int(np.prod(init.dims, dtype=np.int64)) * itemsize
+    read = {
+        name
+        for node in model.graph.node
+        if node.op_type in ("MatMul", "Gemm", "MatMulNBits")
+        for name in node.input[1:]
+        if name in sizes
+    }
+    return sum(sizes[name] for name in read)
 
 
 def format_rows(rows: list[BenchRow]) -> str:
@@ -259,6 +285,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip onnxruntime-genai and the onnxruntime loop",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU provider threads (default 1)")
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        default=4300.0,
+        help="GB/s for the CUDA roofline line (H200 device-to-device copy: about 4300)",
+    )
     p.add_argument(
         "--dispatch", action="store_true", help="per-node dispatch cost instead (eager vs replay)"
     )

@@ -51,7 +51,7 @@ for prec in fp16 int4; do
 done
 
 echo "== HF transformers on the same fp16 weights ($TOKENS tokens)"
-"$PY" scripts/hf_bench.py --model "$WORK/hf-0.5b" --device cuda --dtype float16 \
+timeout "${HF_BENCH_TIMEOUT:-240}" "$PY" scripts/hf_bench.py --model "$WORK/hf-0.5b" --device cuda --dtype float16 \
   --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 --json "$LOGDIR/hf_bench.json" \
   2>"$LOGDIR/hf_bench.err" | tee "$LOGDIR/hf_bench.txt" \
   || { echo "HF bench failed"; tail -n 30 "$LOGDIR/hf_bench.err"; }

@@ -43,3 +43,20 @@ def test_greedy_decode(benchmark, folder, runtime):
     others = {k: v for k, v in _tokens.items() if k != runtime}
     for name, seq in others.items():
         assert seq == tokens, f"{runtime} and {name} disagree"
+
+
+def test_roofline_counts_each_matmul_weight_once():
+    """The roofline's bytes per token: every MatMul weight of the embedded model, from the
+    loaded arrays themselves (the tied lm_head counted once)."""
+    import onnx
+    from onnx import numpy_helper
+
+    from onnx_genrt.generate_cli import default_model_dir
+    from onnx_genrt.llm_bench import weight_bytes_per_token
+
+    path = default_model_dir() / "model.onnx"
+    model = onnx.load(str(path))
+    arrays = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    names = {n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in arrays}
+    assert names
+    assert weight_bytes_per_token(path) == sum(arrays[n].nbytes for n in names)
