@@ -39,11 +39,14 @@ class RecordedGraph:
         targets = tuple(outs)
         args = tuple(inputs)
         bind = getattr(fn, "bind", None)
-        if bind is not None and len(targets) == 1 and isinstance(targets[0], np.ndarray):
+        if bind is not None and targets and all(isinstance(t, np.ndarray) for t in targets):
             # The kernel offers a prebound call (a ufunc with its buffers): no wrapper at all.
-            self.calls.append(bind(ctx, args, targets[0]))
-            self.bound += 1
-            return
+            # It gets its one output buffer, or the tuple of them; None keeps the call below.
+            prebound = bind(ctx, args, targets[0] if len(targets) == 1 else targets)
+            if prebound is not None:
+                self.calls.append(prebound)
+                self.bound += 1
+                return
 
         def call() -> None:
             result = fn(ctx, *args)

@@ -349,6 +349,18 @@ GQA_CASES = {
     "smooth_partial_rotary": dict(
         b=1, s=4, h=4, kvh=2, d=96, cap=64, totals=[10], smooth=True, rot=64
     ),
+    # 16 new tokens: the most gqa_attn appends itself; several splits merged in-kernel.
+    "verify16_softcap_window_splits": dict(
+        b=2, s=16, h=8, kvh=2, d=128, cap=600, totals=[16, 530], softcap=20.0, window=300
+    ),
+    # 17 new tokens: gqa_append first, then split keys merged with a head sink.
+    "prefill17_sink_splits": dict(
+        b=1, s=17, h=4, kvh=2, d=64, cap=400, totals=[300], sink=True, packed=False
+    ),
+    # Enough rows for one split per row: every block writes its output directly.
+    "prefill200_one_split": dict(b=1, s=200, h=14, kvh=2, d=64, cap=256, totals=[256]),
+    # Head size 256 (four feature chunks per lane), batch rows of very different lengths.
+    "decode_d256_batch3": dict(b=3, s=1, h=4, kvh=1, d=256, cap=1100, totals=[1, 700, 1100]),
 }
 
 
@@ -487,17 +499,26 @@ class _DecodeStep:
                 self.host_v = cache
 
 
-@pytest.mark.parametrize("s", [1, 4])
-def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, s):
-    """One captured graph, replayed while the mask (hence seqlens_k) grows in device memory."""
-    step = _DecodeStep(cp, fresh, rng, s)
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "counter"])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("s", [1, 4, 5])
+def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, monkeypatch, s, dtype, cluster):
+    """One captured graph, replayed while the mask (hence seqlens_k) grows in device memory.
+
+    Qwen2.5-0.5B heads (14 q, 2 kv, 64 wide) on a 4096-position cache: one split with keys
+    for short lengths, then more and more splits, merged through the thread-block cluster
+    (sm_90+) or by the last split to finish (a counter; the path of older GPUs)."""
+    from onnx_genrt.providers.cuda.kernels import contrib_attention
+
+    monkeypatch.setattr(contrib_attention, "CLUSTER", cluster)
+    step = _DecodeStep(cp, fresh, rng, s, dtype=dtype)
     q = step.write(s)
-    step.run()  # eager: compiles, sizes the scratch
+    step.run()  # eager: compiles, sizes the scratch and the counters
     step.check(q, s)
     fresh.begin_capture(PRIMARY)
     step.run()
     fresh.end_capture(PRIMARY)
-    for total in (s + 1, 64, 65, 200, 1000, 1024, 2500, 4000, 4096):
+    for total in (s + 1, 17, 64, 65, 200, 255, 256, 1000, 1024, 2500, 4000, 4096):
         q = step.write(total)
         fresh.replay(PRIMARY)
         step.check(q, total)
@@ -672,6 +693,152 @@ def test_reduce_sum(cp, prov, rng, shape, axes, keep, dtype):
         close(got[0], want, dtype, scale=10)
 
 
+# ----------------------------------------------------------------------------- decode heads
+
+VOCAB = 151936
+
+
+def _argmax_logits(rng, rows, cols, dtype, k):
+    """Random logits with planted cases per row (``k`` shifts them between replays)."""
+    x = rng.standard_normal((rows, cols)).astype(dtype)
+    for r in range(rows):
+        kind = (r + k) % 5
+        if kind == 0:  # ties straddling block boundaries and the row's end: the first wins
+            x[r, [cols - 1, cols // 2 + 1, 8193 + k, 8192 + k]] = 30
+        elif kind == 1:  # the only maximum is the last column
+            x[r, cols - 1] = 30
+        elif kind == 2:  # everything equal
+            x[r] = 0.5
+        elif kind == 3:  # NaN counts as the largest value (numpy): the first NaN wins
+            x[r, [cols - 7 - k, 5000 + k]] = np.nan
+            x[r, 3] = 30
+        else:  # all -inf: index 0
+            x[r] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rows,cols", [(1, VOCAB), (5, VOCAB), (16, VOCAB), (3, 100003)])
+def test_argmax_long_rows_ties_captured(cp, fresh, rng, rows, cols, dtype):
+    """ArgMax over a vocabulary: one graph replayed on new logits (the per-row counters must
+    be back at zero after every launch); ties go to the first index, as numpy / the CPU."""
+    prov = fresh
+    info = node("ArgMax", [1], attrs={"axis": -1, "keepdims": 0}, opset=13)
+    with prov.stream:
+        x = cp.empty((rows, cols), dtype)
+        y = _poison(cp, (rows,), np.int64)
+
+    def write_and_want(k):
+        host = _argmax_logits(rng, rows, cols, dtype, k)
+        x.set(host, stream=prov.stream)
+        with prov.stream:
+            y.fill(-5)
+        return reference(info, [host], lambda a: np.argmax(a, axis=-1))[0]
+
+    want = write_and_want(0)
+    assert launch(prov, info, [x], [y])[0] is y  # eager: compiles, sizes scratch and counters
+    np.testing.assert_array_equal(prov.to_numpy(y), want)
+    prov.begin_capture(PRIMARY)
+    launch(prov, info, [x], [y])
+    prov.end_capture(PRIMARY)
+    for k in range(1, 4):
+        want = write_and_want(k)
+        prov.replay(PRIMARY)
+        np.testing.assert_array_equal(prov.to_numpy(y), want, err_msg=f"replay {k}")
+    # select_last_index=1 (eager): ties and NaNs go to the last index.
+    last = node("ArgMax", [1], attrs={"axis": -1, "keepdims": 1, "select_last_index": 1}, opset=13)
+    host = _argmax_logits(rng, rows, cols, dtype, 0)
+    want = reference(last, [host], lambda a: cols - 1 - np.argmax(a[:, ::-1], -1, keepdims=True))
+    got, _, _ = run_gpu(cp, prov, last, [host], [((rows, 1), np.int64)])
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1, VOCAB), (1, 5, VOCAB), (16, VOCAB), (3, 100003)])
+def test_reduce_sum_all_axes_long_captured(cp, fresh, rng, shape, dtype):
+    """The engine's non-finite probe, ReduceSum(logits - logits) to a scalar, and a plain sum
+    of the logits, in one graph replayed on new logits: 0 / the float64 sum when finite, NaN
+    or inf as the values say otherwise, the same bits on every replay."""
+    prov = fresh
+    sub = node("Sub", [1, 1], opset=14)
+    red = node("ReduceSum", [1], attrs={"keepdims": 0}, opset=13)
+    with prov.stream:
+        x = cp.empty(shape, dtype)
+        diff = cp.empty(shape, dtype)
+        probe = _poison(cp, (), dtype)
+        total = _poison(cp, (), dtype)
+
+    def run():
+        assert launch(prov, sub, [x, x], [diff])[0] is diff
+        assert launch(prov, red, [diff], [probe])[0] is probe
+        assert launch(prov, red, [x], [total])[0] is total
+
+    def check(host, what):
+        want_total = np.sum(host.astype(np.float64))
+        got_probe = float(prov.to_numpy(probe))
+        got_total = float(prov.to_numpy(total))
+        if np.isfinite(host).all():
+            assert got_probe == 0.0, what
+            tol = 1e-5 * np.abs(host.astype(np.float64)).sum() + 2e-3 * abs(want_total) * (
+                dtype == np.float16
+            )
+            assert abs(got_total - want_total) <= tol, (what, got_total, want_total)
+        else:
+            assert np.isnan(got_probe), (what, got_probe)
+            if np.isnan(want_total):
+                assert np.isnan(got_total), (what, got_total)
+            else:
+                assert got_total == want_total, (what, got_total, want_total)
+        return got_total
+
+    host = rng.standard_normal(shape).astype(dtype)
+    x.set(host, stream=prov.stream)
+    run()  # eager: compiles, sizes scratch and counters
+    first = check(host, "eager")
+    prov.begin_capture(PRIMARY)
+    run()
+    prov.end_capture(PRIMARY)
+    prov.replay(PRIMARY)
+    again = check(host, "replay of the same logits")
+    assert np.array_equal(np.float64(first), np.float64(again)), "the sum is not deterministic"
+    flat = host.reshape(-1)
+    n = flat.size
+    for what, plant in (
+        ("+inf", {n - 1: np.inf}),
+        ("-inf", {n // 3: -np.inf}),
+        ("+inf and -inf", {7: np.inf, n - 3: -np.inf}),
+        ("NaN", {n // 2 + 1: np.nan}),
+        ("finite again", {}),
+    ):
+        h = rng.standard_normal(shape).astype(dtype)
+        for i, v in plant.items():
+            h.reshape(-1)[i] = v
+        x.set(h, stream=prov.stream)
+        prov.replay(PRIMARY)
+        check(h, what)
+
+
+@pytest.mark.parametrize(
+    "shape,axes,dtype",
+    [
+        ((70000, 3), [0], np.float32),  # strided (inner 3), split over blocks
+        ((2, 300001), [1], np.int64),  # integers, unaligned rows, split
+        ((4, 65536), [1], np.int32),  # integers, aligned rows, split
+        ((1, 200000), [1], np.float64),
+    ],
+)
+def test_reduce_sum_split_strided_and_integer(cp, prov, rng, shape, axes, dtype):
+    x = (rng.standard_normal(shape) * 100).astype(dtype)
+    want = np.sum(x.astype(np.float64), axis=tuple(axes))
+    info = node("ReduceSum", [x, 1], attrs={"keepdims": 0}, opset=13)
+    got, _, _ = run_gpu(cp, prov, info, [x, np.array(axes, np.int64)], [(want.shape, dtype)])
+    if np.dtype(dtype).kind == "i":
+        np.testing.assert_array_equal(got[0], np.sum(x, axis=tuple(axes)))
+    else:
+        scale = np.abs(x.astype(np.float64)).sum(axis=tuple(axes))
+        np.testing.assert_allclose(got[0], want, rtol=0, atol=float(scale.max()) * 1e-6)
+
+
 def test_shape_is_host_known_and_capturable(cp, fresh, rng):
     from onnx_genrt.providers.cuda.kernels._common import host_ints
 
@@ -815,10 +982,10 @@ def test_llm_kernel_timings(cp, fresh, rng):
     """Prints device time per call (graph replay); no timing asserts."""
     prov = fresh
     lines = []
-    for h, kvh, d in ((14, 2, 64), (28, 4, 128)):
-        step = _DecodeStep(cp, prov, rng, 1, h=h, kvh=kvh, d=d, cap=4096)
+    for h, kvh, d, s in ((14, 2, 64, 1), (14, 2, 64, 5), (28, 4, 128, 1)):
+        step = _DecodeStep(cp, prov, rng, s, h=h, kvh=kvh, d=d, cap=4096)
         info, ins, buf = step.steps[-1]
-        for total in (1024, 4096):
+        for total in (256, 1024, 4096):
             step.write(total)
             step.run()  # the mask -> seqlens for this length
 
@@ -828,9 +995,27 @@ def test_llm_kernel_timings(cp, fresh, rng):
             us = _graph_us(cp, prov, gqa)
             kv_bytes = 2 * kvh * total * d * 2
             lines.append(
-                f"GQA decode fp16 H={h} KVH={kvh} D={d} cache {total}: {us:.1f} us "
+                f"GQA fp16 M={s} H={h} KVH={kvh} D={d} cache {total}: {us:.1f} us "
                 f"({kv_bytes / us / 1e3:.0f} GB/s of KV)"
             )
+    for dtype in FLOATS:
+        for rows in (1, 16):
+            with prov.stream:
+                x = cp.asarray(rng.standard_normal((rows, VOCAB)).astype(dtype))
+                idx = cp.empty((rows,), np.int64)
+                tot = cp.empty((), dtype)
+            arg = node("ArgMax", [1], attrs={"axis": -1, "keepdims": 0}, opset=13)
+            red = node("ReduceSum", [1], attrs={"keepdims": 0}, opset=13)
+            name = np.dtype(dtype).name
+            for what, info, buf in (("ArgMax", arg, idx), ("ReduceSum all", red, tot)):
+
+                def head(info=info, buf=buf, x=x):
+                    launch(prov, info, [x], [buf])
+
+                us = _graph_us(cp, prov, head)
+                lines.append(
+                    f"{what} {name} {rows}x{VOCAB}: {us:.1f} us ({x.nbytes / us / 1e3:.0f} GB/s)"
+                )
     from onnx_genrt.providers.cuda.kernels import contrib_quant
 
     stream = contrib_quant.STREAM_GEMV

@@ -685,6 +685,69 @@ def test_matmul_nbits_empty_weight_gives_bias() -> None:
     np.testing.assert_array_equal(y, np.broadcast_to(bias, (3, 8)))
 
 
+# 4-bit weights with M <= PACKED_MAX_M run packed (_int4_matmul); larger M the float32 copy.
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+@pytest.mark.parametrize("zero", ["none", "uint8", "float"])
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+def test_matmul_nbits_int4_packed(m: int, zero: str, block: int) -> None:
+    # K = 200 is no multiple of the block; N = 150 leaves a partial tile.
+    model, inp, want = _nbits_case(47, m, 200, 150, 4, block, zero, block == 32, F32)
+    (got,) = _run_ours(model, inp)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    (ort_y,) = _run_ort(model, inp)
+    _close(got, ort_y, F32, scale=10.0)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("k,n", [(201, 7), (512, 1100), (64, 64)])
+def test_matmul_nbits_int4_packed_shapes(m: int, k: int, n: int) -> None:
+    """Odd K, more rows than one wide tile, a single tile; with a bias."""
+    model, inp, want = _nbits_case(48, m, k, n, 4, 32, "uint8", True, F32)
+    (got,) = _run_ours(model, inp)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_int4_matmul_parallel_matches_serial(m: int) -> None:
+    from onnx_genrt.providers.cpu.kernels import _int4_matmul as im
+
+    rng = _rng(49)
+    qw = _quantize_nbits(rng.standard_normal((300, 96)), 4, 32, "uint8")
+    zeros = contrib_quant._nbits_zeros(qw["zero_points"], 300, 3, 4)
+    w = im.pack_int4(qw["B"], qw["scales"], zeros, 300, 32)
+    x = rng.standard_normal((m, 96)).astype(np.float32)
+    serial, parallel = np.empty((m, 300), np.float32), np.empty((m, 300), np.float32)
+    im._int4_serial(x, w.tiles, w.scales, w.zeros, w.block, serial)
+    im._int4_parallel(x, w.tiles, w.scales, w.zeros, w.block, 3, parallel)
+    np.testing.assert_array_equal(parallel, serial)
+    np.testing.assert_allclose(serial, _f64(x) @ qw["ref"].T, rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch) -> None:
+    """Decode-sized calls never build the float32 weight; the first large call does, once."""
+    model, inp, _ = _nbits_case(50, 1, 128, 32, 4, 32, "none", False, F32)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "m"
+    sess = InferenceSession(model, providers=["cpu"])
+    real = contrib_quant.dequantize_nbits
+    built: list[int] = []
+
+    def counting(*args: Any) -> np.ndarray:
+        built.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(contrib_quant, "dequantize_nbits", counting)
+    a = _rng(51).standard_normal((40, 128)).astype(np.float32)
+    want = _f64(a) @ _quantize_nbits(_rng(50).standard_normal((32, 128)), 4, 32, "none")["ref"].T
+    for rows in (1, 16, 2):
+        (got,) = sess.run(None, {"A": a[:rows]})
+        np.testing.assert_allclose(got, want[:rows], rtol=1e-4, atol=1e-4)
+    assert not built
+    for _ in range(2):
+        (got,) = sess.run(None, {"A": a})
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert len(built) == 1
+
+
 # ----------------------------------------------------------------------------- GatherBlockQuantized
 
 

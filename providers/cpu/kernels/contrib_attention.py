@@ -5,11 +5,19 @@ GroupQueryAttention keeps its KV cache in BNSH buffers. When ``past_key`` is at 
 are written into it in place and it is returned as ``present_key`` (the same object).
 Otherwise a present buffer of ``total_sequence_length`` is filled (concat mode). Each
 batch entry b holds seqlens_k[b] + 1 tokens after the step, the new ones at the end.
+
+A decode or verify step (batch 1, up to 16 new tokens, float32, shared buffers) runs as a
+_GqaStep built once per node and buffers: the kernel's ``.bind`` hands it to a recorded CPU
+graph, and eager calls keep one in ``ctx.scratch``. It does the general path's arithmetic
+on the valid prefix, so both give equal results; anything else takes the general path.
 """
 
 from __future__ import annotations
 
 import math
+import operator
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numba
@@ -375,6 +383,283 @@ def _as_f32(x: np.ndarray) -> np.ndarray:
     return x if x.dtype == _F32 else x.astype(_F32)
 
 
+# ----------------------------------------------------------------------------- GQA decode step
+
+_STEP_KEY = "gqa_step"  # ctx.scratch entry: the eager call's prebuilt _GqaStep
+_STEP_MAX_ROWS = 16  # new tokens per call the prebuilt step takes (decode and verify widths)
+
+
+@numba.njit(cache=True)
+def _rope_row(x, cos, sin, out, rot, interleaved):
+    """out = x rotated by one position's cos/sin rows (rot/2,); features past ``rot`` copied.
+
+    The arithmetic of attention._rope, one (H,) row at a time.
+    """
+    half = rot // 2
+    for k in range(half):
+        if interleaved:
+            i1 = 2 * k
+            i2 = i1 + 1
+        else:
+            i1 = k
+            i2 = k + half
+        c = cos[k]
+        s = sin[k]
+        x1 = x[i1]
+        x2 = x[i2]
+        out[i1] = c * x1 - s * x2
+        out[i2] = s * x1 + c * x2
+    for d in range(rot, x.shape[0]):
+        out[d] = x[d]
+
+
+@numba.njit(cache=True)
+def _gqa_step_rows(q, k, v, kc, vc, cos, sin, qs, past, scale, rot, interleaved):
+    """The M new rows of a step: keys (rotated) and values into the cache, queries scaled.
+
+    q (M, N, H), k/v (M, kvN, H); kc/vc (kvN, T, H) get rows past .. past+M-1; qs (N, M, H)
+    gets the rotated queries times ``scale``. ``rot`` 0: no rotary (cos/sin unused).
+    """
+    m, n, h = q.shape
+    kvn = k.shape[1]
+    for i in range(m):
+        t = past + i
+        for kh in range(kvn):
+            if rot > 0:
+                _rope_row(k[i, kh], cos[t], sin[t], kc[kh, t], rot, interleaved)
+            else:
+                for d in range(h):
+                    kc[kh, t, d] = k[i, kh, d]
+            for d in range(h):
+                vc[kh, t, d] = v[i, kh, d]
+        for hq in range(n):
+            dst = qs[hq, i]
+            if rot > 0:
+                _rope_row(q[i, hq], cos[t], sin[t], dst, rot, interleaved)
+            else:
+                for d in range(h):
+                    dst[d] = q[i, hq, d]
+            for d in range(h):
+                dst[d] = dst[d] * scale
+
+
+_NO_ROPE = np.zeros((1, 1), _F32)
+_SCRATCH = threading.local()  # .scores: score scratch shared by every step of the thread
+
+
+def _score_scratch(size: int) -> np.ndarray:
+    """``size`` float32 elements of this thread's score scratch (grown, never shrunk)."""
+    buf = getattr(_SCRATCH, "scores", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.scores = np.empty(max(size, 1 << 16), _F32)
+    return buf[:size]
+
+
+class _GqaStep:
+    """One GroupQueryAttention node prebuilt on fixed buffers: batch 1, M <= 16 new tokens,
+    float32, past_key/past_value the shared present buffers (written in place).
+
+    What follows from shapes and attributes (config, head views of q/k/v and of the cache,
+    cos/sin, the output view, scratch) is made once. A call reads seqlens_k and
+    total_sequence_length, writes the new rows (one Numba call), then runs the general
+    path's arithmetic on the valid prefix: BLAS scores, _mask_scores, softmax_rows (or
+    _softmax_sink_rows), BLAS output; so results equal the general path's. ``run()`` returns
+    False, having done nothing, when the lengths fall outside what the step handles (the
+    cache would have to grow, fewer valid tokens than M, a rotary position past the cos/sin
+    cache, a score block over _SCORE_BUDGET): the caller then runs the general kernel.
+    """
+
+    __slots__ = (
+        "args", "y", "results", "seqlens", "total_len", "m", "cap", "rope_len", "rows_args",
+        "cfg", "qs", "keys", "values", "heads", "attn", "out4", "sinks", "fallback",
+    )  # fmt: skip
+
+    @classmethod
+    def build(
+        cls,
+        ctx: KernelContext,
+        args: tuple[np.ndarray | None, ...],
+        out: np.ndarray | None,
+        present: Sequence[np.ndarray] | None = None,
+    ) -> _GqaStep | None:
+        """The step for these inputs (``out``: output 0, None = ctx.out), or None if unfit.
+
+        ``present``: the buffers the caller expects present_key/present_value in; they
+        must be past_key/past_value themselves.
+        """
+        a = list(args[:17]) + [None] * (17 - len(args))
+        query, key, value, past_key, past_value, seqlens_k, total_len = a[:7]
+        cos_cache, sin_cache, position_ids, attention_bias, head_sink = a[7:12]
+        if (
+            any(x is not None for x in (position_ids, attention_bias, *a[12:]))
+            or query is None
+            or query.dtype != _F32
+            or query.ndim != 3
+            or query.shape[0] != 1
+            or not 1 <= query.shape[1] <= _STEP_MAX_ROWS
+            or seqlens_k is None
+            or seqlens_k.size != 1
+            or total_len is None
+            or np.size(total_len) != 1
+            or past_key is None
+            or past_value is None
+            or _gqa_check(ctx.node, ()) is not None
+        ):
+            return None
+        cfg = _GqaConfig.from_ctx(ctx)
+        try:
+            q, k, v = _split_qkv(cfg, query, key, value)
+        except ValueError:
+            return None
+        _, m, n, h = q.shape
+        kvn = cfg.kv_heads
+        for past in (past_key, past_value):
+            if (
+                not isinstance(past, np.ndarray)
+                or past.dtype != _F32
+                or past.ndim != 4
+                or past.shape[:2] != (1, kvn)
+                or past.shape[3] != h
+                or past.shape != past_key.shape
+                or not past.flags.writeable
+            ):
+                return None
+        if present is not None and not (
+            len(present) == 2
+            and all(
+                p is want or _same_buffer(p, want)
+                for p, want in zip(present, (past_key, past_value), strict=True)
+            )
+        ):
+            return None
+        if out is None:
+            out = ctx.out(0, (1, m, n * h), _F32)
+        if out.shape != (1, m, n * h) or out.dtype != _F32 or not out.flags.c_contiguous:
+            return None
+        rot, cos, sin, rope_len = 0, _NO_ROPE, _NO_ROPE, 1 << 62
+        if cfg.rotary:
+            if cos_cache is None or sin_cache is None:
+                return None
+            if (
+                cos_cache.dtype != _F32
+                or sin_cache.dtype != _F32
+                or cos_cache.ndim != 2
+                or cos_cache.shape != sin_cache.shape
+                or not 0 < 2 * cos_cache.shape[1] <= h
+            ):
+                return None
+            rot, cos, sin, rope_len = 2 * cos_cache.shape[1], cos_cache, sin_cache, len(cos_cache)
+        if head_sink is not None and (head_sink.dtype != _F32 or head_sink.size != n):
+            return None
+        scale = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(h)
+        step = cls()
+        step.args = tuple(args)
+        step.y = out
+        step.results = (out, past_key, past_value)
+        step.seqlens = seqlens_k.reshape(-1)
+        step.total_len = np.asarray(total_len).reshape(-1)
+        step.m, step.cap, step.rope_len, step.cfg = m, past_key.shape[2], rope_len, cfg
+        step.qs = np.empty((n, m, h), _F32)
+        step.rows_args = (q[0], k[0], v[0], past_key[0], past_value[0], cos, sin, step.qs)
+        step.rows_args += (np.float32(scale), rot, cfg.interleaved)  # type: ignore[assignment]
+        step.keys, step.values = past_key[0], past_value[0]
+        step.heads = step.qs.reshape(kvn, (n // kvn) * m, h)  # row g * M + i: head kh*G+g
+        step.attn = np.empty((n, m, h), _F32) if m > 1 else None
+        step.out4 = out.reshape(m, n, h)
+        if head_sink is not None:
+            step.sinks = head_sink.reshape(-1)
+        else:
+            step.sinks = np.zeros(n, _F32) if cfg.smooth else None
+        step.fallback = None
+        return step
+
+    def serves(self, ctx: KernelContext, args: tuple[np.ndarray | None, ...]) -> bool:
+        """True when ``args`` are the very arrays this step was built on."""
+        return (
+            len(args) == len(self.args)
+            and all(map(operator.is_, args, self.args))
+            and bool(ctx.planned)
+            and ctx.planned[0] is self.y
+        )
+
+    def run(self) -> bool:
+        """Run the step for the current seqlens_k; False (nothing done) when it cannot."""
+        t = int(self.seqlens[0]) + 1
+        m, cap, cfg = self.m, self.cap, self.cfg
+        if t < m or t > cap or t > self.rope_len or int(self.total_len[0]) > cap:
+            return False
+        past = t - m
+        k0 = max(0, past - cfg.window + 1) if cfg.window > 0 and cfg.causal else 0
+        width = t - k0
+        kvn, rows, h = self.heads.shape
+        size = kvn * rows * width
+        if size > _SCORE_BUDGET:
+            return False
+        ra = self.rows_args
+        _gqa_step_rows(*ra[:8], past, *ra[8:])
+        scores = _score_scratch(size).reshape(kvn, rows, width)
+        np.matmul(self.heads, self.keys[:, k0:t].swapaxes(1, 2), out=scores)
+        if cfg.softcap > 0.0:
+            scores *= np.float32(1.0 / cfg.softcap)
+            np.tanh(scores, out=scores)
+            scores *= np.float32(cfg.softcap)
+        flat = scores.reshape(-1, width)
+        if m > 1:  # one row sees exactly keys k0 .. t-1
+            _mask_scores(flat, m, 0, past, t, k0, cfg.window, cfg.causal)
+        if self.sinks is None:
+            softmax_rows(flat, flat, True)
+        else:
+            _softmax_sink_rows(flat, np.repeat(self.sinks, m))
+        values = self.values[:, k0:t]
+        if self.attn is None:  # one row: (kvN, G, H) is the output's own layout
+            np.matmul(scores, values, out=self.out4.reshape(kvn, rows, h))
+        else:
+            attn = self.attn
+            np.matmul(scores, values, out=attn.reshape(kvn, rows, h))
+            self.out4[...] = attn.transpose(1, 0, 2)
+        return True
+
+    def replay(self) -> None:
+        """A recorded graph's call: the step, or the general kernel when it cannot run."""
+        if not self.run():
+            self.fallback()
+
+
+def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        isinstance(a, np.ndarray)
+        and isinstance(b, np.ndarray)
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.strides == b.strides
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    )
+
+
+def _replay_general(
+    ctx: KernelContext, args: tuple[np.ndarray | None, ...], targets: tuple[np.ndarray, ...]
+) -> None:
+    """The general kernel with its results landing in the recorded output buffers."""
+    results = _gqa_general(ctx, *args)
+    for got, want in zip(results, targets, strict=True):
+        if got is not want and not _same_buffer(got, want):
+            np.copyto(want, got, casting="unsafe")
+
+
+def _bind_gqa(
+    ctx: KernelContext, inputs: Sequence[np.ndarray | None], outs: object
+) -> Callable[[], None] | None:
+    """Prebound replay of a decode/verify step (see _GqaStep); None keeps the general call."""
+    if not isinstance(outs, tuple | list) or len(outs) != 3:
+        return None
+    args = tuple(inputs)
+    step = _GqaStep.build(ctx, args, outs[0], outs[1:])
+    if step is None:
+        return None
+    step.fallback = lambda: _replay_general(ctx, args, tuple(outs))
+    return step.replay
+
+
 # ----------------------------------------------------------------------------- GQA kernel
 
 
@@ -398,8 +683,41 @@ def group_query_attention(
     """onnxruntime GroupQueryAttention: GQA with rotary, KV cache, window, softcap, sinks.
 
     ``rest`` holds k_scale, v_scale, q_norm_weight, k_norm_weight (all refused) and
-    query_seqlens (right-padded chunks).
+    query_seqlens (right-padded chunks). A decode/verify step on the shared KV buffers runs
+    as a prebuilt _GqaStep (kept in ctx.scratch for the next call on the same buffers).
     """
+    args = (query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+            cos_cache, sin_cache, position_ids, attention_bias, head_sink, *rest)  # fmt: skip
+    step = ctx.scratch.get(_STEP_KEY)
+    if step is None or not step.serves(ctx, args):
+        step = _GqaStep.build(ctx, args, None)
+        if step is not None and ctx.planned and ctx.planned[0] is step.y:
+            ctx.scratch[_STEP_KEY] = step
+    if step is not None and step.run():
+        return step.results
+    return _gqa_general(ctx, *args)
+
+
+group_query_attention.bind = _bind_gqa  # type: ignore[attr-defined]
+
+
+def _gqa_general(
+    ctx: KernelContext,
+    query: np.ndarray,
+    key: np.ndarray | None = None,
+    value: np.ndarray | None = None,
+    past_key: np.ndarray | None = None,
+    past_value: np.ndarray | None = None,
+    seqlens_k: np.ndarray | None = None,
+    total_sequence_length: np.ndarray | None = None,
+    cos_cache: np.ndarray | None = None,
+    sin_cache: np.ndarray | None = None,
+    position_ids: np.ndarray | None = None,
+    attention_bias: np.ndarray | None = None,
+    head_sink: np.ndarray | None = None,
+    *rest: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GroupQueryAttention for every supported case (the kernel's general path)."""
     reason = _gqa_check(ctx.node, ())
     if reason or any(r is not None for r in rest[:4]):
         raise NotImplementedError(f"{ctx.node.describe()}: {reason or 'quantized KV / QK norm'}")

@@ -1,11 +1,17 @@
 """CPU kernels: onnxruntime's MatMulNBits and GatherBlockQuantized (com.microsoft).
 
-MatMulNBits dequantizes its packed weight to float32 once and keeps it (see
-``DequantCache``), so every later call, a decode step's GEMV included, is one plain BLAS
-call. The trade-off is memory: the cached float32 weight takes 32/bits times the packed
-bytes (8x for 4-bit: a model with 4 GB of 4-bit weights holds 32 GB of float32). Set
-``ONNX_GENRT_NBITS_CACHE=0`` (or ``contrib_quant.DEQUANT_CACHE.enabled = False``) to
-dequantize on every call instead, trading that memory for time.
+MatMulNBits takes one of two paths, each preparing its weight once and keeping it (see
+``DequantCache``):
+
+* 4-bit weights with at most ``PACKED_MAX_M`` rows of A (decode, speculative verify,
+  short prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
+  rearranged into row tiles of the same bytes, about 1.25x the packed size.
+* Otherwise the weight is dequantized to float32 and every call is one BLAS matmul. The
+  float32 copy takes 32/bits times the packed bytes (8x for 4-bit), so it is built only
+  when such a call comes.
+
+Set ``ONNX_GENRT_NBITS_CACHE=0`` (or ``contrib_quant.DEQUANT_CACHE.enabled = False``) to
+prepare the weight on every call instead, trading that memory for time.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numba
@@ -21,6 +28,7 @@ import numpy as np
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import NBITS, matmul_nbits_unsupported
 
+from ._int4_matmul import Int4Tiles, int4_matmul, pack_int4
 from ._nn_common import normalize_axis
 from ._registry import REGISTRY
 
@@ -28,6 +36,10 @@ _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
 _NBITS = NBITS
 _SMALL_INTS = {np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)}
+_T = TypeVar("_T")
+
+# Rows of A up to which 4-bit weights are multiplied packed; more use the float32 copy.
+PACKED_MAX_M = 16
 
 
 def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -43,7 +55,7 @@ def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
 
 
 class DequantCache:
-    """Dequantized weights keyed on the identity of their source arrays.
+    """Prepared (dequantized or tiled) weights keyed on the identity of their source arrays.
 
     An entry lives as long as every source array does (weak references), so a weight
     dropped with its session frees its float copy. Entries assume the sources are not
@@ -53,12 +65,12 @@ class DequantCache:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.builds = 0
-        self._entries: dict[tuple, tuple[list[weakref.ref], np.ndarray]] = {}
+        self._entries: dict[tuple, tuple[list[weakref.ref], Any]] = {}
 
     def get(
-        self, sources: tuple[np.ndarray | None, ...], params: tuple, build: Callable[[], np.ndarray]
-    ) -> np.ndarray:
-        """The cached array for ``sources``/``params``, built (and kept) on a miss."""
+        self, sources: tuple[np.ndarray | None, ...], params: tuple, build: Callable[[], _T]
+    ) -> _T:
+        """The cached value for ``sources``/``params``, built (and kept) on a miss."""
         live = [a for a in sources if a is not None]
         key = (tuple(id(a) for a in sources), params)
         hit = self._entries.get(key)
@@ -129,6 +141,17 @@ def dequantize_nbits(
     return out
 
 
+def int4_tiles(
+    b: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, k: int, n: int, block: int
+) -> Int4Tiles:
+    """The 4-bit weight of a MatMulNBits node, tiled for ``int4_matmul``."""
+    nb = -(-k // block)
+    packed = np.ascontiguousarray(b, _U8).reshape(n, nb, block // 2)
+    sc = np.ascontiguousarray(scales, _F32).reshape(n, nb)
+    zeros = None if zp is None else _nbits_zeros(zp, n, nb, 4)
+    return pack_int4(packed, sc, zeros, n, block)
+
+
 _nbits_check = matmul_nbits_unsupported
 
 
@@ -142,7 +165,11 @@ def matmul_nbits(
     g_idx: np.ndarray | None = None,
     bias: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Y = A @ dequant(B)^T (+ bias); float32 math whatever accuracy_level asks."""
+    """Y = A @ dequant(B)^T (+ bias); float32 math whatever accuracy_level asks.
+
+    4-bit weights with at most ``PACKED_MAX_M`` rows of A are multiplied packed; other
+    calls use the float32 copy of the weight (built on the first such call).
+    """
     reason = _nbits_check(ctx.node, ())
     if reason or g_idx is not None:
         raise NotImplementedError(f"{ctx.node.describe()}: {reason or 'g_idx'}")
@@ -155,15 +182,29 @@ def matmul_nbits(
     if b.size == 0:  # an omitted projection: zeros (+ bias)
         out2[...] = 0 if bias is None else bias
         return out
-    params = (k, n, bits, block)
-    w = DEQUANT_CACHE.get(
-        (b, scales, zero_points), params, lambda: dequantize_nbits(b, scales, zero_points, *params)
-    )
     a2 = a.reshape(-1, k)
-    if a.dtype == _F32 and out2.flags.c_contiguous and bias is None:
-        np.matmul(a2, w.T, out=out2)
+    sources = (b, scales, zero_points)
+    direct = a.dtype == _F32 and out2.flags.c_contiguous and bias is None
+    if bits == 4 and a2.shape[0] <= PACKED_MAX_M:
+        w4 = DEQUANT_CACHE.get(
+            sources,
+            ("int4-tiles", k, n, block),
+            lambda: int4_tiles(b, scales, zero_points, k, n, block),
+        )
+        y = int4_matmul(
+            np.ascontiguousarray(a2, _F32), w4, out2 if direct else np.empty(out2.shape, _F32)
+        )
+    else:
+        params = (k, n, bits, block)
+        w = DEQUANT_CACHE.get(
+            sources, params, lambda: dequantize_nbits(b, scales, zero_points, *params)
+        )
+        if direct:
+            np.matmul(a2, w.T, out=out2)
+            return out
+        y = np.matmul(a2.astype(_F32, copy=False), w.T)
+    if direct:
         return out
-    y = np.matmul(a2.astype(_F32, copy=False), w.T)
     if bias is not None:
         y += bias.astype(_F32, copy=False)
     out2[...] = y

@@ -8,15 +8,28 @@ Every length comes from ``seqlens_k`` *in device memory* (``total = seqlens_k[b]
 cache grows. ``total_sequence_length`` is only checked when its value is known on the host
 (a host array or a host-shadowed constant); it is never synchronized on.
 
-Three launches per call, all capturable (no cuBLAS, no allocation, no host sync):
+One launch per call for up to ``FUSE_MAX_NEW`` new tokens (decode, verify: the steps that
+are captured), two for longer prompts; all capturable (no cuBLAS, no allocation, no host
+sync). The attention kernel has one block per (split, query head, batch x query row):
 
-1. ``gqa_append``: rotate the new keys, write keys and values into the cache.
-2. ``gqa_attn``: one block per (split, query head, batch x query row). The query row is
-   rotated and scaled into shared memory; the block walks its share of the visible keys
-   (causal by absolute position, local window) in tiles of 128 with an online softmax.
-   The share is ``ceil(visible / splits)`` keys computed from the device-side length, so
-   every split has work at any length. With one split the block writes the output itself.
-3. ``gqa_combine`` (splits > 1 or a head sink): merges the splits' partial sums.
+* The query row is loaded before the length is known, then rotated and scaled into shared
+  memory. With up to ``FUSE_MAX_NEW`` new tokens the new keys are rotated there too (read
+  from the input, rounded to the cache type) and the blocks of split 0 of each group's
+  first head write their own row into the cache; no block reads cache rows at or past
+  ``past``, so the append needs no launch of its own. Longer prompts run ``gqa_append``
+  first and read every key from the cache.
+* Each warp keeps an online softmax over its keys (no block barrier per tile); the warps
+  merge at the end.
+* A split takes ``max(ceil(visible / splits), min_chunk)`` keys, computed from the
+  device-side length, so the grid, sized once, serves every length of a captured graph:
+  a short sequence has one split with work, a long one spreads over all of them.
+* Merging the splits: decode / verify on sm_90+ (``gqa_attn_cluster``) uses 8 splits that
+  form a thread-block cluster; each block publishes its partial in shared memory and block
+  0 merges them through distributed shared memory after a cluster barrier (no global
+  round trip). Otherwise (``gqa_attn``: prompts, older GPUs) up to 64 splits: a lone split
+  writes the output directly, else the last split to finish (an atomic counter per row,
+  which it sets back to zero) merges the partials from global memory. Both merge in a
+  fixed order (deterministic).
 
 Concat mode (a past shorter than the total, or no past at all) is refused.
 """
@@ -41,46 +54,63 @@ from ._common import (
     storage,
 )
 from ._registry import REGISTRY
+from .reduce import zeroed_counters
 
-#: Threads of the attention block (one key per thread per tile).
-_ATTN_THREADS = 128
+#: Warps of the attention block (each scores 32 keys at a time).
+ATTN_WARPS = 4
+#: Blocks per SM the attention kernel's registers must allow (launch bounds).
+ATTN_MIN_BLOCKS = 8
 #: Fewest keys a split takes before fewer splits are used.
-_MIN_CHUNK = 64
-#: Most splits of one query row's keys.
-_MAX_SPLITS = 64
+MIN_CHUNK = 128
+#: Most splits of one query row's keys (the merge reads them in one warp: at most 64).
+MAX_SPLITS = 64
+#: Shared memory the merging block stages the splits' partial sums in.
+STAGE_BYTES = 16 << 10
+#: Most new tokens whose keys gqa_attn appends itself (no gqa_append launch).
+FUSE_MAX_NEW = 16
+#: Decode / verify (up to FUSE_MAX_NEW new tokens) on sm_90+: the 8 splits of a (row, head)
+#: form a thread-block cluster and merge through distributed shared memory (no counter, no
+#: global round trips); False: the many-split kernel with a last-block-done merge.
+CLUSTER = True
+#: Fewest keys a split of the cluster kernel takes.
+CLUSTER_MIN_CHUNK = 64
+#: Dynamic shared memory a block may take without opting in.
+_SHARED_MAX = 48 << 10
 
 _SOURCE = (
     DEVICE_COMMON
     + r"""
+// Rotation of feature d < rot: it mixes with feature `partner` through cos / sin entry j.
+DEVI void rope_index(int d, int rot, int interleaved, int& j, int& partner, float& sign) {
+  const int half = rot >> 1;
+  if (interleaved) { j = d >> 1; partner = d ^ 1; sign = (d & 1) ? 1.f : -1.f; }
+  else if (d < half) { j = d; partner = d + half; sign = -1.f; }
+  else { j = d - half; partner = d - half; sign = 1.f; }
+}
+DEVI int rope_partner(int d, int rot, int interleaved) {
+  int j, partner;
+  float sign;
+  rope_index(d, rot, interleaved, j, partner, sign);
+  return partner;
+}
+// Rotated feature d < rot from its value v and its partner's value pv.
+template <typename C>
+DEVI float rope_mix(float v, float pv, int d, int rot, int interleaved, const C* cs, const C* sn) {
+  int j, partner;
+  float sign;
+  rope_index(d, rot, interleaved, j, partner, sign);
+  return v * ld(cs, j) + sign * pv * ld(sn, j);
+}
 // Element d of the rotated head row x (rot leading features rotated, the rest copied).
 // cs / sn point at the position's cos / sin row of rot / 2 values.
 template <typename S, typename C>
 DEVI float rope_elem(const S* x, int d, int rot, int interleaved, const C* cs, const C* sn) {
   const float v = ld(x, d);
   if (d >= rot) return v;
-  const int half = rot >> 1;
-  int j, partner;
-  float sign;
-  if (interleaved) { j = d >> 1; partner = d ^ 1; sign = (d & 1) ? 1.f : -1.f; }
-  else if (d < half) { j = d; partner = d + half; sign = -1.f; }
-  else { j = d - half; partner = d - half; sign = 1.f; }
-  return v * ld(cs, j) + sign * ld(x, partner) * ld(sn, j);
+  return rope_mix(v, ld(x, rope_partner(d, rot, interleaved)), d, rot, interleaved, cs, sn);
 }
 
 DEVI int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
-
-// Keys [lo, hi] that query row i (of S new rows) of batch b may see; false when none.
-DEVI bool visible_keys(const int* seqlens, int b, int i, int S, int cap, int causal, int window,
-                       int& pos, int& lo, int& hi) {
-  const int total = seqlens[b] + 1;
-  const int n_new = min(max(total, 0), S);
-  const int past = total - n_new;
-  pos = past + i;
-  const int t = min(total, cap);
-  hi = causal ? min(pos, t - 1) : t - 1;
-  lo = (causal && window > 0) ? max(0, pos - window + 1) : 0;
-  return hi >= lo;
-}
 
 // New keys (rotated) and values into the cache at their absolute positions.
 // grid (B * S, kvh); k_new / v_new rows of k_row / v_row elements, head h at h * D.
@@ -186,145 +216,359 @@ DEVI void ld2(const half_t* p, long long i, int vec, float& a, float& b) {
   }
 }
 
-// grid (splits, H, B * S); block 128 threads. Shared: q[D], p[128], red[33], o[groups * D].
-// part (splits > 1 or direct == 0): per (row, head, split) D sums then max and denominator.
-template <typename S, typename C>
-__global__ void __launch_bounds__(128) gqa_attn(
-    const S* __restrict__ q, long long q_row, const S* __restrict__ kc,
-    const S* __restrict__ vc, const int* __restrict__ seqlens, const C* __restrict__ cos_c,
-    const C* __restrict__ sin_c, int max_pos, S* __restrict__ out, float* __restrict__ part,
-    int S_len, int H, int kvh, int D, int cap, int rot, int interleaved, int rotary,
-    float scale, float softcap, int window, int causal, int splits, int direct, int vec) {
-  extern __shared__ float sm[];
-  float* q_sh = sm;
-  float* p_sh = q_sh + D;
-  float* red = p_sh + 128;
-  float* o_sh = red + 33;
-  const int tid = threadIdx.x;
-  const int split = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
-  const int b = bi / S_len, i = bi % S_len;
-  int pos, lo, hi;
-  const bool any = visible_keys(seqlens, b, i, S_len, cap, causal, window, pos, lo, hi);
-  const int n_vis = any ? hi - lo + 1 : 0;
-  int chunk = (n_vis + splits - 1) / splits;
-  chunk = max(chunk, 64);
-  const int k_begin = lo + split * chunk;
-  const int k_end = min(k_begin + chunk, hi + 1);
-
-  const S* qx = q + (long long)bi * q_row + (long long)h * D;
-  const int half = rot >> 1;
-  const int p = clampi(pos, 0, max_pos - 1);
-  for (int d = tid; d < D; d += blockDim.x) {
-    const float v = rotary ? rope_elem(qx, d, rot, interleaved, cos_c + (long long)p * half,
-                                       sin_c + (long long)p * half)
-                           : ld(qx, d);
-    q_sh[d] = v * scale;
-  }
-  __syncthreads();
-
-  const int g = h / (H / kvh);
-  const S* K = kc + ((long long)b * kvh + g) * cap * D;
-  const S* V = vc + ((long long)b * kvh + g) * cap * D;
-  const int pairs = D >> 1;
-  const int groups = 128 / pairs;
-  const int grp = tid / pairs, dp = tid % pairs;
-  const bool active = grp < groups;
-  float m = neg_inf(), l = 0.f, acc0 = 0.f, acc1 = 0.f;
-  for (int t0 = k_begin; t0 < k_end; t0 += 128) {
-    const int key = t0 + tid;
+// Online softmax of one warp over keys [k0, k1) of rows Kb / Vb (row index key - off): each lane
+// scores one key of every 32, then the warp adds the weighted value rows, lane l holding
+// features 64 c + 2 l, + 1 of acc[c]. RB value rows are loaded before they are used.
+template <typename S, int NC, int W>
+DEVI void attend(const float* q_sh, const S* Kb, const S* Vb, int off, int k0, int k1, int D,
+                 int vec_k, int vec_v, float softcap, int lane, int warp, float& m, float& l,
+                 float (&acc)[NC][2]) {
+  constexpr int RB = NC == 1 ? 16 : (NC == 2 ? 8 : 4);
+  for (int base = k0 + warp * 32; base < k1; base += W * 32) {
+    const int key = base + lane;
     float s = neg_inf();
-    if (key < k_end) {
-      s = dot_row(q_sh, K + (long long)key * D, D, vec);
+    if (key < k1) {
+      s = dot_row(q_sh, Kb + (long long)(key - off) * D, D, vec_k);
       if (softcap > 0.f) s = softcap * tanhf(s / softcap);
     }
-    const float m_new = fmaxf(m, block_max(s, red));
-    const float pr = (key < k_end && m_new != neg_inf()) ? expf(s - m_new) : 0.f;
-    p_sh[tid] = pr;
-    const float tsum = block_sum(pr, red);  // its barriers publish p_sh
+    const float m_new = fmaxf(m, warp_max(s));
+    const float pr = (key < k1 && m_new != neg_inf()) ? expf(s - m_new) : 0.f;
     const float alpha = (m == neg_inf()) ? 0.f : expf(m - m_new);
-    l = l * alpha + tsum;
-    acc0 *= alpha;
-    acc1 *= alpha;
+    l = l * alpha + warp_sum(pr);
     m = m_new;
-    const int n_t = min(128, k_end - t0);
-    if (active) {
-      const S* Vt = V + (long long)t0 * D + 2 * dp;
-      int j = grp;
-      for (; j + 3 * groups < n_t; j += 4 * groups) {  // four rows of V in flight
-        float w[4], va[4], vb[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          w[u] = p_sh[j + u * groups];
-          ld2(Vt, (long long)(j + u * groups) * D, vec, va[u], vb[u]);
+    for (int c = 0; c < NC; ++c) { acc[c][0] *= alpha; acc[c][1] *= alpha; }
+    const int n_t = min(32, k1 - base);
+    const S* Vt = Vb + (long long)(base - off) * D + 2 * lane;
+    int j = 0;
+    for (; j + RB <= n_t; j += RB) {
+      float va[RB][NC], vb[RB][NC];
+#pragma unroll
+      for (int u = 0; u < RB; ++u)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          va[u][c] = vb[u][c] = 0.f;
+          if (64 * c + 2 * lane < D) ld2(Vt, (long long)(j + u) * D + 64 * c, vec_v, va[u][c], vb[u][c]);
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          acc0 += w[u] * va[u];
-          acc1 += w[u] * vb[u];
+      for (int u = 0; u < RB; ++u) {
+        const float w = __shfl_sync(0xffffffffu, pr, j + u);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) { acc[c][0] += w * va[u][c]; acc[c][1] += w * vb[u][c]; }
+      }
+    }
+    for (; j < n_t; ++j) {
+      const float w = __shfl_sync(0xffffffffu, pr, j);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        if (64 * c + 2 * lane < D) {
+          float va, vb;
+          ld2(Vt, (long long)j * D + 64 * c, vec_v, va, vb);
+          acc[c][0] += w * va;
+          acc[c][1] += w * vb;
         }
       }
-      for (; j < n_t; j += groups) {
-        float va, vb;
-        ld2(Vt, (long long)j * D, vec, va, vb);
-        acc0 += p_sh[j] * va;
-        acc1 += p_sh[j] * vb;
-      }
     }
-  }
-  if (active) { o_sh[grp * D + 2 * dp] = acc0; o_sh[grp * D + 2 * dp + 1] = acc1; }
-  __syncthreads();
-  const long long row = (long long)bi * H + h;
-  for (int d = tid; d < D; d += blockDim.x) {
-    float o = 0.f;
-    for (int gg = 0; gg < groups; ++gg) o += o_sh[gg * D + d];
-    if (direct) {
-      st(out, row * D + d, l > 0.f ? o / l : 0.f);
-    } else {
-      part[(row * splits + split) * (D + 2) + d] = o;
-    }
-  }
-  if (!direct && tid == 0) {
-    part[(row * splits + split) * (D + 2) + D] = m;
-    part[(row * splits + split) * (D + 2) + D + 1] = l;
   }
 }
 
-// One block per (batch x query row, head): merge the splits (at most 64) and a head sink.
-// sink_mode: 0 none, 1 sinks[h], 2 a zero sink (smooth softmax). The first warp reads the
-// splits' maxima and denominators in parallel; then every thread sums its features.
-template <typename S>
-__global__ void gqa_combine(const float* __restrict__ part, const S* __restrict__ sinks,
-                            S* __restrict__ out, int H, int D, int splits, int sink_mode) {
-  __shared__ float w_sh[64];
-  __shared__ float l_sh;
-  const long long row = blockIdx.x;
-  const int h = (int)(row % H);
-  const float* P = part + row * splits * (D + 2);
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const float sink = sink_mode == 1 ? ld(sinks, h) : (sink_mode == 2 ? 0.f : neg_inf());
-    const bool in0 = lane < splits, in1 = lane + 32 < splits;
-    const float m0 = in0 ? P[lane * (D + 2) + D] : neg_inf();
-    const float m1 = in1 ? P[(lane + 32) * (D + 2) + D] : neg_inf();
-    const float l0 = in0 ? P[lane * (D + 2) + D + 1] : 0.f;
-    const float l1 = in1 ? P[(lane + 32) * (D + 2) + D + 1] : 0.f;
-    const float M = warp_max(fmaxf(fmaxf(m0, m1), sink));
-    const float w0 = m0 != neg_inf() ? expf(m0 - M) : 0.f;
-    const float w1 = m1 != neg_inf() ? expf(m1 - M) : 0.f;
-    if (in0) w_sh[lane] = w0;
-    if (in1) w_sh[lane + 32] = w1;
-    const float L = warp_sum(w0 * l0 + w1 * l1);
-    if (lane == 0) l_sh = L + ((sink_mode && M != neg_inf()) ? expf(sink - M) : 0.f);
+// Attention of one query row and head over one split of its visible keys; the splits merge
+// inside the same launch (see gqa_body). grid (splits, H, B * S); block 32 * W threads;
+// NC = ceil(D / 64) feature chunks per lane.
+//
+// Lengths come from seqlens in device memory: total = seqlens[b] + 1, n_new = min(total, S),
+// past = total - n_new, row i at position past + i. A split takes
+// chunk = max(ceil(visible / splits), min_chunk) keys, so short sequences use one split
+// while long ones spread over all of them; without clusters, splits past the keys return at
+// once and a lone split writes the output directly.
+//
+// fuse = 1 (S <= 16): the new keys (rotated) and values are not in the cache yet. Each block
+// reads the ones it needs from k_new / v_new into shared memory (rounded to the cache type,
+// as a cache read would give them), and the blocks of split 0 and each group's first head
+// write their own row into the cache. No block reads cache rows >= past, so nothing races.
+// fuse = 0: gqa_append ran before; every key comes from the cache.
+//
+// part (no clusters): per (row, head, split) ps floats (ps = D + 2 rounded up to 4): D sums
+// relative to the split's max, the max, the denominator. counters: one per (row, head), zero
+// at entry and left zero. The merging block stages the partials in shared memory
+// (splits * ps floats; with clusters, each block's own partial: ps floats).
+#define GQA_PARAMS                                                                           \
+  const S *__restrict__ q, long long q_row, const S *__restrict__ k_new, long long k_row,     \
+      const S *__restrict__ v_new, long long v_row, S *__restrict__ kc, S *__restrict__ vc,   \
+      const int *__restrict__ seqlens, const C *__restrict__ cos_c,                           \
+      const C *__restrict__ sin_c, int max_pos, const S *__restrict__ sinks,                  \
+      S *__restrict__ out, float *__restrict__ part, int *__restrict__ counters, int S_len,   \
+      int H, int kvh, int D, int cap, int rot, int interleaved, int rotary, float scale,      \
+      float softcap, int window, int causal, int splits, int min_chunk, int fuse,             \
+      int sink_mode, int vec
+#define GQA_ARGS                                                                             \
+  q, q_row, k_new, k_row, v_new, v_row, kc, vc, seqlens, cos_c, sin_c, max_pos, sinks, out,  \
+      part, counters, S_len, H, kvh, D, cap, rot, interleaved, rotary, scale, softcap,        \
+      window, causal, splits, min_chunk, fuse, sink_mode, vec
+
+DEVI void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
+}
+// p (this block's shared memory) in block `rank` of the cluster.
+DEVI float ld_cluster(const float* p, unsigned int rank) {
+  const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+  unsigned int r;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+  return v;
+}
+
+// The body of gqa_attn (CL = 0) and gqa_attn_cluster (CL = cluster size = splits): the
+// splits of one (row, head) merge through a last-block-done counter and global memory, or
+// (CL > 0) through the cluster's shared memory: every block of the cluster, with keys or
+// not, publishes its partial and waits at a cluster barrier; block 0 merges.
+template <typename S, typename C, int NC, int W, int CL>
+DEVI void gqa_body(GQA_PARAMS) {
+  constexpr int T = 32 * W, QE = (256 + T - 1) / T;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int split = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
+  const int b = bi / S_len, i = bi % S_len;
+  const int G = H / kvh, g = h / G;
+  const int total = seqlens[b] + 1;
+  // The query row does not depend on the length: its loads overlap the length's.
+  const S* qx = q + (long long)bi * q_row + (long long)h * D;
+  float qv[QE], qp[QE];
+#pragma unroll
+  for (int u = 0; u < QE; ++u) {
+    const int d = tid + u * T;
+    qv[u] = qp[u] = 0.f;
+    if (d < D) {
+      qv[u] = ld(qx, d);
+      if (rotary && d < rot) qp[u] = ld(qx, rope_partner(d, rot, interleaved));
+    }
+  }
+  const int n_new = min(max(total, 0), S_len);
+  const int past = total - n_new;
+  const int pos = past + i;
+  const int t = min(total, cap);
+  const int hi = causal ? min(pos, t - 1) : t - 1;
+  const int lo = (causal && window > 0) ? max(0, pos - window + 1) : 0;
+  const int n_vis = max(hi - lo + 1, 0);
+  const int chunk = max((n_vis + splits - 1) / splits, min_chunk);
+  const int n_act = (n_vis + chunk - 1) / chunk;
+  const int half = rot >> 1;
+  const long long orow = (long long)bi * H + h;
+
+  if (fuse && split == 0 && h % G == 0 && i < n_new && pos >= 0 && pos < cap) {
+    const S* kx = k_new + (long long)bi * k_row + (long long)g * D;
+    const S* vx = v_new + (long long)bi * v_row + (long long)g * D;
+    const long long dst = (((long long)b * kvh + g) * cap + pos) * D;
+    const int p = clampi(pos, 0, max_pos - 1);
+    for (int d = tid; d < D; d += T) {
+      const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + (long long)p * half,
+                                          sin_c + (long long)p * half)
+                              : ld(kx, d);
+      st(kc, dst + d, kv);
+      st(vc, dst + d, ld(vx, d));
+    }
+  }
+  if (CL == 0 && n_act == 0) {  // no visible key (a bad length): zeros, never garbage
+    if (split == 0)
+      for (int d = tid; d < D; d += T) st(out, orow * D + d, 0.f);
+    return;
+  }
+  if (CL == 0 && split >= n_act) return;
+  const bool work = split < n_act;  // always true without clusters
+  const int k_begin = lo + split * chunk;
+  const int k_end = work ? min(k_begin + chunk, hi + 1) : k_begin;
+  const int k_mid = fuse ? max(k_begin, min(past, k_end)) : k_end;  // cache | new rows
+
+  const int nsh = fuse ? S_len : 0;
+  const int ps = (D + 5) & ~3;
+  S* kn = reinterpret_cast<S*>(smem);
+  S* vn = kn + (long long)nsh * D;
+  float* q_sh = reinterpret_cast<float*>(smem + ((2 * nsh * D * (int)sizeof(S) + 15) & ~15));
+  float* o_sh = q_sh + D;    // [W][D]
+  float* wm = o_sh + W * D;  // [W]
+  float* wl = wm + W;        // [W]
+  float* wsh = wl + W;       // [64] split weights, then the denominator
+  int* flag = reinterpret_cast<int*>(wsh + 65);
+  const int stage_at = (int)(reinterpret_cast<unsigned char*>(wsh + 68) - smem);
+  float* stage = reinterpret_cast<float*>(smem + ((stage_at + 15) & ~15));  // [splits][ps]
+
+  const S* K = kc + ((long long)b * kvh + g) * cap * D;
+  const S* V = vc + ((long long)b * kvh + g) * cap * D;
+  const int p = clampi(pos, 0, max_pos - 1);
+#pragma unroll
+  for (int u = 0; u < QE; ++u) {
+    const int d = tid + u * T;
+    if (d < D) {
+      const float v = (rotary && d < rot)
+                          ? rope_mix(qv[u], qp[u], d, rot, interleaved, cos_c + (long long)p * half,
+                                     sin_c + (long long)p * half)
+                          : qv[u];
+      q_sh[d] = v * scale;
+    }
+  }
+  if (k_mid < k_end) {  // new rows j0..j1-1 (positions past + j) into shared memory
+    const int j0 = k_mid - past, n = (k_end - k_mid) * D;
+#pragma unroll 4
+    for (int e = tid; e < n; e += T) {
+      const int j = j0 + e / D, d = e % D;
+      const long long r = (long long)b * S_len + j;
+      const S* kx = k_new + r * k_row + (long long)g * D;
+      const int pj = clampi(past + j, 0, max_pos - 1);
+      const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + (long long)pj * half,
+                                          sin_c + (long long)pj * half)
+                              : ld(kx, d);
+      st(kn, (long long)j * D + d, kv);
+      st(vn, (long long)j * D + d, ld(v_new + r * v_row + (long long)g * D, d));
+    }
   }
   __syncthreads();
-  const float L = l_sh;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+
+  float m = neg_inf(), l = 0.f, acc[NC][2];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) acc[c][0] = acc[c][1] = 0.f;
+  attend<S, NC, W>(q_sh, K, V, 0, k_begin, k_mid, D, vec, vec, softcap, lane, warp, m, l, acc);
+  if (k_mid < k_end)
+    attend<S, NC, W>(q_sh, kn, vn, past, k_mid, k_end, D, (D * (int)sizeof(S)) % 16 == 0, 1,
+                     softcap, lane, warp, m, l, acc);
+
+  // Merge the warps: max M, denominator L, sums o relative to M.
+  if (lane == 0) { wm[warp] = m; wl[warp] = l; }
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int d = 64 * c + 2 * lane;
+    if (d < D) { o_sh[warp * D + d] = acc[c][0]; o_sh[warp * D + d + 1] = acc[c][1]; }
+  }
+  __syncthreads();
+  float M = neg_inf();
+#pragma unroll
+  for (int w = 0; w < W; ++w) M = fmaxf(M, wm[w]);
+  float sw[W], L = 0.f;
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    sw[w] = wm[w] == neg_inf() ? 0.f : expf(wm[w] - M);
+    L += wl[w] * sw[w];
+  }
+  const float sink = sink_mode == 1 ? ld(sinks, h) : (sink_mode == 2 ? 0.f : neg_inf());
+
+  if constexpr (CL > 0) {
+    float* mine = stage;  // this block's partial: D sums relative to M, M, L
+    for (int d = tid; d < D; d += T) {
+      float o = 0.f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) o += o_sh[w * D + d] * sw[w];
+      mine[d] = o;
+    }
+    if (tid == 0) { mine[D] = M; mine[D + 1] = L; }
+    cluster_sync();
+    if (split == 0) {
+      float mr[CL], wr[CL], Mx = sink, Lt = 0.f;
+#pragma unroll
+      for (int r = 0; r < CL; ++r) {
+        mr[r] = ld_cluster(mine + D, r);
+        wr[r] = ld_cluster(mine + D + 1, r);  // the denominator for now
+        Mx = fmaxf(Mx, mr[r]);
+      }
+#pragma unroll
+      for (int r = 0; r < CL; ++r) {
+        const float w = mr[r] == neg_inf() ? 0.f : expf(mr[r] - Mx);
+        Lt += w * wr[r];
+        wr[r] = w;
+      }
+      if (sink_mode && Mx != neg_inf()) Lt += expf(sink - Mx);
+      for (int d = tid; d < D; d += T) {
+        float o = 0.f;
+#pragma unroll
+        for (int r = 0; r < CL; ++r) o += wr[r] * ld_cluster(mine + d, r);
+        st(out, orow * D + d, Lt > 0.f ? o / Lt : 0.f);
+      }
+    }
+    cluster_sync();  // every block's shared memory stays until block 0 has read it
+    return;
+  }
+
+  if (n_act == 1) {
+    float f = 1.f;
+    if (sink_mode) {
+      const float M2 = fmaxf(M, sink);
+      f = M == neg_inf() ? 0.f : expf(M - M2);
+      L = L * f + (M2 == neg_inf() ? 0.f : expf(sink - M2));
+    }
+    for (int d = tid; d < D; d += T) {
+      float o = 0.f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) o += o_sh[w * D + d] * sw[w];
+      st(out, orow * D + d, L > 0.f ? o * f / L : 0.f);
+    }
+    return;
+  }
+
+  float* P = part + orow * splits * ps;
+  for (int d = tid; d < D; d += T) {
     float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) o += o_sh[w * D + d] * sw[w];
+    P[split * ps + d] = o;
+  }
+  if (tid == 0) { P[split * ps + D] = M; P[split * ps + D + 1] = L; }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int last = atomicAdd(counters + orow, 1) == n_act - 1;
+    if (last) counters[orow] = 0;  // every split has counted: ready for the next launch
+    *flag = last;
+  }
+  __syncthreads();
+  if (!*flag) return;
+  __threadfence();
+  // The last split merges all n_act splits in a fixed order, and the head sink: the partials
+  // into shared memory first (16-byte loads, all in flight at once).
+  {
+    const float4* src = reinterpret_cast<const float4*>(P);
+    float4* dst = reinterpret_cast<float4*>(stage);
+    const int n4 = n_act * ps / 4;
 #pragma unroll 4
-    for (int s = 0; s < splits; ++s) o += w_sh[s] * P[s * (D + 2) + d];
-    st(out, row * D + d, L > 0.f ? o / L : 0.f);
+    for (int e = tid; e < n4; e += T) dst[e] = __ldcg(src + e);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const bool in0 = lane < n_act, in1 = lane + 32 < n_act;
+    const float m0 = in0 ? stage[lane * ps + D] : neg_inf();
+    const float m1 = in1 ? stage[(lane + 32) * ps + D] : neg_inf();
+    const float l0 = in0 ? stage[lane * ps + D + 1] : 0.f;
+    const float l1 = in1 ? stage[(lane + 32) * ps + D + 1] : 0.f;
+    const float Mx = warp_max(fmaxf(fmaxf(m0, m1), sink));
+    const float w0 = m0 != neg_inf() ? expf(m0 - Mx) : 0.f;
+    const float w1 = m1 != neg_inf() ? expf(m1 - Mx) : 0.f;
+    wsh[lane] = w0;
+    wsh[lane + 32] = w1;
+    const float Ls = warp_sum(w0 * l0 + w1 * l1);
+    if (lane == 0) wsh[64] = Ls + ((sink_mode && Mx != neg_inf()) ? expf(sink - Mx) : 0.f);
+  }
+  __syncthreads();
+  const float Lt = wsh[64];
+  for (int d = tid; d < D; d += T) {
+    float o = 0.f;
+    for (int s = 0; s < n_act; ++s) o += wsh[s] * stage[s * ps + d];
+    st(out, orow * D + d, Lt > 0.f ? o / Lt : 0.f);
   }
 }
+
+// grid (splits, H, B * S); block 32 * W threads, at least MB blocks per SM (registers).
+template <typename S, typename C, int NC, int W, int MB>
+__global__ void __launch_bounds__(32 * W, MB) gqa_attn(GQA_PARAMS) {
+  gqa_body<S, C, NC, W, 0>(GQA_ARGS);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// grid (8, H, B * S) in clusters of the 8 splits of one (row, head) (sm_90 and later).
+template <typename S, typename C, int NC, int W, int MB>
+__global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(32 * W, MB)
+    gqa_attn_cluster(GQA_PARAMS) {
+  gqa_body<S, C, NC, W, 8>(GQA_ARGS);
+}
+#endif
 
 // com.microsoft RotaryEmbedding. grid: rows (B*N*S); bnsh: x is (B, N, S, Dh), else (B, S, N*Dh).
 template <typename S, typename C>
@@ -413,12 +657,30 @@ def _gqa_check(node: NodeInfo, _types: object) -> str | None:
     return None
 
 
-def gqa_splits(rows: int, cap: int, sms: int) -> int:
-    """Splits of each query row's keys: enough blocks to fill the GPU, each >= 64 keys."""
+def gqa_splits(rows: int, cap: int, sms: int, most: int = MAX_SPLITS) -> int:
+    """Splits of each query row's keys: enough blocks to fill the GPU, each >= MIN_CHUNK
+    keys, at most ``most`` (whose partials fit the merging block's shared memory) and
+    MAX_SPLITS."""
     target = 16 * sms
     if rows >= target:
         return 1
-    return max(1, min(_MAX_SPLITS, -(-target // rows), -(-cap // _MIN_CHUNK)))
+    most = min(MAX_SPLITS, most)
+    return max(1, min(most, -(-target // rows), -(-cap // MIN_CHUNK)))
+
+
+def _up16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+_CC_MAJOR: dict[int, int] = {}
+
+
+def _cc_major() -> int:
+    """Compute capability major of the current device (9 for Hopper)."""
+    dev = cupy.cuda.runtime.getDevice()
+    if dev not in _CC_MAJOR:
+        _CC_MAJOR[dev] = int(cupy.cuda.Device(dev).compute_capability) // 10
+    return _CC_MAJOR[dev]
 
 
 @REGISTRY.register("GroupQueryAttention", since=1, domain=MS_DOMAIN, check=_gqa_check)
@@ -546,11 +808,61 @@ def group_query_attention(
     y = out(ctx, 0, (b, s, heads * d), dtype)
     if y.size == 0:
         return y, past_key, past_value
-    append = function(_SOURCE, f"gqa_append<{s_type}, {c_type}>")
-    append(
-        (b * s, kvh),
-        (min(256, max(32, -(-d // 32) * 32)),),
+    fuse = int(s <= FUSE_MAX_NEW)
+    if not fuse:
+        append = function(_SOURCE, f"gqa_append<{s_type}, {c_type}>")
+        append(
+            (b * s, kvh),
+            (min(256, max(32, -(-d // 32) * 32)),),
+            (
+                k_src,
+                np.int64(k_row),
+                v_src,
+                np.int64(v_row),
+                past_key,
+                past_value,
+                seqlens,
+                cos_c,
+                sin_c,
+                np.int32(max_pos),
+                np.int32(s),
+                np.int32(kvh),
+                np.int32(d),
+                np.int32(cap),
+                np.int32(rot),
+                np.int32(interleaved),
+                np.int32(rotary),
+            ),
+        )
+    rows = b * s * heads
+    warps = ATTN_WARPS
+    new_rows = 2 * (s if fuse else 0) * d * dtype.itemsize
+    shared = _up16(_up16(new_rows) + (d + warps * d + 2 * warps + 68) * 4)
+    ps = -(-(d + 2) // 4) * 4  # floats per partial: D sums, max, denominator, padding
+    part, counts = y, seqlens  # placeholders: no global merge
+    cluster = bool(fuse and CLUSTER and _cc_major() >= 9)
+    if cluster:
+        kernel, splits, min_chunk = "gqa_attn_cluster", 8, CLUSTER_MIN_CHUNK
+        shared += ps * 4
+    else:
+        kernel, min_chunk = "gqa_attn", MIN_CHUNK
+        stage = min(STAGE_BYTES, _SHARED_MAX - shared)
+        splits = gqa_splits(rows, cap, sm_count(), max(1, stage // (4 * ps)))
+        if splits > 1:
+            part = scratch(ctx, rows * splits * ps * 4).view(np.float32)
+            counts = zeroed_counters(ctx, rows)
+            shared += splits * ps * 4
+    vec = int(
+        _aligned(past_key, 16) and _aligned(past_value, 16) and (d * dtype.itemsize) % 16 == 0
+    )
+    name = f"{kernel}<{s_type}, {c_type}, {-(-d // 64)}, {warps}, {ATTN_MIN_BLOCKS}>"
+    attn = function(_SOURCE, name)
+    attn(
+        (splits, heads, b * s),
+        (32 * warps,),
         (
+            query,
+            np.int64(q_row),
             k_src,
             np.int64(k_row),
             v_src,
@@ -561,42 +873,10 @@ def group_query_attention(
             cos_c,
             sin_c,
             np.int32(max_pos),
-            np.int32(s),
-            np.int32(kvh),
-            np.int32(d),
-            np.int32(cap),
-            np.int32(rot),
-            np.int32(interleaved),
-            np.int32(rotary),
-        ),
-    )
-    rows = b * s * heads
-    splits = gqa_splits(rows, cap, sm_count())
-    direct = int(splits == 1 and sink_mode == 0)
-    part = y
-    if not direct:
-        part = scratch(ctx, rows * splits * (d + 2) * 4).view(np.float32)
-    vec = int(
-        _aligned(past_key, 16) and _aligned(past_value, 16) and (d * dtype.itemsize) % 16 == 0
-    )
-    pairs = d // 2
-    groups = _ATTN_THREADS // pairs
-    shared = (d + _ATTN_THREADS + 33 + groups * d) * 4
-    attn = function(_SOURCE, f"gqa_attn<{s_type}, {c_type}>")
-    attn(
-        (splits, heads, b * s),
-        (_ATTN_THREADS,),
-        (
-            query,
-            np.int64(q_row),
-            past_key,
-            past_value,
-            seqlens,
-            cos_c,
-            sin_c,
-            np.int32(max_pos),
+            sinks,
             y,
             part,
+            counts,
             np.int32(s),
             np.int32(heads),
             np.int32(kvh),
@@ -610,18 +890,13 @@ def group_query_attention(
             np.int32(window),
             np.int32(causal),
             np.int32(splits),
-            np.int32(direct),
+            np.int32(min_chunk),
+            np.int32(fuse),
+            np.int32(sink_mode),
             np.int32(vec),
         ),
         shared_mem=shared,
     )
-    if not direct:
-        combine = function(_SOURCE, f"gqa_combine<{s_type}>")
-        combine(
-            (rows,),
-            (min(256, max(32, -(-d // 32) * 32)),),
-            (part, sinks, y, np.int32(heads), np.int32(d), np.int32(splits), np.int32(sink_mode)),
-        )
     return y, past_key, past_value
 
 

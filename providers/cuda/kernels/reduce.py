@@ -1,7 +1,10 @@
 """CUDA kernels: ReduceSum.
 
 Reduced axes that form one contiguous run (the usual case: the last axes, or all of them)
-view the input as ``(outer, reduced, inner)``; one block sums each output, capturable.
+view the input as ``(outer, reduced, inner)``, capturable. One block sums each output when
+there are enough outputs to fill the GPU; few long ones (the engine's non-finite probe sums
+a whole logits tensor into a scalar) are split over many blocks in one launch, the last
+block adding the partial sums in a fixed order (deterministic).
 Floats accumulate in float32 (float64 for float64), integers in int64 and wrap to their
 own type on store. Other axis sets fall back to CuPy eagerly. Axes come from an attribute
 (opset < 13) or a host-known input (constants are host-shadowed).
@@ -10,6 +13,8 @@ own type on store. Other axis sets fall back to CuPy eagerly. Axes come from an 
 from __future__ import annotations
 
 import math
+import weakref
+from typing import Any
 
 import cupy
 import numpy as np
@@ -24,6 +29,8 @@ from ._common import (
     normalize_axis,
     out,
     refuse_in_capture,
+    scratch,
+    sm_count,
 )
 from ._registry import REGISTRY
 
@@ -53,24 +60,78 @@ template <typename A> DEVI A shfl_sum(A v) {
   return v;
 }
 
-// One block per output (o, i) of x viewed as (outer, red, inner).
-template <typename T, typename A>
-__global__ void reduce_sum_mid(const T* __restrict__ x, T* __restrict__ y, long long red,
-                               long long inner) {
-  __shared__ A sh[32];
-  const long long o = blockIdx.x / inner, i = blockIdx.x % inner;
-  const T* base = x + o * red * inner + i;
-  A s = (A)0;
-  for (long long r = threadIdx.x; r < red; r += blockDim.x) s += Acc<T, A>::load(base, r * inner);
-  s = shfl_sum(s);
+template <typename A> DEVI A block_sum_a(A v, A* sh) {  // every thread gets the sum
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  if (lane == 0) sh[warp] = s;
+  v = shfl_sum(v);
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    s = lane < warps ? sh[lane] : (A)0;
-    s = shfl_sum(s);
-    if (lane == 0) Acc<T, A>::store(y, blockIdx.x, s);
+    A w = lane < warps ? sh[lane] : (A)0;
+    w = shfl_sum(w);
+    if (lane == 0) sh[32] = w;
   }
+  __syncthreads();
+  return sh[32];
+}
+
+// Output (o, i) of x viewed as (outer, red, inner), split over `blocks` blocks of `chunk`
+// reduced elements: grid (outputs, blocks). VEC > 1 (inner == 1, 16-byte aligned rows):
+// 16-byte loads, four in flight per thread. With one block the sum is stored directly;
+// otherwise each block stores its partial sum, and the last block to finish (a counter per
+// output, set back to zero by that block) adds the partials in block order, so the result
+// does not depend on which block finishes last.
+template <typename T, typename A, int VEC>
+__global__ void reduce_sum_split(const T* __restrict__ x, T* __restrict__ y,
+                                 A* __restrict__ part, int* __restrict__ counters,
+                                 long long red, long long inner, long long chunk, int blocks) {
+  __shared__ A sh[33];
+  __shared__ int is_last;
+  const long long out = blockIdx.x;
+  const int blk = blockIdx.y;
+  const long long o = out / inner, i = out % inner;
+  const T* base = x + o * red * inner + i;
+  const long long r0 = (long long)blk * chunk, r1 = min(r0 + chunk, red);
+  A s = (A)0;
+  long long r = r0;
+  if (VEC > 1) {
+    union V { uint4 u; T e[VEC]; };
+    const long long stride = (long long)blockDim.x * VEC;
+    const long long vend = r0 + (r1 - r0) / VEC * VEC;
+    for (long long j = r0 + (long long)threadIdx.x * VEC; j < vend; j += 4 * stride) {
+      V w[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * stride < vend) w[u].u = *reinterpret_cast<const uint4*>(base + j + u * stride);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * stride < vend)
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) s += Acc<T, A>::load(w[u].e, k);
+    }
+    r = vend;
+  }
+  for (r += threadIdx.x; r < r1; r += blockDim.x) s += Acc<T, A>::load(base, r * inner);
+  s = block_sum_a(s, sh);
+  if (blocks == 1) {
+    if (threadIdx.x == 0) Acc<T, A>::store(y, out, s);
+    return;
+  }
+  A* P = part + out * blocks;
+  if (threadIdx.x == 0) {
+    P[blk] = s;
+    __threadfence();
+    const int last = atomicAdd(counters + out, 1) == blocks - 1;
+    if (last) counters[out] = 0;  // every block has counted: ready for the next launch
+    is_last = last;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  A t = (A)0;
+  for (int k = threadIdx.x; k < blocks; k += blockDim.x) t += __ldcg(P + k);
+  t = block_sum_a(t, sh);
+  if (threadIdx.x == 0) Acc<T, A>::store(y, out, t);
 }
 """
 )
@@ -78,9 +139,56 @@ __global__ void reduce_sum_mid(const T* __restrict__ x, T* __restrict__ y, long 
 
 def _threads(red: int) -> int:
     t = 32
-    while t < 1024 and t < red:
+    while t < 256 and t < red:
         t *= 2
     return t
+
+
+#: Zeroed int32 counter arrays per provider, newest first (older ones stay alive for the
+#: graphs captured with them).
+_COUNTERS: weakref.WeakKeyDictionary[Any, list[cupy.ndarray]] = weakref.WeakKeyDictionary()
+_COUNTERS_NO_PROVIDER: dict[int, list[cupy.ndarray]] = {}
+_COUNTERS_MIN = 4096
+
+
+def zeroed_counters(ctx: KernelContext, n: int) -> cupy.ndarray:
+    """At least ``n`` int32 counters that are zero whenever a kernel starts.
+
+    For last-block-done reductions: a kernel that counts on them sets each one it used back
+    to zero before it ends (the last block does), so no memset is needed per launch or per
+    replay. One array per provider, whose stream orders the kernels using it; it is zeroed
+    when allocated, only outside a capture (run the step eagerly first, as for scratch).
+    """
+    provider = ctx.provider
+    if provider is None:
+        held = _COUNTERS_NO_PROVIDER.setdefault(cupy.cuda.runtime.getDevice(), [])
+    else:
+        held = _COUNTERS.get(provider)
+        if held is None:
+            held = _COUNTERS[provider] = []
+    if not held or held[0].size < n:
+        refuse_in_capture(ctx, f"allocating {n} zeroed counters")
+        size = max(int(n), _COUNTERS_MIN, 2 * held[0].size if held else 0)
+        held.insert(0, cupy.zeros(size, np.int32))
+    return held[0]
+
+
+#: Elements one block of reduce_sum_split takes at least before the work is split.
+_MIN_BLOCK_ELEMS = 4096
+#: Blocks per SM a split ReduceSum aims at (all outputs together).
+WAVES = 2
+
+
+def _split(red: int, outputs: int, sms: int, step: int) -> tuple[int, int]:
+    """(chunk, blocks) of each output's ``red`` elements: about WAVES blocks per SM over the
+    GPU, each block at least ``_MIN_BLOCK_ELEMS`` elements; ``chunk`` a multiple of ``step``."""
+    want = max(1, (WAVES * sms) // max(outputs, 1))
+    if want == 1 or red <= _MIN_BLOCK_ELEMS:
+        return red, 1
+    chunk = max(-(-red // want), _MIN_BLOCK_ELEMS)
+    chunk = -(-chunk // step) * step
+    blocks = -(-red // chunk)
+    return (red, 1) if blocks == 1 else (chunk, blocks)
 
 
 def _axes(ctx: KernelContext, x, axes_in, input_from: int = 13) -> list[int] | None:
@@ -127,11 +235,29 @@ def reduce_sum(ctx: KernelContext, x, axes=None, _input_from: int = 13):
         if red == 0:
             y.fill(0)
             return y
-        fn = function(_SOURCE, f"reduce_sum_mid<{types[0]}, {types[1]}>")
+        xc = contiguous(ctx, x)
+        item = np.dtype(x.dtype).itemsize
+        vec = 16 // item if inner == 1 and (red * item) % 16 == 0 and xc.data.ptr % 16 == 0 else 1
+        outputs = int(y.size)
+        chunk, blocks = _split(red, outputs, sm_count(), vec)
+        part = counts = y  # placeholders: one block per output stores the sum itself
+        if blocks > 1:
+            part = scratch(ctx, outputs * blocks * 8)
+            counts = zeroed_counters(ctx, outputs)
+        fn = function(_SOURCE, f"reduce_sum_split<{types[0]}, {types[1]}, {vec}>")
         fn(
-            (int(y.size),),
-            (_threads(red),),
-            (contiguous(ctx, x), y, np.int64(red), np.int64(inner)),
+            (outputs, blocks),
+            (_threads(min(red, chunk)),),
+            (
+                xc,
+                y,
+                part,
+                counts,
+                np.int64(red),
+                np.int64(inner),
+                np.int64(chunk),
+                np.int32(blocks),
+            ),
         )
         return y
     refuse_in_capture(ctx, f"ReduceSum of {x.dtype} over axes {ax}")
