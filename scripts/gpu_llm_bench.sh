@@ -50,13 +50,13 @@ for prec in fp16 int4; do
     || echo "step cost $prec failed"
 done
 
-echo "== HF transformers on the same fp16 weights ($TOKENS tokens)"
-timeout "${HF_BENCH_TIMEOUT:-240}" "$PY" scripts/hf_bench.py --model "$WORK/hf-0.5b" --device cuda --dtype float16 \
-  --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 --json "$LOGDIR/hf_bench.json" \
-  2>"$LOGDIR/hf_bench.err" | tee "$LOGDIR/hf_bench.txt" \
-  || { echo "HF bench failed"; tail -n 30 "$LOGDIR/hf_bench.err"; }
-
 echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens)"
 "$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec draft --spec ngram --no-reference \
   --tokens 256 --prompt-tokens 16 --repeats 3 2>"$LOGDIR/bench-default.err" | tee "$LOGDIR/bench-default.txt" \
   || { echo "default-model bench failed"; tail -n 30 "$LOGDIR/bench-default.err"; }
+
+echo "== HF transformers on the same fp16 weights ($TOKENS tokens)"
+timeout "${HF_BENCH_TIMEOUT:-180}" "$PY" scripts/hf_bench.py --model "$WORK/hf-0.5b" --device cuda --dtype float16 \
+  --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 --json "$LOGDIR/hf_bench.json" \
+  2>"$LOGDIR/hf_bench.err" | tee "$LOGDIR/hf_bench.txt" \
+  || { echo "HF bench failed"; tail -n 30 "$LOGDIR/hf_bench.err"; }
