@@ -10,7 +10,7 @@ Stages (``--stages``, default all, in this order):
 * ``verify``    ORT / ORT-GenAI checks, greedy samples, MTP and draft acceptance
 
 Checkpoints go to ``--scratch`` (outside the repo); the package folder is ``--out``.
-Example: ``python scripts/train_default_model.py`` (about 33 minutes on one CPU thread).
+Example: ``python scripts/train_default_model.py`` (about 100 minutes on one CPU thread).
 """
 
 from __future__ import annotations
@@ -659,7 +659,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtp-inter", type=int, default=512)
     p.add_argument("--mtp-weight", type=float, default=0.3, help="weight of CE_mtp (depth 1)")
     p.add_argument("--mtp2-weight", type=float, default=0.15, help="weight of chained depth 2")
-    p.add_argument("--base-steps", type=int, default=850)
+    p.add_argument("--base-steps", type=int, default=2400)
     p.add_argument("--base-minutes", type=float, default=0.0, help=">0: size steps by timing")
     p.add_argument("--draft-hidden", type=int, default=128)
     p.add_argument("--draft-layers", type=int, default=2)
@@ -667,7 +667,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-kv-heads", type=int, default=2)
     p.add_argument("--draft-inter", type=int, default=384)
     p.add_argument("--draft-distill", type=float, default=0.5, help="KL-to-base weight (0: CE)")
-    p.add_argument("--draft-steps", type=int, default=450)
+    p.add_argument("--draft-steps", type=int, default=700)
     p.add_argument("--draft-minutes", type=float, default=0.0, help=">0: size steps by timing")
     p.add_argument("--precision", choices=("fp32", "int4"), default="fp32")
     p.add_argument("--log-every", type=int, default=25)

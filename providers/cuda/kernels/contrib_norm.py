@@ -74,6 +74,42 @@ __global__ void skip_norm_rows(const S* __restrict__ x, const S* __restrict__ sk
     if (want_inv) inv_out[row] = inv;
   }
 }
+
+// RMS variant for rows of at most 4 * blockDim.x: one read of x and skip, kept in registers
+// between the sum of squares and the scaling (same arithmetic, in the same order, as above).
+template <typename S, typename W>
+__global__ void skip_rms_rows_reg(const S* __restrict__ x, const S* __restrict__ skip,
+                                  const W* __restrict__ gamma, const W* __restrict__ bias,
+                                  S* __restrict__ y, S* __restrict__ sum_out,
+                                  float* __restrict__ mean_out, float* __restrict__ inv_out,
+                                  long long cols, long long skip_rows, float eps, int has_bias,
+                                  int want_sum, int want_mean, int want_inv) {
+  __shared__ float sh[33];
+  const long long row = blockIdx.x;
+  const long long base = row * cols, sbase = (row % skip_rows) * cols;
+  float h[4];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const long long j = threadIdx.x + (long long)i * blockDim.x;
+    h[i] = 0.f;
+    if (j < cols) {
+      h[i] = skip_sum(x, skip, bias, base, sbase, j, has_bias);
+      ss += h[i] * h[i];
+      if (want_sum) st(sum_out, base + j, h[i]);
+    }
+  }
+  const float inv = rsqrtf(block_sum(ss, sh) / (float)cols + eps);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const long long j = threadIdx.x + (long long)i * blockDim.x;
+    if (j < cols) st(y, base + j, (h[i] - 0.f) * inv * ld(gamma, j));
+  }
+  if (threadIdx.x == 0) {
+    if (want_mean) mean_out[row] = 0.f;
+    if (want_inv) inv_out[row] = inv;
+  }
+}
 """
 )
 
@@ -113,6 +149,15 @@ def _skip_norm(ctx: KernelContext, x, skip, gamma, beta, bias, rms: bool):
         g = contiguous(ctx, gamma)
         bt = contiguous(ctx, beta) if beta is not None else g
         bs = contiguous(ctx, bias) if bias is not None else g
+        threads = row_threads(cols)
+        if rms and beta is None and cols <= 4 * threads:
+            fn = function(_SOURCE, f"skip_rms_rows_reg<{s_x}, {s_w}>")
+            args = (contiguous(ctx, x), contiguous(ctx, skip), g, bs, y, total, mean, inv)
+            args += (np.int64(cols), np.int64(skip_rows))
+            args += (np.float32(float(ctx.attr("epsilon", 1e-12))), np.int32(bias is not None))
+            args += (np.int32(_wants(ctx, 3)), np.int32(_wants(ctx, 1)), np.int32(_wants(ctx, 2)))
+            fn((rows,), (threads,), args)
+            return y if n_out == 1 else (y, mean, inv, total)[:n_out]
         fn = function(_SOURCE, f"skip_norm_rows<{s_x}, {s_w}>")
         args = (contiguous(ctx, x), contiguous(ctx, skip), g, bt, bs, y, total, mean, inv)
         args += (
