@@ -122,7 +122,6 @@ def after_verify(
     So one verify replay, one chain replay and one read-back make a speculative step.
     """
     g = chain.graph
-    opset = next((o.version for o in chain.opset_import if o.domain in ("", "ai.onnx")), 18)
     by_name = {i.name: i for i in g.input}
     if hidden_input not in by_name or ids_input not in by_name:
         raise ValueError(f"the chain has no inputs {hidden_input!r} and {ids_input!r}")
@@ -138,6 +137,8 @@ def after_verify(
     inits: list[onnx.TensorProto] = []
     one, zero, kk, k1 = const("1", [1]), const("0", [0]), const("k", [k]), const("k1", [k + 1])
     axis1 = const("axis1", [1])
+    # accepted = index of the first draft that is padding or disagrees with the target's
+    # argmax: ArgMax (first maximum) over [rejected_0 .. rejected_k-1, 1].
     nodes = [
         helper.make_node("Slice", [VERIFY_IDS, one, k1, axis1], [p + "next_ids"]),
         helper.make_node("Slice", [VERIFY_ARGMAX, zero, kk, axis1], [p + "picks"]),
@@ -145,27 +146,12 @@ def after_verify(
         helper.make_node(
             "Less", [const("arange", np.arange(k)[None, :]), DRAFT_COUNT], [p + "real"]
         ),
-        helper.make_node("Cast", [p + "eq"], [p + "eq_i"], to=i64),
-        helper.make_node("Cast", [p + "real"], [p + "real_i"], to=i64),
-        helper.make_node("Mul", [p + "eq_i", p + "real_i"], [p + "ok"]),
+        helper.make_node("And", [p + "eq", p + "real"], [p + "ok"]),
+        helper.make_node("Not", [p + "ok"], [p + "rejected"]),
+        helper.make_node("Cast", [p + "rejected"], [p + "rejected_i"], to=i64),
+        helper.make_node("Concat", [p + "rejected_i", const("end", [[1]])], [p + "stops"], axis=1),
+        helper.make_node("ArgMax", [p + "stops"], [ACCEPTED], axis=1, keepdims=0),
     ]
-    prefix = []
-    for j in range(k):  # running product: 1 while every draft so far was accepted
-        col = p + f"ok{j}"
-        nodes.append(
-            helper.make_node(
-                "Slice", [p + "ok", const(f"s{j}", [j]), const(f"e{j}", [j + 1]), axis1], [col]
-            )
-        )
-        if j:
-            nodes.append(helper.make_node("Mul", [prefix[-1], col], [p + f"run{j}"]))
-            col = p + f"run{j}"
-        prefix.append(col)
-    nodes.append(helper.make_node("Concat", prefix, [p + "runs"], axis=1))
-    if opset >= 13:
-        nodes.append(helper.make_node("ReduceSum", [p + "runs", axis1], [ACCEPTED], keepdims=0))
-    else:
-        nodes.append(helper.make_node("ReduceSum", [p + "runs"], [ACCEPTED], axes=[1], keepdims=0))
     nodes.append(helper.make_node("Gather", [VERIFY_ARGMAX, ACCEPTED], [ids_input], axis=1))
     gathered = p + "hidden" if hidden_type != verify_hidden_type else hidden_input
     nodes.append(helper.make_node("Gather", [VERIFY_HIDDEN, ACCEPTED], [gathered], axis=1))

@@ -19,22 +19,32 @@ class _Owner:
 
 
 def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> dict[str, float]:
+    """Median ms of a decode step, a verify step and (with an MTP head) a verify step with
+    the MTP chain queued after it, each including its read-back."""
     from onnx_genrt.engine import Model
+    from onnx_genrt.engine.api import make_proposer
 
     model = Model(folder, provider)
     owner = _Owner()
     runner = model.acquire_runner(owner, context + k + 2)
     runner.forward(list(range(1, context + 1)), None)
-    times: dict[str, list[float]] = {"decode": [], "verify": []}
-    for name, slot, width in (
-        ("decode", DeviceGraphSlot.PRIMARY, 1),
-        ("verify", DeviceGraphSlot.VERIFY, k + 1),
-    ):
+    cases = [
+        ("decode", DeviceGraphSlot.PRIMARY, 1, None),
+        ("verify", DeviceGraphSlot.VERIFY, k + 1, None),
+    ]
+    if model.config.speculative.get("mtp"):
+        proposer = make_proposer(model, "mtp", context + k + 2)
+        hook = proposer.chain_hook(runner, k, k)
+        if hook is not None:
+            cases.append(("verify+mtp", DeviceGraphSlot.VERIFY, k + 1, hook))
+    times: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    for name, slot, width, hook in cases:
         tokens = list(range(7, 7 + width))
         for i in range(steps + 3):
             runner.rewind_to(context)
             start = time.perf_counter()
-            _ = runner.forward(tokens, slot, width).tokens  # read the ids back, as a step does
+            # read the ids back, as a step does
+            _ = runner.forward(tokens, slot, width, after=hook).tokens
             if i >= 3:
                 times[name].append(time.perf_counter() - start)
     stats = model.session.executor.all_stats()
@@ -47,17 +57,26 @@ def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
     p.add_argument("--provider", default="cuda")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--context", type=int, default=256, help="cached positions before each step")
     p.add_argument("--steps", type=int, default=50)
     a = p.parse_args()
+    if a.model is None:
+        from onnx_genrt.generate_cli import default_model_dir
+
+        a.model = default_model_dir()
     r = measure(a.model, a.provider, a.k, a.context, a.steps)
     print(
         f"{a.model.name}: decode (M=1) {r['decode']:.3f} ms, verify (M={a.k + 1}) {r['verify']:.3f} ms, "
         f"verify/decode {r['ratio']:.2f}x (replays primary {r['replays_primary']}, verify {r['replays_verify']})"
     )
+    if "verify+mtp" in r:
+        print(
+            f"{a.model.name}: verify + MTP chain of {a.k} {r['verify+mtp']:.3f} ms "
+            f"({r['verify+mtp'] / r['decode']:.2f}x decode)"
+        )
 
 
 if __name__ == "__main__":

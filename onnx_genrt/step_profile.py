@@ -76,8 +76,10 @@ def _timer(provider: Any):
     return start, stop, stream.synchronize
 
 
-def profile_nodes(runner: Any, width: int, repeats: int) -> list[NodeTime]:
-    """Each node of one eager step of ``width`` tokens, timed alone; median of ``repeats``."""
+def profile_nodes(runner: Any, width: int, repeats: int, then: Any = None) -> list[NodeTime]:
+    """Each node of one eager step of ``width`` tokens, timed alone; median of ``repeats``.
+
+    ``then()`` runs more eager work after the step (the MTP chain), timed the same way."""
     provider = runner.provider
     start, stop, sync = _timer(provider)
     times: dict[int, list[float]] = defaultdict(list)
@@ -101,6 +103,8 @@ def profile_nodes(runner: Any, width: int, repeats: int) -> list[NodeTime]:
             counter["i"] = 0
             runner.rewind_to(length)
             runner.forward(list(range(7, 7 + width)), None, width)
+            if then is not None:
+                then()
             sync()
     finally:
         provider.launch = original
@@ -109,21 +113,37 @@ def profile_nodes(runner: Any, width: int, repeats: int) -> list[NodeTime]:
 
 
 def profile_step(
-    folder: Path, provider: str, width: int, context: int, steps: int
+    folder: Path, provider: str, width: int, context: int, steps: int, mtp: bool = False
 ) -> dict[str, Any]:
+    """``mtp``: the step is a verify of ``width`` tokens with the model's MTP chain of
+    ``width - 1`` drafts queued after it (as speculative decoding runs it)."""
     from onnx_genrt.engine import Model
+    from onnx_genrt.engine.api import make_proposer
 
     model = Model(folder, provider)
     owner = _Owner()
     runner = model.acquire_runner(owner, context + width + 2)
     runner.forward(list(range(1, context + 1)), None)
     slot = DeviceGraphSlot.PRIMARY if width == 1 else DeviceGraphSlot.VERIFY
+    hook, then = None, None
+    if mtp:
+        if width < 2:
+            raise SystemExit("--mtp needs --width k+1 >= 2")
+        proposer = make_proposer(model, "mtp", context + width + 2)
+        hook = proposer.chain_hook(runner, width - 1, width - 1)
+        if hook is None:
+            raise SystemExit(f"{folder}: the model has no hidden-states output for MTP")
+        chain_session, chain_binding = proposer._after[(id(runner), width - 1)][:2]
+
+        def then() -> None:
+            chain_session.executor.run_bound_eager(chain_binding)
+
     tokens = list(range(7, 7 + width))
     step_times = []
     for i in range(steps + 3):
         runner.rewind_to(context)
         t0 = time.perf_counter()
-        _ = runner.forward(tokens, slot, width).tokens
+        _ = runner.forward(tokens, slot, width, after=hook).tokens
         if i >= 3:
             step_times.append((time.perf_counter() - t0) * 1e3)
     prov = runner.provider
@@ -136,7 +156,7 @@ def profile_step(
         prov.synchronize()
         replay_ms = (time.perf_counter() - t0) * 1e3 / steps
     runner.rewind_to(context)
-    nodes = profile_nodes(runner, width, repeats=5)
+    nodes = profile_nodes(runner, width, repeats=5, then=then)
     return {
         "step_ms": statistics.median(step_times),
         "replay_ms": replay_ms,
@@ -172,14 +192,20 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m onnx_genrt.step_profile",
         description="Profile one decode (or verify) step: whole step, graph replay, per op.",
     )
-    p.add_argument("--model", type=Path, required=True, help="model folder (genai_config.json)")
+    p.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
     p.add_argument("--provider", default="cuda")
     p.add_argument("--width", type=int, default=1, help="tokens per step (1 = decode)")
     p.add_argument("--context", type=int, default=256, help="cached positions before the step")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--mtp", action="store_true", help="verify step + the MTP chain after it")
     a = p.parse_args(argv)
-    print(report(profile_step(a.model, a.provider, a.width, a.context, a.steps), a.top))
+    if a.model is None:
+        from onnx_genrt.generate_cli import default_model_dir
+
+        a.model = default_model_dir()
+    result = profile_step(a.model, a.provider, a.width, a.context, a.steps, a.mtp)
+    print(report(result, a.top))
 
 
 if __name__ == "__main__":

@@ -194,3 +194,126 @@ def _merge_projections(gate, up, constants: dict, provider):
             names.append(name)
         return _with(gate.node, attrs={"N": n_gate + n_up}), tuple(names), merged
     return None
+
+
+def fuse_rms_norm(steps: list, constants: dict, keep: Iterable[str]) -> tuple[list, int]:
+    """RMS norms that exporters decompose become one SimplifiedLayerNormalization step.
+
+    Matches ``w * (x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), [-1]) + eps)))`` (Mul operands
+    in either order; ``Div(1, Sqrt(..))`` for the reciprocal), as torch's dynamo exporter
+    writes Llama/Qwen RMSNorm: seven launches become one. Every intermediate must have one
+    reader and not be a graph output; all steps run on one provider that has the op.
+    """
+    keep = set(keep)
+    readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
+    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    drop: set[int] = set()
+    replace: dict[int, object] = {}
+    for i, mul in enumerate(steps):
+        if _op(mul) != "Mul" or len(mul.inputs) != 2 or i in drop:
+            continue
+        for w_pos in (0, 1):
+            found = _match_rms(steps, producer, readers, keep, constants, mul, w_pos)
+            if found is not None and not drop.intersection(found[0]):
+                chain, step = found
+                drop.update(chain)
+                replace[i] = step
+                break
+    out = [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
+    return out, len(replace)
+
+
+def _op(step) -> str | None:
+    return step.node.op_type if step.node.domain == "" else None
+
+
+def _scalar(constants: dict, name: str) -> float | None:
+    value = constants.get(name)
+    if value is None or value.size != 1 or value.dtype.kind != "f":
+        return None
+    return float(value.reshape(-1)[0])
+
+
+def _match_rms(steps, producer, readers, keep, constants, mul, w_pos: int):
+    """(indices of the six inner steps, fused step) when ``mul`` is w * rms_normalize(x)."""
+    weight, normed = mul.inputs[w_pos], mul.inputs[1 - w_pos]
+    w = constants.get(weight)
+    if w is None or w.ndim != 1:
+        return None
+
+    def only(name: str, op: str):
+        """The step producing ``name`` when it is ``op`` and ``name`` has no other reader."""
+        index = producer.get(name)
+        if index is None or readers[name] != 1 or name in keep or _op(steps[index]) != op:
+            return None
+        return index
+
+    scale_i = only(normed, "Mul")
+    if scale_i is None:
+        return None
+    scale = steps[scale_i]
+    for x_pos in (0, 1):
+        x, inv = scale.inputs[x_pos], scale.inputs[1 - x_pos]
+        recip_i = only(inv, "Reciprocal")
+        if recip_i is not None:
+            root_name = steps[recip_i].inputs[0]
+        else:
+            recip_i = only(inv, "Div")
+            if recip_i is None or _scalar(constants, steps[recip_i].inputs[0]) != 1.0:
+                continue
+            root_name = steps[recip_i].inputs[1]
+        sqrt_i = only(root_name, "Sqrt")
+        if sqrt_i is None:
+            continue
+        add_i = only(steps[sqrt_i].inputs[0], "Add")
+        if add_i is None:
+            continue
+        add = steps[add_i]
+        eps, mean_i = None, None
+        for e_pos in (0, 1):
+            eps = _scalar(constants, add.inputs[e_pos])
+            if eps is not None:
+                mean_i = only(add.inputs[1 - e_pos], "ReduceMean")
+                break
+        if mean_i is None:
+            continue
+        mean = steps[mean_i]
+        if not _last_axis_mean(mean, constants):
+            continue
+        pow_i = only(mean.inputs[0], "Pow")
+        if pow_i is None:
+            continue
+        power = steps[pow_i]
+        if power.inputs[0] != x or _scalar(constants, power.inputs[1]) != 2.0:
+            continue
+        chain = (scale_i, recip_i, sqrt_i, add_i, mean_i, pow_i)
+        provider = mul.provider
+        if any(steps[j].provider is not provider for j in chain):
+            continue
+        kdef = provider.get_kernel("", "SimplifiedLayerNormalization", 1)
+        if kdef is None:
+            return None
+        node = NodeInfo(
+            "SimplifiedLayerNormalization",
+            f"{mul.node.name or mul.outputs[0]}/RMSNorm",
+            "",
+            1,
+            {"axis": -1, "epsilon": eps},
+            (x, weight),
+            tuple(mul.outputs),
+        )
+        return chain, type(mul)(node, kdef, provider, (x, weight), tuple(mul.outputs))
+    return None
+
+
+def _last_axis_mean(mean, constants: dict) -> bool:
+    """ReduceMean over the last axis only, keeping it (axes as input or attribute)."""
+    if int(mean.node.attrs.get("keepdims", 1)) != 1:
+        return False
+    if len(mean.inputs) > 1 and mean.inputs[1]:
+        axes = constants.get(mean.inputs[1])
+        axes = None if axes is None else [int(a) for a in axes.reshape(-1)]
+    else:
+        axes = mean.node.attrs.get("axes")
+        axes = None if axes is None else [int(a) for a in axes]
+    return axes == [-1]

@@ -16,7 +16,7 @@ from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpErr
 from onnx_genrt.core.kernels import KernelContext, KernelDef, NodeInfo, normalize_domain, opset_map
 from onnx_genrt.core.provider import ExecutionProvider
 
-from .fusion import fuse_gate_up, fuse_silu_mul
+from .fusion import fuse_gate_up, fuse_rms_norm, fuse_silu_mul
 
 #: Ops whose output changes from run to run; never folded.
 NONDETERMINISTIC = {
@@ -205,6 +205,8 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
         raise UnsupportedOpError(f"no provider can run these nodes:\n  {listed}{more}")
     keep = {o.name for o in outputs}
     steps, fused = fuse_silu_mul(steps, keep)
+    steps, norms = fuse_rms_norm(steps, constants, keep)
+    fused += norms
     steps, merged = fuse_gate_up(steps, constants, keep)
     fused += merged
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)

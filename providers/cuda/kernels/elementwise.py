@@ -119,6 +119,9 @@ REGISTRY.register("Mul", since=7)(_binary(cupy.multiply))
 REGISTRY.register("Equal", since=7)(_binary(cupy.equal, BOOL))
 REGISTRY.register("Less", since=7)(_binary(cupy.less, BOOL))
 REGISTRY.register("Greater", since=7)(_binary(cupy.greater, BOOL))
+REGISTRY.register("And", since=7)(_binary(cupy.logical_and, BOOL))
+REGISTRY.register("Or", since=7)(_binary(cupy.logical_or, BOOL))
+REGISTRY.register("Xor", since=7)(_binary(cupy.logical_xor, BOOL))
 
 
 @REGISTRY.register("Div", since=7)
