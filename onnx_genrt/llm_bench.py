@@ -144,7 +144,12 @@ def run_bench(args: argparse.Namespace) -> int:
     from onnx_genrt.engine.config import load_config
 
     cfg = load_config(folder)
-    prompt = rng.integers(1, cfg.vocab_size, args.prompt_tokens).tolist()
+    if args.prompt is not None:  # a real prompt: what a trained model's acceptance depends on
+        from onnx_genrt.engine.tokenizer import Tokenizer
+
+        prompt = list(Tokenizer(folder).encode(args.prompt))
+    else:
+        prompt = rng.integers(1, cfg.vocab_size, args.prompt_tokens).tolist()
     new = args.tokens
     rows: list[BenchRow] = []
     _progress(
@@ -277,6 +282,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", type=int, default=4, help="drafts per speculative step")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per run (eos ignored)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length")
+    p.add_argument("--prompt", default=None, help="prompt text instead of random ids")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
     p.add_argument("--compare-eager", action="store_true", help="also time with graphs off")
     p.add_argument(

@@ -36,7 +36,10 @@ for prec in fp16 int4; do
   if [ ! -f "$dst/genai_config.json" ]; then
     echo "== building $prec"
     "$PY" -m onnxruntime_genai.models.builder -i "$WORK/hf-0.5b" -o "$dst" -p "$prec" -e cuda \
-      -c "$WORK/cache" >"$LOGDIR/builder-$prec.log" 2>&1 || { echo "builder $prec failed"; tail -n 20 "$LOGDIR/builder-$prec.log"; continue; }
+      -c "$WORK/cache" --extra_options include_hidden_states=true >"$LOGDIR/builder-$prec.log" 2>&1 \
+      || { echo "builder $prec failed"; tail -n 20 "$LOGDIR/builder-$prec.log"; continue; }
+    # a random MTP head (timing only): verify + MTP chain cost on this shape
+    "$PY" scripts/random_mtp_head.py "$dst" --intermediate 4864 || echo "random MTP head failed"
   fi
   echo "== bench $prec ($TOKENS tokens, eager vs graphed)"
   "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --compare-eager --no-reference \
@@ -50,10 +53,15 @@ for prec in fp16 int4; do
     || echo "step cost $prec failed"
 done
 
-echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens)"
+echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens, a Python prompt)"
 "$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec draft --spec ngram --no-reference \
-  --tokens 256 --prompt-tokens 16 --repeats 3 2>"$LOGDIR/bench-default.err" | tee "$LOGDIR/bench-default.txt" \
+  --tokens 256 --prompt "    def __init__(self" --repeats 3 2>"$LOGDIR/bench-default.err" | tee "$LOGDIR/bench-default.txt" \
   || { echo "default-model bench failed"; tail -n 30 "$LOGDIR/bench-default.err"; }
+
+echo "== embedded model: verify + MTP chain step, per op (k=4)"
+"$PY" -m onnx_genrt.step_cost --provider cuda -k 4 | tee "$LOGDIR/step-default.txt" || echo "step cost failed"
+"$PY" -m onnx_genrt.step_profile --provider cuda --width 5 --mtp --top 8 | tee "$LOGDIR/profile-default.txt" \
+  || echo "step profile (mtp) failed"
 
 echo "== HF transformers on the same fp16 weights ($TOKENS tokens)"
 timeout "${HF_BENCH_TIMEOUT:-180}" "$PY" scripts/hf_bench.py --model "$WORK/hf-0.5b" --device cuda --dtype float16 \
