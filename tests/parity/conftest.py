@@ -8,6 +8,7 @@ artifacts are cached on disk by ``tests/llm_fixtures.py``; the HF reference resu
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,9 +139,24 @@ def genai_generate(folder: Path, prompt: list[int], new: int) -> list[int]:
     return [int(t) for t in gen.get_sequence(0)][len(prompt) :]
 
 
+#: Largest logit difference each parity test measured (printed at the end of the run).
+MEASURED: dict[str, float] = {}
+
+
 def max_diff(a: np.ndarray, b: np.ndarray) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
-    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+    diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("::")[-1]
+    MEASURED[test] = max(MEASURED.get(test, 0.0), diff)
+    return diff
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The measured maximum absolute logit differences, for closing notes and reviews."""
+    if MEASURED:
+        terminalreporter.section("parity: max |logit difference| per test")
+        for test, diff in sorted(MEASURED.items()):
+            terminalreporter.write_line(f"{diff:10.3e}  {test}")
 
 
 # ----------------------------------------------------------------------------- fixtures
