@@ -317,3 +317,56 @@ def _last_axis_mean(mean, constants: dict) -> bool:
         axes = mean.node.attrs.get("axes")
         axes = None if axes is None else [int(a) for a in axes]
     return axes == [-1]
+
+
+def fuse_skip_rms_norm(
+    steps: list, keep: Iterable[str], shapes: dict[str, tuple | None]
+) -> tuple[list, int]:
+    """``SimplifiedLayerNormalization(Add(a, b))`` becomes one com.microsoft
+    SkipSimplifiedLayerNormalization step (residual add and norm in one launch).
+
+    ``shapes`` gives each value's static shape where known; ``a`` and ``b`` must have the
+    same known shape. When the sum has other readers it stays available as the fused step's
+    fourth output (``input_skip_bias_sum``), as onnxruntime-genai's builder writes it.
+    """
+    readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
+    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    drop: set[int] = set()
+    replace: dict[int, object] = {}
+    for i, norm in enumerate(steps):
+        if _op(norm) != "SimplifiedLayerNormalization" or len(norm.inputs) != 2:
+            continue
+        if int(norm.node.attrs.get("axis", -1)) != -1 or any(norm.outputs[1:]):
+            continue
+        j = producer.get(norm.inputs[0])
+        if (
+            j is None
+            or j in drop
+            or _op(steps[j]) != "Add"
+            or norm.provider is not steps[j].provider
+        ):
+            continue
+        add = steps[j]
+        a, b = add.inputs
+        shape_a, shape_b = shapes.get(a), shapes.get(b)
+        if not shape_a or shape_a != shape_b or not all(isinstance(d, int) for d in shape_a):
+            continue
+        kdef = norm.provider.get_kernel("com.microsoft", "SkipSimplifiedLayerNormalization", 1)
+        if kdef is None:
+            continue
+        total = add.outputs[0]
+        keeps_sum = readers[total] > 1 or total in keep
+        outputs = (norm.outputs[0], "", "", total) if keeps_sum else (norm.outputs[0],)
+        node = NodeInfo(
+            "SkipSimplifiedLayerNormalization",
+            f"{norm.node.name or norm.outputs[0]}/SkipRMSNorm",
+            "com.microsoft",
+            1,
+            {"epsilon": float(norm.node.attrs.get("epsilon", 1e-5))},
+            (a, b, norm.inputs[1]),
+            outputs,
+        )
+        drop.add(j)
+        replace[i] = type(norm)(node, kdef, norm.provider, (a, b, norm.inputs[1]), outputs)
+    out = [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
+    return out, len(replace)

@@ -16,7 +16,7 @@ from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpErr
 from onnx_genrt.core.kernels import KernelContext, KernelDef, NodeInfo, normalize_domain, opset_map
 from onnx_genrt.core.provider import ExecutionProvider
 
-from .fusion import fuse_gate_up, fuse_rms_norm, fuse_silu_mul
+from .fusion import fuse_gate_up, fuse_rms_norm, fuse_silu_mul, fuse_skip_rms_norm
 
 #: Ops whose output changes from run to run; never folded.
 NONDETERMINISTIC = {
@@ -207,10 +207,14 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
     steps, fused = fuse_silu_mul(steps, keep)
     steps, norms = fuse_rms_norm(steps, constants, keep)
     fused += norms
+    value_types = _infer_value_types(model)
+    shapes = {name: spec.shape for name, spec in value_types.items()}
+    steps, skips = fuse_skip_rms_norm(steps, keep, shapes)
+    fused += skips
     steps, merged = fuse_gate_up(steps, constants, keep)
     fused += merged
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)
-    plan.value_types = _infer_value_types(model)
+    plan.value_types = value_types
     return plan
 
 

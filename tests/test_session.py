@@ -299,3 +299,30 @@ def test_decomposed_rms_norm_fuses_into_one_step(variant):
     axis = 0 if variant == "first_axis" else -1
     want = w * x64 / np.sqrt(np.mean(x64**2, axis=axis, keepdims=True) + 1e-6)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sum_is_read", [False, True])
+def test_residual_add_and_rms_norm_fuse_into_skip_norm(sum_is_read):
+    rng = np.random.default_rng(13)
+    w = rng.standard_normal(16).astype(np.float32)
+    nodes = [
+        helper.make_node("Add", ["a", "b"], ["r"]),
+        helper.make_node("SimplifiedLayerNormalization", ["r", "w"], ["y"], axis=-1, epsilon=1e-5),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 16])]
+    if sum_is_read:  # the residual stream goes on: the fused step keeps the sum as output 3
+        nodes.append(helper.make_node("Mul", ["r", "r"], ["z"]))
+        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 3, 16]))
+    value = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3, 16]) for n in "ab"]
+    graph = helper.make_graph(nodes, "skip", value, outputs, [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    sess = InferenceSession(model)
+    ops = [s.node.op_type for s in sess.plan.steps]
+    assert ops[0] == "SkipSimplifiedLayerNormalization" and "Add" not in ops
+    a, b = (rng.standard_normal((2, 3, 16)).astype(np.float32) for _ in range(2))
+    got = sess.run(None, {"a": a, "b": b})
+    r = a.astype(np.float64) + b
+    want = w * r / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+    if sum_is_read:
+        np.testing.assert_allclose(got[1], r * r, rtol=1e-5, atol=1e-5)
