@@ -83,7 +83,18 @@ def unroll_mtp_head(
         confs.append(conf)
         hidden, ids = prefix + hidden_output, token
     nodes.append(helper.make_node("Concat", drafts, [DRAFTS], axis=1, name="mtp_chain/drafts"))
-    nodes.append(helper.make_node("Concat", confs, [CONFIDENCES], axis=1, name="mtp_chain/conf"))
+    logits_type = next(
+        (o.type.tensor_type.elem_type for o in g.output if o.name == logits_output),
+        TensorProto.FLOAT,
+    )
+    if logits_type == TensorProto.FLOAT:
+        nodes.append(
+            helper.make_node("Concat", confs, [CONFIDENCES], axis=1, name="mtp_chain/conf")
+        )
+    else:  # fp16 / bf16 logits: the chain still returns float32 confidences
+        cat = "mtp_chain/conf_cat"
+        nodes.append(helper.make_node("Concat", confs, [cat], axis=1, name="mtp_chain/conf"))
+        nodes.append(helper.make_node("Cast", [cat], [CONFIDENCES], to=TensorProto.FLOAT))
     inputs = [i for i in g.input if i.name in graph_inputs]
     outputs = [
         helper.make_tensor_value_info(DRAFTS, TensorProto.INT64, [1, k]),

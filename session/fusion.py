@@ -308,15 +308,16 @@ def _match_rms(steps, producer, readers, keep, constants, mul, w_pos: int):
 
 def _last_axis_mean(mean, constants: dict) -> bool:
     """ReduceMean over the last axis only, keeping it (axes as input or attribute)."""
-    if int(mean.node.attrs.get("keepdims", 1)) != 1:
-        return False
-    if len(mean.inputs) > 1 and mean.inputs[1]:
-        axes = constants.get(mean.inputs[1])
-        axes = None if axes is None else [int(a) for a in axes.reshape(-1)]
-    else:
-        axes = mean.node.attrs.get("axes")
-        axes = None if axes is None else [int(a) for a in axes]
-    return axes == [-1]
+    return int(mean.node.attrs.get("keepdims", 1)) == 1 and _axes(mean, constants) == [-1]
+
+
+def _axes(step, constants: dict) -> list[int] | None:
+    """A reduction's constant axes, from its second input (opset 18) or its attribute."""
+    if len(step.inputs) > 1 and step.inputs[1]:
+        axes = constants.get(step.inputs[1])
+        return None if axes is None else [int(a) for a in axes.reshape(-1)]
+    axes = step.node.attrs.get("axes")
+    return None if axes is None else [int(a) for a in axes]
 
 
 def fuse_skip_rms_norm(
@@ -370,3 +371,69 @@ def fuse_skip_rms_norm(
         replace[i] = type(norm)(node, kdef, norm.provider, (a, b, norm.inputs[1]), outputs)
     out = [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
     return out, len(replace)
+
+
+def fuse_argmax_prob(steps: list, constants: dict, keep: Iterable[str]) -> tuple[list, int]:
+    """``ArgMax(l)`` next to ``ReduceMax(Softmax(l))`` over the last axis (keepdims=0)
+    becomes one ``onnx_genrt::ArgMaxProb`` step: a draft and its probability in one pass,
+    without writing the softmax. The fused step takes the place of the first of the three,
+    where ``l`` is ready and neither output has been read yet."""
+    keep = set(keep)
+    readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
+    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    argmax_of: dict[str, int] = {}
+    for i, s in enumerate(steps):
+        if (
+            _op(s) == "ArgMax"
+            and _last_axis_no_keep(s)
+            and not s.node.attrs.get("select_last_index")
+        ):
+            argmax_of.setdefault(s.inputs[0], i)
+    drop: set[int] = set()
+    replace: dict[int, object] = {}
+    for r, reduce in enumerate(steps):
+        if _op(reduce) != "ReduceMax" or not _last_axis_no_keep(reduce, constants):
+            continue
+        si = producer.get(reduce.inputs[0])
+        if si is None or _op(steps[si]) != "Softmax":
+            continue
+        softmax = steps[si]
+        probs = softmax.outputs[0]
+        if readers[probs] != 1 or probs in keep or int(softmax.node.attrs.get("axis", -1)) != -1:
+            continue
+        if softmax.node.opset < 13:
+            continue
+        logits = softmax.inputs[0]
+        ai = argmax_of.get(logits)
+        if ai is None or {ai, si, r} & (drop | set(replace)):
+            continue
+        provider = reduce.provider
+        if steps[ai].provider is not provider or softmax.provider is not provider:
+            continue
+        kdef = provider.get_kernel(GENRT_DOMAIN, "ArgMaxProb", 1)
+        if kdef is None:
+            continue
+        outputs = (steps[ai].outputs[0], reduce.outputs[0])
+        node = NodeInfo(
+            "ArgMaxProb",
+            f"{reduce.node.name or outputs[1]}/ArgMaxProb",
+            GENRT_DOMAIN,
+            1,
+            {},
+            (logits,),
+            outputs,
+        )
+        first, *rest = sorted((ai, si, r))
+        replace[first] = type(reduce)(node, kdef, provider, (logits,), outputs)
+        drop.update(rest)
+    out = [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
+    return out, len(replace)
+
+
+def _last_axis_no_keep(step, constants: dict | None = None) -> bool:
+    """ArgMax over axis -1, or ReduceMax over axes [-1], with keepdims=0."""
+    if int(step.node.attrs.get("keepdims", 1)) != 0:
+        return False
+    if step.node.op_type == "ArgMax":
+        return int(step.node.attrs.get("axis", 0)) == -1
+    return _axes(step, constants or {}) == [-1]

@@ -16,7 +16,13 @@ from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpErr
 from onnx_genrt.core.kernels import KernelContext, KernelDef, NodeInfo, normalize_domain, opset_map
 from onnx_genrt.core.provider import ExecutionProvider
 
-from .fusion import fuse_gate_up, fuse_rms_norm, fuse_silu_mul, fuse_skip_rms_norm
+from .fusion import (
+    fuse_argmax_prob,
+    fuse_gate_up,
+    fuse_rms_norm,
+    fuse_silu_mul,
+    fuse_skip_rms_norm,
+)
 
 #: Ops whose output changes from run to run; never folded.
 NONDETERMINISTIC = {
@@ -211,6 +217,8 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
     shapes = {name: spec.shape for name, spec in value_types.items()}
     steps, skips = fuse_skip_rms_norm(steps, keep, shapes)
     fused += skips
+    steps, picks = fuse_argmax_prob(steps, constants, keep)
+    fused += picks
     steps, merged = fuse_gate_up(steps, constants, keep)
     fused += merged
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)

@@ -57,3 +57,59 @@ def chain_reference(length: int, x: np.ndarray) -> np.ndarray:
     for i in range(length):
         y = (y + 1.0001, y * 1.0001, y - 1.0001)[i % 3]
     return y
+
+
+def decomposed_head(hidden: int = 24, vocab: int = 300, dtype=np.float32, seed: int = 0):
+    """An exporter-style MTP-like tail: residual Add, decomposed RMSNorm, lm_head, then the
+    draft pick ``ArgMax`` and its probability ``ReduceMax(Softmax)`` (all standard ops).
+    Inputs a, b [1, 2, hidden]; outputs draft [1, 2] and confidence [1, 2]."""
+    rng = np.random.default_rng(seed)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+    def const(name, value):
+        return numpy_helper.from_array(np.asarray(value, dtype), name)
+
+    inits = [
+        const("w", rng.uniform(0.5, 1.5, hidden)),
+        const("lm", rng.standard_normal((hidden, vocab)) * 2 / np.sqrt(hidden)),
+        const("two", 2.0),
+        const("eps", 1e-6),
+        numpy_helper.from_array(np.array([-1], np.int64), "last"),
+    ]
+    nodes = [
+        helper.make_node("Add", ["a", "b"], ["r"]),
+        helper.make_node("Pow", ["r", "two"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "last"], ["mean"]),
+        helper.make_node("Add", ["mean", "eps"], ["var"]),
+        helper.make_node("Sqrt", ["var"], ["root"]),
+        helper.make_node("Reciprocal", ["root"], ["inv"]),
+        helper.make_node("Mul", ["r", "inv"], ["normed"]),
+        helper.make_node("Mul", ["normed", "w"], ["h"]),
+        helper.make_node("MatMul", ["h", "lm"], ["logits"]),
+        helper.make_node("ArgMax", ["logits"], ["draft"], axis=-1, keepdims=0),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+        helper.make_node("ReduceMax", ["probs", "last"], ["confidence"], keepdims=0),
+    ]
+    shape = [1, 2, hidden]
+    graph = helper.make_graph(
+        nodes,
+        "decomposed_head",
+        [helper.make_tensor_value_info(n, elem, shape) for n in "ab"],
+        [
+            helper.make_tensor_value_info("draft", TensorProto.INT64, [1, 2]),
+            helper.make_tensor_value_info("confidence", elem, [1, 2]),
+        ],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def decomposed_head_reference(model: onnx.ModelProto, a: np.ndarray, b: np.ndarray):
+    """(logits, draft, confidence) in float64."""
+    w = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
+    r = a.astype(np.float64) + b.astype(np.float64)
+    h = w["w"] * r / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + 1e-6)
+    logits = h @ w["lm"]
+    top = logits.max(axis=-1, keepdims=True)
+    conf = 1.0 / np.exp(logits - top).sum(axis=-1)
+    return logits, logits.argmax(axis=-1), conf

@@ -326,3 +326,20 @@ def test_residual_add_and_rms_norm_fuse_into_skip_norm(sum_is_read):
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
     if sum_is_read:
         np.testing.assert_allclose(got[1], r * r, rtol=1e-5, atol=1e-5)
+
+
+def test_exporter_style_head_fuses_to_three_steps_and_matches_float64():
+    from tests.models import decomposed_head, decomposed_head_reference
+
+    model = decomposed_head()
+    sess = InferenceSession(model)
+    ops = [s.node.op_type for s in sess.plan.steps]
+    assert ops == ["SkipSimplifiedLayerNormalization", "MatMul", "ArgMaxProb"], ops
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal((1, 2, 24)).astype(np.float32) for _ in range(2))
+    draft, conf = sess.run(None, {"a": a, "b": b})
+    logits, want_draft, want_conf = decomposed_head_reference(model, a, b)
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    assert np.all(top2[..., 1] - top2[..., 0] > 1e-4), "fixture has a near tie"
+    np.testing.assert_array_equal(draft, want_draft)
+    np.testing.assert_allclose(conf, want_conf, rtol=1e-5, atol=1e-6)

@@ -930,3 +930,46 @@ def test_eager_vs_replay_host_time_per_step(cp, rng):
     result = dispatch_bench.measure("cuda", nodes=100, repeats=20)
     print(dispatch_bench.format_table([result]))
     assert result.replay_us_per_node > 0
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_exporter_style_head_fuses_and_replays(cp, rng, dtype):
+    """Residual Add + decomposed RMSNorm -> SkipSimplifiedLayerNormalization, and ArgMax +
+    ReduceMax(Softmax) -> ArgMaxProb, on CUDA: eager and replayed against float64."""
+    from onnx_genrt.session import InferenceSession
+    from tests.models import decomposed_head, decomposed_head_reference
+
+    model = decomposed_head(dtype=dtype, seed=4)
+    sess = InferenceSession(model, providers=["cuda"])
+    ops = [s.node.op_type for s in sess.plan.steps]
+    assert ops == ["SkipSimplifiedLayerNormalization", "MatMul", "ArgMaxProb"], ops
+    prov = sess.main_provider
+    binding = sess.io_binding()
+    with prov.stream:
+        a_dev = binding.bind_input("a", cp.zeros((1, 2, 24), dtype))
+        b_dev = binding.bind_input("b", cp.zeros((1, 2, 24), dtype))
+    draft = binding.bind_output("draft", shape=(1, 2), dtype=np.int64)
+    conf = binding.bind_output("confidence", shape=(1, 2), dtype=dtype)
+    rtol = 2e-2 if dtype == np.float16 else 1e-4
+    checked = 0
+    for step in range(5):
+        a, b = (rng.standard_normal((1, 2, 24)).astype(dtype) for _ in range(2))
+        logits, want_draft, want_conf = decomposed_head_reference(model, a, b)
+        if step == 0:
+            got_draft, got_conf = sess.run(None, {"a": a, "b": b})
+        else:
+            with prov.stream:
+                cp.copyto(draft, cp.full((1, 2), -7, np.int64))  # poisoned before each run
+                cp.copyto(conf, cp.full((1, 2), np.nan, dtype))
+            a_dev.set(a, stream=prov.stream)
+            b_dev.set(b, stream=prov.stream)
+            sess.run_with_iobinding(binding, PRIMARY)
+            got_draft, got_conf = prov.to_numpy(draft).copy(), prov.to_numpy(conf).copy()
+        np.testing.assert_allclose(got_conf.astype(np.float64), want_conf, rtol=rtol, atol=1e-4)
+        top2 = np.sort(logits, axis=-1)[..., -2:]
+        if np.all(top2[..., 1] - top2[..., 0] > 0.05):  # a clear winner: same pick
+            np.testing.assert_array_equal(got_draft, want_draft)
+            checked += 1
+    assert checked >= 2
+    stats = sess.graph_stats(PRIMARY)
+    assert stats.replays > 0 and stats.fallbacks == 0, (stats, dict(stats.fallback_reasons))

@@ -48,3 +48,23 @@ def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> 
     s *= gw
     np.multiply(s, u, out=y, casting="unsafe")
     return y
+
+
+@REGISTRY.register("ArgMaxProb", since=1, domain="onnx_genrt")
+def argmax_prob(ctx: KernelContext, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ArgMax, max of Softmax) over the last axis, keepdims=0: first index of the largest
+    value and its probability ``1 / sum(exp(x - max))``, as the ArgMax, Softmax and ReduceMax
+    it replaces compute them."""
+    if x.ndim == 0 or x.dtype.kind != "f":
+        raise TypeError(f"{ctx.node.describe()}: needs a float tensor of rank >= 1, got {x.dtype}")
+    idx = ctx.out(0, x.shape[:-1], np.int64)
+    prob = ctx.out(1, x.shape[:-1], x.dtype)
+    if x.shape[-1] == 0:
+        raise ValueError(f"{ctx.node.describe()}: empty last axis")
+    cdt = compute_dtype(x.dtype)
+    xs = x.astype(cdt, copy=False)
+    idx[...] = np.argmax(xs, axis=-1)
+    top = np.max(xs, axis=-1, keepdims=True)
+    total = np.exp(xs - top).sum(axis=-1)
+    np.divide(1.0, total, out=prob, casting="unsafe")
+    return idx, prob

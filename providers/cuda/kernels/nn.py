@@ -81,6 +81,31 @@ DEVI float vec_elem(const uint4& w, int k, const half_t*) {
   return h2f((half_t)((k & 1) ? (u >> 16) : (u & 0xffffu)));
 }
 
+// ArgMaxProb: per row, the first index of the largest value and its softmax probability
+// 1 / sum(exp(x - max)); one block per row, two passes over the row (NaN as the largest).
+template <typename S>
+__global__ void argmax_prob_rows(const S* __restrict__ x, long long* __restrict__ idx,
+                                 S* __restrict__ prob, long long cols) {
+  __shared__ unsigned long long shk[32];
+  __shared__ float sh[33];
+  __shared__ float row_max;
+  const S* xr = x + (long long)blockIdx.x * cols;
+  unsigned long long best = 0ull;
+  for (long long c = threadIdx.x; c < cols; c += blockDim.x) best = kmax(best, arg_key(ld(xr, c), c, 0));
+  best = block_kmax(best, shk);
+  if (threadIdx.x == 0) {
+    const long long i = arg_index(best, 0);
+    idx[blockIdx.x] = i;
+    row_max = ld(xr, i);
+  }
+  __syncthreads();
+  const float m = row_max;
+  float s = 0.f;
+  for (long long c = threadIdx.x; c < cols; c += blockDim.x) s += expf(ld(xr, c) - m);
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) st(prob, blockIdx.x, 1.f / s);
+}
+
 // ArgMax of each row of x (rows, cols < 2^32 - 1), a row split over `blocks` blocks of `chunk`
 // columns: grid (rows, blocks). VEC > 1 (16-byte aligned rows): 16-byte loads, four in flight
 // per thread. With one block the index is stored directly; otherwise each block stores its
@@ -234,6 +259,21 @@ def argmax(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
         (xc, y, part, counts, np.int64(cols), np.int64(chunk), np.int32(blocks), np.int32(last)),
     )
     return y
+
+
+@REGISTRY.register("ArgMaxProb", since=1, domain="onnx_genrt")
+def argmax_prob(ctx: KernelContext, x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """(ArgMax, max of Softmax) over the last axis, keepdims=0: a draft and its probability
+    in one launch (see ``session.fusion.fuse_argmax_prob``)."""
+    if x.ndim == 0 or x.dtype.kind != "f":
+        raise TypeError(f"{ctx.node.describe()}: needs a float tensor of rank >= 1, got {x.dtype}")
+    rows, cols = rows_cols(x.shape, x.ndim - 1)
+    idx = out(ctx, 0, x.shape[:-1], np.int64)
+    prob = out(ctx, 1, x.shape[:-1], x.dtype)
+    if rows and cols:
+        fn = function(_SOURCE, f"argmax_prob_rows<{storage(ctx, x.dtype)}>")
+        fn((rows,), (row_threads(cols),), (contiguous(ctx, x), idx, prob, np.int64(cols)))
+    return idx, prob
 
 
 #: Columns one block of argmax_split takes at least before a row is split.
