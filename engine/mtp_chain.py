@@ -168,6 +168,8 @@ def after_verify(
     nodes.append(helper.make_node("Gather", [VERIFY_HIDDEN, ACCEPTED], [gathered], axis=1))
     if gathered != hidden_input:
         nodes.append(helper.make_node("Cast", [gathered], [hidden_input], to=hidden_type))
+    for i, node in enumerate(nodes):  # errors and profiles name the node
+        node.name = f"{p}{i}_{node.op_type}"
     width = k + 1
     dim = hidden_size.dim_value if hidden_size.HasField("dim_value") else "hidden"
     inputs = [

@@ -280,6 +280,21 @@ def test_compare(cp, prov, rng, op, fn, dtype):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize(
+    "op,fn",
+    [("And", np.logical_and), ("Or", np.logical_or), ("Xor", np.logical_xor), ("Not", None)],
+)
+def test_boolean_ops(cp, prov, rng, op, fn):
+    """Boolean logic into True-poisoned outputs (the speculative acceptance uses these)."""
+    a = rng.random((4, 33)) > 0.5
+    b = rng.random((33,)) > 0.5
+    inputs, want = ([a], np.logical_not(a)) if fn is None else ([a, b], fn(a, b))
+    assert not want.all()  # a poisoned (all True) output would not pass
+    (got,) = run_op(cp, prov, op, inputs, [want])
+    assert got.dtype == np.bool_
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", FLOATS + [np.int64])
 def test_where(cp, prov, rng, dtype):
     cond = rng.random((3, 1, 9)) > 0.5

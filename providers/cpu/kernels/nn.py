@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -18,8 +19,13 @@ from ._nn_common import (
     softmax_rows,
 )
 from ._registry import REGISTRY
+from ._skinny_matmul import SKINNY_MAX_M, SkinnyWeight, pack_weight, skinny_matmul
 
 _F64 = np.dtype(np.float64)
+_F32 = np.dtype(np.float32)
+#: Constant float32 MatMul/Gemm weights are prepacked for ``skinny_matmul`` (decode and
+#: verify steps); ``ONNX_GENRT_SKINNY_MATMUL=0`` keeps them as they are (numpy/BLAS only).
+SKINNY_ENABLED = os.environ.get("ONNX_GENRT_SKINNY_MATMUL", "1") != "0"
 
 
 # ----------------------------------------------------------------------------- MatMul / Gemm
@@ -41,8 +47,12 @@ def _matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 def _bind_matmul(ctx, inputs, out: np.ndarray):
-    """Replay closure for the float32 path: one BLAS call on prebuilt views."""
+    """Replay closure for the float32 path: one BLAS or skinny-kernel call on prebuilt views."""
     a, b = inputs
+    if isinstance(b, SkinnyWeight):
+        if a.dtype == out.dtype == _F32 and out.shape == _packed_shape(ctx, a, b):
+            return _packed_call(a, b, out)
+        return functools.partial(_replay_kernel, matmul_kernel, ctx, a, b, out)
     if not (a.dtype == b.dtype == out.dtype == np.float32):
         return functools.partial(_replay_kernel, matmul_kernel, ctx, a, b, out)
     if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous:
@@ -82,24 +92,126 @@ def _is_ml_float(dt: np.dtype) -> bool:
     return dt.kind == "V" or type(dt).__module__.startswith("ml_dtypes")
 
 
-@REGISTRY.register("MatMul", since=1)
-def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """ONNX MatMul (numpy matmul semantics, batched broadcasting, 1-D operands)."""
+def prepack_weight(provider, node, index: int, host: np.ndarray) -> SkinnyWeight | None:
+    """A constant 2-D float32 weight (input B) transposed for ``skinny_matmul``; for Gemm,
+    a B that ``transB`` already stores as [N, K] is kept as it is (no copy)."""
+    host = np.asarray(host)
+    if not SKINNY_ENABLED or index != 1 or host.ndim != 2 or host.dtype != _F32:
+        return None
+    if 0 in host.shape:
+        return None
+    transposed = node.op_type == "Gemm" and bool(node.attr("transB", 0))
+    return pack_weight(host, transposed=transposed)
+
+
+def _packed_shape(ctx, a: np.ndarray, w: SkinnyWeight) -> tuple[int, ...]:
+    if a.dtype != w.dtype:
+        raise TypeError(
+            f"{ctx.node.describe()}: MatMul operand dtypes differ: {a.dtype}, {w.dtype}"
+        )
+    return matmul_shape(ctx, a.shape, w.shape)
+
+
+def _packed_call(a: np.ndarray, w: SkinnyWeight, out: np.ndarray, bias=None):
+    """A call computing ``out = a @ W (+ bias)`` for a prepacked W: the skinny kernel for at
+    most ``SKINNY_MAX_M`` contiguous rows, else BLAS on the transposed view ``w.t.T``."""
+    k, n = w.shape
+    m = a.size // k if k else 0
+    if (
+        0 < m <= SKINNY_MAX_M
+        and n
+        and a.flags.c_contiguous
+        and out.flags.c_contiguous
+        and out.dtype == _F32
+    ):
+        return functools.partial(skinny_matmul, a.reshape(m, k), w, out.reshape(m, n), bias)
+    if a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous and a.dtype == out.dtype:
+        a, out = a.reshape(-1, k), out.reshape(-1, n)
+    if bias is None:
+        return functools.partial(np.matmul, a, w.t.T, out=out)
+    return functools.partial(_matmul_bias, a, w.t.T, bias, out)
+
+
+def _matmul_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b, out=out)
+    out += bias
+
+
+def _matmul_packed(ctx, a: np.ndarray, w: SkinnyWeight) -> np.ndarray:
+    out = ctx.out(0, _packed_shape(ctx, a, w), a.dtype)
+    _packed_call(a, w, out)()
+    return out
+
+
+@REGISTRY.register("MatMul", since=1, prepack=prepack_weight)
+def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | SkinnyWeight) -> np.ndarray:
+    """ONNX MatMul (numpy matmul semantics, batched broadcasting, 1-D operands).
+
+    A constant float32 weight arrives prepacked (:func:`prepack_weight`): up to
+    ``SKINNY_MAX_M`` rows of A run ``skinny_matmul``, which reads the weight once for all
+    rows; more rows run BLAS on the same memory.
+    """
+    if isinstance(b, SkinnyWeight):
+        return _matmul_packed(ctx, a, b)
     return matmul(ctx, a, b)
 
 
 matmul_kernel.bind = _bind_matmul  # type: ignore[attr-defined]
 
 
-@REGISTRY.register("Gemm", since=1)
-def gemm_kernel(ctx, a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
-    """Y = alpha * A' @ B' + beta * C, with C broadcast to (M, N)."""
+def _gemm_packed_call(ctx, a: np.ndarray, w: SkinnyWeight, c: np.ndarray | None, out):
+    """The prepacked-weight call of a Gemm that is A @ B + C (alpha = 1, no transA, C absent
+    or a float32 row of N with beta = 1), else None."""
+    if float(ctx.attr("alpha", 1.0)) != 1.0 or ctx.attr("transA", 0):
+        return None
+    if a.ndim != 2 or a.dtype != _F32 or a.shape[1] != w.shape[0]:
+        return None
+    n = w.shape[1]
+    if out.shape != (a.shape[0], n) or out.dtype != _F32:
+        return None
+    bias = None
+    if c is not None and float(ctx.attr("beta", 1.0)) != 0.0:
+        if float(ctx.attr("beta", 1.0)) != 1.0 or c.dtype != _F32 or c.shape not in ((n,), (1, n)):
+            return None
+        bias = np.ascontiguousarray(c).reshape(n)
+    return _packed_call(a, w, out, bias)
+
+
+def _bind_gemm(ctx, inputs, out: np.ndarray):
+    """Replay closure for a Gemm on a prepacked weight (see ``_gemm_packed_call``)."""
+    a, b, *rest = inputs
+    if not isinstance(b, SkinnyWeight):
+        return None
+    c = rest[0] if rest else None
+    if c is not None and not c.flags.c_contiguous:  # the bias view must stay live
+        return None
+    return _gemm_packed_call(ctx, a, b, c, out)
+
+
+@REGISTRY.register("Gemm", since=1, prepack=prepack_weight)
+def gemm_kernel(
+    ctx, a: np.ndarray, b: np.ndarray | SkinnyWeight, c: np.ndarray | None = None
+) -> np.ndarray:
+    """Y = alpha * A' @ B' + beta * C, with C broadcast to (M, N).
+
+    A constant float32 B arrives prepacked; A @ B + C (a row of N) then runs
+    ``skinny_matmul`` with C as its bias for up to ``SKINNY_MAX_M`` rows.
+    """
     alpha = float(ctx.attr("alpha", 1.0))
     beta = float(ctx.attr("beta", 1.0))
+    if isinstance(b, SkinnyWeight):
+        if a.ndim == 2 and b.dtype == a.dtype:
+            m = a.shape[1] if ctx.attr("transA", 0) else a.shape[0]
+            out = ctx.out(0, (m, b.shape[1]), a.dtype)
+            call = _gemm_packed_call(ctx, a, b, c, out)
+            if call is not None:
+                call()
+                return out
+        b = b.t.T  # [K, N], whatever transB said: prepack applied it
+    elif ctx.attr("transB", 0):
+        b = b.T
     if ctx.attr("transA", 0):
         a = a.T
-    if ctx.attr("transB", 0):
-        b = b.T
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(
             f"{ctx.node.describe()}: Gemm needs 2-D operands, got {a.shape}, {b.shape}"
@@ -130,6 +242,9 @@ def gemm_kernel(ctx, a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) 
     if y is not out:
         out[...] = y
     return out
+
+
+gemm_kernel.bind = _bind_gemm  # type: ignore[attr-defined]
 
 
 def _zero_point(zp: np.ndarray | None, axis_len: int, axis: int, what: str) -> np.ndarray:

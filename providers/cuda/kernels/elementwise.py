@@ -124,6 +124,15 @@ REGISTRY.register("Or", since=7)(_binary(cupy.logical_or, BOOL))
 REGISTRY.register("Xor", since=7)(_binary(cupy.logical_xor, BOOL))
 
 
+@REGISTRY.register("Not", since=1)
+def logical_not(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
+    """Elementwise boolean negation."""
+    y = out(ctx, 0, x.shape, BOOL)
+    if y.size:
+        cupy.logical_not(x, out=y)
+    return y
+
+
 @REGISTRY.register("Div", since=7)
 def div(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
     """Division; integers truncate toward zero like C (x / 0 gives 0 rather than a trap)."""

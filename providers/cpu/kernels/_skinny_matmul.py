@@ -1,0 +1,248 @@
+"""Skinny float32 MatMul: Y[M, N] = X[M, K] @ W[K, N] (+ bias) for a few rows (M <= 16).
+
+Decode (M=1) and speculative verify (M=k+1) read every weight once per step, so they are
+bound by memory bandwidth, and OpenBLAS is a poor fit: its M=1 GEMV reaches about 20 GB/s
+on a 2-core EPYC, and sgemm packs B on every call, so M=5 costs 3-6x M=1. Here a constant
+weight is kept transposed, ``wt[N, K]`` (:func:`pack_weight`), and each output column is a
+dot product of one contiguous weight row with the rows of X, so every weight row is read
+from memory once for all M rows.
+
+Columns are taken four at a time, one from each quarter of N (columns ``c``, ``c + d``,
+``c + 2d``, ``c + 3d`` with ``d = N // 4``): four sequential streams far apart in memory.
+Four *adjacent* rows (2-8 KB apart) were measured 2-3x slower from DRAM (10 GB/s against
+30 GB/s for one stream), and software prefetching did not help. Rows of X go four at a time
+(then two, then one) against those four columns: 16 dot products share 8 vector loads per
+step, and LLVM keeps the 16 partial sums in vector registers (each ``a += u * v`` is a
+reduction it vectorizes; the sums may be reordered, which stays within fp32 rounding of a
+float64 reference, see the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+_F32 = np.float32
+# Sums may be reordered so LLVM vectorizes them (as in _nn_common and _int4_matmul).
+_FM = {"reassoc", "contract"}
+#: Rows of X up to which a prepacked weight runs the skinny kernel; more rows use BLAS.
+SKINNY_MAX_M = 16
+# Multiply-adds (M * N * K) below which a call stays on one thread: waking a second one
+# costs about as much as the work.
+PARALLEL_MIN_WORK = 1 << 18
+_NO_BIAS = np.zeros(0, _F32)
+
+
+@dataclass(frozen=True, eq=False)
+class SkinnyWeight:
+    """A constant float32 MatMul weight [K, N] kept as its contiguous transpose ``t`` [N, K].
+
+    ``t.T`` is the weight itself (a view), which BLAS takes as it is for the calls with
+    more than ``SKINNY_MAX_M`` rows, so the original layout need not be kept.
+    """
+
+    t: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.t.shape[1]), int(self.t.shape[0]))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.t.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
+def pack_weight(w: np.ndarray, transposed: bool = False) -> SkinnyWeight:
+    """``w`` [K, N] (or [N, K] when ``transposed``) as a :class:`SkinnyWeight`."""
+    t = w if transposed else w.T
+    return SkinnyWeight(np.ascontiguousarray(t, _F32))
+
+
+@numba.njit(cache=True, fastmath=_FM, inline="always")
+def _rows4(x, i, wt, c, d, b0, b1, b2, b3, out):
+    """out[i:i+4, (c, c+d, c+2d, c+3d)]: 16 dot products over K."""
+    k = x.shape[1]
+    x0 = x[i]
+    x1 = x[i + 1]
+    x2 = x[i + 2]
+    x3 = x[i + 3]
+    w0 = wt[c]
+    w1 = wt[c + d]
+    w2 = wt[c + 2 * d]
+    w3 = wt[c + 3 * d]
+    a00 = a01 = a02 = a03 = _F32(0)
+    a10 = a11 = a12 = a13 = _F32(0)
+    a20 = a21 = a22 = a23 = _F32(0)
+    a30 = a31 = a32 = a33 = _F32(0)
+    for kk in range(k):
+        v0 = w0[kk]
+        v1 = w1[kk]
+        v2 = w2[kk]
+        v3 = w3[kk]
+        u = x0[kk]
+        a00 += u * v0
+        a01 += u * v1
+        a02 += u * v2
+        a03 += u * v3
+        u = x1[kk]
+        a10 += u * v0
+        a11 += u * v1
+        a12 += u * v2
+        a13 += u * v3
+        u = x2[kk]
+        a20 += u * v0
+        a21 += u * v1
+        a22 += u * v2
+        a23 += u * v3
+        u = x3[kk]
+        a30 += u * v0
+        a31 += u * v1
+        a32 += u * v2
+        a33 += u * v3
+    _store4(out, i, c, d, a00 + b0, a01 + b1, a02 + b2, a03 + b3)
+    _store4(out, i + 1, c, d, a10 + b0, a11 + b1, a12 + b2, a13 + b3)
+    _store4(out, i + 2, c, d, a20 + b0, a21 + b1, a22 + b2, a23 + b3)
+    _store4(out, i + 3, c, d, a30 + b0, a31 + b1, a32 + b2, a33 + b3)
+
+
+@numba.njit(cache=True, fastmath=_FM, inline="always")
+def _rows2(x, i, wt, c, d, b0, b1, b2, b3, out):
+    """Like ``_rows4`` for two rows of x."""
+    k = x.shape[1]
+    x0 = x[i]
+    x1 = x[i + 1]
+    w0 = wt[c]
+    w1 = wt[c + d]
+    w2 = wt[c + 2 * d]
+    w3 = wt[c + 3 * d]
+    a00 = a01 = a02 = a03 = _F32(0)
+    a10 = a11 = a12 = a13 = _F32(0)
+    for kk in range(k):
+        v0 = w0[kk]
+        v1 = w1[kk]
+        v2 = w2[kk]
+        v3 = w3[kk]
+        u = x0[kk]
+        a00 += u * v0
+        a01 += u * v1
+        a02 += u * v2
+        a03 += u * v3
+        u = x1[kk]
+        a10 += u * v0
+        a11 += u * v1
+        a12 += u * v2
+        a13 += u * v3
+    _store4(out, i, c, d, a00 + b0, a01 + b1, a02 + b2, a03 + b3)
+    _store4(out, i + 1, c, d, a10 + b0, a11 + b1, a12 + b2, a13 + b3)
+
+
+@numba.njit(cache=True, fastmath=_FM, inline="always")
+def _rows1(x, i, wt, c, d, b0, b1, b2, b3, out):
+    """Like ``_rows4`` for one row of x."""
+    k = x.shape[1]
+    x0 = x[i]
+    w0 = wt[c]
+    w1 = wt[c + d]
+    w2 = wt[c + 2 * d]
+    w3 = wt[c + 3 * d]
+    a0 = a1 = a2 = a3 = _F32(0)
+    for kk in range(k):
+        u = x0[kk]
+        a0 += u * w0[kk]
+        a1 += u * w1[kk]
+        a2 += u * w2[kk]
+        a3 += u * w3[kk]
+    _store4(out, i, c, d, a0 + b0, a1 + b1, a2 + b2, a3 + b3)
+
+
+@numba.njit(cache=True, inline="always")
+def _store4(out, i, c, d, y0, y1, y2, y3):
+    out[i, c] = y0
+    out[i, c + d] = y1
+    out[i, c + 2 * d] = y2
+    out[i, c + 3 * d] = y3
+
+
+@numba.njit(cache=True, fastmath=_FM, inline="always")
+def _bias_at(bias, c):
+    return bias[c] if bias.shape[0] != 0 else _F32(0)
+
+
+@numba.njit(cache=True, fastmath=_FM)
+def _columns(x, wt, bias, out, c0, c1, tail):
+    """Columns c, c+d, c+2d, c+3d of out for c in [c0, c1); with ``tail`` also the last
+    N - 4d columns, one at a time."""
+    m, k = x.shape
+    n = wt.shape[0]
+    d = n // 4
+    for c in range(c0, c1):
+        b0 = _bias_at(bias, c)
+        b1 = _bias_at(bias, c + d)
+        b2 = _bias_at(bias, c + 2 * d)
+        b3 = _bias_at(bias, c + 3 * d)
+        i = 0
+        while i + 4 <= m:
+            _rows4(x, i, wt, c, d, b0, b1, b2, b3, out)
+            i += 4
+        if i + 2 <= m:
+            _rows2(x, i, wt, c, d, b0, b1, b2, b3, out)
+            i += 2
+        if i < m:
+            _rows1(x, i, wt, c, d, b0, b1, b2, b3, out)
+    if tail:
+        for c in range(4 * d, n):
+            w0 = wt[c]
+            b = _bias_at(bias, c)
+            for i in range(m):
+                xi = x[i]
+                a = _F32(0)
+                for kk in range(k):
+                    a += xi[kk] * w0[kk]
+                out[i, c] = a + b
+
+
+@numba.njit(cache=True)
+def _skinny_serial(x, wt, bias, out):
+    """out (M, N) = x (M, K) @ wt.T (+ bias) on the calling thread."""
+    _columns(x, wt, bias, out, 0, wt.shape[0] // 4, True)
+
+
+@numba.njit(cache=True, parallel=True)
+def _skinny_parallel(x, wt, bias, out, parts):
+    """Like ``_skinny_serial``, the columns split into ``parts`` runs, one per thread."""
+    d = wt.shape[0] // 4
+    for p in numba.prange(parts):
+        _columns(x, wt, bias, out, p * d // parts, (p + 1) * d // parts, p == parts - 1)
+
+
+def skinny_parts(m: int, k: int, n: int) -> int:
+    """Threads a call of this size runs on: 1 for small work, else Numba's thread count."""
+    if m * n * k < PARALLEL_MIN_WORK or n < 8:
+        return 1
+    return max(1, min(numba.get_num_threads(), n // 4))
+
+
+def skinny_matmul(
+    x: np.ndarray, w: SkinnyWeight, out: np.ndarray, bias: np.ndarray | None = None
+) -> np.ndarray:
+    """``out`` (M, N) = ``x`` (M, K) @ W (+ ``bias`` (N,)), all float32 and C-contiguous."""
+    m, k = x.shape
+    n = w.t.shape[0]
+    b = _NO_BIAS if bias is None else bias
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out[...] = 0 if bias is None else bias
+        return out
+    parts = skinny_parts(m, k, n)
+    if parts == 1:
+        _skinny_serial(x, w.t, b, out)
+    else:
+        _skinny_parallel(x, w.t, b, out, parts)
+    return out

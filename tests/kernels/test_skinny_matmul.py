@@ -1,0 +1,159 @@
+"""Skinny float32 MatMul (M <= 16) on prepacked constant weights, alone and in sessions.
+
+The kernel is checked against a float64 reference with the standard fp32 dot-product bound
+(any summation order): |y - ref| <= K * 2^-23 * (|x| @ |W|), plus one rounding of the bias
+add. In sessions the decode (M=1) and verify (M=5) steps replay captured CPU graphs whose
+MatMul/Gemm calls are the kernels' prebound calls; M=20 runs BLAS on the same packed weight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.providers.cpu.kernels import _skinny_matmul as sk
+from onnx_genrt.providers.cpu.kernels import nn
+from onnx_genrt.session import InferenceSession
+
+F32 = np.float32
+SHAPES = [(1, 1), (3, 5), (37, 13), (130, 67), (513, 259)]
+
+
+def _check(y: np.ndarray, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> None:
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    ref = x64 @ w64
+    bound = w.shape[0] * 2.0**-23 * (np.abs(x64) @ np.abs(w64))
+    if bias is not None:
+        ref = ref + bias
+        bound = bound + 2.0**-23 * np.abs(ref)
+    err = np.abs(y.astype(np.float64) - ref)
+    assert (err <= bound + 1e-30).all(), float((err / (bound + 1e-30)).max())
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_float64_for_every_m(k, n, with_bias):
+    rng = np.random.default_rng(k * 1000 + n)
+    w = rng.standard_normal((k, n), dtype=F32)
+    bias = rng.standard_normal(n, dtype=F32) if with_bias else None
+    packed = sk.pack_weight(w)
+    for m in range(1, sk.SKINNY_MAX_M + 1):
+        x = rng.standard_normal((m, k), dtype=F32)
+        y = np.full((m, n), np.nan, F32)
+        sk.skinny_matmul(x, packed, y, bias)
+        _check(y, x, w, bias)
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_column_split_over_threads_covers_every_column(parts):
+    """The parallel entry splits the N/4 column groups into runs; the last run takes the
+    N mod 4 tail. Run it with more parts than threads too: the result must not change."""
+    rng = np.random.default_rng(parts)
+    k, n = 67, 4 * 11 + 3
+    w = rng.standard_normal((k, n), dtype=F32)
+    bias = rng.standard_normal(n, dtype=F32)
+    packed = sk.pack_weight(w)
+    for m in (1, 5, 16):
+        x = rng.standard_normal((m, k), dtype=F32)
+        y = np.full((m, n), np.nan, F32)
+        sk._skinny_parallel(x, packed.t, bias, y, parts)
+        _check(y, x, w, bias)
+
+
+def test_pack_keeps_an_nk_gemm_weight_without_a_copy():
+    wt = np.arange(12, dtype=F32).reshape(3, 4)  # [N, K]
+    packed = sk.pack_weight(wt, transposed=True)
+    assert packed.t is wt and packed.shape == (4, 3)
+    np.testing.assert_array_equal(packed.t.T, wt.T)
+
+
+# ----------------------------------------------------------------------------- sessions
+
+K, N = 37, 53
+
+
+def _model(op: str, rank: int, **attrs):
+    """x @ W (MatMul, x of the given rank) or Gemm(x, W, bias); W and bias initializers."""
+    rng = np.random.default_rng(5)
+    trans_b = attrs.get("transB", 0)
+    w = rng.standard_normal((N, K) if trans_b else (K, N), dtype=F32)
+    inits = [numpy_helper.from_array(w, "W")]
+    inputs = ["x", "W"]
+    if op == "Gemm":
+        inits.append(numpy_helper.from_array(rng.standard_normal(N, dtype=F32), "bias"))
+        inputs.append("bias")
+    lead = {1: [], 2: ["m"], 3: [1, "m"]}[rank]
+    graph = helper.make_graph(
+        [helper.make_node(op, inputs, ["y"], **attrs)],
+        "skinny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, N])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    weight = w.T if trans_b else w
+    bias = numpy_helper.to_array(inits[1]) if op == "Gemm" else None
+    return model, weight, bias
+
+
+CASES = [
+    ("MatMul", 2, {}),
+    ("MatMul", 3, {}),
+    ("Gemm", 2, {}),
+    ("Gemm", 2, {"transB": 1}),
+]
+
+
+@pytest.mark.parametrize("op,rank,attrs", CASES)
+def test_decode_and_verify_steps_replay_the_prebound_kernel(op, rank, attrs):
+    model, w, bias = _model(op, rank, **attrs)
+    sess = InferenceSession(model, providers=["cpu"])
+    packed = [v for v in sess.executor._consts.values() if isinstance(v, sk.SkinnyWeight)]
+    assert len(packed) == 1
+    if attrs.get("transB"):  # the [N, K] initializer is used as it is
+        np.testing.assert_array_equal(packed[0].t, w.T)
+    rng = np.random.default_rng(11)
+    slots = [
+        (DeviceGraphSlot.PRIMARY, 1),
+        (DeviceGraphSlot.VERIFY, 5),
+        (DeviceGraphSlot.DRAFT, 20),  # more than SKINNY_MAX_M rows: BLAS on the packed weight
+    ]
+    runs = []
+    for slot, m in slots:
+        lead = (1, m) if rank == 3 else (m,)
+        binding = sess.io_binding()
+        x = binding.bind_input("x", np.zeros((*lead, K), F32))
+        y = binding.bind_output("y", shape=(*lead, N))
+        runs.append((slot, binding, x, y))
+    for _ in range(5):
+        for slot, binding, x, y in runs:
+            x[...] = rng.standard_normal(x.shape, dtype=F32)
+            sess.run_with_iobinding(binding, slot)
+            _check(y.reshape(-1, N), x.reshape(-1, K), w, bias)
+    provider = sess.main_provider
+    for slot, *_ in runs:
+        stats = sess.graph_stats(slot)
+        assert stats.captures == 1 and stats.replays == 3 and stats.fallbacks == 0, slot
+        graph = provider._graphs[slot]
+        assert graph.bound == len(graph.calls) == 1, slot  # the kernel's own prebound call
+
+
+def test_one_dimensional_input_and_plain_run():
+    model, w, _ = _model("MatMul", 1)
+    sess = InferenceSession(model, providers=["cpu"])
+    x = np.random.default_rng(2).standard_normal(K, dtype=F32)
+    (y,) = sess.run(None, {"x": x})
+    assert y.shape == (N,)
+    _check(y[None], x[None], w)
+
+
+def test_disabled_prepack_keeps_the_plain_weight(monkeypatch):
+    monkeypatch.setattr(nn, "SKINNY_ENABLED", False)
+    model, w, _ = _model("MatMul", 2)
+    sess = InferenceSession(model, providers=["cpu"])
+    assert not any(isinstance(v, sk.SkinnyWeight) for v in sess.executor._consts.values())
+    x = np.random.default_rng(4).standard_normal((3, K), dtype=F32)
+    (y,) = sess.run(None, {"x": x})
+    _check(y, x, w)
