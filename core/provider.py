@@ -37,6 +37,10 @@ class ExecutionProvider(ABC):
 
     def __init__(self) -> None:
         self._capture_latch: dict[DeviceGraphSlot, str] = {}
+        # Who captured each slot's graph (an executor); sessions sharing this provider
+        # check it before a replay, so one never replays a graph another put in its slot.
+        self._graph_owner: dict[DeviceGraphSlot, object] = {}
+        self._capture_owner: object = None
         self._capturing: DeviceGraphSlot | None = None
         self.workspace = StepWorkspace(self._allocate_workspace)
 
@@ -147,7 +151,15 @@ class ExecutionProvider(ABC):
     def capturing(self) -> DeviceGraphSlot | None:
         return self._capturing
 
-    def begin_capture(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> None:
+    def graph_owner(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> object:
+        """The ``owner`` given to the capture of the slot's current graph (None if none)."""
+        return self._graph_owner.get(slot)
+
+    def begin_capture(
+        self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, owner: object = None
+    ) -> None:
+        """Start recording into ``slot``; ``owner`` (a session's executor) is remembered with
+        the graph, replacing any graph the slot held."""
         self.check_slot(slot)
         if slot in self._capture_latch:
             raise GraphCaptureError(
@@ -164,6 +176,8 @@ class ExecutionProvider(ABC):
             self._capture_latch[slot] = f"{type(exc).__name__}: {exc}"
             raise GraphCaptureError(f"begin capture in slot {slot.value!r}: {exc}") from exc
         self._capturing = slot
+        self._capture_owner = owner
+        self._graph_owner.pop(slot, None)
 
     def end_capture(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> None:
         self._require_capturing(slot)
@@ -173,6 +187,7 @@ class ExecutionProvider(ABC):
         except Exception as exc:
             self._capture_latch[slot] = f"{type(exc).__name__}: {exc}"
             raise GraphCaptureError(f"end capture in slot {slot.value!r}: {exc}") from exc
+        self._graph_owner[slot] = self._capture_owner
 
     def abort_capture(
         self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, reason: str = "aborted"
@@ -197,6 +212,7 @@ class ExecutionProvider(ABC):
             self._capturing = None
             self._graph_abort(slot)
         self._capture_latch.pop(slot, None)
+        self._graph_owner.pop(slot, None)
         self._graph_reset(slot)
         self.workspace.unpin(slot)
 

@@ -126,6 +126,21 @@ def stream(
     params = GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + max_new_tokens, **search)
     gen = make_generator(model, params, spec, k)
+    try:
+        yield from _drive(gen, model, ids, stop, ignore_eos, result)
+    finally:
+        gen.close()
+
+
+def _drive(
+    gen: Generator,
+    model: Model,
+    ids: list[int],
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+    result: list[GenerationResult] | None,
+) -> Iterator[str]:
+    """The token loop of :func:`stream` (timed, stop strings, statistics)."""
     if ignore_eos:
         gen.eos = set()
     decoder = model.tokenizer.create_stream() if _has_tokenizer(model) else None

@@ -36,10 +36,29 @@ class Generator:
         self._hidden_at: tuple[StepOutput, int] | None = None
         self._new: list[int] = []
         self.eos = set(cfg.eos_token_ids)
+        self._closed = False
+
+    def close(self) -> None:
+        """Hand the KV cache back to the model's pool, so the next generation reuses it and
+        the graphs captured on it. The sequence stays readable; stepping raises."""
+        if not self._closed:
+            self._closed = True
+            self.model.release_runner(self)
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInputError("this generator is closed; create a new one")
 
     # -- feeding -----------------------------------------------------------------
     def append_tokens(self, ids: Sequence[int]) -> None:
         """Feed tokens (a prompt or a continuation); afterwards the next token can be picked."""
+        self._check_open()
         ids = [int(t) for t in ids]
         if not ids:
             raise InvalidInputError("append_tokens needs at least one token")
@@ -71,6 +90,7 @@ class Generator:
 
     # -- stepping ----------------------------------------------------------------
     def generate_next_token(self) -> None:
+        self._check_open()
         if self.is_done():
             raise InvalidInputError("generation is done (eos or max_length reached)")
         if not self.tokens:
@@ -133,6 +153,7 @@ class Generator:
 
     def rewind_to(self, length: int) -> None:
         """Keep the first ``length`` tokens; the next step recomputes from there."""
+        self._check_open()
         if not 0 <= length <= len(self.tokens):
             raise InvalidInputError(
                 f"cannot rewind to {length}: the sequence has {len(self.tokens)}"

@@ -67,6 +67,13 @@ class Model:
         self._runners.append((runner, weakref.ref(owner)))
         return runner
 
+    def release_runner(self, owner: object) -> None:
+        """Hand ``owner``'s runners back to the pool now, without waiting for the owner to
+        be garbage collected (a reference cycle or a kept traceback can delay that)."""
+        for i, (runner, holder) in enumerate(self._runners):
+            if holder() is owner:
+                self._runners[i] = (runner, _released)
+
     def session_from_proto(self, proto, provider: Any = None) -> InferenceSession:
         """A session for another graph (an MTP chain), on the same providers; on the given
         provider instance itself (its stream, its graph slots) when one is passed."""
@@ -81,6 +88,11 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({str(self.folder)!r}, type={self.config.model_type!r}, providers={self.providers})"
+
+
+def _released() -> None:
+    """The holder of a runner handed back to the pool (a dead weak reference)."""
+    return None
 
 
 class GeneratorParams:

@@ -148,6 +148,8 @@ def after_verify(
     inits: list[onnx.TensorProto] = []
     one, zero, kk, k1 = const("1", [1]), const("0", [0]), const("k", [k]), const("k1", [k + 1])
     axis1 = const("axis1", [1])
+    inits.append(numpy_helper.from_array(np.ones((1, 1), np.float32), p + "end"))
+    end = p + "end"
     # accepted = index of the first draft that is padding or disagrees with the target's
     # argmax: ArgMax (first maximum) over [rejected_0 .. rejected_k-1, 1].
     nodes = [
@@ -159,8 +161,9 @@ def after_verify(
         ),
         helper.make_node("And", [p + "eq", p + "real"], [p + "ok"]),
         helper.make_node("Not", [p + "ok"], [p + "rejected"]),
-        helper.make_node("Cast", [p + "rejected"], [p + "rejected_i"], to=i64),
-        helper.make_node("Concat", [p + "rejected_i", const("end", [[1]])], [p + "stops"], axis=1),
+        # float32, which every provider's ArgMax takes (0 = accepted, 1 = stop)
+        helper.make_node("Cast", [p + "rejected"], [p + "rejected_f"], to=TensorProto.FLOAT),
+        helper.make_node("Concat", [p + "rejected_f", end], [p + "stops"], axis=1),
         helper.make_node("ArgMax", [p + "stops"], [ACCEPTED], axis=1, keepdims=0),
     ]
     nodes.append(helper.make_node("Gather", [VERIFY_ARGMAX, ACCEPTED], [ids_input], axis=1))

@@ -47,6 +47,9 @@ class Proposer(ABC):
     def graph_stats(self) -> dict[str, dict]:
         return {}
 
+    def close(self) -> None:
+        """Release what this proposer holds for one generation (a draft model's KV cache)."""
+
 
 class PromptLookupProposer(Proposer):
     """n-gram lookup: continue the longest recent suffix that already occurred in the text."""
@@ -86,6 +89,9 @@ class DraftModelProposer(Proposer):
         self.fed: list[int] = []
         self.min_confidence = min_confidence
         self._logits: np.ndarray | None = None
+
+    def close(self) -> None:
+        self.model.release_runner(self)
 
     def propose(self, tokens: Sequence[int], hidden: HiddenState | None, k: int) -> list[int]:
         tokens = list(tokens)

@@ -61,7 +61,12 @@ class SpeculativeGenerator(Generator):
         # Drafts the proposer already made on the device right after the last verify.
         self._chained: list[int] | None = None
 
+    def close(self) -> None:
+        super().close()
+        self.proposer.close()
+
     def generate_next_token(self) -> None:
+        self._check_open()
         if self.is_done():
             super().generate_next_token()  # raises the usual error
         if not self.tokens:

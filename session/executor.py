@@ -44,6 +44,8 @@ class SlotStats:
     replays: int = 0
     fallbacks: int = 0
     invalidations: int = 0
+    #: Invalidations because another session on the same provider captured into the slot.
+    displaced: int = 0
     eager_runs: int = 0
     fallback_reasons: Counter[str] = field(default_factory=Counter)
 
@@ -53,6 +55,7 @@ class SlotStats:
             "replays": self.replays,
             "fallbacks": self.fallbacks,
             "invalidations": self.invalidations,
+            "displaced": self.displaced,
             "eager_runs": self.eager_runs,
             "fallback_reasons": dict(self.fallback_reasons),
         }
@@ -192,6 +195,12 @@ class Executor:
             self.reset_slot(slot, sig)
         env = dict(binding.inputs)
         outs = binding.outputs
+        if state.captured and self.main_provider.graph_owner(slot) is not self:
+            # Another session on this provider captured into the slot since: our graph is
+            # gone (and the slot's pinned workspace may have moved). Capture again.
+            state.captured = False
+            state.stats.invalidations += 1
+            state.stats.displaced += 1
         if state.captured:
             self.main_provider.replay(slot)
             state.stats.replays += 1
@@ -219,7 +228,7 @@ class Executor:
         provider = self.main_provider
         provider.workspace.pin(slot)
         try:
-            provider.begin_capture(slot)
+            provider.begin_capture(slot, owner=self)
             self._execute(dict(env), state.layout, outs)
             provider.end_capture(slot)
         except Exception as exc:

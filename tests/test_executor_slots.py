@@ -245,3 +245,24 @@ def test_prepacked_constants_are_made_once_and_only_in_the_packed_layout():
     x = np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32)
     (y,) = sess.run(["y"], {"x": x})
     np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_sessions_sharing_a_provider_never_replay_each_others_graph():
+    """Two sessions on one provider instance, both in PRIMARY: the slot holds one graph, so
+    each notices when the other replaced it (displaced) and captures again."""
+    hidden = 8
+    provider = CPUProvider()
+    models = [mlp(hidden=hidden, seed=1), mlp(hidden=hidden, seed=2)]
+    sessions = [InferenceSession(m, providers=[provider]) for m in models]
+    bound = [_bind(s, 1, hidden) for s in sessions]
+    rng = np.random.default_rng(3)
+    for _ in range(6):
+        for model, sess, (binding, x, y) in zip(models, sessions, bound, strict=True):
+            x[...] = rng.standard_normal(x.shape)
+            sess.run_with_iobinding(binding, PRIMARY)
+            np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+    for sess in sessions:
+        stats = sess.graph_stats(PRIMARY)
+        assert stats.captures >= 2 and stats.displaced >= 1, stats
+        assert stats.invalidations == stats.displaced, stats
+    assert provider.graph_owner(PRIMARY) is sessions[1].executor

@@ -10,6 +10,7 @@ import pytest
 from onnx import numpy_helper
 
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError, NonFiniteError
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.engine import Generator, GeneratorParams, Model, generate
 from onnx_genrt.engine.config import SearchOptions
 from onnx_genrt.engine.sampling import distribution, penalize_repetition
@@ -161,3 +162,27 @@ def test_stop_string_and_streaming(qwen2_dir):
     res = generate(model, [5, 17, 99], max_new_tokens=16, ignore_eos=True)
     assert res.new_tokens == 16 and res.stop_reason == "max_new_tokens"
     assert res.graph_stats["target"]["primary"]["replays"] > 0
+
+
+def test_closed_generators_hand_their_cache_and_graphs_to_the_next(qwen2_dir):
+    """A finished generation returns its KV cache even while something still references the
+    generator (a cycle, a kept traceback): the next one reuses the cache and the graph."""
+    model = Model(qwen2_dir)
+    kept = []
+    for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
+        params = GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + 12)
+        with Generator(model, params) as gen:
+            gen.eos = set()
+            gen.append_tokens(prompt)
+            while not gen.is_done():
+                gen.generate_next_token()
+        kept.append(gen)  # still alive
+        generate(model, prompt, max_new_tokens=8, spec="ngram", k=2)
+    assert len({id(g.runner) for g in kept}) == 1
+    assert len(model._runners) == 1
+    stats = model.session.graph_stats(DeviceGraphSlot.PRIMARY)
+    assert stats.captures == 1 and stats.invalidations == 0, stats
+    assert kept[0].get_sequence()[:3] == [5, 6, 7]
+    with pytest.raises(InvalidInputError, match="closed"):
+        kept[0].generate_next_token()

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.gpu
 
 PROMPTS = ["class Foo:\n    def __init__(self", "import os\n\ndef main(", "for i in range(", "def "]
 SLOTS = ("primary", "verify")
+COUNTS = ("captures", "replays", "fallbacks", "invalidations")
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +50,17 @@ def test_speculation_equals_greedy_on_cuda(model, spec, k):
 
 @pytest.mark.parametrize("spec", ["mtp", "draft", "ngram"])
 def test_every_slot_replays_over_256_tokens(model, spec):
-    res = _generate(model, "class Foo:\n    def __init__(self", spec=spec, new=256)
-    greedy = _generate(model, "class Foo:\n    def __init__(self", new=256)
+    prompt = "class Foo:\n    def __init__(self"
+    greedy = _generate(model, prompt, new=256)
+    before = model.session.executor.all_stats()
+    res = _generate(model, prompt, spec=spec, new=256)
     assert res.tokens == greedy.tokens
     target = res.graph_stats["target"]
-    for slot in SLOTS:
-        stats = target[slot]
-        assert stats["replays"] > 0, target
-        assert stats["invalidations"] <= 1, target
-        assert stats["fallbacks"] == 0, target
+    for slot in SLOTS:  # counts of this run alone (the model served other tests before)
+        stats = {key: target[slot][key] - before.get(slot, {}).get(key, 0) for key in COUNTS}
+        assert stats["replays"] > 0, (slot, stats)
+        assert stats["invalidations"] <= 1, (slot, stats)
+        assert stats["fallbacks"] == 0, (slot, stats, target[slot]["fallback_reasons"])
     if spec != "ngram":  # the MTP head / draft model runs graphed in its own slot(s)
         proposer = res.graph_stats["proposer"]
         assert any(s["replays"] > 0 for s in proposer.values()), proposer
