@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -88,6 +88,16 @@ class ExecutionProvider(ABC):
     def to_numpy_many(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         """Several arrays to the host at once; a device provider waits only once for all."""
         return [np.array(self.to_numpy(a), copy=True) for a in arrays]
+
+    #: Whether ``read_later`` returns before the values are ready (work queued on a stream).
+    ASYNC_READS = False
+
+    def read_later(self, arrays: Sequence[Any]) -> Callable[[], list[np.ndarray]]:
+        """Queue host copies of ``arrays`` behind the work queued so far; the returned call
+        waits for them. Later work may be queued before that call. Synchronous providers
+        read at once."""
+        values = self.to_numpy_many(arrays)
+        return lambda: values
 
     def copy_array(self, src: Any, dst: Any) -> None:
         """Device to device between two of this provider's arrays (same shape and dtype)."""

@@ -132,6 +132,29 @@ class StaticKVCache:
         return sum(int(b.nbytes) for b in (*self.keys, *self.values))
 
 
+class PendingStep:
+    """A queued decoder step; ``wait()`` gives its :class:`StepOutput` (once)."""
+
+    def __init__(
+        self,
+        runner: DecoderRunner,
+        bufs: dict[str, Any],
+        start: int,
+        n: int,
+        slot: DeviceGraphSlot | None,
+        queued: list[str],
+        fetch: Callable[[], list[np.ndarray]],
+    ) -> None:
+        self.runner, self.bufs, self.start, self.n, self.slot = runner, bufs, start, n, slot
+        self.queued, self.fetch = queued, fetch
+        self._out: StepOutput | None = None
+
+    def wait(self) -> StepOutput:
+        if self._out is None:
+            self._out = self.runner._finish(self)
+        return self._out
+
+
 class DecoderRunner:
     """Runs the decoder for M new tokens at the cache's current length."""
 
@@ -159,6 +182,11 @@ class DecoderRunner:
     @property
     def max_length(self) -> int:
         return self.cache.max_length
+
+    @property
+    def device_argmax(self) -> bool:
+        """Whether steps compute their argmax on the device (the decode heads)."""
+        return ARGMAX in self._outputs
 
     def _binding(self, width: int, keep: bool = True) -> tuple[IOBinding, dict[str, Any]]:
         """The persistent binding for steps of ``width`` tokens (made once per width)."""
@@ -210,6 +238,22 @@ class DecoderRunner:
         ``after(bufs)`` may queue more device work on the step's outputs (an MTP chain) and
         return arrays to read back together with the step's own (``StepOutput.extra``).
         """
+        return self.launch(tokens, slot, width, after).wait()
+
+    def launch(
+        self,
+        tokens: list[int] | np.ndarray,
+        slot: DeviceGraphSlot | None,
+        width: int | None = None,
+        after: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        feed_argmax_of: PendingStep | None = None,
+    ) -> PendingStep:
+        """Queue a step like :meth:`forward` and return before its results are back.
+
+        With ``feed_argmax_of``, the step's one token is that earlier step's last device
+        argmax, copied on the device: greedy decoding can queue step t+1 before the host
+        has read step t's token, so the GPU never waits for the host.
+        """
         n = len(tokens)
         width = width or n
         start = self.cache.length
@@ -220,9 +264,15 @@ class DecoderRunner:
                 f"sequence of {start + width} tokens exceeds the KV cache of {self.max_length}"
             )
         binding, bufs = self._binding(width, keep=slot is not None)
-        ids = np.zeros((1, width), np.int64)
-        ids[0, :n] = tokens
-        self.provider.write_from_host(bufs["ids"], ids)
+        if feed_argmax_of is None:
+            ids = np.zeros((1, width), np.int64)
+            ids[0, :n] = tokens
+            self.provider.write_from_host(bufs["ids"], ids)
+        else:
+            if n != 1 or width != 1 or "argmax" not in feed_argmax_of.bufs:
+                raise InvalidInputError("a device-fed step takes one token from a device argmax")
+            last = feed_argmax_of.n - 1
+            self.provider.copy_array(feed_argmax_of.bufs["argmax"][:, last : last + 1], bufs["ids"])
         if "mask" in bufs:
             self._mask_host[0, : start + width] = 1
             self._mask_host[0, start + width :] = 0
@@ -237,36 +287,37 @@ class DecoderRunner:
             self.session.run_with_iobinding(binding, slot)
         self.cache.length = start + n
         queued = after(bufs) if after is not None else {}
-        read = self._check_finite(bufs, start, n, slot, queued)
-        extra = {name: read.pop(name) for name in queued}
-        return StepOutput(self.provider, bufs, n, read, extra)
+        if "nonfinite" in bufs:  # probe, argmax and the queued arrays in one transfer
+            fetch = self.provider.read_later([bufs["nonfinite"], bufs["argmax"], *queued.values()])
+        else:
+            fetch = self.provider.read_later(list(queued.values()))
+        return PendingStep(self, bufs, start, n, slot, list(queued), fetch)
 
-    def _check_finite(
-        self, bufs: dict[str, Any], start: int, n: int, slot: Any, queued: dict[str, Any]
-    ) -> dict[str, np.ndarray]:
-        """Raise on NaN or infinite logits; returns what it read back on the way.
+    def _finish(self, step: PendingStep) -> StepOutput:
+        """Raise on NaN or infinite logits; the step's output with what was read back.
 
         With the decode heads, the probe scalar and the step's argmax ids come back in one
         transfer. The probe covers every row of the step, padded rows included: a padded
         verify row holds a real token's logits, so a non-finite value there is a real fault.
         """
+        values = step.fetch()
         read: dict[str, np.ndarray] = {}
+        bufs, start, n = step.bufs, step.start, step.n
         if "nonfinite" in bufs:
-            names = ["argmax", *queued]
-            arrays = [bufs["nonfinite"], bufs["argmax"], *queued.values()]
-            probe, *values = self.provider.to_numpy_many(arrays)
-            read.update(zip(names, values, strict=True))
+            probe, *values = values
+            read.update(zip(["argmax", *step.queued], values, strict=True))
             ok = bool(np.isfinite(probe))
         else:
-            values = self.provider.to_numpy_many(list(queued.values()))
-            read.update(zip(queued, values, strict=True))
+            read.update(zip(step.queued, values, strict=True))
             ok = bool(np.isfinite(self.provider.to_numpy(bufs["logits"])[0, :n]).all())
         if not ok:
+            slot = step.slot
             raise NonFiniteError(
                 f"non-finite logits at positions {start}..{start + n - 1} "
                 f"(slot {slot.value if slot else 'eager'})"
             )
-        return read
+        extra = {name: read.pop(name) for name in step.queued}
+        return StepOutput(self.provider, bufs, n, read, extra)
 
     def rewind_to(self, length: int) -> None:
         """Forget every position from ``length`` on; later steps overwrite them."""

@@ -9,7 +9,7 @@ import numpy as np
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
-from .decoder import HiddenState, StepOutput
+from .decoder import HiddenState, PendingStep, StepOutput
 from .model import GeneratorParams, Model
 from .sampling import penalize_repetition, pick
 
@@ -21,6 +21,10 @@ class Generator:
     cache therefore holds ``len(sequence) - 1`` positions between calls, and rewinding is
     a matter of lowering that length.
     """
+
+    #: Queue the next greedy step before this one is read back: None (default) where the
+    #: provider reads asynchronously (a GPU), True or False to force it.
+    look_ahead: bool | None = None
 
     def __init__(self, model: Model, params: GeneratorParams, spare: int = 0) -> None:
         self.model = model
@@ -37,11 +41,14 @@ class Generator:
         self._new: list[int] = []
         self.eos = set(cfg.eos_token_ids)
         self._closed = False
+        # The next greedy step, queued before this one was read back (see _may_look_ahead).
+        self._ahead: PendingStep | None = None
 
     def close(self) -> None:
         """Hand the KV cache back to the model's pool, so the next generation reuses it and
         the graphs captured on it. The sequence stays readable; stepping raises."""
         if not self._closed:
+            self._cancel_ahead()
             self._closed = True
             self.model.release_runner(self)
 
@@ -72,6 +79,7 @@ class Generator:
                 f"{total} tokens exceed max_length {self.search.max_length} "
                 f"(context length {self.model.config.context_length})"
             )
+        self._cancel_ahead()
         feed = self._take_pending() + ids
         self.tokens.extend(ids)
         self._run(feed)
@@ -96,11 +104,42 @@ class Generator:
         if not self.tokens:
             raise InvalidInputError("append_tokens first: there is no prompt")
         if self._next is None:
-            self._run(self._take_pending())
-        token = self._choose(self._next, -1, self.tokens)
+            step, self._ahead = self._ahead, None  # queued last time, fed on the device
+            if step is None:
+                step = self.runner.launch(self._take_pending(), DeviceGraphSlot.PRIMARY)
+            if self._may_look_ahead():
+                self._ahead = self.runner.launch([0], DeviceGraphSlot.PRIMARY, feed_argmax_of=step)
+            self._next = step.wait()
+            self._hidden_at = (self._next, step.n - 1)
+        out = self._next
+        token = self._choose(out, -1, self.tokens)
         self.tokens.append(token)
         self._next = None
         self._new = [token]
+        if self._ahead is not None and (token != int(out.tokens[-1]) or self.is_done()):
+            self._cancel_ahead()
+
+    def _may_look_ahead(self) -> bool:
+        """Whether to queue the next step (fed this step's device argmax) before reading
+        this one back: plain greedy on a provider whose reads are asynchronous, while the
+        pick is surely the argmax (no end-of-sequence masking before ``min_length``) and
+        another token will follow. The queued step overwrites this step's buffers, which
+        is fine as only its argmax is read."""
+        wanted = self.look_ahead
+        if wanted is None:
+            wanted = self.runner.provider.ASYNC_READS
+        if not wanted or not self._plain_greedy or not self.runner.device_argmax:
+            return False
+        if self.eos and len(self.tokens) < self.search.min_length:
+            return False
+        room = len(self.tokens) + 2 <= self.search.max_length
+        return room and self.runner.cache.length + 1 <= self.runner.max_length
+
+    def _cancel_ahead(self) -> None:
+        """Drop the queued step: its position is rewound and later steps overwrite it."""
+        step, self._ahead = self._ahead, None
+        if step is not None:
+            self.runner.rewind_to(step.start)
 
     @property
     def _plain_greedy(self) -> bool:
@@ -154,6 +193,7 @@ class Generator:
     def rewind_to(self, length: int) -> None:
         """Keep the first ``length`` tokens; the next step recomputes from there."""
         self._check_open()
+        self._cancel_ahead()
         if not 0 <= length <= len(self.tokens):
             raise InvalidInputError(
                 f"cannot rewind to {length}: the sequence has {len(self.tokens)}"

@@ -61,6 +61,9 @@ class SpeculativeGenerator(Generator):
         # Drafts the proposer already made on the device right after the last verify.
         self._chained: list[int] | None = None
 
+    # Plain steps must keep their buffers (the MTP head reads the hidden row).
+    look_ahead = False
+
     def close(self) -> None:
         super().close()
         self.proposer.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cupy
@@ -55,6 +55,8 @@ class CUDAProvider(ExecutionProvider):
         self._staging: np.ndarray | None = None
         self._staging_mem: Any = None
         self._staging_used = 0
+        # Reads queued by ``read_later`` whose views still sit in the staging ring.
+        self._pending_reads: list[_PendingRead] = []
         self._shadow: OrderedDict[tuple, tuple[Any, np.ndarray]] = OrderedDict()
         self._scratch: Any = None
         self._retired_scratch: list[Any] = []
@@ -118,8 +120,8 @@ class CUDAProvider(ExecutionProvider):
             return src.get(stream=self.stream)
         view = self._staging_view(nbytes, src.dtype, tuple(src.shape))
         src.get(stream=self.stream, out=view)  # blocking: waits for the stream
-        self._staging_used = 0  # the stream is idle: every staged upload has been consumed
-        return view if keep_view else view.copy()
+        self._reset_staging()  # the stream is idle: every staged upload has been consumed
+        return view if keep_view else view.copy()  # a kept view is valid until the next copy
 
     def to_numpy_many(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         """Small device arrays queued to pinned memory one after another, then one wait."""
@@ -140,8 +142,44 @@ class CUDAProvider(ExecutionProvider):
                 )  # 2: device to host
             views.append(view)
         self.stream.synchronize()
+        values = [v.copy() for v in views]
+        self._reset_staging()
+        return values
+
+    ASYNC_READS = True
+
+    def read_later(self, arrays: Sequence[Any]) -> Callable[[], list[np.ndarray]]:
+        """Small device arrays queued to pinned memory behind the stream's work, and an
+        event; the returned call waits on that event only, so later steps can be queued
+        (and run) before the host looks at these values."""
+        self._refuse_host_copy("device-to-host copy")
+        srcs = [a for a in arrays if isinstance(a, cupy.ndarray)]
+        total = sum(_aligned_size(int(a.nbytes)) for a in srcs)
+        if total > STAGING_MAX or any(not a.flags.c_contiguous for a in srcs):
+            return super().read_later(arrays)
+        views: list[np.ndarray] = []
+        for a in arrays:
+            if not isinstance(a, cupy.ndarray):
+                views.append(np.array(a, copy=True))
+                continue
+            view = self._staging_view(int(a.nbytes), a.dtype, tuple(a.shape))
+            if a.nbytes:
+                cupy.cuda.runtime.memcpyAsync(
+                    view.ctypes.data, a.data.ptr, int(a.nbytes), 2, self.stream.ptr
+                )  # 2: device to host
+            views.append(view)
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(self.stream)
+        pending = _PendingRead(views, event, self._pending_reads)
+        self._pending_reads.append(pending)
+        return pending.result
+
+    def _reset_staging(self) -> None:
+        """After a full stream sync: pending reads keep copies, and the ring starts over."""
+        for pending in self._pending_reads:
+            pending.materialize()
+        self._pending_reads.clear()
         self._staging_used = 0
-        return [v.copy() for v in views]
 
     def copy(self, src: Tensor, dst: Tensor) -> None:
         if not isinstance(src.buffer, cupy.ndarray):
@@ -261,7 +299,7 @@ class CUDAProvider(ExecutionProvider):
         need = _aligned_size(nbytes)
         if self._staging is None or self._staging_used + need > self._staging.size:
             self.stream.synchronize()  # every queued copy from the ring is done
-            self._staging_used = 0
+            self._reset_staging()
             if self._staging is None or self._staging.size < need:
                 old = 0 if self._staging is None else 2 * self._staging.size
                 size = min(max(need, 1 << 20, old), max(STAGING_MAX, need))
@@ -307,3 +345,25 @@ class _DeviceStream:
     def __exit__(self, *exc: object) -> None:
         self._stream.__exit__(*exc)
         self._device.__exit__(*exc)
+
+
+class _PendingRead:
+    """Host copies queued by ``read_later``: views into the staging ring until the event."""
+
+    def __init__(self, views: list[np.ndarray], event: Any, registry: list) -> None:
+        self._views, self._event, self._registry = views, event, registry
+        self._values: list[np.ndarray] | None = None
+
+    def materialize(self) -> None:
+        """Copy out of the ring (the caller has synchronized the stream)."""
+        if self._values is None:
+            self._values = [v.copy() for v in self._views]
+            self._views = []
+
+    def result(self) -> list[np.ndarray]:
+        if self._values is None:
+            self._event.synchronize()
+            self.materialize()
+            if self in self._registry:
+                self._registry.remove(self)
+        return self._values

@@ -186,3 +186,51 @@ def test_closed_generators_hand_their_cache_and_graphs_to_the_next(qwen2_dir):
     assert kept[0].get_sequence()[:3] == [5, 6, 7]
     with pytest.raises(InvalidInputError, match="closed"):
         kept[0].generate_next_token()
+
+
+def _look_ahead_run(model, prompt, new, look_ahead, eos=(), min_length=0, edits=None):
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, min_length=min_length)
+    with Generator(model, params) as gen:
+        gen.look_ahead = look_ahead
+        gen.eos = set(eos)
+        gen.append_tokens(prompt)
+        steps = queued = 0
+        while not gen.is_done():
+            gen.generate_next_token()
+            steps += 1
+            queued += gen._ahead is not None
+            if edits and steps in edits:
+                edits[steps](gen)
+            # the cache holds every token but the pending one, plus at most the queued step
+            assert gen.runner.cache.length - (len(gen.tokens) - 1) in (0, 1)
+        assert (queued > 0) == (look_ahead and steps > 2), (queued, steps)
+        return gen.get_sequence()
+
+
+@pytest.mark.parametrize("prompt", [[5, 17, 99], [1, 2, 3, 4, 1, 2], [300]])
+def test_look_ahead_greedy_equals_plain_greedy(qwen2_dir, prompt):
+    """The next step queued on the device argmax (a GPU's default) changes no token: through
+    eos, eos masked before min_length, max_length, rewind and appended text."""
+    model = Model(qwen2_dir)
+    plain = _look_ahead_run(model, prompt, 24, False)
+    assert _look_ahead_run(model, prompt, 24, True) == plain
+    eos = plain[len(prompt) + 6]
+    first = plain.index(eos, len(prompt))
+    stopped = _look_ahead_run(model, prompt, 24, True, eos=[eos])
+    assert stopped == plain[: first + 1]
+    assert stopped == _look_ahead_run(model, prompt, 24, False, eos=[eos])
+    masked = _look_ahead_run(model, prompt, 24, True, eos=[eos], min_length=first + 3)
+    assert masked == _look_ahead_run(model, prompt, 24, False, eos=[eos], min_length=first + 3)
+    assert len(masked) > len(stopped)
+
+    def rewind(gen):
+        gen.rewind_to(len(gen.tokens) - 3)
+
+    def append(gen):
+        gen.append_tokens([7, 8])
+
+    edits = {4: rewind, 9: append}
+    assert _look_ahead_run(model, prompt, 24, True, edits=dict(edits)) == _look_ahead_run(
+        model, prompt, 24, False, edits=dict(edits)
+    )

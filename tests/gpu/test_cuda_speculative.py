@@ -83,3 +83,27 @@ def test_cuda_greedy_matches_cpu_greedy(model):
             runner = DecoderRunner(cpu.session, cpu.config, i + 1)
             top = sorted(runner.forward(want[:i], None).logits[-1].tolist(), reverse=True)
             assert top[0] - top[1] < 2e-2, (prompt, i, got, want)
+
+
+def test_look_ahead_greedy_matches_step_by_step_greedy(model):
+    """On the GPU the next greedy step is queued on the device argmax before the host reads
+    the current one (the default); forcing it off must give the same tokens."""
+    from onnx_genrt.engine import Generator, GeneratorParams
+
+    for prompt in PROMPTS:
+        ids = model.tokenizer.encode(prompt)
+        seqs = []
+        for look_ahead in (True, False):
+            params = GeneratorParams(model)
+            params.set_search_options(max_length=len(ids) + 64)
+            with Generator(model, params) as gen:
+                gen.look_ahead = look_ahead
+                gen.eos = set()
+                gen.append_tokens(ids)
+                queued = 0
+                while not gen.is_done():
+                    gen.generate_next_token()
+                    queued += gen._ahead is not None
+                seqs.append(gen.get_sequence())
+            assert (queued > 0) == look_ahead
+        assert seqs[0] == seqs[1], prompt
