@@ -174,7 +174,6 @@ class DecoderRunner:
             session, io, layers, max_length, config.num_kv_heads, config.head_size
         )
         self._bindings: dict[int, tuple[IOBinding, dict[str, Any]]] = {}
-        self._mask_host = np.zeros((1, max_length), np.int64)
         spec = session.output_spec(io.logits)
         self.vocab = int(spec.shape[-1]) if spec.shape and isinstance(spec.shape[-1], int) else None
         self.logits_dtype = spec.dtype or np.float32
@@ -194,11 +193,23 @@ class DecoderRunner:
             return self._bindings[width]
         io, b = self.io, self.session.io_binding()
         bufs: dict[str, Any] = {}
-        bufs["ids"] = b.bind_input(io.input_ids, np.zeros((1, width), np.int64))
-        if io.attention_mask:
-            bufs["mask"] = b.bind_input(io.attention_mask, self._mask_host.copy())
+        # ids, positions and the mask are views of one int64 buffer: one upload per step.
+        sizes = {"ids": width}
         if io.position_ids:
-            bufs["pos"] = b.bind_input(io.position_ids, np.zeros((1, width), np.int64))
+            sizes["pos"] = width
+        if io.attention_mask:
+            sizes["mask"] = self.max_length
+        packed = self.provider.as_array(np.zeros(sum(sizes.values()), np.int64))
+        bufs["inputs"] = packed
+        offset = 0
+        for key, size in sizes.items():
+            bufs[key] = packed[offset : offset + size].reshape(1, size)
+            offset += size
+        b.bind_input(io.input_ids, bufs["ids"])
+        if io.position_ids:
+            b.bind_input(io.position_ids, bufs["pos"])
+        if io.attention_mask:
+            b.bind_input(io.attention_mask, bufs["mask"])
         for i in range(self.layers):
             b.bind_input(io.past_key % i, self.cache.keys[i])
             b.bind_input(io.past_value % i, self.cache.values[i])
@@ -264,23 +275,21 @@ class DecoderRunner:
                 f"sequence of {start + width} tokens exceeds the KV cache of {self.max_length}"
             )
         binding, bufs = self._binding(width, keep=slot is not None)
+        if feed_argmax_of is not None and (
+            n != 1 or width != 1 or "argmax" not in feed_argmax_of.bufs
+        ):
+            raise InvalidInputError("a device-fed step takes one token from a device argmax")
+        host = np.zeros(bufs["inputs"].shape, np.int64)
         if feed_argmax_of is None:
-            ids = np.zeros((1, width), np.int64)
-            ids[0, :n] = tokens
-            self.provider.write_from_host(bufs["ids"], ids)
-        else:
-            if n != 1 or width != 1 or "argmax" not in feed_argmax_of.bufs:
-                raise InvalidInputError("a device-fed step takes one token from a device argmax")
+            host[:n] = tokens
+        if "pos" in bufs:
+            host[width : 2 * width] = np.arange(start, start + width)
+        if "mask" in bufs:
+            host[host.size - self.max_length :][: start + width] = 1
+        self.provider.write_from_host(bufs["inputs"], host)
+        if feed_argmax_of is not None:  # after the upload, on the same stream
             last = feed_argmax_of.n - 1
             self.provider.copy_array(feed_argmax_of.bufs["argmax"][:, last : last + 1], bufs["ids"])
-        if "mask" in bufs:
-            self._mask_host[0, : start + width] = 1
-            self._mask_host[0, start + width :] = 0
-            self.provider.write_from_host(bufs["mask"], self._mask_host)
-        if "pos" in bufs:
-            self.provider.write_from_host(
-                bufs["pos"], np.arange(start, start + width, dtype=np.int64)[None, :]
-            )
         if slot is None:
             self.session.executor.run_bound_eager(binding)
         else:

@@ -85,6 +85,7 @@ class CUDAProvider(ExecutionProvider):
             self._upload(host, buf)
             return Tensor(buf, DType.from_numpy(host.dtype), self._device)
         dst = out.buffer
+        self._shadow.pop(_shadow_key(dst), None)  # overwritten: its host copy is stale
         host = np.asarray(np.broadcast_to(host, dst.shape), dtype=dst.dtype, order="C")
         if dst.flags.c_contiguous:
             self._upload(host, dst)
