@@ -89,6 +89,7 @@ class DraftModelProposer(Proposer):
         self.fed: list[int] = []
         self.min_confidence = min_confidence
         self._logits: np.ndarray | None = None
+        self._width = 0
 
     def close(self) -> None:
         self.model.release_runner(self)
@@ -104,7 +105,12 @@ class DraftModelProposer(Proposer):
         self.runner.rewind_to(common)
         self.fed = tokens[:common]
         todo = tokens[common:]
-        width = k + 1
+        # One catch-up width for the whole generation (k shrinks near max_length, and a new
+        # width would be a new binding: a VERIFY graph captured again).
+        self._width = max(self._width, k + 1)
+        width = self._width
+        if common + width > self.runner.max_length:
+            width = k + 1
         if len(tokens) + k > self.runner.max_length:
             return []
         if len(todo) > width:  # a prompt: one eager prefill

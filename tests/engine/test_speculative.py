@@ -183,3 +183,17 @@ def test_unrolled_mtp_chain_equals_running_the_head_k_times(qwen2_dir, k):
         token = np.array([[int(np.argmax(logits[0, 0]))]], np.int64)
         assert drafts[0, i] == token[0, 0]
         np.testing.assert_allclose(confs[0, i], p.max(), rtol=1e-5)
+
+
+def test_draft_model_graphs_survive_generation_ends_and_reuse(qwen2_dir):
+    """Near max_length fewer drafts fit; the draft model still catches up at one width, so its
+    VERIFY graph is captured once across generations (no new binding, no recapture)."""
+    from onnx_genrt.engine import generate
+
+    model = Model(qwen2_dir)
+    for prompt in PROMPTS[:3]:
+        res = generate(model, prompt, max_new_tokens=40, spec="draft", k=4, ignore_eos=True)
+    for slot, stats in res.graph_stats["proposer"].items():
+        assert stats["captures"] == 1 and stats["invalidations"] == 0, (slot, stats)
+    for slot, stats in res.graph_stats["target"].items():
+        assert stats["captures"] == 1 and stats["invalidations"] == 0, (slot, stats)
