@@ -185,6 +185,26 @@ def test_copies_large_noncontiguous_and_many_small(cp, prov, rng):
     np.testing.assert_array_equal(prov.copy_to_host(dst), host)
 
 
+def test_copy_array_and_reads_queued_behind_later_work(cp, prov, rng):
+    """copy_array (a memcpy when contiguous, else a kernel); read_later values stay right
+    while more uploads, copies and reads are queued before they are collected."""
+    a = prov.as_array(rng.standard_normal((3, 8)).astype(np.float32))
+    b = prov.allocate((3, 8), DType.FLOAT32).buffer
+    prov.copy_array(a, b)
+    np.testing.assert_array_equal(prov.to_numpy(b), prov.to_numpy(a))
+    strided = prov.allocate((8, 3), DType.FLOAT32).buffer
+    prov.copy_array(a.T, strided)
+    np.testing.assert_array_equal(prov.to_numpy(strided), prov.to_numpy(a).T)
+    hosts = [rng.standard_normal(4096).astype(np.float32) for _ in range(100)]
+    buf = prov.allocate((4096,), DType.FLOAT32).buffer
+    pending = []
+    for h in hosts:  # 100 x 2 x 16 KiB through a 1 MiB ring: it wraps while reads pend
+        prov.write_from_host(buf, h)
+        pending.append(prov.read_later([buf]))
+    for h, fetch in zip(hosts, pending, strict=True):
+        np.testing.assert_array_equal(fetch()[0], h)
+
+
 def test_small_int_constants_keep_a_host_copy(prov):
     shape = np.array([2, -1], np.int64)
     dev = prov.as_array(shape)
