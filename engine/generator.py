@@ -112,6 +112,12 @@ class Generator:
             self._next = step.wait()
             self._hidden_at = (self._next, step.n - 1)
         out = self._next
+        if self._ahead is not None and self._masks_argmax(out):
+            # The queued step overwrote this step's logits, which the masked pick reads:
+            # drop it and run this step again.
+            self._cancel_ahead()
+            self.runner.rewind_to(self.runner.cache.length - 1)
+            out = self._next = self.runner.forward(self._take_pending(), DeviceGraphSlot.PRIMARY)
         token = self._choose(out, -1, self.tokens)
         self.tokens.append(token)
         self._next = None
@@ -121,19 +127,23 @@ class Generator:
 
     def _may_look_ahead(self) -> bool:
         """Whether to queue the next step (fed this step's device argmax) before reading
-        this one back: plain greedy on a provider whose reads are asynchronous, while the
-        pick is surely the argmax (no end-of-sequence masking before ``min_length``) and
+        this one back: plain greedy on a provider whose reads are asynchronous, while
         another token will follow. The queued step overwrites this step's buffers, which
-        is fine as only its argmax is read."""
+        is fine as only its argmax is read (see ``_masks_argmax`` for the exception)."""
         wanted = self.look_ahead
         if wanted is None:
             wanted = self.runner.provider.ASYNC_READS
         if not wanted or not self._plain_greedy or not self.runner.device_argmax:
             return False
-        if self.eos and len(self.tokens) < self.search.min_length:
-            return False
         room = len(self.tokens) + 2 <= self.search.max_length
         return room and self.runner.cache.length + 1 <= self.runner.max_length
+
+    def _masks_argmax(self, out: StepOutput) -> bool:
+        """Whether the pick from ``out`` is not its argmax: an end-of-sequence argmax before
+        ``min_length`` is masked, and the pick is made from the logits."""
+        if not self.eos or len(self.tokens) >= self.search.min_length:
+            return False
+        return int(out.tokens[-1]) in self.eos
 
     def _cancel_ahead(self) -> None:
         """Drop the queued step: its position is rewound and later steps overwrite it."""

@@ -72,18 +72,17 @@ class Tokenizer:
 
 
 class TokenizerStream:
-    """Decode one token at a time, emitting only complete characters."""
+    """Decode one token at a time, emitting only complete characters.
+
+    Uses ``tokenizers``' own incremental ``DecodeStream``, which decodes a short window of
+    recent ids per step (decoding the whole sequence each step costs O(length) per token).
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._emitted = 0
+        from tokenizers.decoders import DecodeStream
+
+        self._hf = tokenizer._tok
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def decode(self, token: int) -> str:
-        self._ids.append(int(token))
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-            return ""
-        new = text[self._emitted :]
-        self._emitted = len(text)
-        return new
+        return self._stream.step(self._hf, int(token)) or ""

@@ -57,6 +57,7 @@ class CUDAProvider(ExecutionProvider):
         self._staging_used = 0
         # Reads queued by ``read_later`` whose views still sit in the staging ring.
         self._pending_reads: list[_PendingRead] = []
+        self._events: list[Any] = []  # idle events for read_later, reused
         self._shadow: OrderedDict[tuple, tuple[Any, np.ndarray]] = OrderedDict()
         self._scratch: Any = None
         self._retired_scratch: list[Any] = []
@@ -86,7 +87,8 @@ class CUDAProvider(ExecutionProvider):
             return Tensor(buf, DType.from_numpy(host.dtype), self._device)
         dst = out.buffer
         self._shadow.pop(_shadow_key(dst), None)  # overwritten: its host copy is stale
-        host = np.asarray(np.broadcast_to(host, dst.shape), dtype=dst.dtype, order="C")
+        if host.shape != dst.shape or host.dtype != dst.dtype or not host.flags.c_contiguous:
+            host = np.asarray(np.broadcast_to(host, dst.shape), dtype=dst.dtype, order="C")
         if dst.flags.c_contiguous:
             self._upload(host, dst)
         else:
@@ -169,9 +171,9 @@ class CUDAProvider(ExecutionProvider):
                     view.ctypes.data, a.data.ptr, int(a.nbytes), 2, self.stream.ptr
                 )  # 2: device to host
             views.append(view)
-        event = cupy.cuda.Event(disable_timing=True)
+        event = self._events.pop() if self._events else cupy.cuda.Event(disable_timing=True)
         event.record(self.stream)
-        pending = _PendingRead(views, event, self._pending_reads)
+        pending = _PendingRead(views, event, self._pending_reads, self._events)
         self._pending_reads.append(pending)
         return pending.result
 
@@ -364,15 +366,17 @@ class _DeviceStream:
 class _PendingRead:
     """Host copies queued by ``read_later``: views into the staging ring until the event."""
 
-    def __init__(self, views: list[np.ndarray], event: Any, registry: list) -> None:
-        self._views, self._event, self._registry = views, event, registry
+    def __init__(self, views: list[np.ndarray], event: Any, registry: list, idle: list) -> None:
+        self._views, self._event, self._registry, self._idle = views, event, registry, idle
         self._values: list[np.ndarray] | None = None
 
     def materialize(self) -> None:
-        """Copy out of the ring (the caller has synchronized the stream)."""
+        """Copy out of the ring (the caller has synchronized the stream, or the event)."""
         if self._values is None:
             self._values = [v.copy() for v in self._views]
             self._views = []
+            self._idle.append(self._event)  # it has fired: free to record again
+            self._event = None
 
     def result(self) -> list[np.ndarray]:
         if self._values is None:

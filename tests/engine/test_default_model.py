@@ -60,3 +60,16 @@ def test_generate_cli_streams_text(capsys):
     )
     out = capsys.readouterr().out
     assert out.startswith("def add(a, b):") and len(out) > len("def add(a, b):")
+
+
+@pytest.mark.parametrize(
+    "text", ["    def __init__(self):\n", "s = 'é∑😀 ünïcode'\n", "a\u00a0b\tc"]
+)
+def test_streamed_text_equals_decoding_all_ids(model, text):
+    """Token by token (multi-byte characters split across tokens) the stream emits exactly
+    what decoding every id at once gives."""
+    ids = model.tokenizer.encode(text)
+    stream = model.tokenizer.create_stream()
+    pieces = [stream.decode(t) for t in ids]
+    assert "".join(pieces) == model.tokenizer.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
