@@ -139,7 +139,7 @@ class PendingStep:
         self,
         runner: DecoderRunner,
         bufs: dict[str, Any],
-        start: int,
+        start: int | None,
         n: int,
         slot: DeviceGraphSlot | None,
         queued: list[str],
@@ -253,7 +253,7 @@ class DecoderRunner:
 
     def launch(
         self,
-        tokens: list[int] | np.ndarray,
+        tokens: list[int] | np.ndarray | None,
         slot: DeviceGraphSlot | None,
         width: int | None = None,
         after: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
@@ -264,7 +264,14 @@ class DecoderRunner:
         With ``feed_argmax_of``, the step's one token is that earlier step's last device
         argmax, copied on the device: greedy decoding can queue step t+1 before the host
         has read step t's token, so the GPU never waits for the host.
+
+        ``tokens=None`` runs a step of ``width`` whose inputs (ids, positions, mask) are
+        already on the device, written by work queued before it (the MTP chain after a
+        verify step). Its start is not known here: the cache length is left alone, and the
+        caller sets it once it has read the step before.
         """
+        if tokens is None:
+            return self._launch_device_fed(slot, width, after)
         n = len(tokens)
         width = width or n
         start = self.cache.length
@@ -295,6 +302,35 @@ class DecoderRunner:
         else:
             self.session.run_with_iobinding(binding, slot)
         self.cache.length = start + n
+        return self._queue_reads(bufs, start, n, slot, after)
+
+    def _launch_device_fed(
+        self,
+        slot: DeviceGraphSlot | None,
+        width: int | None,
+        after: Callable[[dict[str, Any]], dict[str, Any]] | None,
+    ) -> PendingStep:
+        if slot is None or width is None:
+            raise InvalidInputError("a step fed on the device needs a graph slot and a width")
+        # It starts at most where the cache's length says (the previous step's rows, some
+        # perhaps rejected), so this bound is safe.
+        if self.cache.length + width > self.max_length:
+            raise InvalidInputError(
+                f"a step of {width} after {self.cache.length} positions exceeds the KV cache "
+                f"of {self.max_length}"
+            )
+        binding, bufs = self._binding(width)
+        self.session.run_with_iobinding(binding, slot)
+        return self._queue_reads(bufs, None, width, slot, after)
+
+    def _queue_reads(
+        self,
+        bufs: dict[str, Any],
+        start: int | None,
+        n: int,
+        slot: DeviceGraphSlot | None,
+        after: Callable[[dict[str, Any]], dict[str, Any]] | None,
+    ) -> PendingStep:
         queued = after(bufs) if after is not None else {}
         if "nonfinite" in bufs:  # probe, argmax and the queued arrays in one transfer
             fetch = self.provider.read_later([bufs["nonfinite"], bufs["argmax"], *queued.values()])
@@ -321,9 +357,9 @@ class DecoderRunner:
             ok = bool(np.isfinite(self.provider.to_numpy(bufs["logits"])[0, :n]).all())
         if not ok:
             slot = step.slot
+            where = f"{start}..{start + n - 1}" if start is not None else f"of a {n}-row step"
             raise NonFiniteError(
-                f"non-finite logits at positions {start}..{start + n - 1} "
-                f"(slot {slot.value if slot else 'eager'})"
+                f"non-finite logits at positions {where} (slot {slot.value if slot else 'eager'})"
             )
         extra = {name: read.pop(name) for name in step.queued}
         return StepOutput(self.provider, bufs, n, read, extra)

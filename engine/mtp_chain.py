@@ -192,3 +192,80 @@ def after_verify(
     model = helper.make_model(graph, opset_imports=list(chain.opset_import))
     model.ir_version = chain.ir_version
     return model
+
+
+#: Input and outputs of an after-verify chain that also writes the next verify's inputs.
+VERIFY_START = "verify_start"
+NEXT_IDS = "next_input_ids"
+NEXT_POSITIONS = "next_position_ids"
+NEXT_MASK = "next_attention_mask"
+NEXT_COUNT = "next_draft_count"
+NEXT_START = "next_verify_start"
+
+
+def with_next_inputs(
+    after: onnx.ModelProto,
+    k: int,
+    min_confidence: float,
+    mask_length: int | None,
+    positions: bool,
+    ids_input: str = "input_ids",
+) -> onnx.ModelProto:
+    """``after`` (from :func:`after_verify`) that also writes the next verify step's inputs.
+
+    New input: ``verify_start`` [1], the cache length the verify step started at. New
+    outputs: the next step's start (``start + accepted + 1``), its ids (the new pending token
+    and the chain's k drafts), its position ids and attention mask (when the decoder takes
+    them) and its real draft count (the leading drafts with confidence >= ``min_confidence``,
+    as ``MTPProposer.confident`` counts them). Bound to the decoder's own input buffers, they
+    let the next verify be queued before the host has read this one back.
+    """
+    g = after.graph
+    p = "next/"
+    i64 = TensorProto.INT64
+    inits = [
+        numpy_helper.from_array(np.array([1], np.int64), p + "1"),
+        numpy_helper.from_array(np.arange(k + 1, dtype=np.int64)[None, :], p + "arange_w"),
+        numpy_helper.from_array(np.array(min_confidence, np.float32), p + "min_conf"),
+        numpy_helper.from_array(np.ones((1, 1), np.float32), p + "end"),
+        numpy_helper.from_array(np.array([k + 1], np.int64), p + "width"),
+    ]
+    nodes = [
+        helper.make_node("Add", [ACCEPTED, p + "1"], [p + "advance"]),
+        helper.make_node("Add", [VERIFY_START, p + "advance"], [NEXT_START]),
+        helper.make_node("Concat", [ids_input, DRAFTS], [NEXT_IDS], axis=1),
+        helper.make_node("Less", [CONFIDENCES, p + "min_conf"], [p + "low"]),
+        helper.make_node("Cast", [p + "low"], [p + "low_f"], to=TensorProto.FLOAT),
+        helper.make_node("Concat", [p + "low_f", p + "end"], [p + "stops"], axis=1),
+        helper.make_node("ArgMax", [p + "stops"], [NEXT_COUNT], axis=1, keepdims=0),
+    ]
+    outputs = [
+        helper.make_tensor_value_info(NEXT_START, i64, [1]),
+        helper.make_tensor_value_info(NEXT_IDS, i64, [1, k + 1]),
+        helper.make_tensor_value_info(NEXT_COUNT, i64, [1]),
+    ]
+    if positions:
+        nodes.append(helper.make_node("Add", [NEXT_START, p + "arange_w"], [NEXT_POSITIONS]))
+        outputs.append(helper.make_tensor_value_info(NEXT_POSITIONS, i64, [1, k + 1]))
+    if mask_length is not None:
+        inits.append(
+            numpy_helper.from_array(np.arange(mask_length, dtype=np.int64)[None, :], p + "arange_l")
+        )
+        nodes += [
+            helper.make_node("Add", [NEXT_START, p + "width"], [p + "end_pos"]),
+            helper.make_node("Less", [p + "arange_l", p + "end_pos"], [p + "mask_b"]),
+            helper.make_node("Cast", [p + "mask_b"], [NEXT_MASK], to=i64),
+        ]
+        outputs.append(helper.make_tensor_value_info(NEXT_MASK, i64, [1, mask_length]))
+    for i, node in enumerate(nodes):
+        node.name = f"{p}{i}_{node.op_type}"
+    graph = helper.make_graph(
+        list(g.node) + nodes,
+        f"{g.name}_next",
+        [*g.input, helper.make_tensor_value_info(VERIFY_START, i64, [1])],
+        [*g.output, *outputs],
+        list(g.initializer) + inits,
+    )
+    model = helper.make_model(graph, opset_imports=list(after.opset_import))
+    model.ir_version = after.ir_version
+    return model

@@ -19,11 +19,18 @@ from .mtp_chain import (
     CONFIDENCES,
     DRAFT_COUNT,
     DRAFTS,
+    NEXT_COUNT,
+    NEXT_IDS,
+    NEXT_MASK,
+    NEXT_POSITIONS,
+    NEXT_START,
     VERIFY_ARGMAX,
     VERIFY_HIDDEN,
     VERIFY_IDS,
+    VERIFY_START,
     after_verify,
     unroll_mtp_head,
+    with_next_inputs,
 )
 
 
@@ -203,12 +210,18 @@ class MTPProposer(Proposer):
         return out
 
     def chain_hook(
-        self, runner: Any, k: int, n_drafts: int
+        self, runner: Any, k: int, n_drafts: int | None, start: int | None = None
     ) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
         """For ``runner.forward(..., after=hook)`` on a verify step of width ``k + 1``: runs
         the chain on that step's outputs on the device (``mtp_chain.after_verify``), on the
         target's own provider and stream, so the verify and the next drafts come back in one
-        read. None when the runner has no hidden-states or argmax outputs."""
+        read. The chain also writes the next verify's inputs into the runner's buffers
+        (``mtp_chain.with_next_inputs``), so that step can be queued before this one is read.
+
+        ``n_drafts`` and ``start`` (the verify's first position) are uploaded for a step
+        whose inputs the host wrote; both None means the inputs came from the previous
+        chain on the device. None when the runner has no hidden-states or argmax outputs.
+        """
         key = (id(runner), k)
         if key not in self._after:
             bufs = runner.step_buffers(k + 1)
@@ -219,12 +232,17 @@ class MTPProposer(Proposer):
         built = self._after[key]
         if built is None:
             return None
-        session, binding, count_buf, outs = built
+        session, binding, control, outs = built
         provider = session.main_provider
-        count = np.array([n_drafts], np.int64)
+        host = None
+        if n_drafts is not None:
+            if start is None:
+                raise ValueError("a host-fed verify step needs its start position")
+            host = np.array([n_drafts, start], np.int64)
 
         def hook(_bufs: dict[str, Any]) -> dict[str, Any]:
-            provider.write_from_host(count_buf, count)
+            if host is not None:
+                provider.write_from_host(control, host)
             session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
             return outs
 
@@ -234,26 +252,43 @@ class MTPProposer(Proposer):
         names = {n: v for n, v in self.names.items()}
         chain = unroll_mtp_head(self.head, k, **names)
         hidden_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(bufs["hidden"].dtype))
+        ids_input = names.get("ids_input", "input_ids")
         model = after_verify(
             chain,
             k,
             names.get("hidden_input", "hidden_states"),
-            names.get("ids_input", "input_ids"),
+            ids_input,
             verify_hidden_type=hidden_type,
+        )
+        mask_length = int(bufs["mask"].shape[-1]) if "mask" in bufs else None
+        model = with_next_inputs(
+            model, k, self.min_confidence, mask_length, "pos" in bufs, ids_input
         )
         session = self.make_session(model, runner.provider)
         b = session.io_binding()
         b.bind_input(VERIFY_IDS, bufs["ids"])
         b.bind_input(VERIFY_ARGMAX, bufs["argmax"])
         b.bind_input(VERIFY_HIDDEN, bufs["hidden"])
-        count = b.bind_input(DRAFT_COUNT, np.zeros((1,), np.int64))
+        # [draft count, verify start]: uploaded together by a host-fed step, advanced in
+        # place by the chain (inputs and outputs share the buffers, like a KV cache).
+        control = runner.provider.as_array(np.zeros(2, np.int64))
+        count, start = control[0:1], control[1:2]
+        b.bind_input(DRAFT_COUNT, count)
+        b.bind_input(VERIFY_START, start)
+        b.bind_output(NEXT_COUNT, count)
+        b.bind_output(NEXT_START, start)
+        b.bind_output(NEXT_IDS, bufs["ids"])
+        if "pos" in bufs:
+            b.bind_output(NEXT_POSITIONS, bufs["pos"])
+        if "mask" in bufs:
+            b.bind_output(NEXT_MASK, bufs["mask"])
         outs = {
             "drafts": b.bind_output(DRAFTS, shape=(1, k), dtype=np.int64),
             "confidences": b.bind_output(CONFIDENCES, shape=(1, k), dtype=np.float32),
             "accepted": b.bind_output(ACCEPTED, shape=(1,), dtype=np.int64),
         }
         self._after_sessions.append(session)
-        return session, b, count, outs
+        return session, b, control, outs
 
     @staticmethod
     def _feed_hidden(provider: Any, hidden: HiddenState | np.ndarray, dst: Any) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
+from .decoder import PendingStep
 from .generator import Generator
 from .model import GeneratorParams, Model
 from .proposers import Proposer
@@ -60,11 +61,19 @@ class SpeculativeGenerator(Generator):
         self.spec = SpeculationStats()
         # Drafts the proposer already made on the device right after the last verify.
         self._chained: list[int] | None = None
+        # The next verify, queued before the last one was read (its inputs written on the
+        # device by the MTP chain); see _may_pipeline.
+        self._queued: PendingStep | None = None
+        self._hidden_stale = False
 
     # Plain steps must keep their buffers (the MTP head reads the hidden row).
     look_ahead = False
+    #: Queue the next verify step before this one is read back (greedy MTP): None (default)
+    #: where the provider reads asynchronously (a GPU), True or False to force it.
+    pipeline: bool | None = None
 
     def close(self) -> None:
+        self._queued = None
         super().close()
         self.proposer.close()
 
@@ -80,7 +89,12 @@ class SpeculativeGenerator(Generator):
         fits = self.runner.cache.length + self.k + 1 <= self.runner.max_length
         k = min(self.k, room) if fits else 0
         chained, self._chained = self._chained, None
-        if k <= 0:
+        queued, self._queued = self._queued, None
+        if queued is not None:  # its inputs are the pending token and ``chained``
+            self._verify(chained or [], queued)
+            return
+        stale, self._hidden_stale = self._hidden_stale, False
+        if k <= 0 or stale:
             drafts = []
         elif chained is not None:
             drafts = chained
@@ -92,16 +106,35 @@ class SpeculativeGenerator(Generator):
             return super().generate_next_token()
         self._verify(drafts)
 
-    def _verify(self, drafts: list[int]) -> None:
+    def _verify(self, drafts: list[int], queued: PendingStep | None = None) -> None:
         pending = self.tokens[-1]
         start = self.runner.cache.length
-        hook = None
         chain_hook = getattr(self.proposer, "chain_hook", None)
-        if chain_hook is not None and self._plain_greedy:
-            hook = chain_hook(self.runner, self.k, len(drafts))
-        out = self.runner.forward(
-            [pending, *drafts], DeviceGraphSlot.VERIFY, width=self.k + 1, after=hook
-        )
+        if chain_hook is None or not self._plain_greedy:
+            chain_hook = None
+        if queued is not None:  # fed on the device from [pending, *drafts]
+            self.runner.cache.length = start + 1 + len(drafts)
+            step = queued
+        else:
+            hook = chain_hook(self.runner, self.k, len(drafts), start) if chain_hook else None
+            step = self.runner.launch(
+                [pending, *drafts], DeviceGraphSlot.VERIFY, width=self.k + 1, after=hook
+            )
+        if chain_hook is not None and self._may_pipeline():
+            hook = chain_hook(self.runner, self.k, None)
+            if hook is not None:
+                self._queued = self.runner.launch(
+                    None, DeviceGraphSlot.VERIFY, width=self.k + 1, after=hook
+                )
+        out = step.wait()
+        if self._queued is not None and self._masks_a_row(out, len(drafts)):
+            # The queued step overwrote this one's logits, which a masked pick reads.
+            self._queued = None  # it runs first (same stream); the rerun then overwrites
+            self.runner.rewind_to(start)
+            hook = chain_hook(self.runner, self.k, len(drafts), start) if chain_hook else None
+            out = self.runner.forward(
+                [pending, *drafts], DeviceGraphSlot.VERIFY, width=self.k + 1, after=hook
+            )
         history = list(self.tokens)
         new: list[int] = []
         accepted = 0
@@ -133,6 +166,35 @@ class SpeculativeGenerator(Generator):
         self.spec.accepted_lengths.append(accepted)
         if out.extra:
             self._take_chained(out, accepted, new)
+        if self._queued is not None and (self._chained is None or self.is_done()):
+            # It runs on past the length (later steps overwrite that), but it rewrites this
+            # step's hidden states, so the next proposal waits for a plain step's.
+            self._queued = None
+            self._hidden_stale = True
+
+    def _may_pipeline(self) -> bool:
+        """Whether to queue the next verify before reading this one: on an asynchronous
+        provider, while two more full steps surely fit."""
+        wanted = self.pipeline
+        if wanted is None:
+            wanted = self.runner.provider.ASYNC_READS
+        room = 2 * (self.k + 1)
+        return (
+            bool(wanted)
+            and len(self.tokens) + room <= self.search.max_length
+            and self.runner.cache.length + room <= self.runner.max_length
+        )
+
+    def _masks_a_row(self, out, n_drafts: int) -> bool:
+        """Whether some row's pick may differ from its argmax (end-of-sequence masked before
+        ``min_length``), so the host would read that row's logits."""
+        if not self.eos:
+            return False
+        rows = out.tokens[: n_drafts + 1].tolist()
+        return any(
+            t in self.eos and len(self.tokens) + i < self.search.min_length
+            for i, t in enumerate(rows)
+        )
 
     def _take_chained(self, out, accepted: int, new: list[int]) -> None:
         """Keep the drafts chained on the device when they continue from what was emitted:
@@ -146,10 +208,12 @@ class SpeculativeGenerator(Generator):
 
     def append_tokens(self, ids) -> None:
         self._chained = None
+        self._queued = None
         super().append_tokens(ids)
 
     def rewind_to(self, length: int) -> None:
         self._chained = None
+        self._queued = None
         super().rewind_to(length)
 
     def _accept(self, logits: np.ndarray, draft: int | None) -> tuple[int, bool]:

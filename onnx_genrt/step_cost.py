@@ -34,7 +34,7 @@ def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> di
     ]
     if model.config.speculative.get("mtp"):
         proposer = make_proposer(model, "mtp", context + k + 2)
-        hook = proposer.chain_hook(runner, k, k)
+        hook = proposer.chain_hook(runner, k, k, context)
         if hook is not None:
             cases.append(("verify+mtp", DeviceGraphSlot.VERIFY, k + 1, hook))
     times: dict[str, list[float]] = {name: [] for name, *_ in cases}

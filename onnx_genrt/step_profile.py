@@ -130,7 +130,7 @@ def profile_step(
         if width < 2:
             raise SystemExit("--mtp needs --width k+1 >= 2")
         proposer = make_proposer(model, "mtp", context + width + 2)
-        hook = proposer.chain_hook(runner, width - 1, width - 1)
+        hook = proposer.chain_hook(runner, width - 1, width - 1, context)
         if hook is None:
             raise SystemExit(f"{folder}: the model has no hidden-states output for MTP")
         chain_session, chain_binding = proposer._after[(id(runner), width - 1)][:2]

@@ -73,3 +73,48 @@ def test_streamed_text_equals_decoding_all_ids(model, text):
     pieces = [stream.decode(t) for t in ids]
     assert "".join(pieces) == model.tokenizer.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_pipelined_mtp_equals_greedy(model, k, monkeypatch):
+    """The next verify queued with inputs the MTP chain wrote on the device (a GPU's
+    default, forced here on the CPU) changes no token: with eos, eos masked before
+    min_length, and near max_length."""
+    from onnx_genrt.engine.decoder import DecoderRunner
+    from onnx_genrt.engine.speculative import SpeculativeGenerator
+
+    launched = []
+    real_launch = DecoderRunner.launch
+
+    def spy(self, tokens, *args, **kwargs):
+        launched.append(tokens is None)
+        return real_launch(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderRunner, "launch", spy)
+    monkeypatch.setattr(SpeculativeGenerator, "pipeline", True)
+    for prompt in PROMPTS:
+        greedy = generate(model, prompt, max_new_tokens=40, ignore_eos=True)
+        fast = generate(model, prompt, max_new_tokens=40, spec="mtp", k=k, ignore_eos=True)
+        assert fast.tokens == greedy.tokens, prompt
+        new = greedy.tokens[greedy.prompt_tokens :]
+        eos = new[10]
+        first = new.index(eos)
+        for min_length in (0, greedy.prompt_tokens + first + 4):
+            want = _with_eos(model, prompt, eos, min_length, None)
+            assert _with_eos(model, prompt, eos, min_length, k) == want, (prompt, min_length)
+    assert any(launched), "no verify step was fed on the device"
+
+
+def _with_eos(model, prompt, eos, min_length, k):
+    from onnx_genrt.engine import GeneratorParams
+    from onnx_genrt.engine.api import make_generator
+
+    ids = model.tokenizer.encode(prompt)
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + 40, min_length=min_length)
+    with make_generator(model, params, None if k is None else "mtp", k or 4) as gen:
+        gen.eos = {eos}
+        gen.append_tokens(ids)
+        while not gen.is_done():
+            gen.generate_next_token()
+        return gen.get_sequence()

@@ -107,3 +107,39 @@ def test_look_ahead_greedy_matches_step_by_step_greedy(model):
                 seqs.append(gen.get_sequence())
             assert (queued > 0) == look_ahead
         assert seqs[0] == seqs[1], prompt
+
+
+def test_pipelined_mtp_with_eos_and_min_length(model, monkeypatch):
+    """MTP on the GPU queues each verify with inputs the chain wrote on the device; with an
+    eos token (and eos masked before min_length) the tokens still equal greedy's."""
+    from onnx_genrt.engine import GeneratorParams
+    from onnx_genrt.engine.api import make_generator
+    from onnx_genrt.engine.decoder import DecoderRunner
+
+    device_fed = []
+    real_launch = DecoderRunner.launch
+
+    def spy(self, tokens, *args, **kwargs):
+        device_fed.append(tokens is None)
+        return real_launch(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderRunner, "launch", spy)
+
+    def run(prompt, eos, min_length, spec):
+        ids = model.tokenizer.encode(prompt)
+        params = GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + 48, min_length=min_length)
+        with make_generator(model, params, spec, 4) as gen:
+            gen.eos = {eos}
+            gen.append_tokens(ids)
+            while not gen.is_done():
+                gen.generate_next_token()
+            return gen.get_sequence()
+
+    for prompt in PROMPTS:
+        greedy = _generate(model, prompt)
+        new = greedy.tokens[greedy.prompt_tokens :]
+        eos = new[12]
+        for min_length in (0, greedy.prompt_tokens + new.index(eos) + 5):
+            assert run(prompt, eos, min_length, "mtp") == run(prompt, eos, min_length, None)
+    assert any(device_fed), "no verify step was fed on the device"
