@@ -634,6 +634,42 @@ def test_matmul_nbits_other_bits_and_many_words(cp, prov, rng, bits, block, k, n
     close(got[0], want[0], np.float32, scale=2)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("zp_kind", [None, "u8", "float"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize(
+    "k,n,block,lanes",
+    [
+        (896, 4099, 32, 4),  # the lm_head split (7 chunks a lane), odd column tail
+        (896, 4099, 32, 16),  # 2 chunks a lane, the second round 12 of 16 lanes
+        (96, 1001, 32, 2),  # 3 chunks: lane 1 idle in round 2
+        (2048, 4099, 64, 8),  # the largest K: 8 chunks a lane, 2 chunks a block
+        (896, 20001, 128, None),  # the split's own choice, which must be this kernel
+    ],
+)
+def test_matmul_nbits_small_k(cp, prov, rng, monkeypatch, k, n, block, lanes, m, zp_kind, dtype):
+    """``nbits4_gemv16_small_k`` (a few lanes a column) against float64, bias at M=3."""
+    from onnx_genrt.providers.cuda.kernels import contrib_quant as cq
+
+    chunks = k // 32
+    if lanes is None:
+        assert cq.SMALL_K_GEMV and cq.nbits4_small_k_split(chunks, n, cq.sm_count()) is not None
+    else:
+        split = (lanes, -(-chunks // lanes))
+        monkeypatch.setattr(cq, "nbits4_small_k_split", lambda *_: split)
+    names = []
+    real = cq.function
+    monkeypatch.setattr(cq, "function", lambda src, name: names.append(name) or real(src, name))
+    inputs, attrs = nbits_case(rng, m, k, n, block, 4, dtype, zp_kind, with_bias=m == 3)
+    while inputs[-1] is None and len(inputs) > 3:
+        inputs.pop()
+    info = node("MatMulNBits", inputs, attrs=attrs, opset=1, domain=MS_DOMAIN)
+    want = reference(info, inputs, nbits_np(attrs))
+    got, _, _ = run_gpu(cp, prov, info, inputs, [((1, m, n), dtype)])
+    assert names and names[-1].startswith("nbits4_gemv16_small_k<"), names
+    close(got[0], want[0], dtype, scale=2)
+
+
 def test_matmul_nbits_capture_small_m_refuse_large_m(cp, fresh, rng):
     from onnx_genrt.providers.cuda.kernels._common import CaptureUnsupported
 
@@ -1018,8 +1054,9 @@ def test_llm_kernel_timings(cp, fresh, rng):
                 )
     from onnx_genrt.providers.cuda.kernels import contrib_quant
 
-    stream = contrib_quant.STREAM_GEMV
-    for k, n, m in ((896, 4864, 1), (896, 4864, 4), (4864, 896, 1), (896, 151936, 1)):
+    small_k = contrib_quant.SMALL_K_GEMV
+    shapes = ((896, 4864, 1), (896, 4864, 4), (4864, 896, 1), (896, 151936, 1), (896, 151936, 8))
+    for k, n, m in shapes:
         inputs, attrs = nbits_case(rng, m, k, n, 32, 4, np.float16, None, False)
         d_in = [dev(prov, x) for x in inputs[:3]]
         info = node("MatMulNBits", inputs[:3], attrs=attrs, opset=1, domain=MS_DOMAIN)
@@ -1030,13 +1067,15 @@ def test_llm_kernel_timings(cp, fresh, rng):
             launch(prov, info, d_in, [y])
 
         nbytes = sum(int(x.nbytes) for x in d_in[1:3])
-        for variant in (True, False):
-            contrib_quant.STREAM_GEMV = variant
+        split = contrib_quant.nbits4_small_k_split(k // 32, n, contrib_quant.sm_count())
+        for variant in (True, False):  # ONNX_GENRT_NBITS_SMALL_K on / off
+            contrib_quant.SMALL_K_GEMV = variant
             try:
                 us = _graph_us(cp, prov, gemv)
             finally:
-                contrib_quant.STREAM_GEMV = stream
-            kind = "stream" if variant and k <= 1024 else "one-round"
+                contrib_quant.SMALL_K_GEMV = small_k
+            on = variant and split is not None and m <= contrib_quant.SMALL_K_MAX_M
+            kind = f"small-K {split[0]} lanes/column" if on else "chunk16 warp/column"
             lines.append(
                 f"MatMulNBits int4 GEMV fp16 M={m} K={k} N={n} block 32 ({kind}): {us:.1f} us "
                 f"({nbytes / us / 1e3:.0f} GB/s of weights+scales)"

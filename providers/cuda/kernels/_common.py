@@ -169,8 +169,11 @@ DEVI void st(half_t* p, long long i, float v) { p[i] = f2h(v); }
 
 DEVI float neg_inf() { return __int_as_float(0xff800000); }
 
+// Sum over aligned groups of W lanes (the whole warp by default); every lane must call it.
+template <int W = 32>
 DEVI float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+#pragma unroll
+  for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 DEVI float warp_max(float v) {

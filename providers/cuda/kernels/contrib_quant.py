@@ -8,7 +8,10 @@ four words per lane per round with their scales and zero points loaded before an
 then the matching activations of up to 16 rows. Accumulation in float32:
 ``y = sum over words of s * sum_k a_k * (q_k - z)``. Rows of at most 128 words (K <= 1024
 at 4 bits) run on a persistent variant whose warps prefetch their next columns' words while
-computing the current ones.
+computing the current ones. 4-bit weights in blocks of a multiple of 32 (aligned) read 16-byte
+chunks instead: ``nbits4_gemv16`` (a warp per column) or, for short rows (at most 64 chunks,
+e.g. K = 896) with M <= 8 and enough columns, ``nbits4_gemv16_small_k``, where a few lanes
+share a column and a warp covers several columns, so a column's sum is a few shuffles.
 
 MatMulNBits, M > 16 (prefill; eager only): the weight is dequantized once into the
 activation dtype as ``[N, K]`` (cached per weight, see :data:`DEQUANT_CACHE`) and multiplied
@@ -25,6 +28,7 @@ import numpy as np
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
 from onnx_genrt.core.op_rules import NBITS, matmul_nbits_unsupported
 
+from ..gemv_split import nbits4_small_k_split, small_k_blocks
 from ._common import (
     DEVICE_COMMON,
     CaptureUnsupported,
@@ -48,6 +52,12 @@ STREAM_GEMV = os.environ.get("ONNX_GENRT_NBITS_STREAM", "1") != "0"
 #: 4-bit weights with blocks of a multiple of 32 run on ``nbits4_gemv16`` (16-byte loads);
 #: ``ONNX_GENRT_NBITS_CHUNK16=0`` keeps them on the 32-bit-word kernels above.
 CHUNK16_GEMV = os.environ.get("ONNX_GENRT_NBITS_CHUNK16", "1") != "0"
+#: Of those, rows of at most 64 chunks (K <= 2048) with M <= 8 and enough columns to fill the
+#: GPU run on ``nbits4_gemv16_small_k`` (a few lanes a column, several columns a warp; split by
+#: :func:`~onnx_genrt.providers.cuda.gemv_split.nbits4_small_k_split`);
+#: ``ONNX_GENRT_NBITS_SMALL_K=0`` keeps them on ``nbits4_gemv16``.
+SMALL_K_GEMV = os.environ.get("ONNX_GENRT_NBITS_SMALL_K", "1") != "0"
+SMALL_K_MAX_M = 8
 _NBITS = NBITS
 
 _SOURCE = (
@@ -287,6 +297,21 @@ __global__ void __launch_bounds__(256) nbits_gemv_stream(
   }
 }
 
+// One 16-byte chunk (32 4-bit values from k0, one scale and zero) of each column r: its four
+// words through nbits_word. A's rows are 16-byte aligned (the chunk16 kernels check).
+template <typename S, int MT, int NR>
+DEVI void nbits4_chunk(const uint4* q, const float* s, const float* z, int zint, int k0,
+                       const S* __restrict__ A, int M, int K, float (*acc)[MT]) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    unsigned int qw[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+      qw[r] = w == 0 ? q[r].x : w == 1 ? q[r].y : w == 2 ? q[r].z : q[r].w;
+    nbits_word<S, MT, 4, NR>(qw, s, z, zint, k0 + 8 * w, A, M, K, 1, acc);
+  }
+}
+
 // 4-bit weights in blocks of a multiple of 32, K a multiple of 32, rows 16-byte aligned:
 // C[m, n] = sum_k A[m, k] * (q[n, k] - z) * s (+ bias). Block (32, 8), laid out as gemv_nk:
 // warp y owns NR columns and the (y % wpc)-th share of their 16-byte chunks (32 values, one
@@ -328,19 +353,66 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * step;
-      if (c < chunks) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          unsigned int qw[NR];
-#pragma unroll
-          for (int r = 0; r < NR; ++r)
-            qw[r] = w == 0 ? q[u][r].x : w == 1 ? q[u][r].y : w == 2 ? q[u][r].z : q[u][r].w;
-          nbits_word<S, MT, 4, NR>(qw, s[u], z[u], zint, c * 32 + 8 * w, A, M, K, 1, acc);
-        }
-      }
+      if (c < chunks) nbits4_chunk<S, MT, NR>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
     }
   }
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, bias, has_bias);
+}
+
+// Rows of at most 64 chunks (K <= 2048; the split is gemv_split.nbits4_small_k_split): a warp
+// per column would give each lane one or two chunks and then a 5-step warp_sum per column and
+// row. Instead LPC lanes share a column and a warp holds 32 / LPC columns: lane sub = lane %
+// LPC of column n takes chunks sub, sub + LPC, ... (CPL of them), so every load instruction
+// reads LPC * 16 contiguous bytes of each column of the warp, and lanes of equal sub read the
+// same activations (one L1 broadcast). All of a lane's weights, scales and zeros are loaded
+// before the math; a column's sum then takes log2(LPC) shuffles. Block (32, 8), one column
+// group a warp, no shared memory.
+template <typename S, typename W, int MT, int LPC, int CPL>
+__global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
+    const S* __restrict__ A, const uint4* __restrict__ B, const W* __restrict__ scales,
+    const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
+    const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
+    int row_chunks, int zrow, int zp_mode, int has_bias) {
+  static_assert(LPC >= 1 && LPC <= 32 && (LPC & (LPC - 1)) == 0, "LPC: a power of 2 <= 32");
+  const int lane = threadIdx.x, sub = lane % LPC;
+  const long long n = ((long long)blockIdx.x * 8 + threadIdx.y) * (32 / LPC) + lane / LPC;
+  const int chunks = K / 32;
+  uint4 q[CPL][1];
+  float s[CPL][1], z[CPL][1];
+#pragma unroll
+  for (int u = 0; u < CPL; ++u) {
+    const int c = sub + u * LPC;
+    const int blk = (c * 32) / block;
+    const bool ok = c < chunks && n < N;
+    q[u][0] = ok ? __ldg(B + n * row_chunks + c) : make_uint4(0u, 0u, 0u, 0u);
+    s[u][0] = ok ? ld(scales, n * nb + blk) : 0.f;
+    z[u][0] = ok ? zero_at<W, 4>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk) : 0.f;
+  }
+  float acc[1][MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) acc[0][m] = 0.f;
+  // zint as a constant in each copy: the integer-zero copy drops nbits_word's float-zero
+  // subtraction (one add per value), which matters here as the math is near the load time.
+  auto math = [&](const int zint) {
+#pragma unroll
+    for (int u = 0; u < CPL; ++u) {
+      const int c = sub + u * LPC;
+      if (c < chunks) nbits4_chunk<S, MT, 1>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
+    }
+  };
+  if (zp_mode == 2)
+    math(0);
+  else
+    math(1);
+  // Out-of-range columns (n >= N) summed zeros; they still shuffle, so the masks stay full.
+#pragma unroll
+  for (int m = 0; m < MT; ++m) acc[0][m] = warp_sum<LPC>(acc[0][m]);
+  if (sub == 0 && n < N) {
+    const float bv = has_bias ? ld(bias, n) : 0.f;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+      if (m < M) st(C, (long long)m * N + n, acc[0][m] + bv);
+  }
 }
 
 // W[n, k] = (q - z) * s for the cuBLAS path; one thread per output element.
@@ -523,13 +595,22 @@ def matmul_nbits(ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None,
     bias_arg = contiguous(ctx, bias) if bias is not None else y
     a = contiguous(ctx, a)
     if m <= GEMV_MAX_M and _chunk16_fits(bits, block, k, nb * blob, b, a):
-        mt, nr, wpc = gemv_layout(m, k // 32, n, sm_count())
-        fn = function(_SOURCE, f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}>")
         args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
         args += (np.int32(nb), np.int32(block), np.int32(nb * blob // 16), np.int32(zrow))
-        args += (np.int32(zp_mode), np.int32(bias is not None), np.int32(wpc))
+        args += (np.int32(zp_mode), np.int32(bias is not None))
+        split = None
+        if SMALL_K_GEMV and m <= SMALL_K_MAX_M:
+            split = nbits4_small_k_split(k // 32, n, sm_count())
+        if split is not None:
+            lpc, cpl = split
+            mt = next(t for t in (1, 2, 4, 8) if t >= m)
+            name = f"nbits4_gemv16_small_k<{s_type}, {w_type}, {mt}, {lpc}, {cpl}>"
+            function(_SOURCE, name)((small_k_blocks(n, lpc),), (32, 8), args)
+            return y
+        mt, nr, wpc = gemv_layout(m, k // 32, n, sm_count())
+        fn = function(_SOURCE, f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}>")
         groups = -(-n // nr)
-        fn((-(-groups * wpc // 8),), (32, 8), args)
+        fn((-(-groups * wpc // 8),), (32, 8), (*args, np.int32(wpc)))
         return y
     if m <= GEMV_MAX_M:
         if b.data.ptr % 4:
