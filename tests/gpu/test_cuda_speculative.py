@@ -58,9 +58,17 @@ def test_every_slot_replays_over_256_tokens(model, spec):
     target = res.graph_stats["target"]
     for slot in SLOTS:  # counts of this run alone (the model served other tests before)
         stats = {key: target[slot][key] - before.get(slot, {}).get(key, 0) for key in COUNTS}
-        assert stats["replays"] > 0, (slot, stats)
+        # Pipelined MTP runs every step as a verify (a step without confident drafts
+        # verifies only its pending token), so PRIMARY may sit idle; its graph from the
+        # greedy run above must then still be there, never recaptured.
+        idle = spec == "mtp" and slot == "primary" and stats["replays"] == 0
+        if idle:
+            assert stats["captures"] == 0 and target[slot]["captures"] >= 1, (slot, stats)
+        else:
+            assert stats["replays"] > 0, (slot, stats)
         assert stats["invalidations"] <= 1, (slot, stats)
         assert stats["fallbacks"] == 0, (slot, stats, target[slot]["fallback_reasons"])
+    assert target["verify"]["replays"] - before.get("verify", {}).get("replays", 0) > 0
     if spec != "ngram":  # the MTP head / draft model runs graphed in its own slot(s)
         proposer = res.graph_stats["proposer"]
         assert any(s["replays"] > 0 for s in proposer.values()), proposer
