@@ -343,3 +343,48 @@ def test_exporter_style_head_fuses_to_three_steps_and_matches_float64():
     assert np.all(top2[..., 1] - top2[..., 0] > 1e-4), "fixture has a near tie"
     np.testing.assert_array_equal(draft, want_draft)
     np.testing.assert_allclose(conf, want_conf, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sum_is_read", [False, True])
+def test_replayed_skip_norm_and_silu_mul_match_float64(sum_is_read):
+    """The prebound replay calls of SkipSimplifiedLayerNormalization (with and without its
+    sum output) and SiluMul give float64 results step after step, on new inputs."""
+    from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+    rng = np.random.default_rng(21)
+    w = rng.standard_normal(16).astype(np.float32)
+    nodes = [
+        helper.make_node("Add", ["a", "b"], ["r"]),
+        helper.make_node("SimplifiedLayerNormalization", ["r", "w"], ["n"], axis=-1, epsilon=1e-5),
+        helper.make_node("Sigmoid", ["n"], ["s"]),
+        helper.make_node("Mul", ["n", "s"], ["act"]),
+        helper.make_node("Mul", ["act", "a"], ["y"]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 16])]
+    if sum_is_read:
+        nodes.append(helper.make_node("Mul", ["r", "r"], ["z"]))
+        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 3, 16]))
+    value = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 3, 16]) for n in "ab"]
+    graph = helper.make_graph(nodes, "blk", value, outputs, [numpy_helper.from_array(w, "w")])
+    sess = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert [s.node.op_type for s in sess.plan.steps][:2] == [
+        "SkipSimplifiedLayerNormalization",
+        "SiluMul",
+    ]
+    binding = sess.io_binding()
+    a = binding.bind_input("a", np.zeros((1, 3, 16), np.float32))
+    b = binding.bind_input("b", np.zeros((1, 3, 16), np.float32))
+    outs = {o.name: binding.bind_output(o.name, shape=(1, 3, 16)) for o in outputs}
+    for _ in range(5):
+        a[...] = rng.standard_normal(a.shape)
+        b[...] = rng.standard_normal(b.shape)
+        sess.run_with_iobinding(binding, DeviceGraphSlot.PRIMARY)
+        r = a.astype(np.float64) + b
+        n = w * r / np.sqrt(np.mean(r * r, axis=-1, keepdims=True) + 1e-5)
+        np.testing.assert_allclose(outs["y"], n / (1 + np.exp(-n)) * a, rtol=1e-5, atol=1e-5)
+        if sum_is_read:
+            np.testing.assert_allclose(outs["z"], r * r, rtol=1e-5, atol=1e-5)
+    stats = sess.graph_stats(DeviceGraphSlot.PRIMARY)
+    assert stats.replays >= 3 and stats.fallbacks == 0
+    graph_calls = sess.main_provider._graphs[DeviceGraphSlot.PRIMARY]
+    assert graph_calls.bound == len(graph_calls.calls)  # every call prebound

@@ -94,6 +94,43 @@ def skip_simplified_layer_norm(
     return _skip_norm(ctx, x, skip, gamma, None, bias, rms=True)
 
 
+def _bind_skip_rms(ctx: KernelContext, inputs, out):
+    """Replay closure for a float32 SkipSimplifiedLayerNormalization with no bias and outputs
+    y (and the sum as output 3): the add and the Numba row norm on prebuilt views, no
+    allocation. None (the generic call) for anything else."""
+    x, skip, gamma, *rest = inputs
+    outs = out if isinstance(out, tuple) else (out,)
+    y, total = outs[0], (outs[3] if len(outs) > 3 else None)
+    names = list(ctx.node.output_names) + [""] * 4
+    if any(names[1:3]) or (rest and rest[0] is not None):  # mean / inv_std read, or a bias
+        return None
+    arrays = [a for a in (x, skip, y, total) if a is not None]
+    if any(a.dtype != _F32 or not a.flags.c_contiguous for a in arrays) or skip.shape != x.shape:
+        return None
+    if y.shape != x.shape or (total is not None and total.shape != x.shape) or not x.size:
+        return None
+    cols = x.shape[-1]
+    rows = x.size // cols
+    h = (total if total is not None else np.empty(x.shape, _F32)).reshape(rows, cols)
+    g = np.ascontiguousarray(gamma, dtype=_F32).reshape(-1)
+    eps = _F32.type(float(ctx.attr("epsilon", 1e-12)))
+    x2, s2, y2, inv = (
+        x.reshape(rows, cols),
+        skip.reshape(rows, cols),
+        y.reshape(rows, cols),
+        np.empty(rows, _F32),
+    )
+
+    def run() -> None:
+        np.add(x2, s2, out=h)
+        rms_norm_rows(h, g, eps, y2, inv)
+
+    return run
+
+
+skip_simplified_layer_norm.bind = _bind_skip_rms  # type: ignore[attr-defined]
+
+
 @REGISTRY.register("SkipLayerNormalization", since=1, domain=MS_DOMAIN)
 def skip_layer_norm(
     ctx: KernelContext,

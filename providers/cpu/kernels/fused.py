@@ -50,6 +50,28 @@ def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> 
     return y
 
 
+def _bind_silu_mul(ctx: KernelContext, inputs, out):
+    """Replay closure for the contiguous float32 case: three in-place ufunc calls on views
+    made once. None (the generic call) for anything else."""
+    g, u = split_halves(ctx, inputs[0], inputs[1] if len(inputs) > 1 else None)
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or g.dtype != np.float32:
+        return None
+    if u.dtype != g.dtype or out.shape != g.shape or u.shape != g.shape:
+        return None
+    if not (out.flags.c_contiguous and g.flags.c_contiguous):
+        return None
+
+    def run() -> None:
+        _sigmoid_into(g, out)
+        np.multiply(out, g, out=out)
+        np.multiply(out, u, out=out)
+
+    return run
+
+
+silu_mul.bind = _bind_silu_mul  # type: ignore[attr-defined]
+
+
 @REGISTRY.register("ArgMaxProb", since=1, domain="onnx_genrt")
 def argmax_prob(ctx: KernelContext, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(ArgMax, max of Softmax) over the last axis, keepdims=0: first index of the largest
