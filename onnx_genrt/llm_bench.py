@@ -44,15 +44,30 @@ def _median_run(
 
 
 def bench_ours(
-    folder: Path, prompt: list[int], new: int, provider: Any, spec: str | None, k: int, graphs: bool
+    folder: Path,
+    prompt: list[int],
+    new: int,
+    provider: Any,
+    spec: str | None,
+    k: int,
+    graphs: bool,
+    overlap: bool = True,
 ):
-    from onnx_genrt.engine import Model, generate
+    """One timed generation per call. ``overlap=False`` turns greedy look-ahead and
+    pipelined verify steps off: the host reads each step back before queuing the next."""
+    from onnx_genrt.engine import Generator, Model, SpeculativeGenerator, generate
 
     model = Model(folder, [provider], enable_graphs=graphs)
 
     def once():
-        # min_length = the full length: eos is ruled out, as in the onnxruntime-genai row.
-        res = generate(model, prompt, new, spec=spec, k=k, min_length=len(prompt) + new)
+        saved = Generator.look_ahead, SpeculativeGenerator.pipeline
+        if not overlap:
+            Generator.look_ahead = SpeculativeGenerator.pipeline = False
+        try:
+            # min_length = the full length: eos is ruled out, as in the onnxruntime-genai row.
+            res = generate(model, prompt, new, spec=spec, k=k, min_length=len(prompt) + new)
+        finally:
+            Generator.look_ahead, SpeculativeGenerator.pipeline = saved
         return (
             res.prefill_seconds,
             res.decode_tokens_per_second,
@@ -175,22 +190,25 @@ def run_bench(args: argparse.Namespace) -> int:
                 )
             )
         for spec in args.spec:
-            label = f"onnx-genrt[{tag},{spec}]"
-            rows.append(
-                _median_run(
-                    bench_ours(
-                        folder,
-                        prompt,
-                        new,
-                        provider_arg(provider, args.threads),
-                        spec,
-                        args.k,
-                        True,
-                    ),
-                    args.repeats,
-                    label,
+            for overlap in [True, False] if args.compare_serial else [True]:
+                label = f"onnx-genrt[{tag},{spec}{'' if overlap else ',serial'}]"
+                runner = bench_ours(
+                    folder,
+                    prompt,
+                    new,
+                    provider_arg(provider, args.threads),
+                    spec,
+                    args.k,
+                    True,
+                    overlap,
                 )
+                rows.append(_median_run(runner, args.repeats, label))
+        if args.compare_serial:
+            label = f"onnx-genrt[{tag},serial]"
+            runner = bench_ours(
+                folder, prompt, new, provider_arg(provider, args.threads), None, args.k, True, False
             )
+            rows.append(_median_run(runner, args.repeats, label))
     if not args.no_reference:
         try:
             rows.append(
@@ -285,6 +303,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=None, help="prompt text instead of random ids")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
     p.add_argument("--compare-eager", action="store_true", help="also time with graphs off")
+    p.add_argument(
+        "--compare-serial",
+        action="store_true",
+        help="also time with greedy look-ahead and pipelined verify steps off",
+    )
     p.add_argument(
         "--no-reference",
         action="store_true",

@@ -42,7 +42,7 @@ for prec in fp16 int4; do
     "$PY" scripts/random_mtp_head.py "$dst" --intermediate 4864 || echo "random MTP head failed"
   fi
   echo "== bench $prec ($TOKENS tokens, eager vs graphed)"
-  "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --compare-eager --no-reference \
+  "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --compare-eager --compare-serial --no-reference \
     --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 2>"$LOGDIR/bench-$prec.err" | tee "$LOGDIR/bench-$prec.txt" \
     || { echo "bench $prec failed"; tail -n 30 "$LOGDIR/bench-$prec.err"; }
   echo "== step profile ($prec, decode M=1, 256 cached positions)"
@@ -54,7 +54,7 @@ for prec in fp16 int4; do
 done
 
 echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens, a Python prompt)"
-"$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec draft --spec ngram --no-reference \
+"$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec draft --spec ngram --compare-serial --no-reference \
   --tokens 256 --prompt "    def __init__(self" --repeats 3 2>"$LOGDIR/bench-default.err" | tee "$LOGDIR/bench-default.txt" \
   || { echo "default-model bench failed"; tail -n 30 "$LOGDIR/bench-default.err"; }
 

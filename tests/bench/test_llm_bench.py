@@ -25,6 +25,7 @@ def folder():
 RUNTIMES = {
     "onnx-genrt": lambda f: bench_ours(f, PROMPT, NEW, "cpu", None, 4, True),
     "onnx-genrt-ngram": lambda f: bench_ours(f, PROMPT, NEW, "cpu", "ngram", 4, True),
+    "onnx-genrt-serial": lambda f: bench_ours(f, PROMPT, NEW, "cpu", None, 4, True, False),
     "onnxruntime-genai": lambda f: bench_onnxruntime_genai(f, PROMPT, NEW),
     "onnxruntime-loop": lambda f: bench_onnxruntime_loop(f, PROMPT, NEW),
 }
