@@ -105,6 +105,26 @@ SupportCheck = Callable[[NodeInfo, Sequence[Any]], str | None]
 Prepack = Callable[[Any, NodeInfo, int, np.ndarray], Any]
 
 
+@dataclass(frozen=True, eq=False)
+class TransposedWeight:
+    """A constant MatMul weight [K, N] prepacked as its contiguous transpose ``t`` [N, K]
+    (a provider's array), so each output column is one contiguous row of ``t``."""
+
+    t: Any
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.t.shape[1]), int(self.t.shape[0]))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.t.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
 @dataclass(frozen=True)
 class KernelDef:
     """One registered implementation, valid from opset ``since`` on."""

@@ -210,7 +210,12 @@ class MTPProposer(Proposer):
         return out
 
     def chain_hook(
-        self, runner: Any, k: int, n_drafts: int | None, start: int | None = None
+        self,
+        runner: Any,
+        k: int,
+        n_drafts: int | None,
+        start: int | None = None,
+        next_inputs: bool | None = None,
     ) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
         """For ``runner.forward(..., after=hook)`` on a verify step of width ``k + 1``: runs
         the chain on that step's outputs on the device (``mtp_chain.after_verify``), on the
@@ -220,15 +225,22 @@ class MTPProposer(Proposer):
 
         ``n_drafts`` and ``start`` (the verify's first position) are uploaded for a step
         whose inputs the host wrote; both None means the inputs came from the previous
-        chain on the device. None when the runner has no hidden-states or argmax outputs.
+        chain on the device. ``next_inputs`` (default: where the provider reads
+        asynchronously, i.e. where steps are pipelined) chooses the graph that writes the next
+        step's inputs; without it the chain skips that work. None when the runner has no
+        hidden-states or argmax outputs.
         """
-        key = (id(runner), k)
+        if next_inputs is None:
+            next_inputs = runner.provider.ASYNC_READS
+        if n_drafts is None and not next_inputs:
+            raise ValueError("a verify step fed on the device needs the chain's next inputs")
+        key = (id(runner), k, bool(next_inputs))
         if key not in self._after:
             bufs = runner.step_buffers(k + 1)
             if "hidden" not in bufs or "argmax" not in bufs:
                 self._after[key] = None
             else:
-                self._after[key] = self._build_after(runner, bufs, k)
+                self._after[key] = self._build_after(runner, bufs, k, bool(next_inputs))
         built = self._after[key]
         if built is None:
             return None
@@ -248,7 +260,7 @@ class MTPProposer(Proposer):
 
         return hook
 
-    def _build_after(self, runner: Any, bufs: dict[str, Any], k: int):
+    def _build_after(self, runner: Any, bufs: dict[str, Any], k: int, next_inputs: bool):
         names = {n: v for n, v in self.names.items()}
         chain = unroll_mtp_head(self.head, k, **names)
         hidden_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(bufs["hidden"].dtype))
@@ -260,10 +272,11 @@ class MTPProposer(Proposer):
             ids_input,
             verify_hidden_type=hidden_type,
         )
-        mask_length = int(bufs["mask"].shape[-1]) if "mask" in bufs else None
-        model = with_next_inputs(
-            model, k, self.min_confidence, mask_length, "pos" in bufs, ids_input
-        )
+        if next_inputs:
+            mask_length = int(bufs["mask"].shape[-1]) if "mask" in bufs else None
+            model = with_next_inputs(
+                model, k, self.min_confidence, mask_length, "pos" in bufs, ids_input
+            )
         session = self.make_session(model, runner.provider)
         b = session.io_binding()
         b.bind_input(VERIFY_IDS, bufs["ids"])
@@ -274,14 +287,15 @@ class MTPProposer(Proposer):
         control = runner.provider.as_array(np.zeros(2, np.int64))
         count, start = control[0:1], control[1:2]
         b.bind_input(DRAFT_COUNT, count)
-        b.bind_input(VERIFY_START, start)
-        b.bind_output(NEXT_COUNT, count)
-        b.bind_output(NEXT_START, start)
-        b.bind_output(NEXT_IDS, bufs["ids"])
-        if "pos" in bufs:
-            b.bind_output(NEXT_POSITIONS, bufs["pos"])
-        if "mask" in bufs:
-            b.bind_output(NEXT_MASK, bufs["mask"])
+        if next_inputs:
+            b.bind_input(VERIFY_START, start)
+            b.bind_output(NEXT_COUNT, count)
+            b.bind_output(NEXT_START, start)
+            b.bind_output(NEXT_IDS, bufs["ids"])
+            if "pos" in bufs:
+                b.bind_output(NEXT_POSITIONS, bufs["pos"])
+            if "mask" in bufs:
+                b.bind_output(NEXT_MASK, bufs["mask"])
         outs = {
             "drafts": b.bind_output(DRAFTS, shape=(1, k), dtype=np.int64),
             "confidences": b.bind_output(CONFIDENCES, shape=(1, k), dtype=np.float32),

@@ -116,12 +116,16 @@ class SpeculativeGenerator(Generator):
             self.runner.cache.length = start + 1 + len(drafts)
             step = queued
         else:
-            hook = chain_hook(self.runner, self.k, len(drafts), start) if chain_hook else None
+            hook = (
+                chain_hook(self.runner, self.k, len(drafts), start, self._pipelining)
+                if chain_hook
+                else None
+            )
             step = self.runner.launch(
                 [pending, *drafts], DeviceGraphSlot.VERIFY, width=self.k + 1, after=hook
             )
         if chain_hook is not None and self._may_pipeline():
-            hook = chain_hook(self.runner, self.k, None)
+            hook = chain_hook(self.runner, self.k, None, None, True)
             if hook is not None:
                 self._queued = self.runner.launch(
                     None, DeviceGraphSlot.VERIFY, width=self.k + 1, after=hook
@@ -131,7 +135,7 @@ class SpeculativeGenerator(Generator):
             # The queued step overwrote this one's logits, which a masked pick reads.
             self._queued = None  # it runs first (same stream); the rerun then overwrites
             self.runner.rewind_to(start)
-            hook = chain_hook(self.runner, self.k, len(drafts), start) if chain_hook else None
+            hook = chain_hook(self.runner, self.k, len(drafts), start, True)
             out = self.runner.forward(
                 [pending, *drafts], DeviceGraphSlot.VERIFY, width=self.k + 1, after=hook
             )
@@ -175,15 +179,17 @@ class SpeculativeGenerator(Generator):
     def _may_pipeline(self) -> bool:
         """Whether to queue the next verify before reading this one: on an asynchronous
         provider, while two more full steps surely fit."""
-        wanted = self.pipeline
-        if wanted is None:
-            wanted = self.runner.provider.ASYNC_READS
         room = 2 * (self.k + 1)
         return (
-            bool(wanted)
+            self._pipelining
             and len(self.tokens) + room <= self.search.max_length
             and self.runner.cache.length + room <= self.runner.max_length
         )
+
+    @property
+    def _pipelining(self) -> bool:
+        """Whether this generator pipelines verify steps at all (see ``pipeline``)."""
+        return bool(self.runner.provider.ASYNC_READS if self.pipeline is None else self.pipeline)
 
     def _masks_a_row(self, out, n_drafts: int) -> bool:
         """Whether some row's pick may differ from its argmax (end-of-sequence masked before

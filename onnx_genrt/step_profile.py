@@ -133,7 +133,8 @@ def profile_step(
         hook = proposer.chain_hook(runner, width - 1, width - 1, context)
         if hook is None:
             raise SystemExit(f"{folder}: the model has no hidden-states output for MTP")
-        chain_session, chain_binding = proposer._after[(id(runner), width - 1)][:2]
+        key = (id(runner), width - 1, bool(runner.provider.ASYNC_READS))
+        chain_session, chain_binding = proposer._after[key][:2]
 
         def then() -> None:
             chain_session.executor.run_bound_eager(chain_binding)

@@ -21,6 +21,18 @@ from onnx_genrt.core.kernels import NodeInfo
 GENRT_DOMAIN = "onnx_genrt"
 
 
+def _index(steps: list) -> tuple[Counter[str], dict[str, int]]:
+    """(readers per value, index of the step producing each value)."""
+    readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
+    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    return readers, producer
+
+
+def _rewrite(steps: list, replace: dict[int, object], drop: set[int]) -> list:
+    """``steps`` with fused steps put in place and the steps they absorbed dropped."""
+    return [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
+
+
 def fuse_silu_mul(steps: list, keep: Iterable[str]) -> tuple[list, int]:
     """Steps with every fusable Sigmoid/Mul/Mul triple replaced by one SiluMul step.
 
@@ -29,8 +41,7 @@ def fuse_silu_mul(steps: list, keep: Iterable[str]) -> tuple[list, int]:
     that provider has a SiluMul kernel.
     """
     keep = set(keep)
-    readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
-    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    readers, producer = _index(steps)
     drop: set[int] = set()
     replace: dict[int, object] = {}
     for i, mul in enumerate(steps):
@@ -43,7 +54,7 @@ def fuse_silu_mul(steps: list, keep: Iterable[str]) -> tuple[list, int]:
                 drop.update((gate_mul, sigmoid))
                 replace[i] = step
                 break
-    out = [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
+    out = _rewrite(steps, replace, drop)
     return out, len(replace)
 
 
@@ -93,8 +104,7 @@ def fuse_gate_up(steps: list, constants: dict, keep: Iterable[str]) -> tuple[lis
     The original weights leave ``constants`` when nothing else reads them.
     """
     keep = set(keep)
-    readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
-    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    readers, producer = _index(steps)
     drop: set[int] = set()
     replace: dict[int, object] = {}
     merged_weights: set[str] = set()
@@ -127,7 +137,7 @@ def fuse_gate_up(steps: list, constants: dict, keep: Iterable[str]) -> tuple[lis
         replace[second] = proj
         replace[i] = split
         merged_weights.update((*gate.inputs[1:], *up.inputs[1:]))
-    out = [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
+    out = _rewrite(steps, replace, drop)
     still_read = {n for s in out for n in s.inputs if n}
     for name in merged_weights - still_read - keep:
         constants.pop(name, None)
@@ -205,8 +215,7 @@ def fuse_rms_norm(steps: list, constants: dict, keep: Iterable[str]) -> tuple[li
     reader and not be a graph output; all steps run on one provider that has the op.
     """
     keep = set(keep)
-    readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
-    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    readers, producer = _index(steps)
     drop: set[int] = set()
     replace: dict[int, object] = {}
     for i, mul in enumerate(steps):
@@ -219,7 +228,7 @@ def fuse_rms_norm(steps: list, constants: dict, keep: Iterable[str]) -> tuple[li
                 drop.update(chain)
                 replace[i] = step
                 break
-    out = [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
+    out = _rewrite(steps, replace, drop)
     return out, len(replace)
 
 
@@ -330,8 +339,7 @@ def fuse_skip_rms_norm(
     same known shape. When the sum has other readers it stays available as the fused step's
     fourth output (``input_skip_bias_sum``), as onnxruntime-genai's builder writes it.
     """
-    readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
-    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    readers, producer = _index(steps)
     drop: set[int] = set()
     replace: dict[int, object] = {}
     for i, norm in enumerate(steps):
@@ -369,7 +377,7 @@ def fuse_skip_rms_norm(
         )
         drop.add(j)
         replace[i] = type(norm)(node, kdef, norm.provider, (a, b, norm.inputs[1]), outputs)
-    out = [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
+    out = _rewrite(steps, replace, drop)
     return out, len(replace)
 
 
@@ -379,8 +387,7 @@ def fuse_argmax_prob(steps: list, constants: dict, keep: Iterable[str]) -> tuple
     without writing the softmax. The fused step takes the place of the first of the three,
     where ``l`` is ready and neither output has been read yet."""
     keep = set(keep)
-    readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
-    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    readers, producer = _index(steps)
     argmax_of: dict[str, int] = {}
     for i, s in enumerate(steps):
         if (
@@ -426,7 +433,7 @@ def fuse_argmax_prob(steps: list, constants: dict, keep: Iterable[str]) -> tuple
         first, *rest = sorted((ai, si, r))
         replace[first] = type(reduce)(node, kdef, provider, (logits,), outputs)
         drop.update(rest)
-    out = [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
+    out = _rewrite(steps, replace, drop)
     return out, len(replace)
 
 

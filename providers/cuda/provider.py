@@ -126,40 +126,15 @@ class CUDAProvider(ExecutionProvider):
         self._reset_staging()  # the stream is idle: every staged upload has been consumed
         return view if keep_view else view.copy()  # a kept view is valid until the next copy
 
-    def to_numpy_many(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        """Small device arrays queued to pinned memory one after another, then one wait."""
+    def _queue_downloads(self, arrays: Sequence[Any]) -> list[np.ndarray] | None:
+        """Device arrays queued one after another into the pinned staging ring, on the
+        stream (host values copied as they are); None when they do not fit the ring (too
+        large, or not contiguous). The views are valid once the stream has got there."""
         self._refuse_host_copy("device-to-host copy")
         srcs = [a for a in arrays if isinstance(a, cupy.ndarray)]
         total = sum(_aligned_size(int(a.nbytes)) for a in srcs)
         if total > STAGING_MAX or any(not a.flags.c_contiguous for a in srcs):
-            return super().to_numpy_many(arrays)
-        views: list[np.ndarray] = []
-        for a in arrays:
-            if not isinstance(a, cupy.ndarray):
-                views.append(np.asarray(a))
-                continue
-            view = self._staging_view(int(a.nbytes), a.dtype, tuple(a.shape))
-            if a.nbytes:
-                cupy.cuda.runtime.memcpyAsync(
-                    view.ctypes.data, a.data.ptr, int(a.nbytes), 2, self.stream.ptr
-                )  # 2: device to host
-            views.append(view)
-        self.stream.synchronize()
-        values = [v.copy() for v in views]
-        self._reset_staging()
-        return values
-
-    ASYNC_READS = True
-
-    def read_later(self, arrays: Sequence[Any]) -> Callable[[], list[np.ndarray]]:
-        """Small device arrays queued to pinned memory behind the stream's work, and an
-        event; the returned call waits on that event only, so later steps can be queued
-        (and run) before the host looks at these values."""
-        self._refuse_host_copy("device-to-host copy")
-        srcs = [a for a in arrays if isinstance(a, cupy.ndarray)]
-        total = sum(_aligned_size(int(a.nbytes)) for a in srcs)
-        if total > STAGING_MAX or any(not a.flags.c_contiguous for a in srcs):
-            return super().read_later(arrays)
+            return None
         views: list[np.ndarray] = []
         for a in arrays:
             if not isinstance(a, cupy.ndarray):
@@ -171,6 +146,27 @@ class CUDAProvider(ExecutionProvider):
                     view.ctypes.data, a.data.ptr, int(a.nbytes), 2, self.stream.ptr
                 )  # 2: device to host
             views.append(view)
+        return views
+
+    def to_numpy_many(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """Small device arrays queued to pinned memory one after another, then one wait."""
+        views = self._queue_downloads(arrays)
+        if views is None:
+            return super().to_numpy_many(arrays)
+        self.stream.synchronize()
+        values = [v.copy() for v in views]
+        self._reset_staging()
+        return values
+
+    ASYNC_READS = True
+
+    def read_later(self, arrays: Sequence[Any]) -> Callable[[], list[np.ndarray]]:
+        """Small device arrays queued to pinned memory behind the stream's work, and an
+        event; the returned call waits on that event only, so later steps can be queued
+        (and run) before the host looks at these values."""
+        views = self._queue_downloads(arrays)
+        if views is None:
+            return super().read_later(arrays)
         event = self._events.pop() if self._events else cupy.cuda.Event(disable_timing=True)
         event.record(self.stream)
         pending = _PendingRead(views, event, self._pending_reads, self._events)

@@ -19,10 +19,10 @@ float64 reference, see the tests).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numba
 import numpy as np
+
+from onnx_genrt.core.kernels import TransposedWeight
 
 _F32 = np.float32
 # Sums may be reordered so LLVM vectorizes them (as in _nn_common and _int4_matmul).
@@ -35,33 +35,10 @@ PARALLEL_MIN_WORK = 1 << 18
 _NO_BIAS = np.zeros(0, _F32)
 
 
-@dataclass(frozen=True, eq=False)
-class SkinnyWeight:
-    """A constant float32 MatMul weight [K, N] kept as its contiguous transpose ``t`` [N, K].
-
-    ``t.T`` is the weight itself (a view), which BLAS takes as it is for the calls with
-    more than ``SKINNY_MAX_M`` rows, so the original layout need not be kept.
-    """
-
-    t: np.ndarray
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (int(self.t.shape[1]), int(self.t.shape[0]))
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.t.dtype
-
-    @property
-    def ndim(self) -> int:
-        return 2
-
-
-def pack_weight(w: np.ndarray, transposed: bool = False) -> SkinnyWeight:
-    """``w`` [K, N] (or [N, K] when ``transposed``) as a :class:`SkinnyWeight`."""
+def pack_weight(w: np.ndarray, transposed: bool = False) -> TransposedWeight:
+    """``w`` [K, N] (or [N, K] when ``transposed``) as a :class:`TransposedWeight`."""
     t = w if transposed else w.T
-    return SkinnyWeight(np.ascontiguousarray(t, _F32))
+    return TransposedWeight(np.ascontiguousarray(t, _F32))
 
 
 @numba.njit(cache=True, fastmath=_FM, inline="always")
@@ -229,7 +206,7 @@ def skinny_parts(m: int, k: int, n: int) -> int:
 
 
 def skinny_matmul(
-    x: np.ndarray, w: SkinnyWeight, out: np.ndarray, bias: np.ndarray | None = None
+    x: np.ndarray, w: TransposedWeight, out: np.ndarray, bias: np.ndarray | None = None
 ) -> np.ndarray:
     """``out`` (M, N) = ``x`` (M, K) @ W (+ ``bias`` (N,)), all float32 and C-contiguous."""
     m, k = x.shape

@@ -19,7 +19,7 @@ from ._nn_common import (
     softmax_rows,
 )
 from ._registry import REGISTRY
-from ._skinny_matmul import SKINNY_MAX_M, SkinnyWeight, pack_weight, skinny_matmul
+from ._skinny_matmul import SKINNY_MAX_M, TransposedWeight, pack_weight, skinny_matmul
 
 _F64 = np.dtype(np.float64)
 _F32 = np.dtype(np.float32)
@@ -49,7 +49,7 @@ def _matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
 def _bind_matmul(ctx, inputs, out: np.ndarray):
     """Replay closure for the float32 path: one BLAS or skinny-kernel call on prebuilt views."""
     a, b = inputs
-    if isinstance(b, SkinnyWeight):
+    if isinstance(b, TransposedWeight):
         if a.dtype == out.dtype == _F32 and out.shape == _packed_shape(ctx, a, b):
             return _packed_call(a, b, out)
         return functools.partial(_replay_kernel, matmul_kernel, ctx, a, b, out)
@@ -92,7 +92,7 @@ def _is_ml_float(dt: np.dtype) -> bool:
     return dt.kind == "V" or type(dt).__module__.startswith("ml_dtypes")
 
 
-def prepack_weight(provider, node, index: int, host: np.ndarray) -> SkinnyWeight | None:
+def prepack_weight(provider, node, index: int, host: np.ndarray) -> TransposedWeight | None:
     """A constant 2-D float32 weight (input B) transposed for ``skinny_matmul``; for Gemm,
     a B that ``transB`` already stores as [N, K] is kept as it is (no copy)."""
     host = np.asarray(host)
@@ -104,7 +104,7 @@ def prepack_weight(provider, node, index: int, host: np.ndarray) -> SkinnyWeight
     return pack_weight(host, transposed=transposed)
 
 
-def _packed_shape(ctx, a: np.ndarray, w: SkinnyWeight) -> tuple[int, ...]:
+def _packed_shape(ctx, a: np.ndarray, w: TransposedWeight) -> tuple[int, ...]:
     if a.dtype != w.dtype:
         raise TypeError(
             f"{ctx.node.describe()}: MatMul operand dtypes differ: {a.dtype}, {w.dtype}"
@@ -112,7 +112,7 @@ def _packed_shape(ctx, a: np.ndarray, w: SkinnyWeight) -> tuple[int, ...]:
     return matmul_shape(ctx, a.shape, w.shape)
 
 
-def _packed_call(a: np.ndarray, w: SkinnyWeight, out: np.ndarray, bias=None):
+def _packed_call(a: np.ndarray, w: TransposedWeight, out: np.ndarray, bias=None):
     """A call computing ``out = a @ W (+ bias)`` for a prepacked W: the skinny kernel for at
     most ``SKINNY_MAX_M`` contiguous rows, else BLAS on the transposed view ``w.t.T``."""
     k, n = w.shape
@@ -137,21 +137,21 @@ def _matmul_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray
     out += bias
 
 
-def _matmul_packed(ctx, a: np.ndarray, w: SkinnyWeight) -> np.ndarray:
+def _matmul_packed(ctx, a: np.ndarray, w: TransposedWeight) -> np.ndarray:
     out = ctx.out(0, _packed_shape(ctx, a, w), a.dtype)
     _packed_call(a, w, out)()
     return out
 
 
 @REGISTRY.register("MatMul", since=1, prepack=prepack_weight)
-def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | SkinnyWeight) -> np.ndarray:
+def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | TransposedWeight) -> np.ndarray:
     """ONNX MatMul (numpy matmul semantics, batched broadcasting, 1-D operands).
 
     A constant float32 weight arrives prepacked (:func:`prepack_weight`): up to
     ``SKINNY_MAX_M`` rows of A run ``skinny_matmul``, which reads the weight once for all
     rows; more rows run BLAS on the same memory.
     """
-    if isinstance(b, SkinnyWeight):
+    if isinstance(b, TransposedWeight):
         return _matmul_packed(ctx, a, b)
     return matmul(ctx, a, b)
 
@@ -159,7 +159,7 @@ def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | SkinnyWeight) -> np.ndarra
 matmul_kernel.bind = _bind_matmul  # type: ignore[attr-defined]
 
 
-def _gemm_packed_call(ctx, a: np.ndarray, w: SkinnyWeight, c: np.ndarray | None, out):
+def _gemm_packed_call(ctx, a: np.ndarray, w: TransposedWeight, c: np.ndarray | None, out):
     """The prepacked-weight call of a Gemm that is A @ B + C (alpha = 1, no transA, C absent
     or a float32 row of N with beta = 1), else None."""
     if float(ctx.attr("alpha", 1.0)) != 1.0 or ctx.attr("transA", 0):
@@ -180,7 +180,7 @@ def _gemm_packed_call(ctx, a: np.ndarray, w: SkinnyWeight, c: np.ndarray | None,
 def _bind_gemm(ctx, inputs, out: np.ndarray):
     """Replay closure for a Gemm on a prepacked weight (see ``_gemm_packed_call``)."""
     a, b, *rest = inputs
-    if not isinstance(b, SkinnyWeight):
+    if not isinstance(b, TransposedWeight):
         return None
     c = rest[0] if rest else None
     if c is not None and not c.flags.c_contiguous:  # the bias view must stay live
@@ -190,7 +190,7 @@ def _bind_gemm(ctx, inputs, out: np.ndarray):
 
 @REGISTRY.register("Gemm", since=1, prepack=prepack_weight)
 def gemm_kernel(
-    ctx, a: np.ndarray, b: np.ndarray | SkinnyWeight, c: np.ndarray | None = None
+    ctx, a: np.ndarray, b: np.ndarray | TransposedWeight, c: np.ndarray | None = None
 ) -> np.ndarray:
     """Y = alpha * A' @ B' + beta * C, with C broadcast to (M, N).
 
@@ -199,7 +199,7 @@ def gemm_kernel(
     """
     alpha = float(ctx.attr("alpha", 1.0))
     beta = float(ctx.attr("beta", 1.0))
-    if isinstance(b, SkinnyWeight):
+    if isinstance(b, TransposedWeight):
         if a.ndim == 2 and b.dtype == a.dtype:
             m = a.shape[1] if ctx.attr("transA", 0) else a.shape[0]
             out = ctx.out(0, (m, b.shape[1]), a.dtype)

@@ -17,12 +17,11 @@ launch with no split-K pass; large M runs cuBLAS on the transposed view.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
-from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.kernels import KernelContext, TransposedWeight
 from onnx_genrt.core.op_rules import matmul_shape
 
 from ._common import (
@@ -326,21 +325,6 @@ def _skinny(
             (256,),
             (partial, c, np.int64(m * n), np.int32(splits), np.int64(total)),
         )
-
-
-@dataclass(frozen=True)
-class TransposedWeight:
-    """A constant MatMul weight [K, N] kept as its contiguous transpose ``t`` [N, K]."""
-
-    t: cupy.ndarray
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (int(self.t.shape[1]), int(self.t.shape[0]))
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.t.dtype
 
 
 def transpose_weight(provider, node, index: int, host: np.ndarray) -> TransposedWeight | None:
