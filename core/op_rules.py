@@ -71,3 +71,32 @@ def matmul_shape(ctx: KernelContext, a: Sequence[int], b: Sequence[int]) -> tupl
     if len(b) == 1:
         shape = shape[:-1]
     return tuple(int(s) for s in shape)
+
+
+#: The projection each norm-fused op (domain ``onnx_genrt``) wraps: (domain, op_type).
+NORM_PROJECTIONS = {
+    "NormMatMul": ("", "MatMul"),
+    "NormMatMulNBits": ("com.microsoft", "MatMulNBits"),
+}
+
+
+def norm_projection(node: NodeInfo) -> NodeInfo:
+    """The projection inside a ``NormMatMul`` / ``NormMatMulNBits`` node (inputs x, skip,
+    gamma, then the projection's own): the node as that projection's kernel expects it,
+    reading the normalized activations, with only the projection's output."""
+    domain, op = NORM_PROJECTIONS[node.op_type]
+    attrs = {k: v for k, v in node.attrs.items() if k not in ("epsilon", "projection_opset")}
+    return NodeInfo(
+        op,
+        node.name,
+        domain,
+        int(node.attrs.get("projection_opset", 1)),
+        attrs,
+        (f"{node.name}/normed", *node.input_names[3:]),
+        tuple(node.output_names[:1]),
+    )
+
+
+def norm_matmul_nbits_unsupported(node: NodeInfo, types: object = ()) -> str | None:
+    """``matmul_nbits_unsupported`` for the projection of a NormMatMulNBits node."""
+    return matmul_nbits_unsupported(norm_projection(node), types)

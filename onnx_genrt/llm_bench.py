@@ -4,6 +4,9 @@ plain onnxruntime loop on the same model files, measured in one run."""
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -29,18 +32,41 @@ def _progress(msg: str) -> None:
 
 
 def _median_run(
-    fn: Callable[[], tuple[float, float, list[int], dict]], repeats: int, label: str
+    fn: Callable[[], tuple[float, float, list[int], dict]],
+    repeats: int,
+    label: str,
+    profile_top: int = 0,
 ) -> BenchRow:
+    """The median of ``repeats`` timed runs after one warm-up run. ``profile_top > 0`` runs
+    the timed runs under cProfile and prints that many functions by own time (stderr)."""
     prefill, decode, tokens, extra = [], [], [], {}
+    profiler = cProfile.Profile() if profile_top > 0 else None
     for i in range(repeats + 1):  # the first run warms up (compiles, captures)
         _progress(f"  {label}: run {i + 1}/{repeats + 1}{' (warm-up)' if i == 0 else ''}")
-        p, d, tokens, extra = fn()
+        if i and profiler is not None:
+            profiler.enable()
+        try:
+            p, d, tokens, extra = fn()
+        finally:
+            if profiler is not None:
+                profiler.disable()
         if i:
             prefill.append(p)
             decode.append(d)
+    if profiler is not None:
+        _print_profile(profiler, label, profile_top)
     return BenchRow(
         label, statistics.median(prefill) * 1e3, statistics.median(decode), tokens, extra
     )
+
+
+def _print_profile(profiler: cProfile.Profile, label: str, top: int) -> None:
+    """The host-side hot spots of one row's timed runs (profiled runs are slower)."""
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    _progress(f"--- cProfile, {label} (timed runs, by own time) ---")
+    _progress(text.getvalue().split("\n\n", 1)[-1].rstrip())
 
 
 def bench_ours(
@@ -187,6 +213,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     ),
                     args.repeats,
                     label,
+                    args.cprofile,
                 )
             )
         for spec in args.spec:
@@ -202,13 +229,13 @@ def run_bench(args: argparse.Namespace) -> int:
                     True,
                     overlap,
                 )
-                rows.append(_median_run(runner, args.repeats, label))
+                rows.append(_median_run(runner, args.repeats, label, args.cprofile))
         if args.compare_serial:
             label = f"onnx-genrt[{tag},serial]"
             runner = bench_ours(
                 folder, prompt, new, provider_arg(provider, args.threads), None, args.k, True, False
             )
-            rows.append(_median_run(runner, args.repeats, label))
+            rows.append(_median_run(runner, args.repeats, label, args.cprofile))
     if not args.no_reference:
         try:
             rows.append(
@@ -312,6 +339,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-reference",
         action="store_true",
         help="skip onnxruntime-genai and the onnxruntime loop",
+    )
+    p.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the host side of our timed runs; print the top N functions (stderr)",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU provider threads (default 1)")
     p.add_argument(

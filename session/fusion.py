@@ -444,3 +444,98 @@ def _last_axis_no_keep(step, constants: dict | None = None) -> bool:
     if step.node.op_type == "ArgMax":
         return int(step.node.attrs.get("axis", 0)) == -1
     return _axes(step, constants or {}) == [-1]
+
+
+#: Norms fused into the projections that read them (see :func:`fuse_norm_matmul`).
+_NORMS = {
+    ("", "SimplifiedLayerNormalization"),
+    ("com.microsoft", "SimplifiedLayerNormalization"),
+    ("com.microsoft", "SkipSimplifiedLayerNormalization"),
+}
+#: Projection op -> its norm-fused op (domain ``onnx_genrt``).
+_NORM_FUSED = {("", "MatMul"): "NormMatMul", ("com.microsoft", "MatMulNBits"): "NormMatMulNBits"}
+
+
+def fuse_norm_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple[list, int]:
+    """An RMS norm whose normalized output only projections read (MatMul on a constant 2-D
+    weight, MatMulNBits) goes into those projections: each becomes ``NormMatMul`` /
+    ``NormMatMulNBits`` (domain ``onnx_genrt``), whose GEMV normalizes its rows itself.
+
+    ``SkipSimplifiedLayerNormalization``'s residual sum (output 3) is written by the first of
+    them, which must come before every reader of that sum; its mean and inverse-std outputs
+    must be unread, and it must have no bias. The norm's provider must run every projection
+    and have the fused kernels. One launch fewer per norm on a decode step.
+    """
+    keep = set(keep)
+    read_by: dict[str, list[int]] = {}
+    for i, s in enumerate(steps):
+        for n in set(s.inputs):
+            if n:
+                read_by.setdefault(n, []).append(i)
+    drop: set[int] = set()
+    replace: dict[int, object] = {}
+    for i, norm in enumerate(steps):
+        fused = _norm_projections(steps, constants, keep, read_by, i, norm)
+        if fused is None or drop.intersection(fused) or set(replace).intersection(fused):
+            continue
+        drop.add(i)
+        replace.update(fused)
+    return _rewrite(steps, replace, drop), len(drop)
+
+
+def _norm_projections(steps, constants, keep, read_by, i: int, norm) -> dict[int, object] | None:
+    """{index: fused step} for the projections reading norm ``steps[i]``, or None."""
+    if (norm.node.domain, norm.node.op_type) not in _NORMS:
+        return None
+    skip_op = norm.node.op_type.startswith("Skip")
+    attrs = norm.node.attrs
+    if int(attrs.get("axis", -1)) != -1 or int(attrs.get("stash_type", 1)) != 1:
+        return None
+    n_in = 3 if skip_op else 2
+    if len(norm.inputs) > n_in and any(norm.inputs[n_in:]):  # a bias
+        return None
+    gamma = norm.inputs[n_in - 1]
+    if gamma not in constants or constants[gamma].ndim != 1:
+        return None
+    outs = list(norm.outputs) + [""] * 4
+    normed, total = outs[0], outs[3] if skip_op else ""
+    if not normed or normed in keep or any(o and o in read_by for o in outs[1:3]):
+        return None
+    consumers = read_by.get(normed, [])
+    if not consumers:
+        return None
+    provider = norm.provider
+    fused: dict[int, object] = {}
+    for j in consumers:
+        proj = steps[j]
+        op = _NORM_FUSED.get((proj.node.domain, proj.node.op_type))
+        if op is None or proj.provider is not provider or proj.inputs[0] != normed:
+            return None
+        if normed in proj.inputs[1:] or not all(n in constants for n in proj.inputs[1:2]):
+            return None
+        if op == "NormMatMul" and (len(proj.inputs) != 2 or constants[proj.inputs[1]].ndim != 2):
+            return None
+        kdef = provider.get_kernel(GENRT_DOMAIN, op, 1)
+        if kdef is None:
+            return None
+        first = j == consumers[0]
+        if first and total and any(r <= j for r in read_by.get(total, [])):
+            return None  # the sum is read before the first projection could write it
+        x, skip = norm.inputs[0], norm.inputs[1] if skip_op else ""
+        inputs = (x, skip, gamma, *proj.inputs[1:])
+        outputs = (proj.outputs[0], total if first else "", f"{normed}/normed/{j}")
+        node = NodeInfo(
+            op,
+            f"{proj.node.name or proj.outputs[0]}/{op}",
+            GENRT_DOMAIN,
+            1,
+            {
+                **proj.node.attrs,
+                "epsilon": float(attrs.get("epsilon", 1e-5)),
+                "projection_opset": proj.node.opset,
+            },
+            inputs,
+            outputs,
+        )
+        fused[j] = type(proj)(node, kdef, provider, inputs, outputs)
+    return fused

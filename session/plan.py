@@ -19,6 +19,7 @@ from onnx_genrt.core.provider import ExecutionProvider
 from .fusion import (
     fuse_argmax_prob,
     fuse_gate_up,
+    fuse_norm_matmul,
     fuse_rms_norm,
     fuse_silu_mul,
     fuse_skip_rms_norm,
@@ -221,6 +222,8 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
     fused += picks
     steps, merged = fuse_gate_up(steps, constants, keep)
     fused += merged
+    steps, normed = fuse_norm_matmul(steps, constants, keep)
+    fused += normed
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)
     plan.value_types = value_types
     return plan

@@ -113,3 +113,96 @@ def decomposed_head_reference(model: onnx.ModelProto, a: np.ndarray, b: np.ndarr
     top = logits.max(axis=-1, keepdims=True)
     conf = 1.0 / np.exp(logits - top).sum(axis=-1)
     return logits, logits.argmax(axis=-1), conf
+
+
+def norm_projections(
+    hidden: int = 64,
+    rows: int = 3,
+    n: int = 48,
+    variant: str = "fusable",
+    dtype=np.float32,
+    seed: int = 0,
+) -> onnx.ModelProto:
+    """RMS norms feeding projections, as a decoder layer writes them:
+    ``SkipSimplifiedLayerNormalization(a, b)`` read by two MatMuls, its residual sum read
+    afterwards, and a ``SimplifiedLayerNormalization`` of that sum read by a 4-bit
+    ``MatMulNBits`` (block 32, uint8 zero points). Outputs ``y`` and ``z``.
+
+    ``variant``: "fusable"; "extra_reader" (the normalized output is also added to ``y``);
+    "sum_first" (the residual sum is read before the projections run).
+    """
+    rng = np.random.default_rng(seed)
+    f = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+    def const(name, value):
+        return numpy_helper.from_array(np.asarray(value), name)
+
+    w1 = (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(dtype)
+    w2 = (rng.standard_normal((hidden, n)) / np.sqrt(hidden)).astype(dtype)
+    g1 = (1 + 0.1 * rng.standard_normal(hidden)).astype(dtype)
+    g2 = (1 + 0.1 * rng.standard_normal(hidden)).astype(dtype)
+    q = rng.integers(0, 16, (n, hidden // 32, 32))
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    scales = (rng.uniform(0.01, 0.05, (n, hidden // 32))).astype(dtype)
+    zeros = rng.integers(0, 16, (n, hidden // 32 + (hidden // 32) % 2))
+    zp = (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).astype(np.uint8)
+    ms = "com.microsoft"
+    nodes = [
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            ["a", "b", "g1"],
+            ["n1", "", "", "r"],
+            domain=ms,
+            epsilon=1e-5,
+        ),
+    ]
+    if variant == "sum_first":
+        nodes.append(helper.make_node("Mul", ["r", "r"], ["rr"]))
+    nodes += [
+        helper.make_node("MatMul", ["n1", "w1"], ["p1"]),
+        helper.make_node("MatMul", ["n1", "w2"], ["p2"]),
+        helper.make_node("Add", ["p1", "p2"], ["y0"]),
+        helper.make_node(
+            "SimplifiedLayerNormalization", ["r", "g2"], ["n2"], axis=-1, epsilon=1e-6
+        ),
+        helper.make_node(
+            "MatMulNBits",
+            ["n2", "B", "scales", "zp"],
+            ["z"],
+            domain=ms,
+            K=hidden,
+            N=n,
+            bits=4,
+            block_size=32,
+        ),
+    ]
+    if variant == "extra_reader":
+        nodes.append(helper.make_node("ReduceSum", ["n1"], ["n1sum"], keepdims=1))
+        nodes.append(helper.make_node("Add", ["y0", "n1sum"], ["y"]))
+    elif variant == "sum_first":
+        nodes.append(helper.make_node("ReduceSum", ["rr"], ["rsum"], keepdims=1))
+        nodes.append(helper.make_node("Add", ["y0", "rsum"], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["y0"], ["y"]))
+    shape = [1, rows, hidden]
+    graph = helper.make_graph(
+        nodes,
+        "norm_projections",
+        [helper.make_tensor_value_info(x, f, shape) for x in "ab"],
+        [
+            helper.make_tensor_value_info("y", f, [1, rows, n]),
+            helper.make_tensor_value_info("z", f, [1, rows, n]),
+        ],
+        [
+            const("w1", w1),
+            const("w2", w2),
+            const("g1", g1),
+            const("g2", g2),
+            const("B", packed),
+            const("scales", scales),
+            const("zp", zp),
+        ],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ms, 1)]
+    )

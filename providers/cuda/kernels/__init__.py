@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (register on import)
     elementwise,
     matmul,
     nn,
+    norm_matmul,
     normalization,
     reduce,
     shape_ops,

@@ -316,12 +316,28 @@ DEVI void nbits4_chunk(const uint4* q, const float* s, const float* z, int zint,
 // C[m, n] = sum_k A[m, k] * (q[n, k] - z) * s (+ bias). Block (32, 8), laid out as gemv_nk:
 // warp y owns NR columns and the (y % wpc)-th share of their 16-byte chunks (32 values, one
 // scale each); a lane loads U chunks of each column, with scales and zeros, before any math.
-template <typename S, typename W, int MT, int NR>
+// NORM = 1 (both chunk16 kernels): A is the RMS norm of A_in (+ skip) scaled by gamma, made
+// by each block in shared memory first (rms_rows_to_shared, as in matmul.gemv_nk).
+#define NORM_PROLOGUE                                                                         \
+  extern __shared__ __align__(16) unsigned char norm_smem[];                                  \
+  const S* A = A_in;                                                                          \
+  if constexpr (NORM != 0) {                                                                  \
+    S* As = reinterpret_cast<S*>(norm_smem);                                                  \
+    rms_rows_to_shared(A_in, skip, gamma, sum_out, As, M, K, eps, norm_flags & 1,             \
+                       norm_flags & 2);                                                       \
+    A = As;                                                                                   \
+  }
+#define NORM_PARAMS                                                                           \
+  const S *__restrict__ skip, const S *__restrict__ gamma, S *__restrict__ sum_out, float eps, \
+      int norm_flags
+
+template <typename S, typename W, int MT, int NR, int NORM>
 __global__ void __launch_bounds__(256) nbits4_gemv16(
-    const S* __restrict__ A, const uint4* __restrict__ B, const W* __restrict__ scales,
+    const S* __restrict__ A_in, const uint4* __restrict__ B, const W* __restrict__ scales,
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
     const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
-    int row_chunks, int zrow, int zp_mode, int has_bias, int wpc) {
+    int row_chunks, int zrow, int zp_mode, int has_bias, int wpc, NORM_PARAMS) {
+  NORM_PROLOGUE
   constexpr int U = 2;
   __shared__ float red[8][NR][MT];
   const int lane = threadIdx.x, wy = threadIdx.y;
@@ -367,13 +383,14 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
 // same activations (one L1 broadcast). All of a lane's weights, scales and zeros are loaded
 // before the math; a column's sum then takes log2(LPC) shuffles. Block (32, 8), one column
 // group a warp, no shared memory.
-template <typename S, typename W, int MT, int LPC, int CPL>
+template <typename S, typename W, int MT, int LPC, int CPL, int NORM>
 __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
-    const S* __restrict__ A, const uint4* __restrict__ B, const W* __restrict__ scales,
+    const S* __restrict__ A_in, const uint4* __restrict__ B, const W* __restrict__ scales,
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
     const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
-    int row_chunks, int zrow, int zp_mode, int has_bias) {
+    int row_chunks, int zrow, int zp_mode, int has_bias, NORM_PARAMS) {
   static_assert(LPC >= 1 && LPC <= 32 && (LPC & (LPC - 1)) == 0, "LPC: a power of 2 <= 32");
+  NORM_PROLOGUE
   const int lane = threadIdx.x, sub = lane % LPC;
   const long long n = ((long long)blockIdx.x * 8 + threadIdx.y) * (32 / LPC) + lane / LPC;
   const int chunks = K / 32;
@@ -560,8 +577,13 @@ def _chunk16_fits(bits: int, block: int, k: int, row_bytes: int, b, a) -> bool:
 
 
 @REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
-def matmul_nbits(ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None, bias=None):
-    """Y = A @ dequant(B)^T (+ bias); float32 accumulation; fp32 or fp16 A and scales."""
+def matmul_nbits(
+    ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None, bias=None, norm=None
+):
+    """Y = A @ dequant(B)^T (+ bias); float32 accumulation; fp32 or fp16 A and scales.
+
+    ``norm`` (a ``norm_matmul.FusedNorm``): A is normalized first, inside the 16-byte-chunk
+    GEMVs when they apply, else by the norm kernel before any other path."""
     desc = ctx.node.describe()
     reason = _nbits_check(ctx.node, ())
     if reason or g_idx is not None:
@@ -573,6 +595,12 @@ def matmul_nbits(ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None,
     s_type, w_type = storage(ctx, a.dtype), storage(ctx, scales.dtype)
     y = out(ctx, 0, (*a.shape[:-1], n), a.dtype)
     m = int(y.size // n) if n else 0
+    nb = -(-k // block)
+    blob = block * bits // 8
+    if norm is not None:
+        chunk16 = b.size and m <= GEMV_MAX_M and _chunk16_fits(bits, block, k, nb * blob, b, a)
+        if not (y.size and chunk16 and norm.fits(a, m, k)):
+            a, norm = contiguous(ctx, norm.unfused()), None
     if y.size == 0:
         return y
     if b.size == 0:  # an omitted projection: zeros (+ bias)
@@ -582,8 +610,6 @@ def matmul_nbits(ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None,
         else:
             cupy.copyto(y2, bias.reshape(1, n))
         return y
-    nb = -(-k // block)
-    blob = block * bits // 8
     if b.dtype != np.uint8 or b.size != n * nb * blob:
         raise ValueError(f"{desc}: B {b.dtype}{list(b.shape)} is not uint8 [{n}, {nb}, {blob}]")
     if scales.size != n * nb:
@@ -598,19 +624,26 @@ def matmul_nbits(ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None,
         args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
         args += (np.int32(nb), np.int32(block), np.int32(nb * blob // 16), np.int32(zrow))
         args += (np.int32(zp_mode), np.int32(bias is not None))
+        fused = int(norm is not None)
+        if norm is not None:
+            norm_args, smem = norm.kernel_args(a), norm.smem(a, m, k)
+        else:
+            norm_args, smem = (a, a, y, np.float32(0.0), np.int32(0)), 0
         split = None
         if SMALL_K_GEMV and m <= SMALL_K_MAX_M:
             split = nbits4_small_k_split(k // 32, n, sm_count())
         if split is not None:
             lpc, cpl = split
             mt = next(t for t in (1, 2, 4, 8) if t >= m)
-            name = f"nbits4_gemv16_small_k<{s_type}, {w_type}, {mt}, {lpc}, {cpl}>"
-            function(_SOURCE, name)((small_k_blocks(n, lpc),), (32, 8), args)
+            name = f"nbits4_gemv16_small_k<{s_type}, {w_type}, {mt}, {lpc}, {cpl}, {fused}>"
+            grid = (small_k_blocks(n, lpc),)
+            function(_SOURCE, name)(grid, (32, 8), (*args, *norm_args), shared_mem=smem)
             return y
         mt, nr, wpc = gemv_layout(m, k // 32, n, sm_count())
-        fn = function(_SOURCE, f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}>")
+        fn = function(_SOURCE, f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}, {fused}>")
         groups = -(-n // nr)
-        fn((-(-groups * wpc // 8),), (32, 8), (*args, np.int32(wpc)))
+        grid = (-(-groups * wpc // 8),)
+        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=smem)
         return y
     if m <= GEMV_MAX_M:
         if b.data.ptr % 4:

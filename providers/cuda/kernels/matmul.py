@@ -17,6 +17,7 @@ launch with no split-K pass; large M runs cuBLAS on the transposed view.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import cupy
 import numpy as np
@@ -178,10 +179,21 @@ template <> struct Vec16<half_t> {
 // bytes, A and W 16-byte aligned. Block (32, 8): warp y owns columns NR * g .. NR * g + NR - 1
 // with g = blockIdx.x * (8 / wpc) + y / wpc, and the (y % wpc)-th share of their 16-byte
 // chunks. A lane loads U chunks of each of its columns before any math.
-template <typename S, int MT, int NR>
+// NORM = 1: A is the RMS norm of A_in (+ skip) scaled by gamma, made by each block in shared
+// memory first (rms_rows_to_shared; block 0 writes the sum when norm_flags & 2, norm_flags & 1
+// says there is a skip); dynamic shared memory of M * K elements.
+template <typename S, int MT, int NR, int NORM>
 __global__ void __launch_bounds__(256) gemv_nk(
-    const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, int M, int K, int N,
-    int wpc) {
+    const S* __restrict__ A_in, const S* __restrict__ W, S* __restrict__ C, int M, int K, int N,
+    int wpc, const S* __restrict__ skip, const S* __restrict__ gamma, S* __restrict__ sum_out,
+    float eps, int norm_flags) {
+  extern __shared__ __align__(16) unsigned char norm_smem[];
+  const S* A = A_in;
+  if constexpr (NORM != 0) {
+    S* As = reinterpret_cast<S*>(norm_smem);
+    rms_rows_to_shared(A_in, skip, gamma, sum_out, As, M, K, eps, norm_flags & 1, norm_flags & 2);
+    A = As;
+  }
   constexpr int V = Vec16<S>::N;
   constexpr int U = 2;
   __shared__ float red[8][NR][MT];
@@ -352,21 +364,34 @@ def gemv_layout(m: int, k_chunks: int, n: int, sms: int) -> tuple[int, int, int]
     return mt, nr, wpc
 
 
-def _gemv_transposed(ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight) -> cupy.ndarray:
+def _gemv_transposed(
+    ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
+) -> cupy.ndarray:
+    """``a @ w`` on ``gemv_nk`` for M <= 16 (else cuBLAS, eager only). ``norm`` (a
+    ``norm_matmul.FusedNorm``): ``a`` is normalized first, inside the GEMV when it fits."""
     k, n = w.shape
     shape = matmul_shape(ctx, tuple(a.shape), (k, n))
     c = out(ctx, 0, shape, a.dtype)
     m = int(c.size // n) if n else 0
+    if norm is not None and not (m <= SKINNY_MAX_M and c.size and norm.fits(a, m, k)):
+        a, norm = norm.unfused(), None
     if c.size == 0:
         return c
     a = contiguous(ctx, a)
     if m <= SKINNY_MAX_M and a.data.ptr % 16 == 0:
         v = 16 // a.dtype.itemsize
         mt, nr, wpc = gemv_layout(m, k // v, n, sm_count())
-        fn = function(_SOURCE, f"gemv_nk<{storage(ctx, a.dtype)}, {mt}, {nr}>")
+        fused = int(norm is not None)
+        fn = function(_SOURCE, f"gemv_nk<{storage(ctx, a.dtype)}, {mt}, {nr}, {fused}>")
         groups = -(-n // nr)
         args = (a, w.t, c, np.int32(m), np.int32(k), np.int32(n), np.int32(wpc))
-        fn((-(-groups * wpc // 8),), (32, 8), args)
+        if norm is not None:
+            args += norm.kernel_args(a)
+            smem = norm.smem(a, m, k)
+        else:
+            args += (a, a, c, np.float32(0.0), np.int32(0))
+            smem = 0
+        fn((-(-groups * wpc // 8),), (32, 8), args, shared_mem=smem)
         return c
     if capturing(ctx):
         raise CaptureUnsupported(
@@ -378,16 +403,18 @@ def _gemv_transposed(ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight) -
 
 
 @REGISTRY.register("MatMul", since=1, prepack=transpose_weight)
-def matmul(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
+def matmul(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray, norm: Any = None) -> cupy.ndarray:
     """ONNX MatMul. A prepacked weight runs ``gemv_nk`` for M <= 16; other fp32/fp16 with
     M <= 16 run the skinny kernel; the rest uses cuBLAS, which CuPy refuses during stream
-    capture, so that case raises while capturing."""
+    capture, so that case raises while capturing. ``norm``: see ``_gemv_transposed``."""
     if isinstance(b, TransposedWeight):
         if a.dtype != b.dtype:
             raise TypeError(
                 f"{ctx.node.describe()}: MatMul operand dtypes differ: {a.dtype}, {b.dtype}"
             )
-        return _gemv_transposed(ctx, a, b)
+        return _gemv_transposed(ctx, a, b, norm)
+    if norm is not None:
+        a = norm.unfused()
     if a.dtype != b.dtype:
         raise TypeError(
             f"{ctx.node.describe()}: MatMul operand dtypes differ: {a.dtype}, {b.dtype}"

@@ -1,0 +1,160 @@
+"""CUDA kernels: an RMS norm fused into the GEMVs that read it (``onnx_genrt`` domain).
+
+``NormMatMul(x, skip, gamma, W)`` and ``NormMatMulNBits(x, skip, gamma, B, scales, ...)``
+compute ``MatMul(norm(x + skip), W)`` where ``norm`` is onnxruntime's (Skip)Simplified
+LayerNormalization; outputs ``(y, sum, normed)``: ``sum`` = x + skip (the residual the next
+layer reads; empty name when not wanted) and ``normed``, a planned buffer used only when the
+fused kernel does not apply. See ``session.fusion.fuse_norm_matmul``.
+
+On decode and verify steps (M <= 16, the GEMV kernels) every block of the GEMV normalizes
+the M rows itself into shared memory before its dot products (``rms_rows_to_shared``): the
+norm's own launch and its round trip through global memory go away, at the price of each
+block reading the M x K activations (a few KB). Other shapes run the norm kernel into
+``normed`` and then the plain matmul, so every shape keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import norm_matmul_nbits_unsupported, norm_projection
+
+from ._common import contiguous, out
+from ._registry import REGISTRY
+from .contrib_norm import skip_simplified_layer_norm
+from .contrib_quant import matmul_nbits
+from .matmul import matmul, transpose_weight
+from .normalization import simplified_layer_norm
+
+#: Domain of the runtime's own fused ops.
+GENRT_DOMAIN = "onnx_genrt"
+#: Most bytes of normalized activations a GEMV block stages in shared memory (M x K); more
+#: runs the norm kernel first.
+NORM_SMEM_MAX = 32 << 10
+
+
+@dataclass
+class FusedNorm:
+    """The norm a GEMV kernel applies to its activations (``gemv_nk`` / ``nbits4`` with
+    NORM = 1), and the unfused way for shapes those kernels do not take."""
+
+    skip: cupy.ndarray | None
+    gamma: cupy.ndarray
+    sum_out: cupy.ndarray | None
+    eps: float
+    unfused: Callable[[], cupy.ndarray]
+
+    def fits(self, x: cupy.ndarray, m: int, k: int) -> bool:
+        """Whether a GEMV block can normalize ``m`` rows of ``k`` in shared memory."""
+        return (
+            self.gamma.dtype == x.dtype
+            and (self.skip is None or (self.skip.shape == x.shape and self.skip.dtype == x.dtype))
+            and m * k * x.dtype.itemsize <= NORM_SMEM_MAX
+            and x.flags.c_contiguous
+        )
+
+    def smem(self, x: cupy.ndarray, m: int, k: int) -> int:
+        return m * k * x.dtype.itemsize
+
+    def kernel_args(self, x: cupy.ndarray) -> tuple:
+        """(skip, gamma, sum_out, eps, flags) as the NORM = 1 kernels take them."""
+        flags = (self.skip is not None) | (2 * (self.sum_out is not None))
+        skip = self.skip if self.skip is not None else x
+        total = self.sum_out if self.sum_out is not None else x
+        return (skip, self.gamma, total, np.float32(self.eps), np.int32(flags))
+
+
+def _outputs(ctx: KernelContext, y, total, normed):
+    return (y, total if total is not None else y, normed)[: max(1, len(ctx.node.output_names))]
+
+
+def _prepare(ctx: KernelContext, x, skip, gamma) -> tuple[FusedNorm, cupy.ndarray]:
+    """The fused norm of one call, and its ``normed`` output buffer."""
+    desc = ctx.node.describe()
+    k = int(x.shape[-1])
+    if gamma.size != k:
+        raise ValueError(f"{desc}: gamma has {gamma.size} elements, the rows have {k}")
+    names = ctx.node.output_names
+    want_sum = len(names) > 1 and bool(names[1])
+    if want_sum and skip is None:
+        raise ValueError(f"{desc}: a sum output needs a skip input")
+    total = out(ctx, 1, x.shape, x.dtype) if want_sum else None
+    eps = float(ctx.attr("epsilon", 1e-5))
+    gamma_dtype = gamma.dtype
+    normed = out(ctx, 2, x.shape, x.dtype if skip is not None else gamma_dtype)
+
+    def unfused() -> cupy.ndarray:
+        sub_planned = [normed, None, None, total]
+        if skip is not None:
+            node = _norm_node(ctx, "SkipSimplifiedLayerNormalization", MS_DOMAIN, eps, want_sum)
+            sub = KernelContext(node, ctx.provider, sub_planned)
+            return _first(skip_simplified_layer_norm(sub, x, skip, gamma))
+        node = _norm_node(ctx, "SimplifiedLayerNormalization", "", eps, False)
+        return _first(
+            simplified_layer_norm(KernelContext(node, ctx.provider, sub_planned), x, gamma)
+        )
+
+    fused = FusedNorm(
+        contiguous(ctx, skip) if skip is not None else None,
+        contiguous(ctx, gamma),
+        total,
+        eps,
+        unfused,
+    )
+    return fused, normed
+
+
+def _activations(ctx: KernelContext, x, fused: FusedNorm):
+    """(x, the norm for the GEMV to apply) or, when the norm changes the dtype (a gamma of
+    another type), (the normalized activations, None)."""
+    if fused.gamma.dtype != x.dtype:
+        return fused.unfused(), None
+    return contiguous(ctx, x), fused
+
+
+def _projection_ctx(ctx: KernelContext) -> KernelContext:
+    """The context the projection's own kernel expects (its node, output 0's buffer)."""
+    return KernelContext(norm_projection(ctx.node), ctx.provider, ctx.planned[:1], ctx.scratch)
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple | list) else result
+
+
+def _norm_node(ctx: KernelContext, op: str, domain: str, eps: float, want_sum: bool) -> NodeInfo:
+    outputs = ("normed",) if not want_sum else ("normed", "", "", "sum")
+    return NodeInfo(
+        op, f"{ctx.node.name}/norm", domain, 1, {"epsilon": eps, "axis": -1}, (), outputs
+    )
+
+
+def _weight_prepack(provider, node: NodeInfo, index: int, host: np.ndarray):
+    """The fused MatMul's weight (input 3) prepacked as MatMul's input 1 is."""
+    return transpose_weight(provider, node, 1, host) if index == 3 else None
+
+
+@REGISTRY.register("NormMatMul", since=1, domain=GENRT_DOMAIN, prepack=_weight_prepack)
+def norm_matmul(ctx: KernelContext, x, skip, gamma, w):
+    """MatMul(RMSNorm(x (+ skip)) * gamma, W); outputs (y, x + skip, normed)."""
+    fused, normed = _prepare(ctx, x, skip, gamma)
+    a, norm = _activations(ctx, x, fused)
+    y = matmul(_projection_ctx(ctx), a, w, norm=norm)
+    return _outputs(ctx, y, fused.sum_out, normed)
+
+
+@REGISTRY.register(
+    "NormMatMulNBits", since=1, domain=GENRT_DOMAIN, check=norm_matmul_nbits_unsupported
+)
+def norm_matmul_nbits(
+    ctx: KernelContext, x, skip, gamma, b, scales, zero_points=None, g_idx=None, bias=None
+):
+    """MatMulNBits(RMSNorm(x (+ skip)) * gamma, B); outputs (y, x + skip, normed)."""
+    fused, normed = _prepare(ctx, x, skip, gamma)
+    a, norm = _activations(ctx, x, fused)
+    y = matmul_nbits(_projection_ctx(ctx), a, b, scales, zero_points, g_idx, bias, norm=norm)
+    return _outputs(ctx, y, fused.sum_out, normed)

@@ -1,0 +1,79 @@
+"""RMS norms fused into the GEMVs that read them (NormMatMul, NormMatMulNBits) on a real
+GPU: the fused plan against the CPU provider's unfused one, eager and replayed.
+
+Marked ``gpu``: skipped without a usable GPU, failed instead when ONNX_GENRT_REQUIRE_GPU=1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from tests.models import norm_projections
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    from onnx_genrt.providers.cuda.plugin import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"ONNX_GENRT_REQUIRE_GPU=1 but no GPU is usable: {reason}")
+    import cupy
+
+    return cupy
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_fused_norm_projections_match_cpu(cp, dtype, rows):
+    """Decode (M=1) and verify (M=5) rows run the fused GEMVs, captured and replayed with
+    poisoned outputs; M=40 (a prompt) runs the norm kernel and cuBLAS eagerly. The residual
+    sum written by the first projection feeds the 4-bit projection of the second norm."""
+    from onnx_genrt.session import InferenceSession
+
+    hidden, n = 896, 256
+    model = norm_projections(hidden=hidden, rows=rows, n=n, dtype=dtype, seed=3)
+    reference = InferenceSession(
+        norm_projections(hidden=hidden, rows=rows, n=n, dtype=np.float32, seed=3),
+        providers=["cpu"],
+    )
+    sess = InferenceSession(model, providers=["cuda"])
+    ops = [s.node.op_type for s in sess.plan.steps]
+    assert ops.count("NormMatMul") == 2 and ops.count("NormMatMulNBits") == 1, ops
+    prov = sess.main_provider
+    rng = np.random.default_rng(rows)
+    tol = 2e-2 if dtype == np.float16 else 1e-4
+
+    def check(got, feeds):
+        want = reference.run(["y", "z"], {k: v.astype(np.float32) for k, v in feeds.items()})
+        for g, w in zip(got, want, strict=True):
+            g = np.asarray(g, np.float64)
+            assert np.isfinite(g).all()
+            scale = max(1.0, float(np.abs(w).max()))
+            np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale)
+
+    if rows > 16:
+        feeds = {k: rng.standard_normal((1, rows, hidden)).astype(dtype) for k in "ab"}
+        check(sess.run(["y", "z"], feeds), feeds)
+        return
+    slot = DeviceGraphSlot.PRIMARY if rows == 1 else DeviceGraphSlot.VERIFY
+    binding = sess.io_binding()
+    with prov.stream:
+        ins = {k: binding.bind_input(k, cp.zeros((1, rows, hidden), dtype)) for k in "ab"}
+    outs = [binding.bind_output(k, shape=(1, rows, n), dtype=dtype) for k in "yz"]
+    for _ in range(4):
+        feeds = {k: rng.standard_normal((1, rows, hidden)).astype(dtype) for k in "ab"}
+        for k, v in feeds.items():
+            ins[k].set(v, stream=prov.stream)
+        with prov.stream:
+            for o in outs:
+                o.fill(np.nan)
+        sess.run_with_iobinding(binding, slot)
+        check([prov.to_numpy(o) for o in outs], feeds)
+    stats = sess.graph_stats(slot)
+    assert stats.captures == 1 and stats.replays >= 2, stats
+    assert stats.fallbacks == 0, dict(stats.fallback_reasons)
