@@ -122,6 +122,7 @@ def after_verify(
     hidden_input: str = "hidden_states",
     ids_input: str = "input_ids",
     verify_hidden_type: int = TensorProto.FLOAT,
+    fused: bool = False,
 ) -> onnx.ModelProto:
     """``chain`` fed straight from a verify step of width ``k + 1``, on the device.
 
@@ -131,6 +132,9 @@ def after_verify(
     row and argmax at that count (the state that predicts the new pending token) and runs
     the chain from there. Outputs: the chain's drafts and confidences, and ``accepted_count``.
     So one verify replay, one chain replay and one read-back make a speculative step.
+
+    ``fused``: the acceptance is one ``onnx_genrt::MTPAccept`` node (for providers that have
+    it) instead of the dozen standard ops that spell it out.
     """
     g = chain.graph
     by_name = {i.name: i for i in g.input}
@@ -171,6 +175,17 @@ def after_verify(
     nodes.append(helper.make_node("Gather", [VERIFY_HIDDEN, ACCEPTED], [gathered], axis=1))
     if gathered != hidden_input:
         nodes.append(helper.make_node("Cast", [gathered], [hidden_input], to=hidden_type))
+    if fused:
+        inits = []
+        nodes = [
+            helper.make_node(
+                "MTPAccept",
+                [VERIFY_IDS, VERIFY_ARGMAX, VERIFY_HIDDEN, DRAFT_COUNT],
+                [ACCEPTED, ids_input, hidden_input],
+                domain=GENRT_DOMAIN,
+                to=hidden_type,
+            )
+        ]
     for i, node in enumerate(nodes):  # errors and profiles name the node
         node.name = f"{p}{i}_{node.op_type}"
     width = k + 1
@@ -189,7 +204,7 @@ def after_verify(
         outputs,
         list(g.initializer) + inits,
     )
-    model = helper.make_model(graph, opset_imports=list(chain.opset_import))
+    model = helper.make_model(graph, opset_imports=_with_genrt(chain.opset_import, fused))
     model.ir_version = chain.ir_version
     return model
 
@@ -210,6 +225,7 @@ def with_next_inputs(
     mask_length: int | None,
     positions: bool,
     ids_input: str = "input_ids",
+    fused: bool = False,
 ) -> onnx.ModelProto:
     """``after`` (from :func:`after_verify`) that also writes the next verify step's inputs.
 
@@ -219,6 +235,8 @@ def with_next_inputs(
     them) and its real draft count (the leading drafts with confidence >= ``min_confidence``,
     as ``MTPProposer.confident`` counts them). Bound to the decoder's own input buffers, they
     let the next verify be queued before the host has read this one back.
+
+    ``fused``: one ``onnx_genrt::MTPNextInputs`` node writes them all.
     """
     g = after.graph
     p = "next/"
@@ -257,6 +275,22 @@ def with_next_inputs(
             helper.make_node("Cast", [p + "mask_b"], [NEXT_MASK], to=i64),
         ]
         outputs.append(helper.make_tensor_value_info(NEXT_MASK, i64, [1, mask_length]))
+    if fused:
+        inits = []
+        names = [NEXT_START, NEXT_IDS, NEXT_COUNT]
+        names += [NEXT_POSITIONS if positions else "", NEXT_MASK if mask_length is not None else ""]
+        while not names[-1]:
+            names.pop()
+        nodes = [
+            helper.make_node(
+                "MTPNextInputs",
+                [ACCEPTED, VERIFY_START, ids_input, DRAFTS, CONFIDENCES],
+                names,
+                domain=GENRT_DOMAIN,
+                min_confidence=float(min_confidence),
+                mask_length=int(mask_length or 0),
+            )
+        ]
     for i, node in enumerate(nodes):
         node.name = f"{p}{i}_{node.op_type}"
     graph = helper.make_graph(
@@ -266,6 +300,19 @@ def with_next_inputs(
         [*g.output, *outputs],
         list(g.initializer) + inits,
     )
-    model = helper.make_model(graph, opset_imports=list(after.opset_import))
+    model = helper.make_model(graph, opset_imports=_with_genrt(after.opset_import, fused))
     model.ir_version = after.ir_version
     return model
+
+
+#: Domain of the runtime's own ops (as ``session.fusion.GENRT_DOMAIN``).
+GENRT_DOMAIN = "onnx_genrt"
+#: The fused ops ``after_verify`` / ``with_next_inputs`` emit with ``fused=True``.
+FUSED_OPS = ("MTPAccept", "MTPNextInputs")
+
+
+def _with_genrt(opsets, fused: bool) -> list:
+    opsets = list(opsets)
+    if fused and all(o.domain != GENRT_DOMAIN for o in opsets):
+        opsets.append(helper.make_opsetid(GENRT_DOMAIN, 1))
+    return opsets

@@ -28,12 +28,15 @@ def _accepted(ids: np.ndarray, argmax: np.ndarray, n: int) -> int:
     return count
 
 
-@pytest.fixture(scope="module")
-def sessions():
+@pytest.fixture(scope="module", params=[False, True], ids=["standard-ops", "MTPAccept"])
+def sessions(request):
     head = load_model(default_model_dir() / "mtp" / "model.onnx")
     k = 4
     chain = unroll_mtp_head(head, k)
-    return k, InferenceSession(chain), InferenceSession(after_verify(chain, k))
+    model = after_verify(chain, k, fused=request.param)
+    ops = {n.op_type for n in model.graph.node}
+    assert ("MTPAccept" in ops) == request.param
+    return k, InferenceSession(chain), InferenceSession(model)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -65,3 +68,53 @@ def test_after_verify_counts_the_accepted_run_and_drafts_from_its_row(sessions, 
     )
     np.testing.assert_array_equal(drafts, ref_drafts)
     np.testing.assert_allclose(confs, ref_confs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_next_inputs_fused_and_standard_agree_with_python(seed):
+    """``with_next_inputs`` as one MTPNextInputs node and as standard ops: the next start,
+    ids, positions, mask and confident-draft count, against a Python reference."""
+    from onnx_genrt.engine.mtp_chain import (
+        NEXT_COUNT,
+        NEXT_IDS,
+        NEXT_MASK,
+        NEXT_POSITIONS,
+        NEXT_START,
+        VERIFY_START,
+        with_next_inputs,
+    )
+
+    head = load_model(default_model_dir() / "mtp" / "model.onnx")
+    k, length, min_conf = 4, 48, 0.3
+    chain = unroll_mtp_head(head, k)
+    rng = np.random.default_rng(seed)
+    hidden_size = int(InferenceSession(chain).input_spec("hidden_states").shape[-1])
+    feeds = {
+        VERIFY_IDS: rng.integers(0, 50, (1, k + 1)).astype(np.int64),
+        VERIFY_ARGMAX: rng.integers(0, 50, (1, k + 1)).astype(np.int64),
+        VERIFY_HIDDEN: rng.standard_normal((1, k + 1, hidden_size)).astype(np.float32),
+        DRAFT_COUNT: np.array([int(rng.integers(0, k + 1))], np.int64),
+        VERIFY_START: np.array([int(rng.integers(0, 30))], np.int64),
+    }
+    feeds[VERIFY_IDS][0, 1:3] = feeds[VERIFY_ARGMAX][0, :2]
+    names = [ACCEPTED, DRAFTS, CONFIDENCES, NEXT_START, NEXT_IDS, NEXT_COUNT, NEXT_POSITIONS]
+    names.append(NEXT_MASK)
+    results = []
+    for fused in (False, True):
+        model = with_next_inputs(
+            after_verify(chain, k, fused=fused), k, min_conf, length, True, fused=fused
+        )
+        assert ("MTPNextInputs" in {n.op_type for n in model.graph.node}) == fused
+        results.append(dict(zip(names, InferenceSession(model).run(names, feeds), strict=True)))
+    standard, fused_out = results
+    for name in names:
+        np.testing.assert_array_equal(fused_out[name], standard[name], err_msg=name)
+    accepted = int(standard[ACCEPTED][0])
+    begin = int(feeds[VERIFY_START][0]) + accepted + 1
+    assert int(standard[NEXT_START][0]) == begin
+    assert standard[NEXT_IDS][0, 0] == feeds[VERIFY_ARGMAX][0, accepted]
+    np.testing.assert_array_equal(standard[NEXT_IDS][0, 1:], standard[DRAFTS][0])
+    np.testing.assert_array_equal(standard[NEXT_POSITIONS][0], np.arange(begin, begin + k + 1))
+    np.testing.assert_array_equal(standard[NEXT_MASK][0], np.arange(length) < begin + k + 1)
+    low = standard[CONFIDENCES][0] < min_conf
+    assert int(standard[NEXT_COUNT][0]) == (int(np.argmax(low)) if low.any() else k)

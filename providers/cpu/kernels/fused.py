@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto, helper
 
 from onnx_genrt.core.kernels import KernelContext
 
@@ -90,3 +91,60 @@ def argmax_prob(ctx: KernelContext, x: np.ndarray) -> tuple[np.ndarray, np.ndarr
     total = np.exp(xs - top).sum(axis=-1)
     np.divide(1.0, total, out=prob, casting="unsafe")
     return idx, prob
+
+
+@REGISTRY.register("MTPAccept", since=1, domain="onnx_genrt")
+def mtp_accept(
+    ctx: KernelContext, ids: np.ndarray, argmax: np.ndarray, hidden: np.ndarray, count
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """After a verify step of width k + 1: (accepted [1], token [1, 1], hidden [1, 1, H]).
+    ``accepted`` counts the leading drafts (``ids[1:]``, the first ``count`` of them real)
+    equal to the target's argmax; token and hidden are the argmax and hidden row there
+    (hidden cast to the ``to`` attribute's type). See ``engine.mtp_chain.after_verify``."""
+    k = ids.shape[-1] - 1
+    if argmax.shape[-1] != k + 1 or hidden.ndim != 3 or hidden.shape[1] != k + 1:
+        raise ValueError(
+            f"{ctx.node.describe()}: ids {list(ids.shape)}, argmax {list(argmax.shape)} and "
+            f"hidden {list(hidden.shape)} must share a width of k + 1"
+        )
+    ok = (argmax[0, :k] == ids[0, 1:]) & (np.arange(k) < int(count.reshape(-1)[0]))
+    acc = k if ok.all() else int(np.argmin(ok))
+    dtype = helper.tensor_dtype_to_np_dtype(int(ctx.attr("to", TensorProto.FLOAT)))
+    accepted = ctx.out(0, (1,), np.int64)
+    token = ctx.out(1, (1, 1), np.int64)
+    row = ctx.out(2, (1, 1, hidden.shape[-1]), dtype)
+    accepted[0] = acc
+    token[0, 0] = argmax[0, acc]
+    row[...] = hidden[:, acc : acc + 1]
+    return accepted, token, row
+
+
+@REGISTRY.register("MTPNextInputs", since=1, domain="onnx_genrt")
+def mtp_next_inputs(ctx: KernelContext, accepted, start, token, drafts, confidences):
+    """The next verify step's inputs after an MTP chain: (start [1], ids [1, k+1], draft
+    count [1], positions [1, k+1], attention mask [1, L]); see
+    ``engine.mtp_chain.with_next_inputs``. Outputs may alias inputs (``start``)."""
+    k = drafts.shape[-1]
+    names = ctx.node.output_names
+    begin = int(start.reshape(-1)[0]) + int(accepted.reshape(-1)[0]) + 1
+    low = confidences.reshape(-1) < float(ctx.attr("min_confidence", 0.0))
+    count = int(np.argmax(low)) if low.any() else k
+    next_start = ctx.out(0, (1,), np.int64)
+    next_ids = ctx.out(1, (1, k + 1), np.int64)
+    next_count = ctx.out(2, (1,), np.int64)
+    next_start[0], next_count[0] = begin, count
+    next_ids[0, 0] = token.reshape(-1)[0]
+    next_ids[0, 1:] = drafts.reshape(-1)
+    results = [next_start, next_ids, next_count]
+    if len(names) > 3 and names[3]:
+        pos = ctx.out(3, (1, k + 1), np.int64)
+        pos[0] = np.arange(begin, begin + k + 1)
+        results.append(pos)
+    elif len(names) > 3:
+        results.append(next_ids)
+    if len(names) > 4 and names[4]:
+        length = int(ctx.attr("mask_length", 0))
+        mask = ctx.out(4, (1, length), np.int64)
+        mask[0] = np.arange(length) < begin + k + 1
+        results.append(mask)
+    return tuple(results)

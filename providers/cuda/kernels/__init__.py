@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (register on import)
     contrib_quant,
     elementwise,
     matmul,
+    mtp,
     nn,
     norm_matmul,
     normalization,

@@ -14,7 +14,13 @@ import numpy as np
 from onnx_genrt.core.kernels import KernelContext
 from onnx_genrt.core.op_rules import reshape_target
 
-from ._common import OPTIONS, contiguous, host_ints, normalize_axis, out, refuse_in_capture
+from ._common import (
+    function,
+    host_ints,
+    normalize_axis,
+    out,
+    refuse_in_capture,
+)
 from ._registry import REGISTRY
 
 
@@ -90,15 +96,54 @@ def transpose(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
     return y
 
 
+#: Inputs one Concat launch takes (more are joined CONCAT_MAX at a time).
+CONCAT_MAX = 8
+
+_CONCAT_SOURCE = r"""
+// y viewed as [outer, total] elements of type T (total = sum of the parts' widths, each
+// part [outer, width_i] contiguous): one thread per output element finds its part.
+template <typename T>
+__global__ void concat_parts(T* __restrict__ y, long long outer, long long total,
+                             long long col0, long long span, int parts,
+                             const T* p0, const T* p1, const T* p2, const T* p3,
+                             const T* p4, const T* p5, const T* p6, const T* p7,
+                             long long w0, long long w1, long long w2, long long w3,
+                             long long w4, long long w5, long long w6, long long w7) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= outer * span) return;
+  const long long o = i / span;
+  long long c = i - o * span;
+  const T* src[8] = {p0, p1, p2, p3, p4, p5, p6, p7};
+  const long long w[8] = {w0, w1, w2, w3, w4, w5, w6, w7};
+  int s = 0;
+  while (s < parts - 1 && c >= w[s]) c -= w[s++];
+  y[o * total + col0 + (i - o * span)] = src[s][o * w[s] + c];
+}
+"""
+_CONCAT_TYPES = {
+    1: "unsigned char",
+    2: "unsigned short",
+    4: "unsigned int",
+    8: "unsigned long long",
+}
+
+
 @REGISTRY.register("Concat", since=1)
 def concat(ctx: KernelContext, *inputs: cupy.ndarray) -> cupy.ndarray:
-    """Join inputs along ``axis``: one copy per input into its slice of the output."""
+    """Join inputs along ``axis``: one launch per CONCAT_MAX contiguous inputs (the parts'
+    element size picks the copy type), else one copy per input into its slice."""
     parts = [t for t in inputs if t is not None]
     rank = parts[0].ndim
     axis = normalize_axis(ctx, int(ctx.attr("axis", 1 if ctx.opset < 4 else 0)), rank)
     shape = list(parts[0].shape)
     shape[axis] = sum(int(t.shape[axis]) for t in parts)
     y = out(ctx, 0, shape, parts[0].dtype)
+    if y.size == 0:
+        return y
+    itemsize = y.dtype.itemsize
+    if itemsize in _CONCAT_TYPES and all(t.flags.c_contiguous for t in parts):
+        _concat_launch(y, [t for t in parts if t.size], axis)
+        return y
     index: list[slice] = [slice(None)] * rank
     offset = 0
     for t in parts:
@@ -110,64 +155,22 @@ def concat(ctx: KernelContext, *inputs: cupy.ndarray) -> cupy.ndarray:
     return y
 
 
-@REGISTRY.register("Slice", since=1)
-def slice_(ctx: KernelContext, x: cupy.ndarray, starts=None, ends=None, axes=None, steps=None):
-    """Strided slice into a contiguous output; bounds are host constants (clamped like ONNX)."""
-    if ctx.opset < 10:
-        st, en = host_ints(ctx, ctx.attr("starts", [])), host_ints(ctx, ctx.attr("ends", []))
-        ax = host_ints(ctx, ctx.attr("axes", None)) or list(range(len(st)))
-        sp = [1] * len(st)
-    else:
-        st, en = host_ints(ctx, starts), host_ints(ctx, ends)
-        ax = host_ints(ctx, axes) if axes is not None else list(range(len(st)))
-        sp = host_ints(ctx, steps) if steps is not None else [1] * len(st)
-    if not len(st) == len(en) == len(ax) == len(sp):
-        raise ValueError(f"{ctx.node.describe()}: starts/ends/axes/steps lengths differ")
-    index: list[slice] = [slice(None)] * x.ndim
-    for a, s, e, step in zip(_axes(ctx, ax, x.ndim), st, en, sp, strict=True):
-        if step == 0:
-            raise ValueError(f"{ctx.node.describe()}: step must not be zero")
-        index[a] = slice(s, e, step)  # Python slicing clamps exactly as ONNX specifies
-    view = x[tuple(index)]
-    y = out(ctx, 0, view.shape, x.dtype)
-    if y.size:
-        cupy.copyto(y, view)
-    return y
+def _concat_launch(y: cupy.ndarray, parts: list[cupy.ndarray], axis: int) -> None:
+    outer = math.prod(y.shape[:axis])
+    total = y.size // outer
+    fn = _concat_kernel(y.dtype.itemsize)
+    col = 0
+    for g in range(0, len(parts), CONCAT_MAX):
+        group = parts[g : g + CONCAT_MAX]
+        widths = [t.size // outer for t in group]
+        span = sum(widths)
+        ptrs = group + [group[0]] * (CONCAT_MAX - len(group))
+        ws = [np.int64(w) for w in widths] + [np.int64(0)] * (CONCAT_MAX - len(group))
+        n = outer * span
+        args = (y, np.int64(outer), np.int64(total), np.int64(col), np.int64(span))
+        fn(((n + 255) // 256,), (256,), (*args, np.int32(len(group)), *ptrs, *ws))
+        col += span
 
 
-_GATHER = cupy.ElementwiseKernel(
-    "raw T data, raw I idx, int64 dim, int64 nidx, int64 inner",
-    "T y",
-    """
-    const long long q = i / inner, r = i - q * inner;
-    const long long o = q / nidx, j = q - o * nidx;
-    long long k = (long long)idx[j];
-    if (k < 0) k += dim;
-    k = k < 0 ? 0 : (k >= dim ? dim - 1 : k);  // out of range: clamp, never fault
-    y = data[(o * dim + k) * inner + r];
-    """,
-    "genrt_gather",
-    options=OPTIONS,
-)
-
-
-@REGISTRY.register("Gather", since=1)
-def gather(ctx: KernelContext, x: cupy.ndarray, indices: cupy.ndarray) -> cupy.ndarray:
-    """Take along ``axis`` with device indices; negatives count from the end.
-
-    Indices are not range-checked (that would need a host sync); out-of-range ones clamp.
-    """
-    axis = normalize_axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
-    if not isinstance(indices, cupy.ndarray):
-        refuse_in_capture(ctx, "uploading host indices")
-        indices = cupy.asarray(indices)
-    shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1 :])
-    y = out(ctx, 0, shape, x.dtype)
-    if y.size == 0:
-        return y
-    data = contiguous(ctx, x).reshape(-1)
-    idx = contiguous(ctx, indices).reshape(-1)
-    dim = int(x.shape[axis])
-    inner = math.prod(x.shape[axis + 1 :])
-    _GATHER(data, idx, np.int64(dim), np.int64(idx.size), np.int64(inner), y)
-    return y
+def _concat_kernel(itemsize: int) -> cupy.RawKernel:
+    return function(_CONCAT_SOURCE, f"concat_parts<{_CONCAT_TYPES[itemsize]}>")
