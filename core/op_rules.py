@@ -73,30 +73,34 @@ def matmul_shape(ctx: KernelContext, a: Sequence[int], b: Sequence[int]) -> tupl
     return tuple(int(s) for s in shape)
 
 
-#: The projection each norm-fused op (domain ``onnx_genrt``) wraps: (domain, op_type).
-NORM_PROJECTIONS = {
-    "NormMatMul": ("", "MatMul"),
-    "NormMatMulNBits": ("com.microsoft", "MatMulNBits"),
+#: The projection each fused op (domain ``onnx_genrt``) wraps: (domain, op_type, number of
+#: the fused op's own inputs before the projection's weights).
+FUSED_PROJECTIONS = {
+    "NormMatMul": ("", "MatMul", 3),
+    "NormMatMulNBits": ("com.microsoft", "MatMulNBits", 3),
+    "SiluMulMatMul": ("", "MatMul", 2),
+    "SiluMulMatMulNBits": ("com.microsoft", "MatMulNBits", 2),
 }
 
 
-def norm_projection(node: NodeInfo) -> NodeInfo:
-    """The projection inside a ``NormMatMul`` / ``NormMatMulNBits`` node (inputs x, skip,
-    gamma, then the projection's own): the node as that projection's kernel expects it,
-    reading the normalized activations, with only the projection's output."""
-    domain, op = NORM_PROJECTIONS[node.op_type]
-    attrs = {k: v for k, v in node.attrs.items() if k not in ("epsilon", "projection_opset")}
+def fused_projection(node: NodeInfo) -> NodeInfo:
+    """The projection inside a ``NormMatMul`` / ``SiluMulMatMul`` (or NBits) node: the node as
+    that projection's kernel expects it, reading the prepared activations, with only the
+    projection's output."""
+    domain, op, own = FUSED_PROJECTIONS[node.op_type]
+    drop = ("epsilon", "projection_opset", "split")
+    attrs = {k: v for k, v in node.attrs.items() if k not in drop}
     return NodeInfo(
         op,
         node.name,
         domain,
         int(node.attrs.get("projection_opset", 1)),
         attrs,
-        (f"{node.name}/normed", *node.input_names[3:]),
+        (f"{node.name}/activations", *node.input_names[own:]),
         tuple(node.output_names[:1]),
     )
 
 
-def norm_matmul_nbits_unsupported(node: NodeInfo, types: object = ()) -> str | None:
-    """``matmul_nbits_unsupported`` for the projection of a NormMatMulNBits node."""
-    return matmul_nbits_unsupported(norm_projection(node), types)
+def fused_matmul_nbits_unsupported(node: NodeInfo, types: object = ()) -> str | None:
+    """``matmul_nbits_unsupported`` for the projection of a fused MatMulNBits node."""
+    return matmul_nbits_unsupported(fused_projection(node), types)

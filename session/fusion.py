@@ -539,3 +539,59 @@ def _norm_projections(steps, constants, keep, read_by, i: int, norm) -> dict[int
         )
         fused[j] = type(proj)(node, kdef, provider, inputs, outputs)
     return fused
+
+
+#: Projection op -> its SiLU-fused op (domain ``onnx_genrt``).
+_SILU_FUSED = {
+    ("", "MatMul"): "SiluMulMatMul",
+    ("com.microsoft", "MatMulNBits"): "SiluMulMatMulNBits",
+}
+
+
+def fuse_silu_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple[list, int]:
+    """A SiluMul whose one reader is a projection (MatMul on a constant 2-D weight, or
+    MatMulNBits) goes into it: ``SiluMulMatMul`` / ``SiluMulMatMulNBits`` (domain
+    ``onnx_genrt``), whose GEMV computes the activations itself. The fused step takes the
+    projection's place; its second output keeps a planned buffer for shapes the fused
+    kernel does not take. Only where the provider has the fused kernels."""
+    keep = set(keep)
+    readers, producer = _index(steps)
+    drop: set[int] = set()
+    replace: dict[int, object] = {}
+    for j, proj in enumerate(steps):
+        op = _SILU_FUSED.get((proj.node.domain, proj.node.op_type))
+        if op is None or not proj.inputs:
+            continue
+        act = proj.inputs[0]
+        i = producer.get(act)
+        if i is None or readers[act] != 1 or act in keep or i in drop:
+            continue
+        silu = steps[i]
+        if silu.node.domain != GENRT_DOMAIN or silu.node.op_type != "SiluMul":
+            continue
+        if silu.provider is not proj.provider or proj.inputs[1] not in constants:
+            continue
+        if op == "SiluMulMatMul" and (len(proj.inputs) != 2 or constants[proj.inputs[1]].ndim != 2):
+            continue
+        kdef = proj.provider.get_kernel(GENRT_DOMAIN, op, 1)
+        if kdef is None:
+            continue
+        gate_up = tuple(silu.inputs) + ("",) * (2 - len(silu.inputs))
+        inputs = (*gate_up[:2], *proj.inputs[1:])
+        outputs = (proj.outputs[0], f"{act}/act")
+        node = NodeInfo(
+            op,
+            f"{proj.node.name or proj.outputs[0]}/{op}",
+            GENRT_DOMAIN,
+            1,
+            {
+                **proj.node.attrs,
+                "split": int(silu.node.attrs.get("split", 0)),
+                "projection_opset": proj.node.opset,
+            },
+            inputs,
+            outputs,
+        )
+        drop.add(i)
+        replace[j] = type(proj)(node, kdef, proj.provider, inputs, outputs)
+    return _rewrite(steps, replace, drop), len(replace)

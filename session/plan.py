@@ -21,6 +21,7 @@ from .fusion import (
     fuse_gate_up,
     fuse_norm_matmul,
     fuse_rms_norm,
+    fuse_silu_matmul,
     fuse_silu_mul,
     fuse_skip_rms_norm,
 )
@@ -224,6 +225,8 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
     fused += merged
     steps, normed = fuse_norm_matmul(steps, constants, keep)
     fused += normed
+    steps, activated = fuse_silu_matmul(steps, constants, keep)
+    fused += activated
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)
     plan.value_types = value_types
     return plan

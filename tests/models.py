@@ -206,3 +206,48 @@ def norm_projections(
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ms, 1)]
     )
+
+
+def silu_projection(hidden: int = 32, inter: int = 64, rows: int = 3, seed: int = 0):
+    """A gated MLP as exporters write it: gate and up MatMuls, ``gate * Sigmoid(gate) * up``,
+    then a 4-bit ``MatMulNBits`` down projection (block 32, no zero points). Output ``y``."""
+    rng = np.random.default_rng(seed)
+    wg = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(np.float32)
+    wu = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(np.float32)
+    q = rng.integers(0, 16, (hidden, inter // 32, 32))
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    scales = rng.uniform(0.01, 0.05, (hidden, inter // 32)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "wg"], ["g"]),
+        helper.make_node("MatMul", ["x", "wu"], ["u"]),
+        helper.make_node("Sigmoid", ["g"], ["s"]),
+        helper.make_node("Mul", ["g", "s"], ["a"]),
+        helper.make_node("Mul", ["a", "u"], ["m"]),
+        helper.make_node(
+            "MatMulNBits",
+            ["m", "B", "scales"],
+            ["y"],
+            domain="com.microsoft",
+            K=inter,
+            N=hidden,
+            bits=4,
+            block_size=32,
+        ),
+    ]
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes,
+        "silu_projection",
+        [helper.make_tensor_value_info("x", f, [1, rows, hidden])],
+        [helper.make_tensor_value_info("y", f, [1, rows, hidden])],
+        [
+            numpy_helper.from_array(wg, "wg"),
+            numpy_helper.from_array(wu, "wu"),
+            numpy_helper.from_array(packed, "B"),
+            numpy_helper.from_array(scales, "scales"),
+        ],
+    )
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
+    )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from onnx_genrt.core.kernels import KernelContext, KernelDef, KernelRegistry
-from onnx_genrt.core.op_rules import norm_matmul_nbits_unsupported, norm_projection
+from onnx_genrt.core.op_rules import fused_matmul_nbits_unsupported, fused_projection
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
@@ -39,12 +39,32 @@ def _norm_matmul(ctx, x, skip, gamma, w):
 def _norm_matmul_nbits(ctx, x, skip, gamma, b, scales, zp=None, g_idx=None, bias=None):
     normed, total = _normalize(ctx, x, skip, gamma)
     plain = REGISTRY.lookup("com.microsoft", "MatMulNBits", 1)
-    y = plain.fn(KernelContext(norm_projection(ctx.node)), normed, b, scales, zp, g_idx, bias)
+    y = plain.fn(KernelContext(fused_projection(ctx.node)), normed, b, scales, zp, g_idx, bias)
     return _outputs(ctx, np.array(y, copy=True), total, normed)
 
 
+def _silu(ctx, g, u):
+    if u is None:
+        g, u = np.split(g, 2, axis=-1)
+    g64 = g.astype(np.float64)
+    return (g64 / (1 + np.exp(-g64)) * u).astype(g.dtype)
+
+
+def _silu_matmul(ctx, g, u, w):
+    act = _silu(ctx, g, u)
+    y = (act.astype(np.float64) @ w.astype(np.float64)).astype(act.dtype)
+    return (y, act)[: len(ctx.node.output_names)]
+
+
+def _silu_matmul_nbits(ctx, g, u, b, scales, zp=None, g_idx=None, bias=None):
+    act = _silu(ctx, g, u)
+    plain = REGISTRY.lookup("com.microsoft", "MatMulNBits", 1)
+    y = plain.fn(KernelContext(fused_projection(ctx.node)), act, b, scales, zp, g_idx, bias)
+    return (np.array(y, copy=True), act)[: len(ctx.node.output_names)]
+
+
 class FusingCPU(CPUProvider):
-    """The CPU provider plus NormMatMul / NormMatMulNBits kernels (numpy)."""
+    """The CPU provider plus the fused projection kernels (numpy)."""
 
     name = "fusing-cpu"
 
@@ -55,13 +75,23 @@ class FusingCPU(CPUProvider):
             for since in REGISTRY.versions(domain, op):
                 reg.add(REGISTRY.lookup(domain, op, since))
         reg.add(KernelDef(GENRT_DOMAIN, "NormMatMul", 1, _norm_matmul))
+        reg.add(KernelDef(GENRT_DOMAIN, "SiluMulMatMul", 1, _silu_matmul))
+        reg.add(
+            KernelDef(
+                GENRT_DOMAIN,
+                "SiluMulMatMulNBits",
+                1,
+                _silu_matmul_nbits,
+                check=fused_matmul_nbits_unsupported,
+            )
+        )
         reg.add(
             KernelDef(
                 GENRT_DOMAIN,
                 "NormMatMulNBits",
                 1,
                 _norm_matmul_nbits,
-                check=norm_matmul_nbits_unsupported,
+                check=fused_matmul_nbits_unsupported,
             )
         )
         return reg
@@ -111,6 +141,7 @@ def test_embedded_model_with_fused_norms_decodes_the_same_tokens():
     ops = [s.node.op_type for s in fused.session.plan.steps]
     layers = fused.config.num_layers
     assert ops.count("NormMatMul") == 2 * layers, ops  # qkv and gate_up of every layer
+    assert ops.count("SiluMulMatMul") == layers and "SiluMul" not in ops, ops  # down
     assert ops.count("SkipSimplifiedLayerNormalization") == 1  # the final norm: an output
     plain = Model(default_model_dir(), ["cpu"])
     prompt = "    def __init__(self"
@@ -118,3 +149,17 @@ def test_embedded_model_with_fused_norms_decodes_the_same_tokens():
     got = generate(fused, prompt, max_new_tokens=24, ignore_eos=True)
     assert got.tokens == want
     assert got.graph_stats["target"]["primary"]["replays"] > 0
+
+
+def test_silu_mul_fuses_into_the_down_projection_and_matches_onnxruntime():
+    from tests.models import silu_projection
+
+    model = silu_projection()
+    sess = InferenceSession(model, providers=[FusingCPU()])
+    ops = [s.node.op_type for s in sess.plan.steps]
+    assert ops == ["MatMul", "SiluMulMatMulNBits"], ops  # gate and up merged, then fused
+    assert sess.plan.steps[1].node.attrs["split"] == 1
+    x = np.random.default_rng(2).standard_normal((1, 3, 32)).astype(np.float32)
+    (got,) = sess.run(["y"], {"x": x})
+    (want,) = ort.InferenceSession(model.SerializeToString()).run(["y"], {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

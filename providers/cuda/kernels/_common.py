@@ -276,6 +276,23 @@ DEVI void rms_rows_to_shared(const S* __restrict__ x, const S* __restrict__ skip
     __syncthreads();  // part is reused by the next row
   }
 }
+// Prologue of the SiLU-fused GEMVs: act = g * sigmoid(g) * u for rows m < M (K each), rounded
+// to S as the SiluMul kernel rounds it, into As; with split, g and u are the two halves of one
+// row of 2K. Every thread calls it; it ends with a barrier.
+template <typename S>
+DEVI void silu_rows_to_shared(const S* __restrict__ g, const S* __restrict__ u, S* As, int M,
+                              int K, int split) {
+  const int nt = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (long long i = tid; i < (long long)M * K; i += nt) {
+    const long long m = i / K, k = i - m * K;
+    const float gv = split ? ld(g, m * 2 * K + k) : ld(g, i);
+    const float uv = split ? ld(g, m * 2 * K + K + k) : ld(u, i);
+    const float sg = 1.f / (1.f + expf(-gv));
+    st(As, i, (gv * sg) * uv);
+  }
+  __syncthreads();
+}
 DEVI float block_max(float v, float* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   v = warp_max(v);

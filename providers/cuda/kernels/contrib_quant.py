@@ -316,15 +316,19 @@ DEVI void nbits4_chunk(const uint4* q, const float* s, const float* z, int zint,
 // C[m, n] = sum_k A[m, k] * (q[n, k] - z) * s (+ bias). Block (32, 8), laid out as gemv_nk:
 // warp y owns NR columns and the (y % wpc)-th share of their 16-byte chunks (32 values, one
 // scale each); a lane loads U chunks of each column, with scales and zeros, before any math.
-// NORM = 1 (both chunk16 kernels): A is the RMS norm of A_in (+ skip) scaled by gamma, made
-// by each block in shared memory first (rms_rows_to_shared, as in matmul.gemv_nk).
+// NORM = 1 / 2 (both chunk16 kernels): A is the RMS norm of A_in (+ skip) scaled by gamma, or
+// silu(A_in) * skip, made by each block in shared memory first (as in matmul.gemv_nk).
 #define NORM_PROLOGUE                                                                         \
   extern __shared__ __align__(16) unsigned char norm_smem[];                                  \
   const S* A = A_in;                                                                          \
-  if constexpr (NORM != 0) {                                                                  \
+  if constexpr (NORM == 1) {                                                                  \
     S* As = reinterpret_cast<S*>(norm_smem);                                                  \
     rms_rows_to_shared(A_in, skip, gamma, sum_out, As, M, K, eps, norm_flags & 1,             \
                        norm_flags & 2);                                                       \
+    A = As;                                                                                   \
+  } else if constexpr (NORM == 2) {                                                           \
+    S* As = reinterpret_cast<S*>(norm_smem);                                                  \
+    silu_rows_to_shared(A_in, skip, As, M, K, norm_flags & 4);                                \
     A = As;                                                                                   \
   }
 #define NORM_PARAMS                                                                           \
@@ -619,12 +623,13 @@ def matmul_nbits(
     b, scales = contiguous(ctx, b), contiguous(ctx, scales)
     zp_u8, zp_f, zrow, zp_mode = _zero_args(ctx, zero_points, scales, n, nb, bits)
     bias_arg = contiguous(ctx, bias) if bias is not None else y
-    a = contiguous(ctx, a)
+    if norm is None:  # the prologue reads the fused inputs itself
+        a = contiguous(ctx, a)
     if m <= GEMV_MAX_M and _chunk16_fits(bits, block, k, nb * blob, b, a):
         args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
         args += (np.int32(nb), np.int32(block), np.int32(nb * blob // 16), np.int32(zrow))
         args += (np.int32(zp_mode), np.int32(bias is not None))
-        fused = int(norm is not None)
+        fused = norm.KIND if norm is not None else 0
         if norm is not None:
             norm_args, smem = norm.kernel_args(a), norm.smem(a, m, k)
         else:

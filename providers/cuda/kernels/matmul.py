@@ -181,7 +181,8 @@ template <> struct Vec16<half_t> {
 // chunks. A lane loads U chunks of each of its columns before any math.
 // NORM = 1: A is the RMS norm of A_in (+ skip) scaled by gamma, made by each block in shared
 // memory first (rms_rows_to_shared; block 0 writes the sum when norm_flags & 2, norm_flags & 1
-// says there is a skip); dynamic shared memory of M * K elements.
+// says there is a skip); NORM = 2: A is silu(A_in) * skip (silu_rows_to_shared; A_in holds
+// both halves when norm_flags & 4). Dynamic shared memory of M * K elements.
 template <typename S, int MT, int NR, int NORM>
 __global__ void __launch_bounds__(256) gemv_nk(
     const S* __restrict__ A_in, const S* __restrict__ W, S* __restrict__ C, int M, int K, int N,
@@ -189,9 +190,13 @@ __global__ void __launch_bounds__(256) gemv_nk(
     float eps, int norm_flags) {
   extern __shared__ __align__(16) unsigned char norm_smem[];
   const S* A = A_in;
-  if constexpr (NORM != 0) {
+  if constexpr (NORM == 1) {
     S* As = reinterpret_cast<S*>(norm_smem);
     rms_rows_to_shared(A_in, skip, gamma, sum_out, As, M, K, eps, norm_flags & 1, norm_flags & 2);
+    A = As;
+  } else if constexpr (NORM == 2) {
+    S* As = reinterpret_cast<S*>(norm_smem);
+    silu_rows_to_shared(A_in, skip, As, M, K, norm_flags & 4);
     A = As;
   }
   constexpr int V = Vec16<S>::N;
@@ -377,11 +382,12 @@ def _gemv_transposed(
         a, norm = norm.unfused(), None
     if c.size == 0:
         return c
-    a = contiguous(ctx, a)
+    if norm is None:  # the prologue reads the fused inputs itself
+        a = contiguous(ctx, a)
     if m <= SKINNY_MAX_M and a.data.ptr % 16 == 0:
         v = 16 // a.dtype.itemsize
         mt, nr, wpc = gemv_layout(m, k // v, n, sm_count())
-        fused = int(norm is not None)
+        fused = norm.KIND if norm is not None else 0
         fn = function(_SOURCE, f"gemv_nk<{storage(ctx, a.dtype)}, {mt}, {nr}, {fused}>")
         groups = -(-n // nr)
         args = (a, w.t, c, np.int32(m), np.int32(k), np.int32(n), np.int32(wpc))

@@ -22,7 +22,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import norm_matmul_nbits_unsupported, norm_projection
+from onnx_genrt.core.op_rules import fused_matmul_nbits_unsupported, fused_projection
 
 from ._common import contiguous, out
 from ._registry import REGISTRY
@@ -43,6 +43,7 @@ class FusedNorm:
     """The norm a GEMV kernel applies to its activations (``gemv_nk`` / ``nbits4`` with
     NORM = 1), and the unfused way for shapes those kernels do not take."""
 
+    KIND = 1  # the kernels' NORM template value
     skip: cupy.ndarray | None
     gamma: cupy.ndarray
     sum_out: cupy.ndarray | None
@@ -119,7 +120,7 @@ def _activations(ctx: KernelContext, x, fused: FusedNorm):
 
 def _projection_ctx(ctx: KernelContext) -> KernelContext:
     """The context the projection's own kernel expects (its node, output 0's buffer)."""
-    return KernelContext(norm_projection(ctx.node), ctx.provider, ctx.planned[:1], ctx.scratch)
+    return KernelContext(fused_projection(ctx.node), ctx.provider, ctx.planned[:1], ctx.scratch)
 
 
 def _first(result):
@@ -148,7 +149,7 @@ def norm_matmul(ctx: KernelContext, x, skip, gamma, w):
 
 
 @REGISTRY.register(
-    "NormMatMulNBits", since=1, domain=GENRT_DOMAIN, check=norm_matmul_nbits_unsupported
+    "NormMatMulNBits", since=1, domain=GENRT_DOMAIN, check=fused_matmul_nbits_unsupported
 )
 def norm_matmul_nbits(
     ctx: KernelContext, x, skip, gamma, b, scales, zero_points=None, g_idx=None, bias=None
