@@ -28,6 +28,7 @@ from ._common import contiguous, out
 from ._registry import REGISTRY
 from .contrib_norm import skip_simplified_layer_norm
 from .contrib_quant import matmul_nbits
+from .elementwise import silu_mul
 from .matmul import matmul, transpose_weight
 from .normalization import simplified_layer_norm
 
@@ -159,3 +160,78 @@ def norm_matmul_nbits(
     a, norm = _activations(ctx, x, fused)
     y = matmul_nbits(_projection_ctx(ctx), a, b, scales, zero_points, g_idx, bias, norm=norm)
     return _outputs(ctx, y, fused.sum_out, normed)
+
+
+@dataclass
+class FusedSilu:
+    """The gated-MLP activation ``g * sigmoid(g) * u`` a GEMV kernel applies to its
+    activations (NORM = 2); ``g`` holds both halves when ``u`` is None (``split=1``)."""
+
+    KIND = 2
+    g: cupy.ndarray
+    u: cupy.ndarray | None
+    unfused: Callable[[], cupy.ndarray]
+
+    def fits(self, a: cupy.ndarray, m: int, k: int) -> bool:
+        return (
+            m * k * a.dtype.itemsize <= NORM_SMEM_MAX
+            and self.g.flags.c_contiguous
+            and (self.u is None or (self.u.flags.c_contiguous and self.u.dtype == self.g.dtype))
+        )
+
+    def smem(self, a: cupy.ndarray, m: int, k: int) -> int:
+        return m * k * a.dtype.itemsize
+
+    def kernel_args(self, a: cupy.ndarray) -> tuple:
+        """(u, unused, unused, unused, flags): A_in is ``g``; flags & 4 says split."""
+        u = self.u if self.u is not None else self.g
+        return (u, self.g, self.g, np.float32(0.0), np.int32(4 if self.u is None else 0))
+
+
+def _prepare_silu(ctx: KernelContext, g, u) -> tuple[FusedSilu, cupy.ndarray, cupy.ndarray]:
+    """(the fused activation, the activations' shape as a view of g, its ``act`` output)."""
+    desc = ctx.node.describe()
+    if u is None:
+        if not ctx.attr("split", 0) or g.shape[-1] % 2:
+            raise ValueError(
+                f"{desc}: one input needs split=1 and an even last dimension, got {list(g.shape)}"
+            )
+        view = g[..., : g.shape[-1] // 2]
+    else:
+        if u.shape != g.shape or u.dtype != g.dtype:
+            raise ValueError(f"{desc}: gate {list(g.shape)} and up {list(u.shape)} differ")
+        view = g
+    act = out(ctx, 1, view.shape, g.dtype)
+
+    def unfused() -> cupy.ndarray:
+        node = NodeInfo(
+            "SiluMul", f"{ctx.node.name}/silu", GENRT_DOMAIN, 1, {"split": 1}, (), ("act",)
+        )
+        return silu_mul(KernelContext(node, ctx.provider, [act]), g, u)
+
+    return FusedSilu(g, u, unfused), view, act
+
+
+def _silu_weight_prepack(provider, node: NodeInfo, index: int, host: np.ndarray):
+    """The fused MatMul's weight (input 2) prepacked as MatMul's input 1 is."""
+    return transpose_weight(provider, node, 1, host) if index == 2 else None
+
+
+@REGISTRY.register("SiluMulMatMul", since=1, domain=GENRT_DOMAIN, prepack=_silu_weight_prepack)
+def silu_mul_matmul(ctx: KernelContext, g, u, w):
+    """MatMul(g * sigmoid(g) * u, W) (g holding both halves with split=1); outputs (y, act)."""
+    fused, view, act = _prepare_silu(ctx, g, u)
+    y = matmul(_projection_ctx(ctx), view, w, norm=fused)
+    return (y, act)[: max(1, len(ctx.node.output_names))]
+
+
+@REGISTRY.register(
+    "SiluMulMatMulNBits", since=1, domain=GENRT_DOMAIN, check=fused_matmul_nbits_unsupported
+)
+def silu_mul_matmul_nbits(
+    ctx: KernelContext, g, u, b, scales, zero_points=None, g_idx=None, bias=None
+):
+    """MatMulNBits(g * sigmoid(g) * u, B); outputs (y, act)."""
+    fused, view, act = _prepare_silu(ctx, g, u)
+    y = matmul_nbits(_projection_ctx(ctx), view, b, scales, zero_points, g_idx, bias, norm=fused)
+    return (y, act)[: max(1, len(ctx.node.output_names))]

@@ -15,6 +15,8 @@ from onnx_genrt.core.kernels import KernelContext
 from onnx_genrt.core.op_rules import reshape_target
 
 from ._common import (
+    OPTIONS,
+    contiguous,
     function,
     host_ints,
     normalize_axis,
@@ -174,3 +176,66 @@ def _concat_launch(y: cupy.ndarray, parts: list[cupy.ndarray], axis: int) -> Non
 
 def _concat_kernel(itemsize: int) -> cupy.RawKernel:
     return function(_CONCAT_SOURCE, f"concat_parts<{_CONCAT_TYPES[itemsize]}>")
+
+
+@REGISTRY.register("Slice", since=1)
+def slice_(ctx: KernelContext, x: cupy.ndarray, starts=None, ends=None, axes=None, steps=None):
+    """Strided slice into a contiguous output; bounds are host constants (clamped like ONNX)."""
+    if ctx.opset < 10:
+        st, en = host_ints(ctx, ctx.attr("starts", [])), host_ints(ctx, ctx.attr("ends", []))
+        ax = host_ints(ctx, ctx.attr("axes", None)) or list(range(len(st)))
+        sp = [1] * len(st)
+    else:
+        st, en = host_ints(ctx, starts), host_ints(ctx, ends)
+        ax = host_ints(ctx, axes) if axes is not None else list(range(len(st)))
+        sp = host_ints(ctx, steps) if steps is not None else [1] * len(st)
+    if not len(st) == len(en) == len(ax) == len(sp):
+        raise ValueError(f"{ctx.node.describe()}: starts/ends/axes/steps lengths differ")
+    index: list[slice] = [slice(None)] * x.ndim
+    for a, s, e, step in zip(_axes(ctx, ax, x.ndim), st, en, sp, strict=True):
+        if step == 0:
+            raise ValueError(f"{ctx.node.describe()}: step must not be zero")
+        index[a] = slice(s, e, step)  # Python slicing clamps exactly as ONNX specifies
+    view = x[tuple(index)]
+    y = out(ctx, 0, view.shape, x.dtype)
+    if y.size:
+        cupy.copyto(y, view)
+    return y
+
+
+_GATHER = cupy.ElementwiseKernel(
+    "raw T data, raw I idx, int64 dim, int64 nidx, int64 inner",
+    "T y",
+    """
+    const long long q = i / inner, r = i - q * inner;
+    const long long o = q / nidx, j = q - o * nidx;
+    long long k = (long long)idx[j];
+    if (k < 0) k += dim;
+    k = k < 0 ? 0 : (k >= dim ? dim - 1 : k);  // out of range: clamp, never fault
+    y = data[(o * dim + k) * inner + r];
+    """,
+    "genrt_gather",
+    options=OPTIONS,
+)
+
+
+@REGISTRY.register("Gather", since=1)
+def gather(ctx: KernelContext, x: cupy.ndarray, indices: cupy.ndarray) -> cupy.ndarray:
+    """Take along ``axis`` with device indices; negatives count from the end.
+
+    Indices are not range-checked (that would need a host sync); out-of-range ones clamp.
+    """
+    axis = normalize_axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
+    if not isinstance(indices, cupy.ndarray):
+        refuse_in_capture(ctx, "uploading host indices")
+        indices = cupy.asarray(indices)
+    shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1 :])
+    y = out(ctx, 0, shape, x.dtype)
+    if y.size == 0:
+        return y
+    data = contiguous(ctx, x).reshape(-1)
+    idx = contiguous(ctx, indices).reshape(-1)
+    dim = int(x.shape[axis])
+    inner = math.prod(x.shape[axis + 1 :])
+    _GATHER(data, idx, np.int64(dim), np.int64(idx.size), np.int64(inner), y)
+    return y
