@@ -42,14 +42,24 @@ class GenerationResult:
         return generated / self.decode_seconds if self.decode_seconds > 0 and generated > 0 else 0.0
 
 
+#: Default confidence below which a proposer stops drafting, per kind. A draft model pays
+#: one step per draft, so it stops early; the MTP chain runs all k heads in one graph and
+#: the verify step has a fixed width, so every MTP draft is free to try (measured on the
+#: embedded model, k=4: 3.28 tokens per verify step with all drafts, 2.35 at 0.1).
+MIN_CONFIDENCE = {"mtp": 0.0, "draft": 0.1}
+
+
 def make_proposer(
-    model: Model, spec: str, max_length: int, min_confidence: float = 0.1
+    model: Model, spec: str, max_length: int, min_confidence: float | None = None
 ) -> Proposer:
-    """The proposer named ``spec`` (mtp, draft or ngram) for ``model``.
+    """The proposer named ``spec`` (mtp, draft or ngram) for ``model``; ``min_confidence``
+    defaults per kind (:data:`MIN_CONFIDENCE`).
 
     MTP proposers and draft models are kept on the model, so later generations reuse their
     sessions and captured graphs instead of building and capturing them again.
     """
+    if min_confidence is None:
+        min_confidence = MIN_CONFIDENCE.get(spec, 0.0)
     if spec == "ngram":
         return PromptLookupProposer()
     if spec == "mtp":
