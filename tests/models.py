@@ -251,3 +251,26 @@ def silu_projection(hidden: int = 32, inter: int = 64, rows: int = 3, seed: int 
         graph,
         opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
     )
+
+
+def mtp_chain_case(seed: int, k: int = 4):
+    """The embedded model's MTP head unrolled k times, and random feeds of an after-verify
+    chain (``engine.mtp_chain``): verify ids whose first drafts partly match the argmax, a
+    draft count and a verify start."""
+    from onnx_genrt.engine import mtp_chain as mc
+    from onnx_genrt.generate_cli import default_model_dir
+    from onnx_genrt.session import InferenceSession, load_model
+
+    chain = mc.unroll_mtp_head(load_model(default_model_dir() / "mtp" / "model.onnx"), k)
+    hidden_size = int(InferenceSession(chain).input_spec("hidden_states").shape[-1])
+    rng = np.random.default_rng(seed)
+    feeds = {
+        mc.VERIFY_IDS: rng.integers(0, 50, (1, k + 1)).astype(np.int64),
+        mc.VERIFY_ARGMAX: rng.integers(0, 50, (1, k + 1)).astype(np.int64),
+        mc.VERIFY_HIDDEN: rng.standard_normal((1, k + 1, hidden_size)).astype(np.float32),
+        mc.DRAFT_COUNT: np.array([int(rng.integers(0, k + 1))], np.int64),
+        mc.VERIFY_START: np.array([int(rng.integers(0, 40))], np.int64),
+    }
+    matches = int(rng.integers(0, k + 1))
+    feeds[mc.VERIFY_IDS][0, 1 : matches + 1] = feeds[mc.VERIFY_ARGMAX][0, :matches]
+    return chain, feeds

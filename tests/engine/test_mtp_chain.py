@@ -83,20 +83,10 @@ def test_next_inputs_fused_and_standard_agree_with_python(seed):
         VERIFY_START,
         with_next_inputs,
     )
+    from tests.models import mtp_chain_case
 
-    head = load_model(default_model_dir() / "mtp" / "model.onnx")
     k, length, min_conf = 4, 48, 0.3
-    chain = unroll_mtp_head(head, k)
-    rng = np.random.default_rng(seed)
-    hidden_size = int(InferenceSession(chain).input_spec("hidden_states").shape[-1])
-    feeds = {
-        VERIFY_IDS: rng.integers(0, 50, (1, k + 1)).astype(np.int64),
-        VERIFY_ARGMAX: rng.integers(0, 50, (1, k + 1)).astype(np.int64),
-        VERIFY_HIDDEN: rng.standard_normal((1, k + 1, hidden_size)).astype(np.float32),
-        DRAFT_COUNT: np.array([int(rng.integers(0, k + 1))], np.int64),
-        VERIFY_START: np.array([int(rng.integers(0, 30))], np.int64),
-    }
-    feeds[VERIFY_IDS][0, 1:3] = feeds[VERIFY_ARGMAX][0, :2]
+    chain, feeds = mtp_chain_case(seed, k)
     names = [ACCEPTED, DRAFTS, CONFIDENCES, NEXT_START, NEXT_IDS, NEXT_COUNT, NEXT_POSITIONS]
     names.append(NEXT_MASK)
     results = []

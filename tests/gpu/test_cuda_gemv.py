@@ -19,18 +19,6 @@ pytestmark = pytest.mark.gpu
 PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
 
 
-@pytest.fixture(scope="module")
-def cp():
-    from onnx_genrt.providers.cuda.plugin import cuda_unavailable_reason
-
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        pytest.fail(f"ONNX_GENRT_REQUIRE_GPU=1 but no GPU is usable: {reason}")
-    import cupy
-
-    return cupy
-
-
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))

@@ -39,18 +39,6 @@ FIXTURE_FILES += ("tokenizer_config.json",)
 
 
 @pytest.fixture(scope="module")
-def cp():
-    from onnx_genrt.providers.cuda.plugin import cuda_unavailable_reason
-
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        pytest.fail(f"ONNX_GENRT_REQUIRE_GPU=1 but no GPU is usable: {reason}")
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture(scope="module")
 def prov(cp):
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 

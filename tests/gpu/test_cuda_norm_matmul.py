@@ -15,18 +15,6 @@ from tests.models import norm_projections
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    from onnx_genrt.providers.cuda.plugin import cuda_unavailable_reason
-
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        pytest.fail(f"ONNX_GENRT_REQUIRE_GPU=1 but no GPU is usable: {reason}")
-    import cupy
-
-    return cupy
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_fused_norm_projections_match_cpu(cp, dtype, rows):

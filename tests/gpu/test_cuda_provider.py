@@ -33,18 +33,6 @@ TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(np.float16): (2e-3, 2e-3)}
 
 
 @pytest.fixture(scope="module")
-def cp():
-    from onnx_genrt.providers.cuda.plugin import cuda_unavailable_reason
-
-    reason = cuda_unavailable_reason()
-    if reason is not None:  # only reached with ONNX_GENRT_REQUIRE_GPU=1 (else skipped)
-        pytest.fail(f"ONNX_GENRT_REQUIRE_GPU=1 but no GPU is usable: {reason}")
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture(scope="module")
 def prov(cp):
     """One provider shared by the kernel tests (they never capture)."""
     from onnx_genrt.providers.cuda.provider import CUDAProvider
