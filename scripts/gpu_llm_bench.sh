@@ -9,6 +9,10 @@ PY="${PYTHON:-python3}"
 LOGDIR="${OUT:-/tmp/gpu_lane}"
 WORK="${GPU_BENCH_DIR:-/tmp/onnx_genrt_bench}"
 TOKENS="${GPU_BENCH_TOKENS:-128}"
+# GPU_BENCH_COMPARE: extra rows of the 0.5B bench (default eager and serial);
+# GPU_BENCH_PROFILE=0 skips the per-op step profiles (a shorter lane when device time is short).
+COMPARE="${GPU_BENCH_COMPARE---compare-eager --compare-serial}"
+PROFILE="${GPU_BENCH_PROFILE:-1}"
 mkdir -p "$WORK" "$LOGDIR"
 whl=$(ls .whl/onnxruntime_genai-*.whl 2>/dev/null | head -n 1)
 if [ -z "$whl" ]; then
@@ -42,19 +46,23 @@ for prec in fp16 int4; do
     "$PY" scripts/random_mtp_head.py "$dst" --intermediate 4864 || echo "random MTP head failed"
   fi
   echo "== bench $prec ($TOKENS tokens, eager vs graphed)"
-  "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --compare-eager --compare-serial --no-reference \
+  # shellcheck disable=SC2086
+  "$PY" -m onnx_genrt bench --model "$dst" --provider cuda $COMPARE --no-reference \
     --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 2>"$LOGDIR/bench-$prec.err" | tee "$LOGDIR/bench-$prec.txt" \
     || { echo "bench $prec failed"; tail -n 30 "$LOGDIR/bench-$prec.err"; }
-  echo "== step profile ($prec, decode M=1, 256 cached positions)"
-  "$PY" -m onnx_genrt.step_profile --model "$dst" --provider cuda --top 10 | tee "$LOGDIR/profile-$prec.txt" \
-    || echo "step profile $prec failed"
+  if [ "$PROFILE" != 0 ]; then
+    echo "== step profile ($prec, decode M=1, 256 cached positions)"
+    "$PY" -m onnx_genrt.step_profile --model "$dst" --provider cuda --top 10 | tee "$LOGDIR/profile-$prec.txt" \
+      || echo "step profile $prec failed"
+  fi
   echo "== verify vs decode step cost ($prec, k=4, 256 cached positions)"
   "$PY" -m onnx_genrt.step_cost --model "$dst" --provider cuda -k 4 | tee "$LOGDIR/step-$prec.txt" \
     || echo "step cost $prec failed"
 done
 
 echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens, a Python prompt)"
-"$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec draft --spec ngram --compare-serial --no-reference \
+# shellcheck disable=SC2086
+"$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec draft --spec ngram ${COMPARE/--compare-eager/} --no-reference \
   --tokens 256 --prompt "    def __init__(self" --repeats 3 2>"$LOGDIR/bench-default.err" | tee "$LOGDIR/bench-default.txt" \
   || { echo "default-model bench failed"; tail -n 30 "$LOGDIR/bench-default.err"; }
 
@@ -65,8 +73,10 @@ echo "== embedded model: MTP with k=3 (fewer chained drafts per verify)"
 
 echo "== embedded model: verify + MTP chain step, per op (k=4)"
 "$PY" -m onnx_genrt.step_cost --provider cuda -k 4 | tee "$LOGDIR/step-default.txt" || echo "step cost failed"
-"$PY" -m onnx_genrt.step_profile --provider cuda --width 5 --mtp --top 8 | tee "$LOGDIR/profile-default.txt" \
-  || echo "step profile (mtp) failed"
+if [ "$PROFILE" != 0 ]; then
+  "$PY" -m onnx_genrt.step_profile --provider cuda --width 5 --mtp --top 8 | tee "$LOGDIR/profile-default.txt" \
+    || echo "step profile (mtp) failed"
+fi
 
 echo "== HF transformers on the same fp16 weights ($TOKENS tokens)"
 timeout "${HF_BENCH_TIMEOUT:-180}" "$PY" scripts/hf_bench.py --model "$WORK/hf-0.5b" --device cuda --dtype float16 \
