@@ -49,6 +49,26 @@ class GenerationResult:
 MIN_CONFIDENCE = {"mtp": 0.0, "draft": 0.1}
 
 
+#: Drafts per speculative step when neither the caller nor the model's speculative.json says.
+DEFAULT_K = 4
+
+
+def default_k(model: Model, spec: str, k: int | None = None) -> int:
+    """``k`` when given, else the ``k`` of the model's speculative.json section for ``spec``
+    (the model's own best, e.g. 3 for the embedded model's MTP head), else DEFAULT_K."""
+    if k is not None:
+        return int(k)
+    section = model.config.speculative.get(spec)
+    value = section.get("k") if isinstance(section, dict) else None
+    if value is None:
+        return DEFAULT_K
+    if not isinstance(value, int) or value < 1:
+        raise ModelLoadError(
+            f"{model.folder}/speculative.json: {spec}.k must be a positive integer, got {value!r}"
+        )
+    return value
+
+
 def make_proposer(
     model: Model, spec: str, max_length: int, min_confidence: float | None = None
 ) -> Proposer:
@@ -103,12 +123,12 @@ def _draft_model(model: Model) -> Model:
 
 
 def make_generator(
-    model: Model, params: GeneratorParams, spec: str | None = None, k: int = 4
+    model: Model, params: GeneratorParams, spec: str | None = None, k: int | None = None
 ) -> Generator:
     if spec is None:
         return Generator(model, params)
     proposer = make_proposer(model, spec, params.search.max_length)
-    return SpeculativeGenerator(model, params, proposer, k=k)
+    return SpeculativeGenerator(model, params, proposer, k=default_k(model, spec, k))
 
 
 def stream(
@@ -117,7 +137,7 @@ def stream(
     max_new_tokens: int = 128,
     *,
     spec: str | None = None,
-    k: int = 4,
+    k: int | None = None,
     stop: tuple[str, ...] = (),
     ignore_eos: bool = False,
     result: list[GenerationResult] | None = None,
@@ -181,7 +201,9 @@ def _drive(
         gen.generate_next_token()
     t2 = time.perf_counter()
     if result is not None:
-        spec_stats = gen.spec.as_dict() if isinstance(gen, SpeculativeGenerator) else {}
+        spec_stats = {}
+        if isinstance(gen, SpeculativeGenerator):
+            spec_stats = {"k": gen.k, **gen.spec.as_dict()}
         stats = {"target": gen.graph_stats()}
         if isinstance(gen, SpeculativeGenerator):
             stats["proposer"] = gen.proposer.graph_stats()

@@ -59,7 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--spec", choices=["mtp", "draft", "ngram"], default=None, help="speculative decoding"
     )
-    p.add_argument("-k", type=int, default=4, help="drafts per speculative step (default 4)")
+    p.add_argument(
+        "-k",
+        type=int,
+        default=None,
+        help="drafts per speculative step (default: the model's speculative.json, else 4)",
+    )
     p.add_argument(
         "--no-graphs", action="store_true", help="disable graph capture (for comparison)"
     )

@@ -75,7 +75,7 @@ def bench_ours(
     new: int,
     provider: Any,
     spec: str | None,
-    k: int,
+    k: int | None,
     graphs: bool,
     overlap: bool = True,
 ):
@@ -299,7 +299,8 @@ def format_rows(rows: list[BenchRow]) -> str:
         spec = r.extra.get("speculation")
         if spec:
             notes.append(
-                f"acceptance {spec['acceptance_rate']:.0%}, mean accepted {spec['mean_accepted_length']:.2f}"
+                f"k {spec.get('k', '?')}, acceptance {spec['acceptance_rate']:.0%}, "
+                f"mean accepted {spec['mean_accepted_length']:.2f}"
             )
         for who, slots in r.extra.get("graph_stats", {}).items():
             for slot, st in slots.items():
@@ -324,7 +325,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["mtp", "draft", "ngram"],
         help="also time speculation",
     )
-    p.add_argument("-k", type=int, default=4, help="drafts per speculative step")
+    p.add_argument(
+        "-k",
+        type=int,
+        default=None,
+        help="drafts per speculative step (default: the model's speculative.json, else 4)",
+    )
     p.add_argument("--tokens", type=int, default=128, help="new tokens per run (eos ignored)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length")
     p.add_argument("--prompt", default=None, help="prompt text instead of random ids")

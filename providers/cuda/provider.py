@@ -9,6 +9,7 @@ or with ``array.set(host, stream=provider.stream)``.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +33,14 @@ STAGING_MAX = 64 << 20
 SHADOW_MAX_ELEMS = 64
 #: Host copies of small integer arrays kept at once (oldest dropped first).
 SHADOW_ENTRIES = 4096
+#: Fused ops whose GEMV computes its own activations (an RMS norm or SiluMul in a prologue,
+#: per block). Measured slower on an H200 (0.5B shape, graphed decode: fp16 1141 -> 883 tok/s,
+#: int4 1137 -> 923), so the provider offers them only when asked (``gemv_prologues=True`` or
+#: ONNX_GENRT_GEMV_PROLOGUES=1); without them the plan keeps the norm and SiluMul launches.
+GEMV_PROLOGUE_OPS = frozenset(
+    ("onnx_genrt", op)
+    for op in ("NormMatMul", "NormMatMulNBits", "SiluMulMatMul", "SiluMulMatMulNBits")
+)
 
 
 class CUDAProvider(ExecutionProvider):
@@ -41,8 +50,12 @@ class CUDAProvider(ExecutionProvider):
     GRAPH_SLOTS = frozenset(DeviceGraphSlot)
     CAPTURE_EXECUTES = False
 
-    def __init__(self, device_id: int = 0) -> None:
+    def __init__(self, device_id: int = 0, gemv_prologues: bool | None = None) -> None:
         super().__init__()
+        if gemv_prologues is None:
+            gemv_prologues = os.environ.get("ONNX_GENRT_GEMV_PROLOGUES", "0") == "1"
+        #: Whether the plan may fuse norms and SiluMul into GEMVs (``GEMV_PROLOGUE_OPS``).
+        self.gemv_prologues = bool(gemv_prologues)
         self._index = int(device_id)
         self._device = Device("cuda", self._index)
         self._cuda_device = cupy.cuda.Device(self._index)
@@ -70,6 +83,11 @@ class CUDAProvider(ExecutionProvider):
     @property
     def kernels(self) -> KernelRegistry:
         return REGISTRY
+
+    def get_kernel(self, domain: str, op_type: str, opset: int) -> KernelDef | None:
+        if not self.gemv_prologues and (domain, op_type) in GEMV_PROLOGUE_OPS:
+            return None
+        return super().get_kernel(domain, op_type, opset)
 
     def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
         with self._scope:

@@ -197,3 +197,25 @@ def test_draft_model_graphs_survive_generation_ends_and_reuse(qwen2_dir):
         assert stats["captures"] == 1 and stats["invalidations"] == 0, (slot, stats)
     for slot, stats in res.graph_stats["target"].items():
         assert stats["captures"] == 1 and stats["invalidations"] == 0, (slot, stats)
+
+
+def test_drafts_per_step_come_from_the_call_then_speculative_json_then_four():
+    """The embedded model's speculative.json asks for k=3 MTP drafts; a call's k wins; other
+    kinds (and models without a k) get 4; a bad k names the file."""
+    import copy
+    import dataclasses
+
+    from onnx_genrt.core.errors import ModelLoadError
+    from onnx_genrt.engine.api import default_k, generate
+    from onnx_genrt.generate_cli import default_model_dir
+
+    model = Model(default_model_dir(), ["cpu"])
+    assert default_k(model, "mtp") == 3 and default_k(model, "mtp", 2) == 2
+    assert default_k(model, "ngram") == 4 and default_k(model, "draft") == 4
+    res = generate(model, "def f(x):", max_new_tokens=12, spec="mtp", ignore_eos=True)
+    assert res.speculation["k"] == 3
+    speculative = copy.deepcopy(model.config.speculative)
+    speculative["mtp"]["k"] = 0
+    model.config = dataclasses.replace(model.config, speculative=speculative)
+    with pytest.raises(ModelLoadError, match=r"speculative\.json: mtp\.k"):
+        default_k(model, "mtp")

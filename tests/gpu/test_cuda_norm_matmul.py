@@ -1,5 +1,6 @@
-"""RMS norms fused into the GEMVs that read them (NormMatMul, NormMatMulNBits) on a real
-GPU: the fused plan against the CPU provider's unfused one, eager and replayed.
+"""RMS norms and SiluMul fused into the GEMVs that read them (NormMatMul, SiluMulMatMul and
+their NBits forms) on a real GPU, offered by ``CUDAProvider(gemv_prologues=True)``: the fused
+plan against the CPU provider's unfused one, eager and replayed.
 
 Marked ``gpu``: skipped without a usable GPU, failed instead when ONNX_GENRT_REQUIRE_GPU=1.
 """
@@ -13,6 +14,27 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from tests.models import norm_projections
 
 pytestmark = pytest.mark.gpu
+
+
+def _fusing_cuda():
+    """A CUDA provider that offers the GEMV-prologue fusions (off by default: slower)."""
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
+
+    return CUDAProvider(gemv_prologues=True)
+
+
+def test_default_cuda_provider_keeps_norms_and_silu_unfused(cp):
+    from onnx_genrt.session import InferenceSession
+    from tests.models import silu_projection
+
+    ops = [
+        s.node.op_type for s in InferenceSession(norm_projections(), providers=["cuda"]).plan.steps
+    ]
+    assert "SkipSimplifiedLayerNormalization" in ops and "NormMatMul" not in ops, ops
+    ops = [
+        s.node.op_type for s in InferenceSession(silu_projection(), providers=["cuda"]).plan.steps
+    ]
+    assert ops == ["MatMul", "SiluMul", "MatMulNBits"], ops
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -29,7 +51,7 @@ def test_fused_norm_projections_match_cpu(cp, dtype, rows):
         norm_projections(hidden=hidden, rows=rows, n=n, dtype=np.float32, seed=3),
         providers=["cpu"],
     )
-    sess = InferenceSession(model, providers=["cuda"])
+    sess = InferenceSession(model, providers=[_fusing_cuda()])
     ops = [s.node.op_type for s in sess.plan.steps]
     assert ops.count("NormMatMul") == 2 and ops.count("NormMatMulNBits") == 1, ops
     prov = sess.main_provider
@@ -77,7 +99,7 @@ def test_fused_silu_down_projection_matches_cpu(cp, rows, inter):
 
     model = silu_projection(hidden=896, inter=inter, rows=rows, seed=4)
     reference = InferenceSession(model, providers=["cpu"])
-    sess = InferenceSession(model, providers=["cuda"])
+    sess = InferenceSession(model, providers=[_fusing_cuda()])
     ops = [s.node.op_type for s in sess.plan.steps]
     assert ops == ["MatMul", "SiluMulMatMulNBits"], ops
     prov = sess.main_provider
