@@ -137,7 +137,8 @@ def _stats_text(res) -> str:
     if res.speculation:
         s = res.speculation
         lines.append(
-            f"speculation: acceptance {s['acceptance_rate']:.1%}, mean accepted {s['mean_accepted_length']:.2f}, "
+            f"speculation: k {s.get('k', '?')}, acceptance {s['acceptance_rate']:.1%}, "
+            f"mean accepted {s['mean_accepted_length']:.2f}, "
             f"{s['verify_steps']} verify + {s['plain_steps']} plain steps"
         )
     for who, slots in res.graph_stats.items():
