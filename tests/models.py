@@ -208,9 +208,12 @@ def norm_projections(
     )
 
 
-def silu_projection(hidden: int = 32, inter: int = 64, rows: int = 3, seed: int = 0):
+def silu_projection(
+    hidden: int = 32, inter: int = 64, rows: int = 3, seed: int = 0, down: str = "nbits"
+):
     """A gated MLP as exporters write it: gate and up MatMuls, ``gate * Sigmoid(gate) * up``,
-    then a 4-bit ``MatMulNBits`` down projection (block 32, no zero points). Output ``y``."""
+    then a 4-bit ``MatMulNBits`` down projection (block 32, no zero points), or a float
+    ``MatMul`` with ``down="matmul"``. Output ``y``."""
     rng = np.random.default_rng(seed)
     wg = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(np.float32)
     wu = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(np.float32)
@@ -232,8 +235,11 @@ def silu_projection(hidden: int = 32, inter: int = 64, rows: int = 3, seed: int 
             N=hidden,
             bits=4,
             block_size=32,
-        ),
+        )
+        if down == "nbits"
+        else helper.make_node("MatMul", ["m", "wd"], ["y"]),
     ]
+    wd = (rng.standard_normal((inter, hidden)) / np.sqrt(inter)).astype(np.float32)
     f = TensorProto.FLOAT
     graph = helper.make_graph(
         nodes,
@@ -245,6 +251,7 @@ def silu_projection(hidden: int = 32, inter: int = 64, rows: int = 3, seed: int 
             numpy_helper.from_array(wu, "wu"),
             numpy_helper.from_array(packed, "B"),
             numpy_helper.from_array(scales, "scales"),
+            numpy_helper.from_array(wd, "wd"),
         ],
     )
     return helper.make_model(

@@ -35,8 +35,11 @@ SHADOW_MAX_ELEMS = 64
 SHADOW_ENTRIES = 4096
 #: Fused ops whose GEMV computes its own activations (an RMS norm or SiluMul in a prologue,
 #: per block). Measured slower on an H200 (0.5B shape, graphed decode: fp16 1141 -> 883 tok/s,
-#: int4 1137 -> 923), so the provider offers them only when asked (``gemv_prologues=True`` or
+#: int4 1137 -> 923, with every GEMV staging its activations in shared memory first), so the
+#: provider offers them only when asked (``gemv_prologues=True`` or
 #: ONNX_GENRT_GEMV_PROLOGUES=1); without them the plan keeps the norm and SiluMul launches.
+#: ``gemv_nk`` (fp16 / fp32) has since learnt to make them as it loads them (NORM = 3 / 4;
+#: not measured yet).
 GEMV_PROLOGUE_OPS = frozenset(
     ("onnx_genrt", op)
     for op in ("NormMatMul", "NormMatMulNBits", "SiluMulMatMul", "SiluMulMatMulNBits")

@@ -89,19 +89,21 @@ def test_fused_norm_projections_match_cpu(cp, dtype, rows):
     assert stats.fallbacks == 0, dict(stats.fallback_reasons)
 
 
+@pytest.mark.parametrize("down", ["nbits", "matmul"])
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("inter", [512, 4864])
-def test_fused_silu_down_projection_matches_cpu(cp, rows, inter):
+def test_fused_silu_down_projection_matches_cpu(cp, rows, inter, down):
     """gate * sigmoid(gate) * up computed inside the 4-bit down GEMV (M=1, M=5 when the rows
     fit the block's shared memory, else the SiluMul kernel first), graphed, against CPU."""
     from onnx_genrt.session import InferenceSession
     from tests.models import silu_projection
 
-    model = silu_projection(hidden=896, inter=inter, rows=rows, seed=4)
+    model = silu_projection(hidden=896, inter=inter, rows=rows, seed=4, down=down)
     reference = InferenceSession(model, providers=["cpu"])
     sess = InferenceSession(model, providers=[_fusing_cuda()])
     ops = [s.node.op_type for s in sess.plan.steps]
-    assert ops == ["MatMul", "SiluMulMatMulNBits"], ops
+    fused = "SiluMulMatMulNBits" if down == "nbits" else "SiluMulMatMul"
+    assert ops == ["MatMul", fused], ops
     prov = sess.main_provider
     rng = np.random.default_rng(rows)
     if rows > 16:

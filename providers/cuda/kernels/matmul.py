@@ -183,6 +183,13 @@ template <> struct Vec16<half_t> {
 // memory first (rms_rows_to_shared; block 0 writes the sum when norm_flags & 2, norm_flags & 1
 // says there is a skip); NORM = 2: A is silu(A_in) * skip (silu_rows_to_shared; A_in holds
 // both halves when norm_flags & 4). Dynamic shared memory of M * K elements.
+// On the fly, no staging (no shared memory, no barrier before the weight loads):
+// NORM = 3: the norm's per-row scale comes out of the dot product,
+//   C[m, n] = rsqrt(mean_k h^2 + eps) * sum_k (h * gamma)[k] W[n, k], h = A_in (+ skip);
+//   each column group's lanes sum h^2 over the chunks they load (together: the whole row),
+//   and group 0 of block 0 writes h to sum_out;
+// NORM = 4: a = silu(g) * u computed as the chunk is loaded (g = A_in, u = skip or the
+//   second half of A_in's rows of 2K when norm_flags & 4).
 template <typename S, int MT, int NR, int NORM>
 __global__ void __launch_bounds__(256) gemv_nk(
     const S* __restrict__ A_in, const S* __restrict__ W, S* __restrict__ C, int M, int K, int N,
@@ -211,6 +218,10 @@ __global__ void __launch_bounds__(256) gemv_nk(
   for (int r = 0; r < NR; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  float ss[MT];  // NORM = 3: this lane's share of each row's sum of squares
+#pragma unroll
+  for (int m = 0; m < MT; ++m) ss[m] = 0.f;
+  const bool writer = NORM == 3 && blockIdx.x == 0 && wy / wpc == 0;
   for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
     float w[U][NR][V];
 #pragma unroll
@@ -234,7 +245,38 @@ __global__ void __launch_bounds__(256) gemv_nk(
         for (int m = 0; m < MT; ++m) {
           if (m < M) {
             float a[V];
-            Vec16<S>::load(A + (long long)m * K + (long long)c * V, a);
+            if constexpr (NORM == 3) {
+              const long long at = (long long)m * K + (long long)c * V;
+              Vec16<S>::load(A_in + at, a);
+              if (norm_flags & 1) {
+                float sk[V];
+                Vec16<S>::load(skip + at, sk);
+#pragma unroll
+                for (int v = 0; v < V; ++v) a[v] += sk[v];
+              }
+              if ((norm_flags & 2) && writer) {
+#pragma unroll
+                for (int v = 0; v < V; ++v) st(sum_out, at + v, a[v]);
+              }
+              float g[V];
+              Vec16<S>::load(gamma + (long long)c * V, g);
+#pragma unroll
+              for (int v = 0; v < V; ++v) {
+                ss[m] = fmaf(a[v], a[v], ss[m]);
+                a[v] *= g[v];
+              }
+            } else if constexpr (NORM == 4) {
+              const int split = norm_flags & 4;
+              const long long row = (long long)m * (split ? 2LL * K : (long long)K);
+              const long long at = row + (long long)c * V;
+              float u[V];
+              Vec16<S>::load(A_in + at, a);
+              Vec16<S>::load(split ? A_in + at + K : skip + (long long)m * K + (long long)c * V, u);
+#pragma unroll
+              for (int v = 0; v < V; ++v) a[v] = (a[v] * (1.f / (1.f + expf(-a[v])))) * u[v];
+            } else {
+              Vec16<S>::load(A + (long long)m * K + (long long)c * V, a);
+            }
 #pragma unroll
             for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -242,6 +284,25 @@ __global__ void __launch_bounds__(256) gemv_nk(
           }
         }
       }
+    }
+  }
+  if constexpr (NORM == 3) {  // the row's sum of squares over the column group, then scale
+    __shared__ float ssr[8][MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) ss[m] = warp_sum(ss[m]);
+    if (lane == 0) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) ssr[wy][m] = ss[m];
+    }
+    __syncthreads();
+    const int g0 = (wy / wpc) * wpc;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      float t = 0.f;
+      for (int p = 0; p < wpc; ++p) t += ssr[g0 + p][m];
+      const float inv = rsqrtf(t / (float)K + eps);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[r][m] *= inv;
     }
   }
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, C, 0);
@@ -373,12 +434,13 @@ def _gemv_transposed(
     ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
 ) -> cupy.ndarray:
     """``a @ w`` on ``gemv_nk`` for M <= 16 (else cuBLAS, eager only). ``norm`` (a
-    ``norm_matmul.FusedNorm``): ``a`` is normalized first, inside the GEMV when it fits."""
+    ``norm_matmul.FusedNorm`` or ``FusedSilu``): the activations are made as the GEMV loads
+    them (NORM = 3 / 4), or by the unfused kernel first for shapes the GEMV does not take."""
     k, n = w.shape
     shape = matmul_shape(ctx, tuple(a.shape), (k, n))
     c = out(ctx, 0, shape, a.dtype)
     m = int(c.size // n) if n else 0
-    if norm is not None and not (m <= SKINNY_MAX_M and c.size and norm.fits(a, m, k)):
+    if norm is not None and not (m <= SKINNY_MAX_M and c.size and norm.fits_on_the_fly(a)):
         a, norm = norm.unfused(), None
     if c.size == 0:
         return c
@@ -387,17 +449,15 @@ def _gemv_transposed(
     if m <= SKINNY_MAX_M and a.data.ptr % 16 == 0:
         v = 16 // a.dtype.itemsize
         mt, nr, wpc = gemv_layout(m, k // v, n, sm_count())
-        fused = norm.KIND if norm is not None else 0
+        fused = norm.ON_THE_FLY if norm is not None else 0
         fn = function(_SOURCE, f"gemv_nk<{storage(ctx, a.dtype)}, {mt}, {nr}, {fused}>")
         groups = -(-n // nr)
         args = (a, w.t, c, np.int32(m), np.int32(k), np.int32(n), np.int32(wpc))
         if norm is not None:
             args += norm.kernel_args(a)
-            smem = norm.smem(a, m, k)
         else:
             args += (a, a, c, np.float32(0.0), np.int32(0))
-            smem = 0
-        fn((-(-groups * wpc // 8),), (32, 8), args, shared_mem=smem)
+        fn((-(-groups * wpc // 8),), (32, 8), args)
         return c
     if capturing(ctx):
         raise CaptureUnsupported(

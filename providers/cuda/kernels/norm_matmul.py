@@ -6,11 +6,12 @@ LayerNormalization; outputs ``(y, sum, normed)``: ``sum`` = x + skip (the residu
 layer reads; empty name when not wanted) and ``normed``, a planned buffer used only when the
 fused kernel does not apply. See ``session.fusion.fuse_norm_matmul``.
 
-On decode and verify steps (M <= 16, the GEMV kernels) every block of the GEMV normalizes
-the M rows itself into shared memory before its dot products (``rms_rows_to_shared``): the
-norm's own launch and its round trip through global memory go away, at the price of each
-block reading the M x K activations (a few KB). Other shapes run the norm kernel into
-``normed`` and then the plain matmul, so every shape keeps working.
+On decode and verify steps (M <= 16, the GEMV kernels) the GEMV makes its activations
+itself: ``gemv_nk`` (fp16 / fp32 weights) as it loads them, the norm's per-row scale taken
+out of the dot product (NORM = 3) or the SiLU applied per element (NORM = 4); the 4-bit
+chunk16 GEMVs stage them per block in shared memory first (NORM = 1 / 2), which measured
+slower than the separate launches (see ``CUDAProvider.gemv_prologues``). Other shapes run the
+norm or SiluMul kernel into the planned buffer and then the plain matmul.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class FusedNorm:
     """The norm a GEMV kernel applies to its activations (``gemv_nk`` / ``nbits4`` with
     NORM = 1), and the unfused way for shapes those kernels do not take."""
 
-    KIND = 1  # the kernels' NORM template value
+    KIND = 1  # NORM template value of the staging prologue (4-bit chunk16 GEMVs)
+    ON_THE_FLY = 3  # NORM value of gemv_nk's deferred-scale norm
     skip: cupy.ndarray | None
     gamma: cupy.ndarray
     sum_out: cupy.ndarray | None
@@ -60,11 +62,19 @@ class FusedNorm:
             and x.flags.c_contiguous
         )
 
+    def fits_on_the_fly(self, x: cupy.ndarray) -> bool:
+        """Whether ``gemv_nk`` can normalize as it loads (no staging, any M and K)."""
+        return (
+            self.gamma.dtype == x.dtype
+            and (self.skip is None or (self.skip.shape == x.shape and self.skip.dtype == x.dtype))
+            and x.flags.c_contiguous
+        )
+
     def smem(self, x: cupy.ndarray, m: int, k: int) -> int:
         return m * k * x.dtype.itemsize
 
     def kernel_args(self, x: cupy.ndarray) -> tuple:
-        """(skip, gamma, sum_out, eps, flags) as the NORM = 1 kernels take them."""
+        """(skip, gamma, sum_out, eps, flags) as the NORM = 1 / 3 kernels take them."""
         flags = (self.skip is not None) | (2 * (self.sum_out is not None))
         skip = self.skip if self.skip is not None else x
         total = self.sum_out if self.sum_out is not None else x
@@ -168,6 +178,7 @@ class FusedSilu:
     activations (NORM = 2); ``g`` holds both halves when ``u`` is None (``split=1``)."""
 
     KIND = 2
+    ON_THE_FLY = 4
     g: cupy.ndarray
     u: cupy.ndarray | None
     unfused: Callable[[], cupy.ndarray]
@@ -177,6 +188,11 @@ class FusedSilu:
             m * k * a.dtype.itemsize <= NORM_SMEM_MAX
             and self.g.flags.c_contiguous
             and (self.u is None or (self.u.flags.c_contiguous and self.u.dtype == self.g.dtype))
+        )
+
+    def fits_on_the_fly(self, a: cupy.ndarray) -> bool:
+        return self.g.flags.c_contiguous and (
+            self.u is None or (self.u.flags.c_contiguous and self.u.dtype == self.g.dtype)
         )
 
     def smem(self, a: cupy.ndarray, m: int, k: int) -> int:
