@@ -38,8 +38,7 @@ SHADOW_ENTRIES = 4096
 #: int4 1137 -> 923, with every GEMV staging its activations in shared memory first), so the
 #: provider offers them only when asked (``gemv_prologues=True`` or
 #: ONNX_GENRT_GEMV_PROLOGUES=1); without them the plan keeps the norm and SiluMul launches.
-#: ``gemv_nk`` (fp16 / fp32) has since learnt to make them as it loads them (NORM = 3 / 4;
-#: not measured yet).
+#: The GEMVs now make them as they load them instead (NORM = 1 / 2; not measured yet).
 GEMV_PROLOGUE_OPS = frozenset(
     ("onnx_genrt", op)
     for op in ("NormMatMul", "NormMatMulNBits", "SiluMulMatMul", "SiluMulMatMulNBits")

@@ -236,63 +236,6 @@ DEVI float block_sum(float v, float* sh) {
   __syncthreads();
   return sh[32];
 }
-// Prologue of the norm-fused GEMVs: h = x (+ skip) for rows m < M, RMS-normalized and
-// scaled by gamma as the norm kernels compute it (float32 sums, y = h * rsqrt(mean(h^2) + eps)
-// * gamma, rounded to S), into As (M rows of K; shared memory). Block 0 also writes h to
-// sum_out when has_sum. Any block shape of whole warps; every thread calls it; it ends with a
-// barrier, after which As is complete.
-template <typename S>
-DEVI void rms_rows_to_shared(const S* __restrict__ x, const S* __restrict__ skip,
-                             const S* __restrict__ gamma, S* __restrict__ sum_out, S* As, int M,
-                             int K, float eps, int has_skip, int has_sum) {
-  __shared__ float part[33];
-  const int nt = blockDim.x * blockDim.y;
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const bool writer = has_sum && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
-  for (int m = 0; m < M; ++m) {
-    const long long row = (long long)m * K;
-    float ss = 0.f;
-    for (int k = tid; k < K; k += nt) {
-      float h = ld(x, row + k);
-      if (has_skip) h += ld(skip, row + k);
-      ss += h * h;
-      if (writer) st(sum_out, row + k, h);
-    }
-    ss = warp_sum(ss);
-    if ((tid & 31) == 0) part[tid >> 5] = ss;
-    __syncthreads();
-    if (tid == 0) {
-      float t = 0.f;
-      for (int w = 0; w < (nt >> 5); ++w) t += part[w];
-      part[32] = rsqrtf(t / (float)K + eps);
-    }
-    __syncthreads();
-    const float inv = part[32];
-    for (int k = tid; k < K; k += nt) {
-      float h = ld(x, row + k);
-      if (has_skip) h += ld(skip, row + k);
-      st(As, row + k, h * inv * ld(gamma, k));
-    }
-    __syncthreads();  // part is reused by the next row
-  }
-}
-// Prologue of the SiLU-fused GEMVs: act = g * sigmoid(g) * u for rows m < M (K each), rounded
-// to S as the SiluMul kernel rounds it, into As; with split, g and u are the two halves of one
-// row of 2K. Every thread calls it; it ends with a barrier.
-template <typename S>
-DEVI void silu_rows_to_shared(const S* __restrict__ g, const S* __restrict__ u, S* As, int M,
-                              int K, int split) {
-  const int nt = blockDim.x * blockDim.y;
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  for (long long i = tid; i < (long long)M * K; i += nt) {
-    const long long m = i / K, k = i - m * K;
-    const float gv = split ? ld(g, m * 2 * K + k) : ld(g, i);
-    const float uv = split ? ld(g, m * 2 * K + K + k) : ld(u, i);
-    const float sg = 1.f / (1.f + expf(-gv));
-    st(As, i, (gv * sg) * uv);
-  }
-  __syncthreads();
-}
 DEVI float block_max(float v, float* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   v = warp_max(v);

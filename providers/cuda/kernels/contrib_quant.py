@@ -312,25 +312,100 @@ DEVI void nbits4_chunk(const uint4* q, const float* s, const float* z, int zint,
   }
 }
 
+// Where the fused GEMVs (NORM = 1 / 2) read their activations: A_in (+ skip) scaled by gamma
+// (1: the row's RMS scale is applied to the sums at the end, from ss), or silu(A_in) * u
+// (2: u = skip, or the second half of A_in's rows of 2K with flags & 4).
+template <typename S>
+struct ActSrc {
+  const S* a;
+  const S* skip;
+  const S* gamma;
+  S* sum_out;
+  int K;
+  int flags;
+  bool writer;  // writes A_in + skip to sum_out (one column group of block 0)
+};
+
+// E activations of row m from k0 (zeros past K), made as NORM says; ss[m] gathers h^2.
+template <int E, int NORM, typename S>
+DEVI void load_act(const ActSrc<S>& src, int m, int k0, float* v, float* ss) {
+  const int K = src.K;
+  if constexpr (NORM == 1) {
+    const long long row = (long long)m * K;
+    load_a<E>(src.a + row, k0, K, 1, v);
+    if (src.flags & 1) {
+      float sk[E];
+      load_a<E>(src.skip + row, k0, K, 1, sk);
+#pragma unroll
+      for (int e = 0; e < E; ++e) v[e] += sk[e];
+    }
+    if ((src.flags & 2) && src.writer) {
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        if (k0 + e < K) st(src.sum_out, row + k0 + e, v[e]);
+    }
+    float g[E];
+    load_a<E>(src.gamma, k0, K, 1, g);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      ss[m] = fmaf(v[e], v[e], ss[m]);
+      v[e] *= g[e];
+    }
+  } else {
+    const int split = src.flags & 4;
+    const long long row = (long long)m * (split ? 2LL * K : (long long)K);
+    float u[E];
+    load_a<E>(src.a + row, k0, K, 1, v);
+    load_a<E>(split ? src.a + row + K : src.skip + (long long)m * K, k0, K, 1, u);
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = (v[e] * (1.f / (1.f + expf(-v[e])))) * u[e];
+  }
+}
+
+// nbits4_chunk with the activations of a fused GEMV (NORM = 1 / 2).
+template <typename S, int MT, int NR, int NORM>
+DEVI void nbits4_chunk_act(const uint4* q, const float* s, const float* z, int zint, int k0,
+                           const ActSrc<S>& src, int M, float (*acc)[MT], float* ss) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    unsigned int qw[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+      qw[r] = w == 0 ? q[r].x : w == 1 ? q[r].y : w == 2 ? q[r].z : q[r].w;
+    float qv[NR][8];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const float off = zint ? 8388608.f + z[r] : 8388608.f;
+      const float zf = zint ? 0.f : z[r];
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        qv[r][e] = (__uint_as_float(((qw[r] >> (e * 4)) & 15u) | 0x4B000000u) - off) - zf;
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      if (m < M) {
+        float a[8];
+        load_act<8, NORM>(src, m, k0 + 8 * w, a, ss);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          float d = 0.f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) d = fmaf(a[e], qv[r][e], d);
+          acc[r][m] = fmaf(s[r], d, acc[r][m]);
+        }
+      }
+    }
+  }
+}
+
 // 4-bit weights in blocks of a multiple of 32, K a multiple of 32, rows 16-byte aligned:
 // C[m, n] = sum_k A[m, k] * (q[n, k] - z) * s (+ bias). Block (32, 8), laid out as gemv_nk:
 // warp y owns NR columns and the (y % wpc)-th share of their 16-byte chunks (32 values, one
 // scale each); a lane loads U chunks of each column, with scales and zeros, before any math.
-// NORM = 1 / 2 (both chunk16 kernels): A is the RMS norm of A_in (+ skip) scaled by gamma, or
-// silu(A_in) * skip, made by each block in shared memory first (as in matmul.gemv_nk).
-#define NORM_PROLOGUE                                                                         \
-  extern __shared__ __align__(16) unsigned char norm_smem[];                                  \
-  const S* A = A_in;                                                                          \
-  if constexpr (NORM == 1) {                                                                  \
-    S* As = reinterpret_cast<S*>(norm_smem);                                                  \
-    rms_rows_to_shared(A_in, skip, gamma, sum_out, As, M, K, eps, norm_flags & 1,             \
-                       norm_flags & 2);                                                       \
-    A = As;                                                                                   \
-  } else if constexpr (NORM == 2) {                                                           \
-    S* As = reinterpret_cast<S*>(norm_smem);                                                  \
-    silu_rows_to_shared(A_in, skip, As, M, K, norm_flags & 4);                                \
-    A = As;                                                                                   \
-  }
+// NORM != 0 (both chunk16 kernels): the activations of a fused op, made as each chunk is
+// loaded (load_act; NORM = 1: RMS norm, its row scale applied to the sums at the end;
+// NORM = 2: SiLU gating), as in matmul.gemv_nk.
+#define NORM_PROLOGUE const S* A = A_in;
 #define NORM_PARAMS                                                                           \
   const S *__restrict__ skip, const S *__restrict__ gamma, S *__restrict__ sum_out, float eps, \
       int norm_flags
@@ -354,6 +429,11 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
   for (int r = 0; r < NR; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  float ss[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) ss[m] = 0.f;
+  const ActSrc<S> src = {A_in, skip, gamma, sum_out, K, norm_flags,
+                         NORM == 1 && blockIdx.x == 0 && wy / wpc == 0};
   for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
     uint4 q[U][NR];
     float s[U][NR], z[U][NR];
@@ -373,7 +453,31 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * step;
-      if (c < chunks) nbits4_chunk<S, MT, NR>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
+      if (c < chunks) {
+        if constexpr (NORM != 0)
+          nbits4_chunk_act<S, MT, NR, NORM>(q[u], s[u], z[u], zint, c * 32, src, M, acc, ss);
+        else
+          nbits4_chunk<S, MT, NR>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
+      }
+    }
+  }
+  if constexpr (NORM == 1) {  // the row's sum of squares over the column group, then scale
+    __shared__ float ssr[8][MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) ss[m] = warp_sum(ss[m]);
+    if (lane == 0) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) ssr[wy][m] = ss[m];
+    }
+    __syncthreads();
+    const int g0 = (wy / wpc) * wpc;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      float t = 0.f;
+      for (int p = 0; p < wpc; ++p) t += ssr[g0 + p][m];
+      const float inv = rsqrtf(t / (float)K + eps);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[r][m] *= inv;
     }
   }
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, bias, has_bias);
@@ -414,11 +518,21 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
   for (int m = 0; m < MT; ++m) acc[0][m] = 0.f;
   // zint as a constant in each copy: the integer-zero copy drops nbits_word's float-zero
   // subtraction (one add per value), which matters here as the math is near the load time.
+  float ss[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) ss[m] = 0.f;
+  const ActSrc<S> src = {A_in, skip, gamma, sum_out, K, norm_flags,
+                         NORM == 1 && blockIdx.x == 0 && threadIdx.y == 0 && lane < LPC};
   auto math = [&](const int zint) {
 #pragma unroll
     for (int u = 0; u < CPL; ++u) {
       const int c = sub + u * LPC;
-      if (c < chunks) nbits4_chunk<S, MT, 1>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
+      if (c < chunks) {
+        if constexpr (NORM != 0)
+          nbits4_chunk_act<S, MT, 1, NORM>(q[u], s[u], z[u], zint, c * 32, src, M, acc, ss);
+        else
+          nbits4_chunk<S, MT, 1>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
+      }
     }
   };
   if (zp_mode == 2)
@@ -428,6 +542,10 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
   // Out-of-range columns (n >= N) summed zeros; they still shuffle, so the masks stay full.
 #pragma unroll
   for (int m = 0; m < MT; ++m) acc[0][m] = warp_sum<LPC>(acc[0][m]);
+  if constexpr (NORM == 1) {  // a column's lanes saw the whole row: its RMS scale
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[0][m] *= rsqrtf(warp_sum<LPC>(ss[m]) / (float)K + eps);
+  }
   if (sub == 0 && n < N) {
     const float bv = has_bias ? ld(bias, n) : 0.f;
 #pragma unroll
@@ -603,7 +721,7 @@ def matmul_nbits(
     blob = block * bits // 8
     if norm is not None:
         chunk16 = b.size and m <= GEMV_MAX_M and _chunk16_fits(bits, block, k, nb * blob, b, a)
-        if not (y.size and chunk16 and norm.fits(a, m, k)):
+        if not (y.size and chunk16 and norm.fits_on_the_fly(a)):
             a, norm = contiguous(ctx, norm.unfused()), None
     if y.size == 0:
         return y
@@ -629,11 +747,11 @@ def matmul_nbits(
         args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
         args += (np.int32(nb), np.int32(block), np.int32(nb * blob // 16), np.int32(zrow))
         args += (np.int32(zp_mode), np.int32(bias is not None))
-        fused = norm.KIND if norm is not None else 0
+        fused = norm.ON_THE_FLY if norm is not None else 0
         if norm is not None:
-            norm_args, smem = norm.kernel_args(a), norm.smem(a, m, k)
+            norm_args = norm.kernel_args(a)
         else:
-            norm_args, smem = (a, a, y, np.float32(0.0), np.int32(0)), 0
+            norm_args = (a, a, y, np.float32(0.0), np.int32(0))
         split = None
         if SMALL_K_GEMV and m <= SMALL_K_MAX_M:
             split = nbits4_small_k_split(k // 32, n, sm_count())
@@ -642,13 +760,13 @@ def matmul_nbits(
             mt = next(t for t in (1, 2, 4, 8) if t >= m)
             name = f"nbits4_gemv16_small_k<{s_type}, {w_type}, {mt}, {lpc}, {cpl}, {fused}>"
             grid = (small_k_blocks(n, lpc),)
-            function(_SOURCE, name)(grid, (32, 8), (*args, *norm_args), shared_mem=smem)
+            function(_SOURCE, name)(grid, (32, 8), (*args, *norm_args))
             return y
         mt, nr, wpc = gemv_layout(m, k // 32, n, sm_count())
         fn = function(_SOURCE, f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}, {fused}>")
         groups = -(-n // nr)
         grid = (-(-groups * wpc // 8),)
-        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=smem)
+        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args))
         return y
     if m <= GEMV_MAX_M:
         if b.data.ptr % 4:

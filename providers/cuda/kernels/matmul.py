@@ -179,33 +179,19 @@ template <> struct Vec16<half_t> {
 // bytes, A and W 16-byte aligned. Block (32, 8): warp y owns columns NR * g .. NR * g + NR - 1
 // with g = blockIdx.x * (8 / wpc) + y / wpc, and the (y % wpc)-th share of their 16-byte
 // chunks. A lane loads U chunks of each of its columns before any math.
-// NORM = 1: A is the RMS norm of A_in (+ skip) scaled by gamma, made by each block in shared
-// memory first (rms_rows_to_shared; block 0 writes the sum when norm_flags & 2, norm_flags & 1
-// says there is a skip); NORM = 2: A is silu(A_in) * skip (silu_rows_to_shared; A_in holds
-// both halves when norm_flags & 4). Dynamic shared memory of M * K elements.
-// On the fly, no staging (no shared memory, no barrier before the weight loads):
-// NORM = 3: the norm's per-row scale comes out of the dot product,
-//   C[m, n] = rsqrt(mean_k h^2 + eps) * sum_k (h * gamma)[k] W[n, k], h = A_in (+ skip);
-//   each column group's lanes sum h^2 over the chunks they load (together: the whole row),
-//   and group 0 of block 0 writes h to sum_out;
-// NORM = 4: a = silu(g) * u computed as the chunk is loaded (g = A_in, u = skip or the
-//   second half of A_in's rows of 2K when norm_flags & 4).
+// NORM != 0: the activations of a fused op, made as each chunk is loaded (no staging):
+// NORM = 1: the norm's per-row scale comes out of the dot product,
+//   C[m, n] = rsqrt(mean_k h^2 + eps) * sum_k (h * gamma)[k] W[n, k], h = A_in (+ skip when
+//   norm_flags & 1); each column group's lanes sum h^2 over the chunks they load (together:
+//   the whole row), and group 0 of block 0 writes h to sum_out (norm_flags & 2);
+// NORM = 2: a = silu(g) * u (g = A_in, u = skip, or the second half of A_in's rows of 2K
+//   when norm_flags & 4).
 template <typename S, int MT, int NR, int NORM>
 __global__ void __launch_bounds__(256) gemv_nk(
     const S* __restrict__ A_in, const S* __restrict__ W, S* __restrict__ C, int M, int K, int N,
     int wpc, const S* __restrict__ skip, const S* __restrict__ gamma, S* __restrict__ sum_out,
     float eps, int norm_flags) {
-  extern __shared__ __align__(16) unsigned char norm_smem[];
   const S* A = A_in;
-  if constexpr (NORM == 1) {
-    S* As = reinterpret_cast<S*>(norm_smem);
-    rms_rows_to_shared(A_in, skip, gamma, sum_out, As, M, K, eps, norm_flags & 1, norm_flags & 2);
-    A = As;
-  } else if constexpr (NORM == 2) {
-    S* As = reinterpret_cast<S*>(norm_smem);
-    silu_rows_to_shared(A_in, skip, As, M, K, norm_flags & 4);
-    A = As;
-  }
   constexpr int V = Vec16<S>::N;
   constexpr int U = 2;
   __shared__ float red[8][NR][MT];
@@ -218,10 +204,10 @@ __global__ void __launch_bounds__(256) gemv_nk(
   for (int r = 0; r < NR; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
-  float ss[MT];  // NORM = 3: this lane's share of each row's sum of squares
+  float ss[MT];  // NORM = 1: this lane's share of each row's sum of squares
 #pragma unroll
   for (int m = 0; m < MT; ++m) ss[m] = 0.f;
-  const bool writer = NORM == 3 && blockIdx.x == 0 && wy / wpc == 0;
+  const bool writer = NORM == 1 && blockIdx.x == 0 && wy / wpc == 0;
   for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
     float w[U][NR][V];
 #pragma unroll
@@ -245,7 +231,7 @@ __global__ void __launch_bounds__(256) gemv_nk(
         for (int m = 0; m < MT; ++m) {
           if (m < M) {
             float a[V];
-            if constexpr (NORM == 3) {
+            if constexpr (NORM == 1) {
               const long long at = (long long)m * K + (long long)c * V;
               Vec16<S>::load(A_in + at, a);
               if (norm_flags & 1) {
@@ -265,7 +251,7 @@ __global__ void __launch_bounds__(256) gemv_nk(
                 ss[m] = fmaf(a[v], a[v], ss[m]);
                 a[v] *= g[v];
               }
-            } else if constexpr (NORM == 4) {
+            } else if constexpr (NORM == 2) {
               const int split = norm_flags & 4;
               const long long row = (long long)m * (split ? 2LL * K : (long long)K);
               const long long at = row + (long long)c * V;
@@ -286,7 +272,7 @@ __global__ void __launch_bounds__(256) gemv_nk(
       }
     }
   }
-  if constexpr (NORM == 3) {  // the row's sum of squares over the column group, then scale
+  if constexpr (NORM == 1) {  // the row's sum of squares over the column group, then scale
     __shared__ float ssr[8][MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) ss[m] = warp_sum(ss[m]);

@@ -7,9 +7,9 @@ layer reads; empty name when not wanted) and ``normed``, a planned buffer used o
 fused kernel does not apply. See ``session.fusion.fuse_norm_matmul``.
 
 On decode and verify steps (M <= 16, the GEMV kernels) the GEMV makes its activations
-itself: ``gemv_nk`` (fp16 / fp32 weights) as it loads them, the norm's per-row scale taken
-out of the dot product (NORM = 3) or the SiLU applied per element (NORM = 4); the 4-bit
-chunk16 GEMVs stage them per block in shared memory first (NORM = 1 / 2), which measured
+itself as it loads them (``gemv_nk`` and the 4-bit chunk16 GEMVs): the norm's per-row scale
+taken out of the dot product (NORM = 1) or the SiLU applied per element (NORM = 2). A first
+version staged them per block in shared memory (since removed) and measured
 slower than the separate launches (see ``CUDAProvider.gemv_prologues``). Other shapes run the
 norm or SiluMul kernel into the planned buffer and then the plain matmul.
 """
@@ -35,46 +35,30 @@ from .normalization import simplified_layer_norm
 
 #: Domain of the runtime's own fused ops.
 GENRT_DOMAIN = "onnx_genrt"
-#: Most bytes of normalized activations a GEMV block stages in shared memory (M x K); more
-#: runs the norm kernel first.
-NORM_SMEM_MAX = 32 << 10
 
 
 @dataclass
 class FusedNorm:
-    """The norm a GEMV kernel applies to its activations (``gemv_nk`` / ``nbits4`` with
-    NORM = 1), and the unfused way for shapes those kernels do not take."""
+    """The norm a GEMV kernel applies to its activations as it loads them (``gemv_nk`` and
+    the 4-bit chunk16 GEMVs with NORM = 1), and the unfused way for other shapes."""
 
-    KIND = 1  # NORM template value of the staging prologue (4-bit chunk16 GEMVs)
-    ON_THE_FLY = 3  # NORM value of gemv_nk's deferred-scale norm
+    ON_THE_FLY = 1  # the GEMVs' NORM template value
     skip: cupy.ndarray | None
     gamma: cupy.ndarray
     sum_out: cupy.ndarray | None
     eps: float
     unfused: Callable[[], cupy.ndarray]
 
-    def fits(self, x: cupy.ndarray, m: int, k: int) -> bool:
-        """Whether a GEMV block can normalize ``m`` rows of ``k`` in shared memory."""
-        return (
-            self.gamma.dtype == x.dtype
-            and (self.skip is None or (self.skip.shape == x.shape and self.skip.dtype == x.dtype))
-            and m * k * x.dtype.itemsize <= NORM_SMEM_MAX
-            and x.flags.c_contiguous
-        )
-
     def fits_on_the_fly(self, x: cupy.ndarray) -> bool:
-        """Whether ``gemv_nk`` can normalize as it loads (no staging, any M and K)."""
+        """Whether the GEMVs can normalize as they load (any M and K)."""
         return (
             self.gamma.dtype == x.dtype
             and (self.skip is None or (self.skip.shape == x.shape and self.skip.dtype == x.dtype))
             and x.flags.c_contiguous
         )
-
-    def smem(self, x: cupy.ndarray, m: int, k: int) -> int:
-        return m * k * x.dtype.itemsize
 
     def kernel_args(self, x: cupy.ndarray) -> tuple:
-        """(skip, gamma, sum_out, eps, flags) as the NORM = 1 / 3 kernels take them."""
+        """(skip, gamma, sum_out, eps, flags) as the NORM = 1 kernels take them."""
         flags = (self.skip is not None) | (2 * (self.sum_out is not None))
         skip = self.skip if self.skip is not None else x
         total = self.sum_out if self.sum_out is not None else x
@@ -175,28 +159,18 @@ def norm_matmul_nbits(
 @dataclass
 class FusedSilu:
     """The gated-MLP activation ``g * sigmoid(g) * u`` a GEMV kernel applies to its
-    activations (NORM = 2); ``g`` holds both halves when ``u`` is None (``split=1``)."""
+    activations as it loads them (NORM = 2); ``g`` holds both halves when ``u`` is None
+    (``split=1``)."""
 
-    KIND = 2
-    ON_THE_FLY = 4
+    ON_THE_FLY = 2
     g: cupy.ndarray
     u: cupy.ndarray | None
     unfused: Callable[[], cupy.ndarray]
-
-    def fits(self, a: cupy.ndarray, m: int, k: int) -> bool:
-        return (
-            m * k * a.dtype.itemsize <= NORM_SMEM_MAX
-            and self.g.flags.c_contiguous
-            and (self.u is None or (self.u.flags.c_contiguous and self.u.dtype == self.g.dtype))
-        )
 
     def fits_on_the_fly(self, a: cupy.ndarray) -> bool:
         return self.g.flags.c_contiguous and (
             self.u is None or (self.u.flags.c_contiguous and self.u.dtype == self.g.dtype)
         )
-
-    def smem(self, a: cupy.ndarray, m: int, k: int) -> int:
-        return m * k * a.dtype.itemsize
 
     def kernel_args(self, a: cupy.ndarray) -> tuple:
         """(u, unused, unused, unused, flags): A_in is ``g``; flags & 4 says split."""
