@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+SPEC_KINDS = ("mtp", "draft", "ngram")
+
 
 @dataclass
 class BenchRow:
@@ -31,33 +33,48 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _median_run(
-    fn: Callable[[], tuple[float, float, list[int], dict]],
+def _interleaved(
+    cases: list[tuple[str, Callable[[], tuple[float, float, list[int], dict]]]],
     repeats: int,
-    label: str,
     profile_top: int = 0,
-) -> BenchRow:
-    """The median of ``repeats`` timed runs after one warm-up run. ``profile_top > 0`` runs
-    the timed runs under cProfile and prints that many functions by own time (stderr)."""
-    prefill, decode, tokens, extra = [], [], [], {}
-    profiler = cProfile.Profile() if profile_top > 0 else None
-    for i in range(repeats + 1):  # the first run warms up (compiles, captures)
-        _progress(f"  {label}: run {i + 1}/{repeats + 1}{' (warm-up)' if i == 0 else ''}")
-        if i and profiler is not None:
-            profiler.enable()
-        try:
-            p, d, tokens, extra = fn()
-        finally:
+) -> list[BenchRow]:
+    """Each case's median over ``repeats`` timed runs, after one warm-up run each (compiles,
+    captures). The timed runs go round-robin over the cases, so a drift of the machine
+    (clocks, other load) shows in every row alike instead of in whichever row ran then.
+    ``profile_top > 0`` profiles each case's timed runs and prints that many functions."""
+    results: dict[str, dict[str, Any]] = {}
+    profilers = {label: cProfile.Profile() for label, _ in cases} if profile_top > 0 else {}
+    for label, fn in cases:
+        _progress(f"  {label}: warm-up")
+        fn()
+        results[label] = {"prefill": [], "decode": [], "tokens": [], "extra": {}}
+    for i in range(repeats):
+        _progress(f"  timed round {i + 1}/{repeats}")
+        for label, fn in cases:
+            profiler = profilers.get(label)
             if profiler is not None:
-                profiler.disable()
-        if i:
-            prefill.append(p)
-            decode.append(d)
-    if profiler is not None:
+                profiler.enable()
+            try:
+                p, d, tokens, extra = fn()
+            finally:
+                if profiler is not None:
+                    profiler.disable()
+            got = results[label]
+            got["prefill"].append(p)
+            got["decode"].append(d)
+            got["tokens"], got["extra"] = tokens, extra
+    for label, profiler in profilers.items():
         _print_profile(profiler, label, profile_top)
-    return BenchRow(
-        label, statistics.median(prefill) * 1e3, statistics.median(decode), tokens, extra
-    )
+    return [
+        BenchRow(
+            label,
+            statistics.median(r["prefill"]) * 1e3,
+            statistics.median(r["decode"]),
+            r["tokens"],
+            r["extra"],
+        )
+        for label, r in results.items()
+    ]
 
 
 def _print_profile(profiler: cProfile.Profile, label: str, top: int) -> None:
@@ -192,67 +209,52 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         prompt = rng.integers(1, cfg.vocab_size, args.prompt_tokens).tolist()
     new = args.tokens
-    rows: list[BenchRow] = []
     _progress(
         f"bench: {folder.name}, prompt {len(prompt)} tokens, {new} new tokens, median of {args.repeats}"
     )
+    cases: list[tuple[str, Callable]] = []
     for provider in args.provider:
+        tag = f"{provider},{args.threads}t" if args.threads and provider == "cpu" else provider
+
+        def ours(
+            spec: str | None,
+            k: int | None,
+            graphs: bool = True,
+            overlap: bool = True,
+            provider: str = provider,
+        ):
+            return bench_ours(
+                folder,
+                prompt,
+                new,
+                provider_arg(provider, args.threads),
+                spec,
+                k,
+                graphs,
+                overlap,
+            )
+
         for graphs in [True, False] if args.compare_eager else [True]:
-            tag = f"{provider},{args.threads}t" if args.threads and provider == "cpu" else provider
-            label = f"onnx-genrt[{tag}{'' if graphs else ',eager'}]"
-            rows.append(
-                _median_run(
-                    bench_ours(
-                        folder,
-                        prompt,
-                        new,
-                        provider_arg(provider, args.threads),
-                        None,
-                        args.k,
-                        graphs,
-                    ),
-                    args.repeats,
-                    label,
-                    args.cprofile,
-                )
+            cases.append(
+                (f"onnx-genrt[{tag}{'' if graphs else ',eager'}]", ours(None, None, graphs))
             )
-        for spec in args.spec:
+        for entry in args.spec:
+            spec, k = _spec_entry(entry, args.k)
             for overlap in [True, False] if args.compare_serial else [True]:
-                label = f"onnx-genrt[{tag},{spec}{'' if overlap else ',serial'}]"
-                runner = bench_ours(
-                    folder,
-                    prompt,
-                    new,
-                    provider_arg(provider, args.threads),
-                    spec,
-                    args.k,
-                    True,
-                    overlap,
-                )
-                rows.append(_median_run(runner, args.repeats, label, args.cprofile))
+                label = f"onnx-genrt[{tag},{entry}{'' if overlap else ',serial'}]"
+                cases.append((label, ours(spec, k, True, overlap)))
         if args.compare_serial:
-            label = f"onnx-genrt[{tag},serial]"
-            runner = bench_ours(
-                folder, prompt, new, provider_arg(provider, args.threads), None, args.k, True, False
-            )
-            rows.append(_median_run(runner, args.repeats, label, args.cprofile))
+            cases.append((f"onnx-genrt[{tag},serial]", ours(None, None, True, False)))
     if not args.no_reference:
-        try:
-            rows.append(
-                _median_run(
-                    bench_onnxruntime_genai(folder, prompt, new), args.repeats, "onnxruntime-genai"
-                )
-            )
-        except ImportError as exc:
-            _progress(f"  onnxruntime-genai skipped: {exc}")
-        try:
-            rows.append(
-                _median_run(
-                    bench_onnxruntime_loop(folder, prompt, new), args.repeats, "onnxruntime loop"
-                )
-            )
-        except ImportError as exc:
-            _progress(f"  onnxruntime loop skipped: {exc}")
+        for label, make in (
+            ("onnxruntime-genai", bench_onnxruntime_genai),
+            ("onnxruntime loop", bench_onnxruntime_loop),
+        ):
+            try:
+                cases.append((label, make(folder, prompt, new)))
+            except ImportError as exc:
+                _progress(f"  {label} skipped: {exc}")
+    rows = _interleaved(cases, args.repeats, args.cprofile)
     print(format_rows(rows))
     if "cuda" in args.provider:
         nbytes = weight_bytes_per_token(cfg.model_path)
@@ -262,6 +264,18 @@ def run_bench(args: argparse.Namespace) -> int:
             f"{args.bandwidth:.0f} GB/s the ceiling is {ceiling:.0f} tok/s"
         )
     return 0
+
+
+def _spec_entry(entry: str, k: int | None) -> tuple[str, int | None]:
+    """``kind`` or ``kind:k`` of ``--spec`` as (kind, k); a bare kind takes ``-k``."""
+    kind, _, drafts = entry.partition(":")
+    if kind not in SPEC_KINDS:
+        raise SystemExit(f"--spec {entry!r}: the kind must be one of {', '.join(SPEC_KINDS)}")
+    if not drafts:
+        return kind, k
+    if not drafts.isdigit() or int(drafts) < 1:
+        raise SystemExit(f"--spec {entry!r}: k must be a positive integer")
+    return kind, int(drafts)
 
 
 def weight_bytes_per_token(model_path: Path) -> int:
@@ -322,8 +336,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--spec",
         action="append",
         default=[],
-        choices=["mtp", "draft", "ngram"],
-        help="also time speculation",
+        metavar="KIND[:K]",
+        help="also time speculation: mtp, draft or ngram, optionally with its drafts per step "
+        "(mtp:3); repeat to compare",
     )
     p.add_argument(
         "-k",

@@ -88,7 +88,7 @@ EOF
   echo "numba: $NUMBA; CPU provider: $CPU_PROVIDER"
   echo "dispatch (us per node):"
   sed 's/^/  /' "$LOGDIR/bench.txt"
-  for f in "$LOGDIR"/bench-fp16.txt "$LOGDIR"/bench-int4.txt "$LOGDIR"/step-fp16.txt "$LOGDIR"/step-int4.txt "$LOGDIR"/hf_bench.txt "$LOGDIR"/bench-default.txt "$LOGDIR"/bench-default-k3.txt "$LOGDIR"/step-default.txt "$LOGDIR"/profile-default.txt; do
+  for f in "$LOGDIR"/bench-fp16.txt "$LOGDIR"/bench-int4.txt "$LOGDIR"/step-fp16.txt "$LOGDIR"/step-int4.txt "$LOGDIR"/hf_bench.txt "$LOGDIR"/bench-default.txt "$LOGDIR"/step-default.txt "$LOGDIR"/profile-default.txt; do
     [ -f "$f" ] && { echo "$(basename "$f"):"; sed 's/^/  /' "$f"; }
   done
   return "$TESTS_RC"

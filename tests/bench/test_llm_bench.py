@@ -61,3 +61,41 @@ def test_roofline_counts_each_matmul_weight_once():
     names = {n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in arrays}
     assert names
     assert weight_bytes_per_token(path) == sum(arrays[n].nbytes for n in names)
+
+
+def test_rows_are_timed_round_robin_after_one_warm_up_each():
+    """Each case warms up once, then the timed runs alternate between the cases, and each
+    row is the median of its own runs."""
+    from onnx_genrt.llm_bench import _interleaved
+
+    calls: list[str] = []
+
+    def case(name: str, speeds: list[float]):
+        runs = iter([0.0, *speeds])  # the warm-up's figure is thrown away
+
+        def once():
+            calls.append(name)
+            return 0.001, next(runs), [1, 2], {}
+
+        return once
+
+    rows = _interleaved([("a", case("a", [10, 30, 20])), ("b", case("b", [5, 1, 3]))], 3)
+    assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"]
+    assert [(r.runtime, r.decode_tok_s) for r in rows] == [("a", 20), ("b", 3)]
+
+
+@pytest.mark.parametrize(
+    ("entry", "want"), [("mtp", ("mtp", None)), ("mtp:3", ("mtp", 3)), ("ngram:2", ("ngram", 2))]
+)
+def test_spec_entries_name_a_kind_and_maybe_its_drafts(entry, want):
+    from onnx_genrt.llm_bench import _spec_entry
+
+    assert _spec_entry(entry, None) == want
+
+
+@pytest.mark.parametrize("entry", ["beam", "mtp:0", "mtp:x"])
+def test_bad_spec_entries_say_what_is_wrong(entry):
+    from onnx_genrt.llm_bench import _spec_entry
+
+    with pytest.raises(SystemExit, match="--spec"):
+        _spec_entry(entry, None)
