@@ -221,6 +221,31 @@ DEVI void gemv_store(float (&acc)[NR][MT], float (*red)[NR][MT], int wy, int wpc
   }
 }
 
+// Norm-fused GEMVs (block (32, 8), wpc warps per column group): sums each lane's share of
+// the rows' h^2 (ss) over its column group, which together loaded the whole rows, then
+// scales acc by each row's rsqrt(mean h^2 + eps). ssr: the block's [8][MT] shared floats.
+// Every thread of the block must call it.
+template <int NR, int MT>
+DEVI void scale_by_row_rms(float (&acc)[NR][MT], float (&ss)[MT], float (*ssr)[MT], int wy,
+                           int wpc, int lane, int K, float eps) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) ss[m] = warp_sum(ss[m]);
+  if (lane == 0) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) ssr[wy][m] = ss[m];
+  }
+  __syncthreads();
+  const int g0 = (wy / wpc) * wpc;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    float t = 0.f;
+    for (int p = 0; p < wpc; ++p) t += ssr[g0 + p][m];
+    const float inv = rsqrtf(t / (float)K + eps);
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r][m] *= inv;
+  }
+}
+
 // Block-wide sum / max; blockDim.x is a multiple of 32, sh holds at least 33 floats.
 DEVI float block_sum(float v, float* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;

@@ -461,24 +461,9 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
       }
     }
   }
-  if constexpr (NORM == 1) {  // the row's sum of squares over the column group, then scale
+  if constexpr (NORM == 1) {
     __shared__ float ssr[8][MT];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) ss[m] = warp_sum(ss[m]);
-    if (lane == 0) {
-#pragma unroll
-      for (int m = 0; m < MT; ++m) ssr[wy][m] = ss[m];
-    }
-    __syncthreads();
-    const int g0 = (wy / wpc) * wpc;
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      float t = 0.f;
-      for (int p = 0; p < wpc; ++p) t += ssr[g0 + p][m];
-      const float inv = rsqrtf(t / (float)K + eps);
-#pragma unroll
-      for (int r = 0; r < NR; ++r) acc[r][m] *= inv;
-    }
+    scale_by_row_rms<NR, MT>(acc, ss, ssr, wy, wpc, lane, K, eps);
   }
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, bias, has_bias);
 }
