@@ -13,6 +13,7 @@ from onnx_genrt.session import load_model
 
 from .generator import Generator
 from .model import GeneratorParams, Model
+from .mtp_chain import restrict_draft_vocab
 from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
 from .speculative import SpeculativeGenerator
 
@@ -101,8 +102,22 @@ def _make_mtp(model: Model, min_confidence: float) -> MTPProposer:
     if not mtp:
         raise ModelLoadError(f"{model.folder}/speculative.json has no mtp section")
     inputs, outputs = mtp.get("inputs", {}), mtp.get("outputs", {})
+    head = load_model(Path(model.folder) / mtp.get("filename", "mtp/model.onnx"))
+    vocab = mtp.get("draft_vocab")
+    if vocab is not None:
+        if not isinstance(vocab, int) or not 1 <= vocab <= model.config.vocab_size:
+            raise ModelLoadError(
+                f"{model.folder}/speculative.json: mtp.draft_vocab must be an integer in "
+                f"1..{model.config.vocab_size}, got {vocab!r}"
+            )
+        try:
+            head = restrict_draft_vocab(head, vocab, outputs.get("logits", "logits"))
+        except ValueError as exc:
+            raise ModelLoadError(
+                f"{model.folder}/speculative.json: mtp.draft_vocab: {exc}"
+            ) from None
     return MTPProposer(
-        load_model(Path(model.folder) / mtp.get("filename", "mtp/model.onnx")),
+        head,
         model.session_from_proto,
         names={
             "hidden_input": inputs.get("hidden_states", "hidden_states"),

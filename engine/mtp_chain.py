@@ -108,6 +108,44 @@ def unroll_mtp_head(
     return model
 
 
+def restrict_draft_vocab(
+    head: onnx.ModelProto, vocab: int, logits_output: str = "logits"
+) -> onnx.ModelProto:
+    """``head`` drafting only from the first ``vocab`` token ids (a frequency-ranked draft
+    vocabulary, as in FR-Spec: byte-level BPE ids come roughly in merge order, so the first
+    ones are the common tokens). The MatMul making ``logits_output`` reads the first
+    ``vocab`` columns of its weight, which constant folding then cuts, so each chained head
+    step multiplies by a smaller lm_head. Drafts stay token ids (a prefix keeps ids as
+    indices); verification is unchanged, so the output is too."""
+    if vocab < 1:
+        raise ValueError(f"a draft vocabulary needs at least 1 token, got {vocab}")
+    h = onnx.ModelProto()
+    h.CopyFrom(head)
+    g = h.graph
+    producer = next((n for n in g.node if logits_output in n.output), None)
+    if producer is None or producer.op_type != "MatMul" or producer.domain not in ("", "ai.onnx"):
+        kind = "nothing" if producer is None else f"a {producer.op_type}"
+        raise ValueError(
+            f"a draft vocabulary needs {logits_output!r} to come from a MatMul; {kind} makes it"
+        )
+    weight = producer.input[1]
+    names = [f"draft_vocab/{n}" for n in ("starts", "ends", "axes")]
+    g.initializer.extend(
+        numpy_helper.from_array(np.array([v], np.int64), n)
+        for n, v in zip(names, (0, vocab, -1), strict=True)
+    )
+    sliced = f"{weight}/draft_vocab"
+    index = list(g.node).index(producer)
+    g.node.insert(index, helper.make_node("Slice", [weight, *names], [sliced], name="draft_vocab"))
+    producer.input[1] = sliced
+    for out in g.output:
+        dims = out.type.tensor_type.shape.dim
+        if out.name == logits_output and dims:
+            dims[-1].Clear()
+            dims[-1].dim_value = vocab
+    return h
+
+
 #: Inputs and output of a chain that runs right after a verify step (see ``after_verify``).
 VERIFY_IDS = "verify_input_ids"
 VERIFY_ARGMAX = "verify_argmax"

@@ -108,3 +108,46 @@ def test_next_inputs_fused_and_standard_agree_with_python(seed):
     np.testing.assert_array_equal(standard[NEXT_MASK][0], np.arange(length) < begin + k + 1)
     low = standard[CONFIDENCES][0] < min_conf
     assert int(standard[NEXT_COUNT][0]) == (int(np.argmax(low)) if low.any() else k)
+
+
+def test_draft_vocabulary_cuts_the_head_lm_head_and_keeps_output_identical():
+    """A draft vocabulary (speculative.json ``mtp.draft_vocab``) drafts only from the first
+    ids: every draft is below it, the chain's lm_head weight is that many columns, and
+    speculative output still equals greedy."""
+    import dataclasses
+
+    from onnx_genrt.core.errors import ModelLoadError
+    from onnx_genrt.engine import Model, generate
+    from onnx_genrt.engine.api import make_proposer
+    from onnx_genrt.engine.mtp_chain import restrict_draft_vocab
+
+    head = load_model(default_model_dir() / "mtp" / "model.onnx")
+    chain = InferenceSession(unroll_mtp_head(restrict_draft_vocab(head, 300), 4))
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        drafts, _confs = chain.run(
+            [DRAFTS, CONFIDENCES],
+            {
+                "hidden_states": rng.standard_normal((1, 1, 256)).astype(np.float32),
+                "input_ids": rng.integers(0, 4096, (1, 1)),
+            },
+        )
+        assert (drafts < 300).all()
+    weights = [v for v in chain.plan.constants.values() if v.ndim == 2 and v.shape[-1] == 300]
+    assert weights, "the sliced lm_head weight is folded to 300 columns"
+
+    model = Model(default_model_dir(), ["cpu"])
+    spec = {
+        **model.config.speculative,
+        "mtp": {**model.config.speculative["mtp"], "draft_vocab": 1024},
+    }
+    model.config = dataclasses.replace(model.config, speculative=spec)
+    prompt = "class Foo:\n"
+    want = generate(model, prompt, max_new_tokens=40, ignore_eos=True).tokens
+    got = generate(model, prompt, max_new_tokens=40, ignore_eos=True, spec="mtp")
+    assert got.tokens == want and got.speculation["verify_steps"] > 0
+    bad = {**spec, "mtp": {**spec["mtp"], "draft_vocab": 0}}
+    model.config = dataclasses.replace(model.config, speculative=bad)
+    model.proposers.clear()
+    with pytest.raises(ModelLoadError, match=r"mtp\.draft_vocab"):
+        make_proposer(model, "mtp", 64)
