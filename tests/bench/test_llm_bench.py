@@ -99,3 +99,29 @@ def test_bad_spec_entries_say_what_is_wrong(entry):
 
     with pytest.raises(SystemExit, match="--spec"):
         _spec_entry(entry, None)
+
+
+EMBEDDED_NEW = 48
+SPECULATIVE = [None, "mtp", "draft", "ngram"]
+_embedded_tokens: dict[str | None, list[int]] = {}
+
+
+@pytest.mark.benchmark(group="speculative-embedded-48-tokens")
+@pytest.mark.parametrize("spec", SPECULATIVE, ids=lambda s: s or "greedy")
+def test_speculative_decode_embedded_model(benchmark, spec):
+    """Greedy against each proposer on the embedded trained model (its MTP head, its draft
+    model, prompt lookup), k from its speculative.json; all give greedy's tokens."""
+    from onnx_genrt.engine.tokenizer import Tokenizer
+    from onnx_genrt.generate_cli import default_model_dir
+
+    folder = default_model_dir()
+    prompt = list(Tokenizer(folder).encode("    def __init__(self"))
+    once = bench_ours(folder, prompt, EMBEDDED_NEW, "cpu", spec, None, True)
+    once()  # warm-up: compile, plan, capture
+    _, _, tokens, extra = benchmark(once)
+    benchmark.extra_info["new_tokens"] = EMBEDDED_NEW
+    if extra.get("speculation"):
+        benchmark.extra_info["mean_accepted"] = extra["speculation"]["mean_accepted_length"]
+    _embedded_tokens[spec] = tokens
+    for other, seq in _embedded_tokens.items():
+        assert seq == tokens, f"{spec or 'greedy'} and {other or 'greedy'} disagree"
