@@ -475,7 +475,7 @@ def fuse_norm_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple
     drop: set[int] = set()
     replace: dict[int, object] = {}
     for i, norm in enumerate(steps):
-        fused = _norm_projections(steps, constants, keep, read_by, i, norm)
+        fused = _norm_projections(steps, constants, keep, read_by, norm)
         if fused is None or drop.intersection(fused) or set(replace).intersection(fused):
             continue
         drop.add(i)
@@ -483,8 +483,8 @@ def fuse_norm_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple
     return _rewrite(steps, replace, drop), len(drop)
 
 
-def _norm_projections(steps, constants, keep, read_by, i: int, norm) -> dict[int, object] | None:
-    """{index: fused step} for the projections reading norm ``steps[i]``, or None."""
+def _norm_projections(steps, constants, keep, read_by, norm) -> dict[int, object] | None:
+    """{index: fused step} for the projections reading ``norm``, or None."""
     if (norm.node.domain, norm.node.op_type) not in _NORMS:
         return None
     skip_op = norm.node.op_type.startswith("Skip")
