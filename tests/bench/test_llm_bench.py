@@ -125,3 +125,18 @@ def test_speculative_decode_embedded_model(benchmark, spec):
     _embedded_tokens[spec] = tokens
     for other, seq in _embedded_tokens.items():
         assert seq == tokens, f"{spec or 'greedy'} and {other or 'greedy'} disagree"
+
+
+def test_host_wait_profile_reports_each_kind(capsys):
+    """scripts/host_wait_profile.py: one line per kind with steps and the time waited."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "host_wait_profile.py"
+    spec = importlib.util.spec_from_file_location("host_wait_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--provider", "cpu", "--spec", "none", "--spec", "ngram", "--tokens", "16"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["none", "ngram"]
+    assert all("waiting on the device" in line for line in lines)

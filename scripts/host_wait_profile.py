@@ -1,0 +1,70 @@
+"""Where a generation's host time goes: waiting on the device vs everything else, per step.
+
+    python scripts/host_wait_profile.py --provider cuda [--spec mtp] [--tokens 256]
+
+Times ``PendingStep.wait`` (the host blocked on the device's results) during a timed
+generation after warm-up runs. A step whose wait is a large share of its time is bound by the
+device (fewer or cheaper kernels help); a small share means the host is the bottleneck.
+``--cprofile N`` also prints the top N functions of one more generation by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+from onnx_genrt.engine import Model, generate
+from onnx_genrt.engine import decoder as decoder_module
+from onnx_genrt.generate_cli import default_model_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--provider", default="cuda")
+    p.add_argument("--spec", action="append", default=None, help="none, mtp, draft or ngram")
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--prompt", default="    def __init__(self")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N")
+    a = p.parse_args(argv)
+    model = Model(a.model or default_model_dir(), a.provider)
+    waited = [0.0, 0]
+    original = decoder_module.PendingStep.wait
+
+    def timed_wait(self):
+        t = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            waited[0] += time.perf_counter() - t
+            waited[1] += 1
+
+    decoder_module.PendingStep.wait = timed_wait
+    for name in a.spec or ["none", "mtp"]:
+        spec = None if name == "none" else name
+        kwargs = {"max_new_tokens": a.tokens, "ignore_eos": True, "spec": spec}
+        for _ in range(2):
+            generate(model, a.prompt, **kwargs)
+        waited[:] = [0.0, 0]
+        t = time.perf_counter()
+        res = generate(model, a.prompt, **kwargs)
+        total = time.perf_counter() - t
+        stats = res.speculation
+        steps = stats.get("verify_steps", 0) + stats.get("plain_steps", 0) or a.tokens
+        print(
+            f"{name}: {res.decode_tokens_per_second:.0f} tok/s, {steps} steps, "
+            f"{total / steps * 1e6:.0f} us a step, {waited[0] / steps * 1e6:.0f} us of it "
+            f"waiting on the device ({waited[1]} waits)"
+        )
+        if a.cprofile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            generate(model, a.prompt, **kwargs)
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(a.cprofile)
+
+
+if __name__ == "__main__":
+    main()
