@@ -13,6 +13,8 @@ from onnx import helper
 
 ONNX_DOMAIN = ""
 MS_DOMAIN = "com.microsoft"
+#: Domain of the runtime's own fused ops (SiluMul, ArgMaxProb, NormMatMul, MTPAccept, ...).
+GENRT_DOMAIN = "onnx_genrt"
 
 
 def normalize_domain(domain: str) -> str:

@@ -12,6 +12,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_genrt.core.kernels import GENRT_DOMAIN
+
 DRAFTS = "drafts"
 CONFIDENCES = "confidences"
 
@@ -182,6 +184,48 @@ def after_verify(
     hidden_size = by_name[hidden_input].type.tensor_type.shape.dim[-1]
     p = "accept/"
     i64 = TensorProto.INT64
+    if fused:
+        inits: list[onnx.TensorProto] = []
+        nodes = [
+            helper.make_node(
+                "MTPAccept",
+                [VERIFY_IDS, VERIFY_ARGMAX, VERIFY_HIDDEN, DRAFT_COUNT],
+                [ACCEPTED, ids_input, hidden_input],
+                domain=GENRT_DOMAIN,
+                to=hidden_type,
+            )
+        ]
+    else:
+        nodes, inits = _accept_nodes(k, ids_input, hidden_input, hidden_type, verify_hidden_type)
+    for i, node in enumerate(nodes):  # errors and profiles name the node
+        node.name = f"{p}{i}_{node.op_type}"
+    width = k + 1
+    dim = hidden_size.dim_value if hidden_size.HasField("dim_value") else "hidden"
+    inputs = [
+        helper.make_tensor_value_info(VERIFY_IDS, i64, [1, width]),
+        helper.make_tensor_value_info(VERIFY_ARGMAX, i64, [1, width]),
+        helper.make_tensor_value_info(VERIFY_HIDDEN, verify_hidden_type, [1, width, dim]),
+        helper.make_tensor_value_info(DRAFT_COUNT, i64, [1]),
+    ]
+    outputs = [*g.output, helper.make_tensor_value_info(ACCEPTED, i64, [1])]
+    graph = helper.make_graph(
+        nodes + list(g.node),
+        f"{g.name}_after_verify",
+        inputs,
+        outputs,
+        list(g.initializer) + inits,
+    )
+    model = helper.make_model(graph, opset_imports=_with_genrt(chain.opset_import, fused))
+    model.ir_version = chain.ir_version
+    return model
+
+
+def _accept_nodes(
+    k: int, ids_input: str, hidden_input: str, hidden_type: int, verify_hidden_type: int
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """``after_verify``'s acceptance in standard ops: the accepted count, and the argmax and
+    hidden row at that count as the chain's inputs."""
+    p = "accept/"
 
     def const(name: str, values) -> str:
         inits.append(numpy_helper.from_array(np.asarray(values, np.int64), p + name))
@@ -213,38 +257,7 @@ def after_verify(
     nodes.append(helper.make_node("Gather", [VERIFY_HIDDEN, ACCEPTED], [gathered], axis=1))
     if gathered != hidden_input:
         nodes.append(helper.make_node("Cast", [gathered], [hidden_input], to=hidden_type))
-    if fused:
-        inits = []
-        nodes = [
-            helper.make_node(
-                "MTPAccept",
-                [VERIFY_IDS, VERIFY_ARGMAX, VERIFY_HIDDEN, DRAFT_COUNT],
-                [ACCEPTED, ids_input, hidden_input],
-                domain=GENRT_DOMAIN,
-                to=hidden_type,
-            )
-        ]
-    for i, node in enumerate(nodes):  # errors and profiles name the node
-        node.name = f"{p}{i}_{node.op_type}"
-    width = k + 1
-    dim = hidden_size.dim_value if hidden_size.HasField("dim_value") else "hidden"
-    inputs = [
-        helper.make_tensor_value_info(VERIFY_IDS, i64, [1, width]),
-        helper.make_tensor_value_info(VERIFY_ARGMAX, i64, [1, width]),
-        helper.make_tensor_value_info(VERIFY_HIDDEN, verify_hidden_type, [1, width, dim]),
-        helper.make_tensor_value_info(DRAFT_COUNT, i64, [1]),
-    ]
-    outputs = [*g.output, helper.make_tensor_value_info(ACCEPTED, i64, [1])]
-    graph = helper.make_graph(
-        nodes + list(g.node),
-        f"{g.name}_after_verify",
-        inputs,
-        outputs,
-        list(g.initializer) + inits,
-    )
-    model = helper.make_model(graph, opset_imports=_with_genrt(chain.opset_import, fused))
-    model.ir_version = chain.ir_version
-    return model
+    return nodes, inits
 
 
 #: Input and outputs of an after-verify chain that also writes the next verify's inputs.
@@ -279,6 +292,56 @@ def with_next_inputs(
     g = after.graph
     p = "next/"
     i64 = TensorProto.INT64
+    outputs = [
+        helper.make_tensor_value_info(NEXT_START, i64, [1]),
+        helper.make_tensor_value_info(NEXT_IDS, i64, [1, k + 1]),
+        helper.make_tensor_value_info(NEXT_COUNT, i64, [1]),
+    ]
+    if positions:
+        outputs.append(helper.make_tensor_value_info(NEXT_POSITIONS, i64, [1, k + 1]))
+    if mask_length is not None:
+        outputs.append(helper.make_tensor_value_info(NEXT_MASK, i64, [1, mask_length]))
+    if fused:
+        inits: list[onnx.TensorProto] = []
+        names = [NEXT_START, NEXT_IDS, NEXT_COUNT]
+        names += [NEXT_POSITIONS if positions else "", NEXT_MASK if mask_length is not None else ""]
+        while not names[-1]:
+            names.pop()
+        nodes = [
+            helper.make_node(
+                "MTPNextInputs",
+                [ACCEPTED, VERIFY_START, ids_input, DRAFTS, CONFIDENCES],
+                names,
+                domain=GENRT_DOMAIN,
+                min_confidence=float(min_confidence),
+                mask_length=int(mask_length or 0),
+            )
+        ]
+    else:
+        nodes, inits = _next_nodes(k, min_confidence, mask_length, positions, ids_input)
+    for i, node in enumerate(nodes):
+        node.name = f"{p}{i}_{node.op_type}"
+    graph = helper.make_graph(
+        list(g.node) + nodes,
+        f"{g.name}_next",
+        [*g.input, helper.make_tensor_value_info(VERIFY_START, i64, [1])],
+        [*g.output, *outputs],
+        list(g.initializer) + inits,
+    )
+    model = helper.make_model(graph, opset_imports=_with_genrt(after.opset_import, fused))
+    model.ir_version = after.ir_version
+    return model
+
+
+#: The fused ops ``after_verify`` / ``with_next_inputs`` emit with ``fused=True``.
+FUSED_OPS = ("MTPAccept", "MTPNextInputs")
+
+
+def _next_nodes(
+    k: int, min_confidence: float, mask_length: int | None, positions: bool, ids_input: str
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """``with_next_inputs``' next-step inputs in standard ops."""
+    p = "next/"
     inits = [
         numpy_helper.from_array(np.array([1], np.int64), p + "1"),
         numpy_helper.from_array(np.arange(k + 1, dtype=np.int64)[None, :], p + "arange_w"),
@@ -295,14 +358,8 @@ def with_next_inputs(
         helper.make_node("Concat", [p + "low_f", p + "end"], [p + "stops"], axis=1),
         helper.make_node("ArgMax", [p + "stops"], [NEXT_COUNT], axis=1, keepdims=0),
     ]
-    outputs = [
-        helper.make_tensor_value_info(NEXT_START, i64, [1]),
-        helper.make_tensor_value_info(NEXT_IDS, i64, [1, k + 1]),
-        helper.make_tensor_value_info(NEXT_COUNT, i64, [1]),
-    ]
     if positions:
         nodes.append(helper.make_node("Add", [NEXT_START, p + "arange_w"], [NEXT_POSITIONS]))
-        outputs.append(helper.make_tensor_value_info(NEXT_POSITIONS, i64, [1, k + 1]))
     if mask_length is not None:
         inits.append(
             numpy_helper.from_array(np.arange(mask_length, dtype=np.int64)[None, :], p + "arange_l")
@@ -310,43 +367,9 @@ def with_next_inputs(
         nodes += [
             helper.make_node("Add", [NEXT_START, p + "width"], [p + "end_pos"]),
             helper.make_node("Less", [p + "arange_l", p + "end_pos"], [p + "mask_b"]),
-            helper.make_node("Cast", [p + "mask_b"], [NEXT_MASK], to=i64),
+            helper.make_node("Cast", [p + "mask_b"], [NEXT_MASK], to=TensorProto.INT64),
         ]
-        outputs.append(helper.make_tensor_value_info(NEXT_MASK, i64, [1, mask_length]))
-    if fused:
-        inits = []
-        names = [NEXT_START, NEXT_IDS, NEXT_COUNT]
-        names += [NEXT_POSITIONS if positions else "", NEXT_MASK if mask_length is not None else ""]
-        while not names[-1]:
-            names.pop()
-        nodes = [
-            helper.make_node(
-                "MTPNextInputs",
-                [ACCEPTED, VERIFY_START, ids_input, DRAFTS, CONFIDENCES],
-                names,
-                domain=GENRT_DOMAIN,
-                min_confidence=float(min_confidence),
-                mask_length=int(mask_length or 0),
-            )
-        ]
-    for i, node in enumerate(nodes):
-        node.name = f"{p}{i}_{node.op_type}"
-    graph = helper.make_graph(
-        list(g.node) + nodes,
-        f"{g.name}_next",
-        [*g.input, helper.make_tensor_value_info(VERIFY_START, i64, [1])],
-        [*g.output, *outputs],
-        list(g.initializer) + inits,
-    )
-    model = helper.make_model(graph, opset_imports=_with_genrt(after.opset_import, fused))
-    model.ir_version = after.ir_version
-    return model
-
-
-#: Domain of the runtime's own ops (as ``session.fusion.GENRT_DOMAIN``).
-GENRT_DOMAIN = "onnx_genrt"
-#: The fused ops ``after_verify`` / ``with_next_inputs`` emit with ``fused=True``.
-FUSED_OPS = ("MTPAccept", "MTPNextInputs")
+    return nodes, inits
 
 
 def _with_genrt(opsets, fused: bool) -> list:

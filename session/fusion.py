@@ -15,10 +15,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from onnx_genrt.core.kernels import NodeInfo
-
-#: Domain of the runtime's own fused ops.
-GENRT_DOMAIN = "onnx_genrt"
+from onnx_genrt.core.kernels import GENRT_DOMAIN, NodeInfo
 
 
 def _index(steps: list) -> tuple[Counter[str], dict[str, int]]:

@@ -253,3 +253,19 @@ def _run_builder(hf: Path, out: Path, precision: str, extra_options: list[str]) 
     if done.returncode != 0:
         raise RuntimeError(f"model builder failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     shutil.rmtree(out / "cache", ignore_errors=True)
+
+
+def spy_device_fed_launches(monkeypatch) -> list[bool]:
+    """Record, for every ``DecoderRunner.launch``, whether its inputs were fed on the device
+    (``tokens is None``: a pipelined verify step whose ids the MTP chain wrote)."""
+    from onnx_genrt.engine.decoder import DecoderRunner
+
+    fed: list[bool] = []
+    real_launch = DecoderRunner.launch
+
+    def spy(self, tokens, *args, **kwargs):
+        fed.append(tokens is None)
+        return real_launch(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderRunner, "launch", spy)
+    return fed

@@ -4,6 +4,8 @@ against onnxruntime on the unfused model."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -68,7 +70,7 @@ class FusingCPU(CPUProvider):
 
     name = "fusing-cpu"
 
-    @property
+    @functools.cached_property
     def kernels(self) -> KernelRegistry:
         reg = KernelRegistry()
         for domain, op in REGISTRY.ops():

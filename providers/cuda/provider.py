@@ -21,7 +21,7 @@ from onnx_genrt.core.device import Device
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
-from onnx_genrt.core.kernels import KernelContext, KernelDef, KernelRegistry
+from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, KernelDef, KernelRegistry
 from onnx_genrt.core.provider import ExecutionProvider
 from onnx_genrt.core.tensor import Tensor
 
@@ -40,7 +40,7 @@ SHADOW_ENTRIES = 4096
 #: ONNX_GENRT_GEMV_PROLOGUES=1); without them the plan keeps the norm and SiluMul launches.
 #: The GEMVs now make them as they load them instead (NORM = 1 / 2; not measured yet).
 GEMV_PROLOGUE_OPS = frozenset(
-    ("onnx_genrt", op)
+    (GENRT_DOMAIN, op)
     for op in ("NormMatMul", "NormMatMulNBits", "SiluMulMatMul", "SiluMulMatMulNBits")
 )
 

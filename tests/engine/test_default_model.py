@@ -80,17 +80,10 @@ def test_pipelined_mtp_equals_greedy(model, k, monkeypatch):
     """The next verify queued with inputs the MTP chain wrote on the device (a GPU's
     default, forced here on the CPU) changes no token: with eos, eos masked before
     min_length, and near max_length."""
-    from onnx_genrt.engine.decoder import DecoderRunner
     from onnx_genrt.engine.speculative import SpeculativeGenerator
+    from tests.llm_fixtures import spy_device_fed_launches
 
-    launched = []
-    real_launch = DecoderRunner.launch
-
-    def spy(self, tokens, *args, **kwargs):
-        launched.append(tokens is None)
-        return real_launch(self, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(DecoderRunner, "launch", spy)
+    launched = spy_device_fed_launches(monkeypatch)
     monkeypatch.setattr(SpeculativeGenerator, "pipeline", True)
     for prompt in PROMPTS:
         greedy = generate(model, prompt, max_new_tokens=40, ignore_eos=True)

@@ -122,16 +122,9 @@ def test_pipelined_mtp_with_eos_and_min_length(model, monkeypatch):
     eos token (and eos masked before min_length) the tokens still equal greedy's."""
     from onnx_genrt.engine import GeneratorParams
     from onnx_genrt.engine.api import make_generator
-    from onnx_genrt.engine.decoder import DecoderRunner
+    from tests.llm_fixtures import spy_device_fed_launches
 
-    device_fed = []
-    real_launch = DecoderRunner.launch
-
-    def spy(self, tokens, *args, **kwargs):
-        device_fed.append(tokens is None)
-        return real_launch(self, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(DecoderRunner, "launch", spy)
+    device_fed = spy_device_fed_launches(monkeypatch)
 
     def run(prompt, eos, min_length, spec):
         ids = model.tokenizer.encode(prompt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
 
 from ._nn_common import compute_dtype
 from ._registry import REGISTRY
@@ -25,7 +25,7 @@ def split_halves(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None):
     return g[..., :half], g[..., half:]
 
 
-@REGISTRY.register("SiluMul", since=1, domain="onnx_genrt")
+@REGISTRY.register("SiluMul", since=1, domain=GENRT_DOMAIN)
 def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> np.ndarray:
     """``g * sigmoid(g) * u``, the gated-MLP activation, in the same order of operations as
     the Sigmoid/Mul/Mul it replaces (float16 computes in float32 and rounds once). With one
@@ -73,7 +73,7 @@ def _bind_silu_mul(ctx: KernelContext, inputs, out):
 silu_mul.bind = _bind_silu_mul  # type: ignore[attr-defined]
 
 
-@REGISTRY.register("ArgMaxProb", since=1, domain="onnx_genrt")
+@REGISTRY.register("ArgMaxProb", since=1, domain=GENRT_DOMAIN)
 def argmax_prob(ctx: KernelContext, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(ArgMax, max of Softmax) over the last axis, keepdims=0: first index of the largest
     value and its probability ``1 / sum(exp(x - max))``, as the ArgMax, Softmax and ReduceMax
@@ -93,7 +93,7 @@ def argmax_prob(ctx: KernelContext, x: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return idx, prob
 
 
-@REGISTRY.register("MTPAccept", since=1, domain="onnx_genrt")
+@REGISTRY.register("MTPAccept", since=1, domain=GENRT_DOMAIN)
 def mtp_accept(
     ctx: KernelContext, ids: np.ndarray, argmax: np.ndarray, hidden: np.ndarray, count
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,7 +119,7 @@ def mtp_accept(
     return accepted, token, row
 
 
-@REGISTRY.register("MTPNextInputs", since=1, domain="onnx_genrt")
+@REGISTRY.register("MTPNextInputs", since=1, domain=GENRT_DOMAIN)
 def mtp_next_inputs(ctx: KernelContext, accepted, start, token, drafts, confidences):
     """The next verify step's inputs after an MTP chain: (start [1], ids [1, k+1], draft
     count [1], positions [1, k+1], attention mask [1, L]); see

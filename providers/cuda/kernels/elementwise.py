@@ -13,7 +13,7 @@ import cupy
 import numpy as np
 from onnx import TensorProto, helper
 
-from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, NodeInfo
 
 from ._common import OPTIONS, out
 from ._registry import REGISTRY
@@ -242,7 +242,7 @@ _SILU_MUL = cupy.ElementwiseKernel(
 )
 
 
-@REGISTRY.register("SiluMul", since=1, domain="onnx_genrt")
+@REGISTRY.register("SiluMul", since=1, domain=GENRT_DOMAIN)
 def silu_mul(ctx: KernelContext, g: cupy.ndarray, u: cupy.ndarray | None = None) -> cupy.ndarray:
     """The runtime's fused gated-MLP activation: ``g * sigmoid(g) * u`` in one launch; with
     one input and ``split=1``, g and u are the halves of its last axis."""

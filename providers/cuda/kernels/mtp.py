@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
 
 from ._common import DEVICE_COMMON, contiguous, function, out, storage
 from ._registry import REGISTRY
@@ -67,7 +67,7 @@ __global__ void mtp_next_inputs(const long long* accepted, const long long* star
 )
 
 
-@REGISTRY.register("MTPAccept", since=1, domain="onnx_genrt")
+@REGISTRY.register("MTPAccept", since=1, domain=GENRT_DOMAIN)
 def mtp_accept(ctx: KernelContext, ids, argmax, hidden, count):
     """(accepted [1], token [1, 1], hidden row [1, 1, H] as ``to``); see the CPU kernel."""
     k = int(ids.shape[-1]) - 1
@@ -88,7 +88,7 @@ def mtp_accept(ctx: KernelContext, ids, argmax, hidden, count):
     return accepted, token, row
 
 
-@REGISTRY.register("MTPNextInputs", since=1, domain="onnx_genrt")
+@REGISTRY.register("MTPNextInputs", since=1, domain=GENRT_DOMAIN)
 def mtp_next_inputs(ctx: KernelContext, accepted, start, token, drafts, confidences):
     """(start, ids, draft count[, positions[, mask]]) of the next verify step."""
     k = int(drafts.shape[-1])

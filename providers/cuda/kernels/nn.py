@@ -5,7 +5,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
 
 from ._common import (
     DEVICE_COMMON,
@@ -261,7 +261,7 @@ def argmax(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
     return y
 
 
-@REGISTRY.register("ArgMaxProb", since=1, domain="onnx_genrt")
+@REGISTRY.register("ArgMaxProb", since=1, domain=GENRT_DOMAIN)
 def argmax_prob(ctx: KernelContext, x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
     """(ArgMax, max of Softmax) over the last axis, keepdims=0: a draft and its probability
     in one launch (see ``session.fusion.fuse_argmax_prob``)."""

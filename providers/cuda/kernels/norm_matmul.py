@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+from onnx_genrt.core.kernels import GENRT_DOMAIN, MS_DOMAIN, KernelContext, NodeInfo
 from onnx_genrt.core.op_rules import fused_matmul_nbits_unsupported, fused_projection
 
 from ._common import contiguous, out
@@ -32,9 +32,6 @@ from .contrib_quant import matmul_nbits
 from .elementwise import silu_mul
 from .matmul import matmul, transpose_weight
 from .normalization import simplified_layer_norm
-
-#: Domain of the runtime's own fused ops.
-GENRT_DOMAIN = "onnx_genrt"
 
 
 @dataclass
