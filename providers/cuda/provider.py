@@ -38,7 +38,7 @@ SHADOW_ENTRIES = 4096
 #: int4 1137 -> 923, with every GEMV staging its activations in shared memory first), so the
 #: provider offers them only when asked (``gemv_prologues=True`` or
 #: ONNX_GENRT_GEMV_PROLOGUES=1); without them the plan keeps the norm and SiluMul launches.
-#: The GEMVs now make them as they load them instead (NORM = 1 / 2; not measured yet).
+#: The GEMVs now stage them per block after their first weight loads (not measured yet).
 GEMV_PROLOGUE_OPS = frozenset(
     (GENRT_DOMAIN, op)
     for op in ("NormMatMul", "NormMatMulNBits", "SiluMulMatMul", "SiluMulMatMulNBits")

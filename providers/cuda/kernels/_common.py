@@ -221,29 +221,108 @@ DEVI void gemv_store(float (&acc)[NR][MT], float (*red)[NR][MT], int wy, int wpc
   }
 }
 
-// Norm-fused GEMVs (block (32, 8), wpc warps per column group): sums each lane's share of
-// the rows' h^2 (ss) over its column group, which together loaded the whole rows, then
-// scales acc by each row's rsqrt(mean h^2 + eps). ssr: the block's [8][MT] shared floats.
-// Every thread of the block must call it.
-template <int NR, int MT>
-DEVI void scale_by_row_rms(float (&acc)[NR][MT], float (&ss)[MT], float (*ssr)[MT], int wy,
-                           int wpc, int lane, int K, float eps) {
+// 16 bytes of S as floats, and back (p 16-byte aligned; global or shared memory).
+DEVI void ld16(const float* p, float* v) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+}
+DEVI void ld16(const half_t* p, float* v) {
+  const uint4 q = *reinterpret_cast<const uint4*>(p);
+  const unsigned int w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-  for (int m = 0; m < MT; ++m) ss[m] = warp_sum(ss[m]);
-  if (lane == 0) {
+  for (int u = 0; u < 4; ++u) {
+    v[2 * u] = h2f((half_t)(w[u] & 0xffffu));
+    v[2 * u + 1] = h2f((half_t)(w[u] >> 16));
+  }
+}
+DEVI void st16(float* p, const float* v) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+DEVI void st16(half_t* p, const float* v) {
+  unsigned int w[4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) ssr[wy][m] = ss[m];
+  for (int u = 0; u < 4; ++u) w[u] = (unsigned int)f2h(v[2 * u]) | ((unsigned int)f2h(v[2 * u + 1]) << 16);
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The fused GEMVs (NORM = 1 / 2, block (32, 8)): the block makes the activations of its M
+// rows once, into shared memory act[M][K] as S (what the unfused norm or SiluMul kernel
+// writes), then syncs. Callers issue their first weight loads before, so the weights are in
+// flight while the block stages. K is a multiple of 16 bytes of S; pointers 16-byte aligned.
+// NORM = 1: RMS norm of h = A_in (+ skip when flags & 1) times gamma; block 0 writes h to
+//   sum_out (flags & 2).
+// NORM = 2: silu(g) * u with g = A_in and u = skip, or the second half of A_in's rows of 2K
+//   (flags & 4).
+template <int NORM, int MT, typename S>
+DEVI void stage_act(const S* __restrict__ A_in, const S* __restrict__ skip,
+                    const S* __restrict__ gamma, S* __restrict__ sum_out, float eps, int flags,
+                    int M, int K, S* act) {
+  constexpr int V = 16 / sizeof(S);
+  const int tid = threadIdx.y * 32 + threadIdx.x, kv = K / V;
+  if constexpr (NORM == 1) {
+    __shared__ float part[8][MT];
+    float ss[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      ss[m] = 0.f;
+      if (m < M) {
+        for (int i = tid; i < kv; i += 256) {
+          float h[V];
+          ld16(A_in + (long long)m * K + i * V, h);
+          if (flags & 1) {
+            float b[V];
+            ld16(skip + (long long)m * K + i * V, b);
+#pragma unroll
+            for (int v = 0; v < V; ++v) h[v] += b[v];
+          }
+#pragma unroll
+          for (int v = 0; v < V; ++v) ss[m] = fmaf(h[v], h[v], ss[m]);
+        }
+      }
+      ss[m] = warp_sum(ss[m]);
+      if (threadIdx.x == 0) part[threadIdx.y][m] = ss[m];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      if (m < M) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) t += part[w][m];
+        const float inv = rsqrtf(t / (float)K + eps);
+        for (int i = tid; i < kv; i += 256) {
+          const long long at = (long long)m * K + i * V;
+          float h[V], g[V];
+          ld16(A_in + at, h);
+          if (flags & 1) {
+            float b[V];
+            ld16(skip + at, b);
+#pragma unroll
+            for (int v = 0; v < V; ++v) h[v] += b[v];
+            if ((flags & 2) && blockIdx.x == 0) st16(sum_out + at, h);
+          }
+          ld16(gamma + i * V, g);
+#pragma unroll
+          for (int v = 0; v < V; ++v) h[v] = h[v] * inv * g[v];
+          st16(act + at, h);
+        }
+      }
+    }
+  } else {
+    const int split = flags & 4;
+    const long long pitch = split ? 2LL * K : (long long)K;
+#pragma unroll 4
+    for (int j = tid; j < M * kv; j += 256) {
+      const int m = j / kv, i = j - m * kv;
+      float g[V], u[V];
+      ld16(A_in + m * pitch + i * V, g);
+      ld16(split ? A_in + m * pitch + K + i * V : skip + (long long)m * K + i * V, u);
+#pragma unroll
+      for (int v = 0; v < V; ++v) g[v] = (g[v] * (1.f / (1.f + expf(-g[v])))) * u[v];
+      st16(act + (long long)m * K + i * V, g);
+    }
   }
   __syncthreads();
-  const int g0 = (wy / wpc) * wpc;
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-    float t = 0.f;
-    for (int p = 0; p < wpc; ++p) t += ssr[g0 + p][m];
-    const float inv = rsqrtf(t / (float)K + eps);
-#pragma unroll
-    for (int r = 0; r < NR; ++r) acc[r][m] *= inv;
-  }
 }
 
 // Block-wide sum / max; blockDim.x is a multiple of 32, sh holds at least 33 floats.

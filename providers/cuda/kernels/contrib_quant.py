@@ -312,100 +312,13 @@ DEVI void nbits4_chunk(const uint4* q, const float* s, const float* z, int zint,
   }
 }
 
-// Where the fused GEMVs (NORM = 1 / 2) read their activations: A_in (+ skip) scaled by gamma
-// (1: the row's RMS scale is applied to the sums at the end, from ss), or silu(A_in) * u
-// (2: u = skip, or the second half of A_in's rows of 2K with flags & 4).
-template <typename S>
-struct ActSrc {
-  const S* a;
-  const S* skip;
-  const S* gamma;
-  S* sum_out;
-  int K;
-  int flags;
-  bool writer;  // writes A_in + skip to sum_out (one column group of block 0)
-};
-
-// E activations of row m from k0 (zeros past K), made as NORM says; ss[m] gathers h^2.
-template <int E, int NORM, typename S>
-DEVI void load_act(const ActSrc<S>& src, int m, int k0, float* v, float* ss) {
-  const int K = src.K;
-  if constexpr (NORM == 1) {
-    const long long row = (long long)m * K;
-    load_a<E>(src.a + row, k0, K, 1, v);
-    if (src.flags & 1) {
-      float sk[E];
-      load_a<E>(src.skip + row, k0, K, 1, sk);
-#pragma unroll
-      for (int e = 0; e < E; ++e) v[e] += sk[e];
-    }
-    if ((src.flags & 2) && src.writer) {
-#pragma unroll
-      for (int e = 0; e < E; ++e)
-        if (k0 + e < K) st(src.sum_out, row + k0 + e, v[e]);
-    }
-    float g[E];
-    load_a<E>(src.gamma, k0, K, 1, g);
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      ss[m] = fmaf(v[e], v[e], ss[m]);
-      v[e] *= g[e];
-    }
-  } else {
-    const int split = src.flags & 4;
-    const long long row = (long long)m * (split ? 2LL * K : (long long)K);
-    float u[E];
-    load_a<E>(src.a + row, k0, K, 1, v);
-    load_a<E>(split ? src.a + row + K : src.skip + (long long)m * K, k0, K, 1, u);
-#pragma unroll
-    for (int e = 0; e < E; ++e) v[e] = (v[e] * (1.f / (1.f + expf(-v[e])))) * u[e];
-  }
-}
-
-// nbits4_chunk with the activations of a fused GEMV (NORM = 1 / 2).
-template <typename S, int MT, int NR, int NORM>
-DEVI void nbits4_chunk_act(const uint4* q, const float* s, const float* z, int zint, int k0,
-                           const ActSrc<S>& src, int M, float (*acc)[MT], float* ss) {
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    unsigned int qw[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r)
-      qw[r] = w == 0 ? q[r].x : w == 1 ? q[r].y : w == 2 ? q[r].z : q[r].w;
-    float qv[NR][8];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const float off = zint ? 8388608.f + z[r] : 8388608.f;
-      const float zf = zint ? 0.f : z[r];
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        qv[r][e] = (__uint_as_float(((qw[r] >> (e * 4)) & 15u) | 0x4B000000u) - off) - zf;
-    }
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      if (m < M) {
-        float a[8];
-        load_act<8, NORM>(src, m, k0 + 8 * w, a, ss);
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          float d = 0.f;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) d = fmaf(a[e], qv[r][e], d);
-          acc[r][m] = fmaf(s[r], d, acc[r][m]);
-        }
-      }
-    }
-  }
-}
-
 // 4-bit weights in blocks of a multiple of 32, K a multiple of 32, rows 16-byte aligned:
 // C[m, n] = sum_k A[m, k] * (q[n, k] - z) * s (+ bias). Block (32, 8), laid out as gemv_nk:
 // warp y owns NR columns and the (y % wpc)-th share of their 16-byte chunks (32 values, one
 // scale each); a lane loads U chunks of each column, with scales and zeros, before any math.
-// NORM != 0 (both chunk16 kernels): the activations of a fused op, made as each chunk is
-// loaded (load_act; NORM = 1: RMS norm, its row scale applied to the sums at the end;
-// NORM = 2: SiLU gating), as in matmul.gemv_nk.
-#define NORM_PROLOGUE const S* A = A_in;
+// NORM != 0 (both chunk16 kernels): the activations of a fused op, made by the block in
+// shared memory after its first weight loads are issued (stage_act; NORM = 1: an RMS norm,
+// 2: SiLU gating), as in matmul.gemv_nk.
 #define NORM_PARAMS                                                                           \
   const S *__restrict__ skip, const S *__restrict__ gamma, S *__restrict__ sum_out, float eps, \
       int norm_flags
@@ -416,7 +329,6 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
     const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
     int row_chunks, int zrow, int zp_mode, int has_bias, int wpc, NORM_PARAMS) {
-  NORM_PROLOGUE
   constexpr int U = 2;
   __shared__ float red[8][NR][MT];
   const int lane = threadIdx.x, wy = threadIdx.y;
@@ -429,14 +341,11 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
   for (int r = 0; r < NR; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
-  float ss[MT];
-#pragma unroll
-  for (int m = 0; m < MT; ++m) ss[m] = 0.f;
-  const ActSrc<S> src = {A_in, skip, gamma, sum_out, K, norm_flags,
-                         NORM == 1 && blockIdx.x == 0 && wy / wpc == 0};
-  for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
+  struct Chunks {
     uint4 q[U][NR];
     float s[U][NR], z[U][NR];
+  };
+  auto load = [&](int c0, Chunks& w) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * step;
@@ -445,25 +354,36 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
       for (int r = 0; r < NR; ++r) {
         const long long n = n0 + r;
         const bool ok = c < chunks && n < N;
-        q[u][r] = ok ? __ldg(B + n * row_chunks + c) : make_uint4(0u, 0u, 0u, 0u);
-        s[u][r] = ok ? ld(scales, n * nb + blk) : 0.f;
-        z[u][r] = ok ? zero_at<W, 4>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk) : 0.f;
+        w.q[u][r] = ok ? __ldg(B + n * row_chunks + c) : make_uint4(0u, 0u, 0u, 0u);
+        w.s[u][r] = ok ? ld(scales, n * nb + blk) : 0.f;
+        w.z[u][r] = ok ? zero_at<W, 4>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk) : 0.f;
       }
     }
+  };
+  auto math = [&](int c0, const Chunks& w, const S* A) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * step;
-      if (c < chunks) {
-        if constexpr (NORM != 0)
-          nbits4_chunk_act<S, MT, NR, NORM>(q[u], s[u], z[u], zint, c * 32, src, M, acc, ss);
-        else
-          nbits4_chunk<S, MT, NR>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
-      }
+      if (c < chunks) nbits4_chunk<S, MT, NR>(w.q[u], w.s[u], w.z[u], zint, c * 32, A, M, K, acc);
     }
-  }
-  if constexpr (NORM == 1) {
-    __shared__ float ssr[8][MT];
-    scale_by_row_rms<NR, MT>(acc, ss, ssr, wy, wpc, lane, K, eps);
+  };
+  if constexpr (NORM == 0) {
+    for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
+      Chunks w;
+      load(c0, w);
+      math(c0, w, A_in);
+    }
+  } else {
+    extern __shared__ __align__(16) unsigned char stage_bytes[];
+    S* act = reinterpret_cast<S*>(stage_bytes);
+    Chunks w;
+    int c0 = share * 32 + lane;
+    load(c0, w);
+    stage_act<NORM, MT>(A_in, skip, gamma, sum_out, eps, norm_flags, M, K, act);
+    for (; c0 < chunks; c0 += U * step) {
+      math(c0, w, act);
+      if (c0 + U * step < chunks) load(c0 + U * step, w);
+    }
   }
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, bias, has_bias);
 }
@@ -483,7 +403,6 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
     const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
     int row_chunks, int zrow, int zp_mode, int has_bias, NORM_PARAMS) {
   static_assert(LPC >= 1 && LPC <= 32 && (LPC & (LPC - 1)) == 0, "LPC: a power of 2 <= 32");
-  NORM_PROLOGUE
   const int lane = threadIdx.x, sub = lane % LPC;
   const long long n = ((long long)blockIdx.x * 8 + threadIdx.y) * (32 / LPC) + lane / LPC;
   const int chunks = K / 32;
@@ -501,23 +420,20 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
   float acc[1][MT];
 #pragma unroll
   for (int m = 0; m < MT; ++m) acc[0][m] = 0.f;
+  const S* A = A_in;
+  if constexpr (NORM != 0) {  // the loads above are in flight while the block stages
+    extern __shared__ __align__(16) unsigned char stage_bytes[];
+    S* act = reinterpret_cast<S*>(stage_bytes);
+    stage_act<NORM, MT>(A_in, skip, gamma, sum_out, eps, norm_flags, M, K, act);
+    A = act;
+  }
   // zint as a constant in each copy: the integer-zero copy drops nbits_word's float-zero
   // subtraction (one add per value), which matters here as the math is near the load time.
-  float ss[MT];
-#pragma unroll
-  for (int m = 0; m < MT; ++m) ss[m] = 0.f;
-  const ActSrc<S> src = {A_in, skip, gamma, sum_out, K, norm_flags,
-                         NORM == 1 && blockIdx.x == 0 && threadIdx.y == 0 && lane < LPC};
   auto math = [&](const int zint) {
 #pragma unroll
     for (int u = 0; u < CPL; ++u) {
       const int c = sub + u * LPC;
-      if (c < chunks) {
-        if constexpr (NORM != 0)
-          nbits4_chunk_act<S, MT, 1, NORM>(q[u], s[u], z[u], zint, c * 32, src, M, acc, ss);
-        else
-          nbits4_chunk<S, MT, 1>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
-      }
+      if (c < chunks) nbits4_chunk<S, MT, 1>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
     }
   };
   if (zp_mode == 2)
@@ -527,10 +443,6 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
   // Out-of-range columns (n >= N) summed zeros; they still shuffle, so the masks stay full.
 #pragma unroll
   for (int m = 0; m < MT; ++m) acc[0][m] = warp_sum<LPC>(acc[0][m]);
-  if constexpr (NORM == 1) {  // a column's lanes saw the whole row: its RMS scale
-#pragma unroll
-    for (int m = 0; m < MT; ++m) acc[0][m] *= rsqrtf(warp_sum<LPC>(ss[m]) / (float)K + eps);
-  }
   if (sub == 0 && n < N) {
     const float bv = has_bias ? ld(bias, n) : 0.f;
 #pragma unroll
@@ -734,9 +646,9 @@ def matmul_nbits(
         args += (np.int32(zp_mode), np.int32(bias is not None))
         fused = norm.ON_THE_FLY if norm is not None else 0
         if norm is not None:
-            norm_args = norm.kernel_args(a)
+            norm_args, shared = norm.kernel_args(a), norm.stage_bytes(a)
         else:
-            norm_args = (a, a, y, np.float32(0.0), np.int32(0))
+            norm_args, shared = (a, a, y, np.float32(0.0), np.int32(0)), 0
         split = None
         if SMALL_K_GEMV and m <= SMALL_K_MAX_M:
             split = nbits4_small_k_split(k // 32, n, sm_count())
@@ -745,13 +657,13 @@ def matmul_nbits(
             mt = next(t for t in (1, 2, 4, 8) if t >= m)
             name = f"nbits4_gemv16_small_k<{s_type}, {w_type}, {mt}, {lpc}, {cpl}, {fused}>"
             grid = (small_k_blocks(n, lpc),)
-            function(_SOURCE, name)(grid, (32, 8), (*args, *norm_args))
+            function(_SOURCE, name)(grid, (32, 8), (*args, *norm_args), shared_mem=shared)
             return y
         mt, nr, wpc = gemv_layout(m, k // 32, n, sm_count())
         fn = function(_SOURCE, f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}, {fused}>")
         groups = -(-n // nr)
         grid = (-(-groups * wpc // 8),)
-        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args))
+        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=shared)
         return y
     if m <= GEMV_MAX_M:
         if b.data.ptr % 4:

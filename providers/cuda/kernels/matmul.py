@@ -179,19 +179,14 @@ template <> struct Vec16<half_t> {
 // bytes, A and W 16-byte aligned. Block (32, 8): warp y owns columns NR * g .. NR * g + NR - 1
 // with g = blockIdx.x * (8 / wpc) + y / wpc, and the (y % wpc)-th share of their 16-byte
 // chunks. A lane loads U chunks of each of its columns before any math.
-// NORM != 0: the activations of a fused op, made as each chunk is loaded (no staging):
-// NORM = 1: the norm's per-row scale comes out of the dot product,
-//   C[m, n] = rsqrt(mean_k h^2 + eps) * sum_k (h * gamma)[k] W[n, k], h = A_in (+ skip when
-//   norm_flags & 1); each column group's lanes sum h^2 over the chunks they load (together:
-//   the whole row), and group 0 of block 0 writes h to sum_out (norm_flags & 2);
-// NORM = 2: a = silu(g) * u (g = A_in, u = skip, or the second half of A_in's rows of 2K
-//   when norm_flags & 4).
+// NORM != 0: the activations of a fused op (see stage_act; NORM = 1: an RMS norm, 2: SiLU
+// gating) are made by the block in shared memory (M * K of S, the launch's dynamic shared
+// memory) after its first weight loads are issued; the dot products then read them there.
 template <typename S, int MT, int NR, int NORM>
 __global__ void __launch_bounds__(256) gemv_nk(
     const S* __restrict__ A_in, const S* __restrict__ W, S* __restrict__ C, int M, int K, int N,
     int wpc, const S* __restrict__ skip, const S* __restrict__ gamma, S* __restrict__ sum_out,
     float eps, int norm_flags) {
-  const S* A = A_in;
   constexpr int V = Vec16<S>::N;
   constexpr int U = 2;
   __shared__ float red[8][NR][MT];
@@ -204,12 +199,7 @@ __global__ void __launch_bounds__(256) gemv_nk(
   for (int r = 0; r < NR; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
-  float ss[MT];  // NORM = 1: this lane's share of each row's sum of squares
-#pragma unroll
-  for (int m = 0; m < MT; ++m) ss[m] = 0.f;
-  const bool writer = NORM == 1 && blockIdx.x == 0 && wy / wpc == 0;
-  for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
-    float w[U][NR][V];
+  auto load_w = [&](int c0, float (&w)[U][NR][V]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * step;
@@ -223,6 +213,8 @@ __global__ void __launch_bounds__(256) gemv_nk(
         }
       }
     }
+  };
+  auto math = [&](int c0, const float (&w)[U][NR][V], const S* A) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * step;
@@ -231,38 +223,7 @@ __global__ void __launch_bounds__(256) gemv_nk(
         for (int m = 0; m < MT; ++m) {
           if (m < M) {
             float a[V];
-            if constexpr (NORM == 1) {
-              const long long at = (long long)m * K + (long long)c * V;
-              Vec16<S>::load(A_in + at, a);
-              if (norm_flags & 1) {
-                float sk[V];
-                Vec16<S>::load(skip + at, sk);
-#pragma unroll
-                for (int v = 0; v < V; ++v) a[v] += sk[v];
-              }
-              if ((norm_flags & 2) && writer) {
-#pragma unroll
-                for (int v = 0; v < V; ++v) st(sum_out, at + v, a[v]);
-              }
-              float g[V];
-              Vec16<S>::load(gamma + (long long)c * V, g);
-#pragma unroll
-              for (int v = 0; v < V; ++v) {
-                ss[m] = fmaf(a[v], a[v], ss[m]);
-                a[v] *= g[v];
-              }
-            } else if constexpr (NORM == 2) {
-              const int split = norm_flags & 4;
-              const long long row = (long long)m * (split ? 2LL * K : (long long)K);
-              const long long at = row + (long long)c * V;
-              float u[V];
-              Vec16<S>::load(A_in + at, a);
-              Vec16<S>::load(split ? A_in + at + K : skip + (long long)m * K + (long long)c * V, u);
-#pragma unroll
-              for (int v = 0; v < V; ++v) a[v] = (a[v] * (1.f / (1.f + expf(-a[v])))) * u[v];
-            } else {
-              Vec16<S>::load(A + (long long)m * K + (long long)c * V, a);
-            }
+            Vec16<S>::load(A + (long long)m * K + (long long)c * V, a);
 #pragma unroll
             for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -271,10 +232,24 @@ __global__ void __launch_bounds__(256) gemv_nk(
         }
       }
     }
-  }
-  if constexpr (NORM == 1) {
-    __shared__ float ssr[8][MT];
-    scale_by_row_rms<NR, MT>(acc, ss, ssr, wy, wpc, lane, K, eps);
+  };
+  if constexpr (NORM == 0) {
+    for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
+      float w[U][NR][V];
+      load_w(c0, w);
+      math(c0, w, A_in);
+    }
+  } else {
+    extern __shared__ __align__(16) unsigned char stage_bytes[];
+    S* act = reinterpret_cast<S*>(stage_bytes);
+    float w[U][NR][V];
+    int c0 = share * 32 + lane;
+    load_w(c0, w);
+    stage_act<NORM, MT>(A_in, skip, gamma, sum_out, eps, norm_flags, M, K, act);
+    for (; c0 < chunks; c0 += U * step) {
+      math(c0, w, act);
+      if (c0 + U * step < chunks) load_w(c0 + U * step, w);
+    }
   }
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, C, 0);
 }
@@ -405,8 +380,8 @@ def _gemv_transposed(
     ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
 ) -> cupy.ndarray:
     """``a @ w`` on ``gemv_nk`` for M <= 16 (else cuBLAS, eager only). ``norm`` (a
-    ``norm_matmul.FusedNorm`` or ``FusedSilu``): the activations are made as the GEMV loads
-    them (NORM = 3 / 4), or by the unfused kernel first for shapes the GEMV does not take."""
+    ``norm_matmul.FusedNorm`` or ``FusedSilu``): the GEMV's blocks make the activations in
+    shared memory, or the unfused kernel makes them first for shapes that do not fit."""
     k, n = w.shape
     shape = matmul_shape(ctx, tuple(a.shape), (k, n))
     c = out(ctx, 0, shape, a.dtype)
@@ -428,7 +403,8 @@ def _gemv_transposed(
             args += norm.kernel_args(a)
         else:
             args += (a, a, c, np.float32(0.0), np.int32(0))
-        fn((-(-groups * wpc // 8),), (32, 8), args)
+        shared = norm.stage_bytes(a) if norm is not None else 0
+        fn((-(-groups * wpc // 8),), (32, 8), args, shared_mem=shared)
         return c
     if capturing(ctx):
         raise CaptureUnsupported(

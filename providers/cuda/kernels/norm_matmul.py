@@ -6,12 +6,11 @@ LayerNormalization; outputs ``(y, sum, normed)``: ``sum`` = x + skip (the residu
 layer reads; empty name when not wanted) and ``normed``, a planned buffer used only when the
 fused kernel does not apply. See ``session.fusion.fuse_norm_matmul``.
 
-On decode and verify steps (M <= 16, the GEMV kernels) the GEMV makes its activations
-itself as it loads them (``gemv_nk`` and the 4-bit chunk16 GEMVs): the norm's per-row scale
-taken out of the dot product (NORM = 1) or the SiLU applied per element (NORM = 2). A first
-version staged them per block in shared memory (since removed) and measured
-slower than the separate launches (see ``CUDAProvider.gemv_prologues``). Other shapes run the
-norm or SiluMul kernel into the planned buffer and then the plain matmul.
+On decode and verify steps (M <= 16, the GEMV kernels, activations of at most
+``STAGE_MAX_BYTES``) each block of the GEMV (``gemv_nk`` and the 4-bit chunk16 GEMVs) makes
+the activations in shared memory (``stage_act``: the norm with NORM = 1, SiLU gating with
+NORM = 2) while its first weight loads are in flight. Other shapes run the norm or SiluMul
+kernel into the planned buffer and then the plain matmul.
 """
 
 from __future__ import annotations
@@ -33,10 +32,26 @@ from .elementwise import silu_mul
 from .matmul import matmul, transpose_weight
 from .normalization import simplified_layer_norm
 
+#: Shared memory a GEMV block may stage activations in (48 KiB without opting in, less
+#: the kernels' own reduction buffers).
+STAGE_MAX_BYTES = 46 << 10
+
+
+def stage_bytes(a: cupy.ndarray) -> int:
+    """Shared memory for the M x K activations of ``a`` (the launch's dynamic share)."""
+    return int(a.size) * a.dtype.itemsize
+
+
+def _stageable(a: cupy.ndarray, *inputs: cupy.ndarray | None) -> bool:
+    """Whether ``stage_act`` can read ``inputs`` in 16-byte vectors and ``a`` fits."""
+    rows_whole = a.ndim > 0 and (a.shape[-1] * a.dtype.itemsize) % 16 == 0
+    aligned = all(t is None or t.data.ptr % 16 == 0 for t in inputs)
+    return rows_whole and aligned and stage_bytes(a) <= STAGE_MAX_BYTES
+
 
 @dataclass
 class FusedNorm:
-    """The norm a GEMV kernel applies to its activations as it loads them (``gemv_nk`` and
+    """The norm a GEMV kernel applies to its activations in shared memory (``gemv_nk`` and
     the 4-bit chunk16 GEMVs with NORM = 1), and the unfused way for other shapes."""
 
     ON_THE_FLY = 1  # the GEMVs' NORM template value
@@ -45,13 +60,15 @@ class FusedNorm:
     sum_out: cupy.ndarray | None
     eps: float
     unfused: Callable[[], cupy.ndarray]
+    stage_bytes = staticmethod(stage_bytes)
 
     def fits_on_the_fly(self, x: cupy.ndarray) -> bool:
-        """Whether the GEMVs can normalize as they load (any M and K)."""
+        """Whether the GEMV's blocks can stage the normalized rows of ``x``."""
         return (
             self.gamma.dtype == x.dtype
             and (self.skip is None or (self.skip.shape == x.shape and self.skip.dtype == x.dtype))
             and x.flags.c_contiguous
+            and _stageable(x, x, self.skip, self.gamma, self.sum_out)
         )
 
     def kernel_args(self, x: cupy.ndarray) -> tuple:
@@ -155,18 +172,21 @@ def norm_matmul_nbits(
 
 @dataclass
 class FusedSilu:
-    """The gated-MLP activation ``g * sigmoid(g) * u`` a GEMV kernel applies to its
-    activations as it loads them (NORM = 2); ``g`` holds both halves when ``u`` is None
-    (``split=1``)."""
+    """The gated-MLP activation ``g * sigmoid(g) * u`` a GEMV kernel makes in shared
+    memory (NORM = 2); ``g`` holds both halves when ``u`` is None (``split=1``)."""
 
     ON_THE_FLY = 2
     g: cupy.ndarray
     u: cupy.ndarray | None
     unfused: Callable[[], cupy.ndarray]
+    stage_bytes = staticmethod(stage_bytes)
 
     def fits_on_the_fly(self, a: cupy.ndarray) -> bool:
-        return self.g.flags.c_contiguous and (
-            self.u is None or (self.u.flags.c_contiguous and self.u.dtype == self.g.dtype)
+        """Whether the GEMV's blocks can stage ``a`` (the M x K view of the activations)."""
+        return (
+            self.g.flags.c_contiguous
+            and (self.u is None or (self.u.flags.c_contiguous and self.u.dtype == self.g.dtype))
+            and _stageable(a, self.g, self.u)
         )
 
     def kernel_args(self, a: cupy.ndarray) -> tuple:
