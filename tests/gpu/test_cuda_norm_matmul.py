@@ -23,18 +23,23 @@ def _fusing_cuda():
     return CUDAProvider(gemv_prologues=True)
 
 
-def test_default_cuda_provider_keeps_norms_and_silu_unfused(cp):
+@pytest.mark.parametrize("prologues", [False, True])
+def test_cuda_plan_fuses_norms_and_silu_only_when_offered(cp, prologues):
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
     from onnx_genrt.session import InferenceSession
     from tests.models import silu_projection
 
-    ops = [
-        s.node.op_type for s in InferenceSession(norm_projections(), providers=["cuda"]).plan.steps
-    ]
-    assert "SkipSimplifiedLayerNormalization" in ops and "NormMatMul" not in ops, ops
-    ops = [
-        s.node.op_type for s in InferenceSession(silu_projection(), providers=["cuda"]).plan.steps
-    ]
-    assert ops == ["MatMul", "SiluMul", "MatMulNBits"], ops
+    def ops(model):
+        sess = InferenceSession(model, providers=[CUDAProvider(gemv_prologues=prologues)])
+        return [s.node.op_type for s in sess.plan.steps]
+
+    norm_ops, silu_ops = ops(norm_projections()), ops(silu_projection())
+    if prologues:
+        assert "NormMatMul" in norm_ops and "SkipSimplifiedLayerNormalization" not in norm_ops
+        assert silu_ops == ["MatMul", "SiluMulMatMulNBits"], silu_ops
+    else:
+        assert "SkipSimplifiedLayerNormalization" in norm_ops and "NormMatMul" not in norm_ops
+        assert silu_ops == ["MatMul", "SiluMul", "MatMulNBits"], silu_ops
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
