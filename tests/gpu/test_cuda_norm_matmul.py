@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _fusing_cuda():
-    """A CUDA provider that offers the GEMV-prologue fusions (off by default: slower)."""
+    """A CUDA provider that offers the GEMV-prologue fusions (whatever the environment says)."""
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
     return CUDAProvider(gemv_prologues=True)
