@@ -325,6 +325,33 @@ DEVI void stage_act(const S* __restrict__ A_in, const S* __restrict__ skip,
   __syncthreads();
 }
 
+// The chunk loop of a warp-per-column GEMV (gemv_nk, nbits4_gemv16), a lane's chunks from c0
+// in steps of `stride`: load(c, buf) issues the loads of the chunks at c, math(c, buf, A)
+// consumes them. NORM != 0: the first loads are issued, then the block stages the fused op's
+// activations (stage_act) in the launch's dynamic shared memory, and the math reads them there.
+template <int NORM, int MT, typename Buf, typename S, typename Load, typename Math>
+DEVI void gemv_chunk_loop(int c0, int chunks, int stride, Load&& load, Math&& math,
+                          const S* A_in, const S* skip, const S* gamma, S* sum_out, float eps,
+                          int flags, int M, int K) {
+  if constexpr (NORM == 0) {
+    for (; c0 < chunks; c0 += stride) {
+      Buf w;
+      load(c0, w);
+      math(c0, w, A_in);
+    }
+  } else {
+    extern __shared__ __align__(16) unsigned char stage_bytes[];
+    S* act = reinterpret_cast<S*>(stage_bytes);
+    Buf w;
+    load(c0, w);
+    stage_act<NORM, MT>(A_in, skip, gamma, sum_out, eps, flags, M, K, act);
+    for (; c0 < chunks; c0 += stride) {
+      math(c0, w, act);
+      if (c0 + stride < chunks) load(c0 + stride, w);
+    }
+  }
+}
+
 // Block-wide sum / max; blockDim.x is a multiple of 32, sh holds at least 33 floats.
 DEVI float block_sum(float v, float* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;

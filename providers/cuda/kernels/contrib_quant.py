@@ -367,24 +367,8 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
       if (c < chunks) nbits4_chunk<S, MT, NR>(w.q[u], w.s[u], w.z[u], zint, c * 32, A, M, K, acc);
     }
   };
-  if constexpr (NORM == 0) {
-    for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
-      Chunks w;
-      load(c0, w);
-      math(c0, w, A_in);
-    }
-  } else {
-    extern __shared__ __align__(16) unsigned char stage_bytes[];
-    S* act = reinterpret_cast<S*>(stage_bytes);
-    Chunks w;
-    int c0 = share * 32 + lane;
-    load(c0, w);
-    stage_act<NORM, MT>(A_in, skip, gamma, sum_out, eps, norm_flags, M, K, act);
-    for (; c0 < chunks; c0 += U * step) {
-      math(c0, w, act);
-      if (c0 + U * step < chunks) load(c0 + U * step, w);
-    }
-  }
+  gemv_chunk_loop<NORM, MT, Chunks>(share * 32 + lane, chunks, U * step, load, math, A_in, skip,
+                                     gamma, sum_out, eps, norm_flags, M, K);
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, bias, has_bias);
 }
 

@@ -233,24 +233,8 @@ __global__ void __launch_bounds__(256) gemv_nk(
       }
     }
   };
-  if constexpr (NORM == 0) {
-    for (int c0 = share * 32 + lane; c0 < chunks; c0 += U * step) {
-      float w[U][NR][V];
-      load_w(c0, w);
-      math(c0, w, A_in);
-    }
-  } else {
-    extern __shared__ __align__(16) unsigned char stage_bytes[];
-    S* act = reinterpret_cast<S*>(stage_bytes);
-    float w[U][NR][V];
-    int c0 = share * 32 + lane;
-    load_w(c0, w);
-    stage_act<NORM, MT>(A_in, skip, gamma, sum_out, eps, norm_flags, M, K, act);
-    for (; c0 < chunks; c0 += U * step) {
-      math(c0, w, act);
-      if (c0 + U * step < chunks) load_w(c0 + U * step, w);
-    }
-  }
+  gemv_chunk_loop<NORM, MT, float[U][NR][V]>(share * 32 + lane, chunks, U * step, load_w, math,
+                                               A_in, skip, gamma, sum_out, eps, norm_flags, M, K);
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, C, 0);
 }
 
