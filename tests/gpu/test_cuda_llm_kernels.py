@@ -658,6 +658,21 @@ def test_matmul_nbits_small_k(cp, prov, rng, monkeypatch, k, n, block, lanes, m,
     close(got[0], want[0], dtype, scale=2)
 
 
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("k,n", [(896, 4099), (4864, 96)])  # small-K kernel, warp per column
+def test_matmul_nbits_fp16_large_activations(cp, prov, rng, m, k, n):
+    """fp16 activations up to ~8000 stay finite and accurate: a single product (q - z) * a
+    would pass 65504, so the packed-half math must keep its partial sums scaled down."""
+    inputs, attrs = nbits_case(rng, m, k, n, 32, 4, np.float16, "u8", False)
+    inputs = inputs[:4]
+    inputs[0] = (inputs[0].astype(np.float32) * 2000).astype(np.float16)
+    assert 15 * float(np.abs(inputs[0]).max()) > 65504
+    info = node("MatMulNBits", inputs, attrs=attrs, opset=1, domain=MS_DOMAIN)
+    want = reference(info, inputs, nbits_np(attrs))
+    got, _, _ = run_gpu(cp, prov, info, inputs, [((1, m, n), np.float16)])
+    close(got[0], want[0], np.float16, scale=float(np.abs(want[0]).max()))
+
+
 def test_matmul_nbits_capture_small_m_refuse_large_m(cp, fresh, rng):
     from onnx_genrt.providers.cuda.kernels._common import CaptureUnsupported
 

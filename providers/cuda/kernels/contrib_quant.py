@@ -12,6 +12,8 @@ computing the current ones. 4-bit weights in blocks of a multiple of 32 (aligned
 chunks instead: ``nbits4_gemv16`` (a warp per column) or, for short rows (at most 64 chunks,
 e.g. K = 896) with M <= 8 and enough columns, ``nbits4_gemv16_small_k``, where a few lanes
 share a column and a warp covers several columns, so a column's sum is a few shuffles.
+With fp16 activations and integer zero points both do their math on packed halves
+(``nbits4_chunk_half2``, :data:`HALF2_GEMV`), which roughly halves the instructions per value.
 
 MatMulNBits, M > 16 (prefill; eager only): the weight is dequantized once into the
 activation dtype as ``[N, K]`` (cached per weight, see :data:`DEQUANT_CACHE`) and multiplied
@@ -58,10 +60,15 @@ CHUNK16_GEMV = os.environ.get("ONNX_GENRT_NBITS_CHUNK16", "1") != "0"
 #: ``ONNX_GENRT_NBITS_SMALL_K=0`` keeps them on ``nbits4_gemv16``.
 SMALL_K_GEMV = os.environ.get("ONNX_GENRT_NBITS_SMALL_K", "1") != "0"
 SMALL_K_MAX_M = 8
+#: fp16 activations with integer zero points run the chunk16 GEMVs' math on packed halves
+#: (``nbits4_chunk_half2``: about half the instructions of float math, which bounds the lm_head
+#: and the verify step); ``ONNX_GENRT_NBITS_HALF2=0`` keeps float math.
+HALF2_GEMV = os.environ.get("ONNX_GENRT_NBITS_HALF2", "1") != "0"
 _NBITS = NBITS
 
 _SOURCE = (
-    DEVICE_COMMON
+    f"#define NBITS_HALF2 {int(HALF2_GEMV)}\n"
+    + DEVICE_COMMON
     + r"""
 // Zero point of block blk of row n. zp_mode 0: 2^(bits-1); 1: packed uint8 (zrow bytes per
 // row, low bits first); 2: one float per block (same type as the scales).
@@ -312,6 +319,98 @@ DEVI void nbits4_chunk(const uint4* q, const float* s, const float* z, int zint,
   }
 }
 
+// Packed-half math for fp16 activations and integer zero points (NBITS_HALF2): each f16x2
+// of a chunk's 32 values is made exactly as (q - z) / 16 from the packed nibbles (or-ing a
+// nibble under the exponent of 1024, then one fma), multiplied with the matching pair of
+// activations, and 4 products are summed per half lane before each word's sum goes to
+// float; 16 * s scales the chunk. The / 16 keeps every half-precision partial sum finite for
+// activations up to about 17000 in magnitude. Pairs are (e, e + 4) of each 8-value word.
+DEVI unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));  // (a & b) | c
+  return r;
+}
+DEVI unsigned int hfma2(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+DEVI unsigned int hmul2(unsigned int a, unsigned int b) {
+  unsigned int r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+DEVI unsigned int byte_perm(unsigned int a, unsigned int b, unsigned int sel) {
+  unsigned int r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+DEVI float half2_sum(unsigned int h) {
+  half_t lo, hi;
+  asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
+  return h2f(lo) + h2f(hi);
+}
+template <int MT, int NR>
+DEVI void nbits4_chunk_half2(const uint4* q, const float* s, const float* z, int k0,
+                             const half_t* __restrict__ A, int M, int K, float (*acc)[MT]) {
+  constexpr unsigned int LO = 0x000F000Fu, HI = 0x00F000F0u, EXP = 0x64006400u;
+  constexpr unsigned int SIXTEENTH = 0x2C002C00u, TWO56TH = 0x1C001C00u;  // 1/16, 1/256
+  unsigned int d[NR][16];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    // (1024 + q) / 16 - (64 + z / 16) and (1024 + 16 q) / 256 - (4 + z / 16): (q - z) / 16
+    const unsigned int c_lo = (unsigned int)f2h(-64.f - z[r] * 0.0625f) * 0x10001u;
+    const unsigned int c_hi = (unsigned int)f2h(-4.f - z[r] * 0.0625f) * 0x10001u;
+    const unsigned int words[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const unsigned int x = words[w], y = x >> 8;
+      d[r][4 * w] = hfma2(and_or(x, LO, EXP), SIXTEENTH, c_lo);      // values 0, 4
+      d[r][4 * w + 1] = hfma2(and_or(x, HI, EXP), TWO56TH, c_hi);    // 1, 5
+      d[r][4 * w + 2] = hfma2(and_or(y, LO, EXP), SIXTEENTH, c_lo);  // 2, 6
+      d[r][4 * w + 3] = hfma2(and_or(y, HI, EXP), TWO56TH, c_hi);    // 3, 7
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    if (m < M) {
+      const uint4* a = reinterpret_cast<const uint4*>(A + (long long)m * K + k0);
+      float cs[NR];
+#pragma unroll
+      for (int r = 0; r < NR; ++r) cs[r] = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint4 v = a[w];  // values 8w .. 8w + 7 as pairs (0, 4), (1, 5), (2, 6), (3, 7)
+        const unsigned int p0 = byte_perm(v.x, v.z, 0x5410), p1 = byte_perm(v.x, v.z, 0x7632);
+        const unsigned int p2 = byte_perm(v.y, v.w, 0x5410), p3 = byte_perm(v.y, v.w, 0x7632);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          unsigned int h = hmul2(d[r][4 * w], p0);
+          h = hfma2(d[r][4 * w + 1], p1, h);
+          h = hfma2(d[r][4 * w + 2], p2, h);
+          h = hfma2(d[r][4 * w + 3], p3, h);
+          cs[r] += half2_sum(h);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[r][m] = fmaf(16.f * s[r], cs[r], acc[r][m]);
+    }
+  }
+}
+
+// One chunk of each column: packed-half math where it applies, else nbits4_chunk.
+template <typename S, int MT, int NR>
+DEVI void nbits4_chunk_any(const uint4* q, const float* s, const float* z, int zint, int k0,
+                           const S* __restrict__ A, int M, int K, float (*acc)[MT]) {
+  if constexpr (NBITS_HALF2 && sizeof(S) == 2) {
+    if (zint) {
+      nbits4_chunk_half2<MT, NR>(q, s, z, k0, A, M, K, acc);
+      return;
+    }
+  }
+  nbits4_chunk<S, MT, NR>(q, s, z, zint, k0, A, M, K, acc);
+}
+
 // 4-bit weights in blocks of a multiple of 32, K a multiple of 32, rows 16-byte aligned:
 // C[m, n] = sum_k A[m, k] * (q[n, k] - z) * s (+ bias). Block (32, 8), laid out as gemv_nk:
 // warp y owns NR columns and the (y % wpc)-th share of their 16-byte chunks (32 values, one
@@ -364,7 +463,8 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * step;
-      if (c < chunks) nbits4_chunk<S, MT, NR>(w.q[u], w.s[u], w.z[u], zint, c * 32, A, M, K, acc);
+      if (c < chunks)
+        nbits4_chunk_any<S, MT, NR>(w.q[u], w.s[u], w.z[u], zint, c * 32, A, M, K, acc);
     }
   };
   gemv_chunk_loop<NORM, MT, Chunks>(share * 32 + lane, chunks, U * step, load, math, A_in, skip,
@@ -417,7 +517,7 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
 #pragma unroll
     for (int u = 0; u < CPL; ++u) {
       const int c = sub + u * LPC;
-      if (c < chunks) nbits4_chunk<S, MT, 1>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
+      if (c < chunks) nbits4_chunk_any<S, MT, 1>(q[u], s[u], z[u], zint, c * 32, A, M, K, acc);
     }
   };
   if (zp_mode == 2)
