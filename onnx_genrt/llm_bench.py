@@ -42,6 +42,10 @@ def _interleaved(
     captures). The timed runs go round-robin over the cases, so a drift of the machine
     (clocks, other load) shows in every row alike instead of in whichever row ran then.
     ``profile_top > 0`` profiles each case's timed runs and prints that many functions."""
+    labels = [label for label, _ in cases]
+    if len(set(labels)) != len(labels):
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        raise ValueError(f"bench rows need distinct labels; given twice: {', '.join(twice)}")
     results: dict[str, dict[str, Any]] = {}
     profilers = {label: cProfile.Profile() for label, _ in cases} if profile_top > 0 else {}
     for label, fn in cases:
@@ -238,6 +242,8 @@ def run_bench(args: argparse.Namespace) -> int:
             cases.append(
                 (f"onnx-genrt[{tag}{'' if graphs else ',eager'}]", ours(None, None, graphs))
             )
+        if len(set(args.spec)) != len(args.spec):
+            raise SystemExit(f"--spec: each entry once, got {' '.join(args.spec)}")
         for entry in args.spec:
             spec, k = _spec_entry(entry, args.k)
             for overlap in [True, False] if args.compare_serial else [True]:

@@ -106,6 +106,23 @@ SPECULATIVE = [None, "mtp", "draft", "ngram"]
 _embedded_tokens: dict[str | None, list[int]] = {}
 
 
+def test_bench_rows_need_distinct_labels():
+    from onnx_genrt.llm_bench import _interleaved
+
+    def case():
+        raise AssertionError("must not run")
+
+    with pytest.raises(ValueError, match="given twice: a"):
+        _interleaved([("a", case), ("b", case), ("a", case)], repeats=1)
+
+
+def test_bench_refuses_a_spec_given_twice():
+    from onnx_genrt.cli import main
+
+    with pytest.raises(SystemExit, match="--spec: each entry once"):
+        main(["bench", "--provider", "cpu", "--spec", "mtp", "--spec", "mtp", "--no-reference"])
+
+
 @pytest.mark.benchmark(group="speculative-embedded-48-tokens")
 @pytest.mark.parametrize("spec", SPECULATIVE, ids=lambda s: s or "greedy")
 def test_speculative_decode_embedded_model(benchmark, spec):
