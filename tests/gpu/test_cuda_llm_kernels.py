@@ -659,7 +659,8 @@ def test_matmul_nbits_small_k(cp, prov, rng, monkeypatch, k, n, block, lanes, m,
 
 
 @pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("k,n", [(896, 4099), (4864, 96)])  # small-K kernel, warp per column
+# the small-K kernel; a warp per column; two columns a warp (N >= 16 * 8 * SMs, M <= 4)
+@pytest.mark.parametrize("k,n", [(896, 4099), (4864, 96), (4096, 16999)])
 def test_matmul_nbits_fp16_large_activations(cp, prov, rng, m, k, n):
     """fp16 activations up to ~8000 stay finite and accurate: a single product (q - z) * a
     would pass 65504, so the packed-half math must keep its partial sums scaled down."""
