@@ -44,6 +44,22 @@ EOF
     CPU_PROVIDER="does NOT import: $(tail -n 1 "$LOGDIR/cpu_import.txt")"
   fi
 
+  echo "== GPU test fixtures (tiny builder models and their CPU reference results)"
+  if [ -f .gpu_fixtures/qwen2-int4/reference.npz ] && [ -f .gpu_fixtures/qwen2-fp32/reference.npz ]; then
+    echo "carried: .gpu_fixtures"
+  else
+    local site="${GPU_BENCH_DIR:-/tmp/onnx_genrt_bench}/site" whl
+    whl=$(ls .whl/onnxruntime_genai-*.whl 2>/dev/null | head -n 1) || true
+    if [ -z "$whl" ]; then
+      echo "no onnxruntime-genai wheel in .whl/ and no .gpu_fixtures: the whole-model tests skip"
+    elif "$PY" -m pip install -q --no-index --no-deps --target "$site" "$whl" \
+      && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$PY" tests/gpu/test_cuda_llm_kernels.py --build; then
+      echo "built: .gpu_fixtures"
+    else
+      echo "building .gpu_fixtures failed: the whole-model tests skip"
+    fi
+  fi
+
   echo "== GPU tests"
   set +e
   # shellcheck disable=SC2086
