@@ -81,6 +81,20 @@ _TO_NUMPY: dict[DType, np.dtype] = {
 _FROM_NUMPY: dict[np.dtype, DType] = {v: k for k, v in _TO_NUMPY.items()}
 
 
+#: ml_dtypes' floating-point types, which numpy reports as kind "V".
+_ML_FLOATS = frozenset(
+    np.dtype(getattr(ml_dtypes, name))
+    for name in ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(ml_dtypes, name)
+)
+
+
+def is_float_dtype(dtype: np.dtype | type) -> bool:
+    """Whether ``dtype`` is a floating-point type, ml_dtypes' bfloat16 and float8 included."""
+    dt = np.dtype(dtype)
+    return dt.kind == "f" or dt in _ML_FLOATS
+
+
 def numpy_dtype_of_onnx(code: int) -> np.dtype:
     """numpy dtype for an ONNX element-type code, including types outside :class:`DType`."""
     try:

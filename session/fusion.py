@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.kernels import GENRT_DOMAIN, NodeInfo
 
 
@@ -235,7 +236,7 @@ def _op(step) -> str | None:
 
 def _scalar(constants: dict, name: str) -> float | None:
     value = constants.get(name)
-    if value is None or value.size != 1 or value.dtype.kind != "f":
+    if value is None or value.size != 1 or not is_float_dtype(value.dtype):
         return None
     return float(value.reshape(-1)[0])
 

@@ -42,22 +42,30 @@ def cache_root() -> Path:
 
 
 def build_qwen2(
-    config: dict, precision: str = "fp32", seed: int = 0, hidden_states: bool = True
+    config: dict,
+    precision: str = "fp32",
+    seed: int = 0,
+    hidden_states: bool = True,
+    target: str = "cpu",
 ) -> Path:
-    """Folder with model.onnx + genai_config.json for a random Qwen2 (built once, then cached)."""
+    """Folder with model.onnx + genai_config.json for a random Qwen2 (built once, then cached).
+    ``target``: the builder's execution provider (``cuda`` builds bf16 with GroupQueryAttention,
+    where ``cpu`` writes MultiHeadAttention)."""
     import onnxruntime_genai
 
-    key = json.dumps(
-        [config, precision, seed, hidden_states, onnxruntime_genai.__version__], sort_keys=True
-    )
-    folder = cache_root() / f"qwen2-{precision}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    parts = [config, precision, seed, hidden_states, onnxruntime_genai.__version__]
+    if target != "cpu":  # the cpu key stays as it was: caches remain valid
+        parts.append(target)
+    key = json.dumps(parts, sort_keys=True)
+    tag = precision if target == "cpu" else f"{precision}-{target}"
+    folder = cache_root() / f"qwen2-{tag}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (folder / "genai_config.json").is_file():
         return folder
     hf = folder.with_name(folder.name + "-hf")
     _save_hf(config, seed, hf)
     tmp = folder.with_name(folder.name + ".tmp")
     extra = ["include_hidden_states=true"] if hidden_states else []
-    _run_builder(hf, tmp, precision, extra)
+    _run_builder(hf, tmp, precision, extra, target)
     tmp.rename(folder)
     return folder
 
@@ -227,9 +235,11 @@ def greedy_generator(model, prompt: list[int], new: int):
     return gen
 
 
-def _run_builder(hf: Path, out: Path, precision: str, extra_options: list[str]) -> None:
-    """onnxruntime-genai's model builder, CPU target, into a fresh ``out`` (its cache
-    folder removed after); raises with the builder's output on failure."""
+def _run_builder(
+    hf: Path, out: Path, precision: str, extra_options: list[str], target: str = "cpu"
+) -> None:
+    """onnxruntime-genai's model builder for ``target`` (CPU by default) into a fresh ``out``
+    (its cache folder removed after); raises with the builder's output on failure."""
     if out.exists():
         shutil.rmtree(out)
     cmd = [
@@ -243,7 +253,7 @@ def _run_builder(hf: Path, out: Path, precision: str, extra_options: list[str]) 
         "-p",
         precision,
         "-e",
-        "cpu",
+        target,
         "-c",
         str(out / "cache"),
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
+from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
 
 from ._nn_common import compute_dtype
@@ -31,7 +32,7 @@ def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> 
     the Sigmoid/Mul/Mul it replaces (float16 computes in float32 and rounds once). With one
     input and ``split=1``, g and u are its two halves (a fused gate/up projection)."""
     g, u = split_halves(ctx, g, u)
-    if g.dtype != u.dtype or g.dtype.kind != "f":
+    if g.dtype != u.dtype or not is_float_dtype(g.dtype):
         raise TypeError(
             f"{ctx.node.describe()}: SiluMul needs two equal float dtypes, got {g.dtype} and {u.dtype}"
         )
@@ -78,7 +79,7 @@ def argmax_prob(ctx: KernelContext, x: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """(ArgMax, max of Softmax) over the last axis, keepdims=0: first index of the largest
     value and its probability ``1 / sum(exp(x - max))``, as the ArgMax, Softmax and ReduceMax
     it replaces compute them."""
-    if x.ndim == 0 or x.dtype.kind != "f":
+    if x.ndim == 0 or not is_float_dtype(x.dtype):
         raise TypeError(f"{ctx.node.describe()}: needs a float tensor of rank >= 1, got {x.dtype}")
     idx = ctx.out(0, x.shape[:-1], np.int64)
     prob = ctx.out(1, x.shape[:-1], x.dtype)

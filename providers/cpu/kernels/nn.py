@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.op_rules import matmul_shape
 
 from . import attention, conv, normalization, quant  # noqa: F401  (register on import)
@@ -76,7 +77,7 @@ def matmul(ctx, a: np.ndarray, b: np.ndarray, index: int = 0) -> np.ndarray:
         )
     shape = matmul_shape(ctx, a.shape, b.shape)
     out = ctx.out(index, shape, a.dtype)
-    if a.dtype.kind != "f" and not _is_ml_float(a.dtype):
+    if not is_float_dtype(a.dtype):
         out[...] = np.matmul(a, b)
         return out
     cdt = compute_dtype(a.dtype)
@@ -86,10 +87,6 @@ def matmul(ctx, a: np.ndarray, b: np.ndarray, index: int = 0) -> np.ndarray:
     _matmul_into(a.astype(cdt), b.astype(cdt), res)
     out[...] = res
     return out
-
-
-def _is_ml_float(dt: np.dtype) -> bool:
-    return dt.kind == "V" or type(dt).__module__.startswith("ml_dtypes")
 
 
 def prepack_weight(provider, node, index: int, host: np.ndarray) -> TransposedWeight | None:
@@ -217,7 +214,7 @@ def gemm_kernel(
             f"{ctx.node.describe()}: Gemm needs 2-D operands, got {a.shape}, {b.shape}"
         )
     dtype = a.dtype
-    is_float = dtype.kind == "f" or _is_ml_float(dtype)
+    is_float = is_float_dtype(dtype)
     cdt = compute_dtype(dtype) if is_float else dtype
     shape = (a.shape[0], b.shape[1])
     out = ctx.out(0, shape, dtype)
@@ -290,7 +287,7 @@ def einsum_kernel(ctx, *inputs: np.ndarray) -> np.ndarray:
     """np.einsum with path optimisation; low-precision floats computed in float32."""
     equation = str(ctx.attr("equation")).replace(" ", "")
     dtype = inputs[0].dtype
-    if dtype.kind == "f" or _is_ml_float(dtype):
+    if is_float_dtype(dtype):
         cdt = compute_dtype(dtype)
         ops = [x.astype(cdt) if x.dtype != cdt else x for x in inputs]
     else:
@@ -304,7 +301,7 @@ def einsum_kernel(ctx, *inputs: np.ndarray) -> np.ndarray:
 
 def _softmax_like(ctx, x: np.ndarray, log: bool) -> np.ndarray:
     """Softmax/LogSoftmax: flattened to 2-D at ``axis`` before opset 13, per-axis after."""
-    if x.dtype.kind != "f" and not _is_ml_float(x.dtype):
+    if not is_float_dtype(x.dtype):
         raise TypeError(f"{ctx.node.describe()}: unsupported dtype {x.dtype}")
     if ctx.opset >= 13:
         axis = normalize_axis(int(ctx.attr("axis", -1)), max(x.ndim, 1))
