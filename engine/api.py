@@ -161,6 +161,11 @@ def stream(
     """Yield text pieces as tokens are generated. Appends a GenerationResult to ``result``."""
     ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
+        if isinstance(prompt, str) and prompt:
+            raise InvalidInputError(
+                f"the prompt {prompt[:40]!r} encodes to no tokens with the tokenizer of "
+                f"{model.config.folder}"
+            )
         raise InvalidInputError("the prompt is empty")
     context = model.config.context_length
     if len(ids) + max_new_tokens > context:

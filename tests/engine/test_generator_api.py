@@ -75,6 +75,17 @@ def test_bad_search_options_are_named(qwen2_dir, options, message):
         params.set_search_options(**options)
 
 
+def test_empty_prompts_are_refused_and_say_which_kind(qwen2_dir):
+    model = Model(qwen2_dir)
+    with pytest.raises(InvalidInputError, match="the prompt is empty"):
+        next(generate(model, [], max_new_tokens=4))
+    text = "hello world"
+    if model.tokenizer.encode(text):  # the tiny fixture's tokenizer knows no whole words
+        pytest.skip("this fixture's tokenizer encodes the probe text")
+    with pytest.raises(InvalidInputError, match="'hello world' encodes to no tokens"):
+        next(generate(model, text, max_new_tokens=4))
+
+
 def test_token_outside_vocabulary_is_refused(qwen2_dir):
     model = Model(qwen2_dir)
     gen = Generator(model, GeneratorParams(model))
