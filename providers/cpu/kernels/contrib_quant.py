@@ -272,13 +272,15 @@ def gather_block_quantized(
     valid = (idx >= 0) & (idx < dim)
     safe = np.where(valid, idx, 0)
 
+    # Gather first, then unpack and convert: only the rows asked for (an embedding lookup
+    # must not touch the whole table's scales and zero points).
     q = _values(np.take(data, safe, axis=g), bits, packed)
-    sc = _take_params(scales.astype(_F32), safe, g, block, g == qa)
+    sc = _take_params(scales, safe, g, block, g == qa).astype(_F32)
     zp = None
     if zero_points is not None:
-        zvals = _values(zero_points, bits, packed)
-        zvals = zvals[..., : scales.shape[-1]] if packed else zvals
-        zp = _take_params(zvals, safe, g, block, g == qa)
+        # packed along the last axis, which is never the gather axis of packed data
+        zp = _values(_take_params(zero_points, safe, g, block, g == qa), bits, packed)
+        zp = zp[..., : scales.shape[-1]] if packed else zp
     out_qa = qa if qa < g else qa + indices.ndim - 1
     if g != qa:
         sc = _expand_blocks(sc, out_qa, block, q.shape[out_qa])
