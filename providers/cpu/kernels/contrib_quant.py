@@ -25,6 +25,7 @@ import ml_dtypes
 import numba
 import numpy as np
 
+from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import NBITS, matmul_nbits_unsupported
 
@@ -254,9 +255,7 @@ def gather_block_quantized(
     bits = int(ctx.attr("bits", 4))
     block = int(ctx.attr("block_size", 128))
     packed = data.dtype == _U8 and bits < 8
-    is_float = data.dtype.kind == "V" or (
-        type(data.dtype).__module__.startswith("ml_dtypes") and data.dtype not in _SMALL_INTS
-    )
+    is_float = is_float_dtype(data.dtype)
     if data.dtype != _U8 and data.dtype not in _SMALL_INTS and not is_float:
         raise NotImplementedError(f"{ctx.node.describe()}: data type {data.dtype}")
     if packed and bits not in _NBITS:
