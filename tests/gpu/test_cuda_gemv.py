@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 from onnx import helper, numpy_helper
@@ -17,6 +18,8 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 pytestmark = pytest.mark.gpu
 
 PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOATS = [np.float32, np.float16, BF16]
 
 
 @pytest.fixture
@@ -38,13 +41,13 @@ def _matmul_model(w: np.ndarray, dtype) -> object:
 
 
 def _check(got, want, dtype, k):
-    tol = 3e-3 if np.dtype(dtype) == np.float16 else 2e-5
+    tol = {np.dtype(np.float16): 3e-3, BF16: 1e-2}.get(np.dtype(dtype), 2e-5)
     scale = max(1.0, float(np.abs(want).max()))
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * scale)
     assert np.isfinite(got).all()
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize(
     "k,n", [(64, 1), (896, 1152), (896, 896), (4864, 896), (896, 20000), (24, 7)]
 )
@@ -118,7 +121,7 @@ def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool):
     return model, w.T  # [K, N] float64
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize(
     "k,n,block,zp",
     [(896, 1152, 32, False), (4864, 896, 32, True), (896, 20000, 64, False), (512, 33, 128, True)],

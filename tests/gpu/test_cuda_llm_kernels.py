@@ -18,6 +18,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from onnx import TensorProto
@@ -29,6 +30,9 @@ pytestmark = pytest.mark.gpu
 
 PRIMARY, VERIFY, DRAFT = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY, DeviceGraphSlot.DRAFT
 FLOATS = [np.float32, np.float16]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+#: The kernels that take bfloat16 as well (GQA, rotary, ArgMax, the reductions).
+FLOATS_BF16 = [*FLOATS, BF16]
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / ".gpu_fixtures"
 FIXTURE_FILES = ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json")
@@ -73,7 +77,7 @@ def node(op, inputs, n_out=1, attrs=None, opset=21, domain="", outputs=None):
 def _poison(cp, shape, dtype):
     dt = np.dtype(dtype)
     buf = cp.empty(shape, dt)
-    if dt.kind == "f":
+    if dt.kind == "f" or dt == BF16:
         buf.fill(np.nan)
     else:
         buf.fill(np.iinfo(dt).max - 7)
@@ -132,6 +136,8 @@ def reference(info, inputs, numpy_ref):
 def close(got, want, dtype, scale=1.0, what=""):
     dt = np.dtype(dtype)
     tol = 2e-3 if dt == np.float16 else 2e-5
+    if dt == BF16:  # 8 significant bits
+        tol = 2e-2
     got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got64.shape == want64.shape, (what, got64.shape, want64.shape)
     assert np.isfinite(got64).all() or not np.isfinite(want64).all(), f"{what}: NaN/inf written"
@@ -380,7 +386,7 @@ def gqa_inputs(rng, c, dtype):
     return inputs, attrs
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("case", sorted(GQA_CASES))
 def test_group_query_attention(cp, prov, rng, case, dtype):
     c = GQA_CASES[case]
@@ -488,7 +494,7 @@ class _DecodeStep:
 
 
 @pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "counter"])
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("s", [1, 4, 5])
 def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, monkeypatch, s, dtype, cluster):
     """One captured graph, replayed while the mask (hence seqlens_k) grows in device memory.
@@ -558,7 +564,7 @@ def test_simplified_layer_norm_ms_domain(cp, prov, rng, dtype):
     close(got[0], want, dtype, scale=2)
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("layout", ["bsh", "bnsh"])
 @pytest.mark.parametrize("interleaved", [0, 1])
 @pytest.mark.parametrize("single_pos", [False, True])
@@ -708,7 +714,7 @@ def test_matmul_nbits_capture_small_m_refuse_large_m(cp, fresh, rng):
 # ----------------------------------------------------------------------------- small ops
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.int32])
+@pytest.mark.parametrize("dtype", [*FLOATS_BF16, np.int64, np.int32])
 @pytest.mark.parametrize(
     "shape,axes,keep",
     [
@@ -757,7 +763,7 @@ def _argmax_logits(rng, rows, cols, dtype, k):
     return x
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("rows,cols", [(1, VOCAB), (5, VOCAB), (16, VOCAB), (3, 100003)])
 def test_argmax_long_rows_ties_captured(cp, fresh, rng, rows, cols, dtype):
     """ArgMax over a vocabulary: one graph replayed on new logits (the per-row counters must
@@ -793,7 +799,7 @@ def test_argmax_long_rows_ties_captured(cp, fresh, rng, rows, cols, dtype):
     np.testing.assert_array_equal(got[0], want[0])
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("shape", [(1, 1, VOCAB), (1, 5, VOCAB), (16, VOCAB), (3, 100003)])
 def test_reduce_sum_all_axes_long_captured(cp, fresh, rng, shape, dtype):
     """The engine's non-finite probe, ReduceSum(logits - logits) to a scalar, and a plain sum
@@ -819,9 +825,8 @@ def test_reduce_sum_all_axes_long_captured(cp, fresh, rng, shape, dtype):
         got_total = float(prov.to_numpy(total))
         if np.isfinite(host).all():
             assert got_probe == 0.0, what
-            tol = 1e-5 * np.abs(host.astype(np.float64)).sum() + 2e-3 * abs(want_total) * (
-                dtype == np.float16
-            )
+            rounding = {np.dtype(np.float16): 2e-3, BF16: 4e-3}.get(np.dtype(dtype), 0.0)
+            tol = 1e-5 * np.abs(host.astype(np.float64)).sum() + rounding * abs(want_total)
             assert abs(got_total - want_total) <= tol, (what, got_total, want_total)
         else:
             assert np.isnan(got_probe), (what, got_probe)
@@ -1139,7 +1144,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize(
     ("axes", "keepdims", "opset"), [([-1], 1, 18), ([1, 2], 0, 18), (None, 1, 13)]
 )
@@ -1164,7 +1169,7 @@ def test_reduce_mean_matches_numpy(dtype, axes, keepdims, opset):
     ref = x.astype(np.float64).mean(
         axis=None if axes is None else tuple(axes), keepdims=bool(keepdims)
     )
-    tol = 1e-5 if dtype == np.float32 else 2e-3
+    tol = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 2e-3}.get(np.dtype(dtype), 2e-2)
     np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64), ref, rtol=tol, atol=tol)
 
 

@@ -11,6 +11,7 @@ import math
 import time
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -18,15 +19,19 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
-from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, NodeInfo
 from onnx_genrt.core.tensor import Tensor
 
 pytestmark = pytest.mark.gpu
 
 PRIMARY, VERIFY, DRAFT = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY, DeviceGraphSlot.DRAFT
 FLOATS = [np.float32, np.float16]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+#: The kernels that take bfloat16 as well (not yet MatMul and the norms).
+FLOATS_BF16 = [*FLOATS, BF16]
 #: (rtol, atol) per output dtype, against a float64 reference of the same inputs.
 TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(np.float16): (2e-3, 2e-3)}
+TOL[BF16] = (2e-2, 2e-2)
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -62,7 +67,7 @@ def rng(request) -> np.random.Generator:
 def _poison(cp, shape, dtype):
     dt = np.dtype(dtype)
     buf = cp.empty(shape, dt)
-    if dt.kind == "f":
+    if dt.kind == "f" or dt == BF16:
         buf.fill(np.nan)
     elif dt.kind == "b":
         buf.fill(True)
@@ -229,7 +234,7 @@ def _sample(rng, kind, shape, dtype):
     return x.astype(dtype)
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("op", sorted(UNARY))
 def test_unary(cp, prov, rng, op, dtype):
     fn, kind = UNARY[op]
@@ -249,7 +254,7 @@ BINARY = {
 }
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("b_shape", [(2, 3, 40), (40,), (2, 1, 40), ()])
 @pytest.mark.parametrize("op", sorted(BINARY))
 def test_binary(cp, prov, rng, op, b_shape, dtype):
@@ -278,7 +283,7 @@ def test_integer_arithmetic_truncates_like_c(cp, prov, dtype):
     np.testing.assert_array_equal(got, -a)
 
 
-@pytest.mark.parametrize("dtype", FLOATS + [np.int64])
+@pytest.mark.parametrize("dtype", FLOATS_BF16 + [np.int64])
 @pytest.mark.parametrize("op,fn", [("Equal", np.equal), ("Less", np.less), ("Greater", np.greater)])
 def test_compare(cp, prov, rng, op, fn, dtype):
     a = rng.integers(-3, 4, (4, 33)).astype(dtype)
@@ -303,7 +308,7 @@ def test_boolean_ops(cp, prov, rng, op, fn):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", FLOATS + [np.int64])
+@pytest.mark.parametrize("dtype", FLOATS_BF16 + [np.int64])
 def test_where(cp, prov, rng, dtype):
     cond = rng.random((3, 1, 9)) > 0.5
     x = rng.standard_normal((3, 4, 9)).astype(dtype)
@@ -316,6 +321,7 @@ def test_where(cp, prov, rng, dtype):
 _CAST_TYPES = {
     np.float32: TensorProto.FLOAT,
     np.float16: TensorProto.FLOAT16,
+    BF16: TensorProto.BFLOAT16,
     np.int32: TensorProto.INT32,
     np.int64: TensorProto.INT64,
     np.bool_: TensorProto.BOOL,
@@ -333,12 +339,12 @@ def test_cast(cp, prov, src, dst):
     np.testing.assert_array_equal(got, want)
 
 
-def test_cast_to_bfloat16_is_refused_at_planning(prov):
-    ok, reason = prov.supports(node("Cast", 1, attrs={"to": TensorProto.BFLOAT16}))
-    assert not ok and "BFLOAT16" in reason
+def test_cast_to_float8_is_refused_at_planning(prov):
+    ok, reason = prov.supports(node("Cast", 1, attrs={"to": TensorProto.FLOAT8E4M3FN}))
+    assert not ok and "FLOAT8E4M3FN" in reason
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 def test_identity(cp, prov, rng, dtype):
     x = rng.standard_normal((4, 6)).astype(dtype)
     (got,) = run_op(cp, prov, "Identity", [x], [x])
@@ -439,7 +445,7 @@ def _softmax(x, axis=-1):
     return e / e.sum(axis=axis, keepdims=True)
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("shape", [(3, 7), (2, 3, 1000), (2, 151936)])
 def test_softmax_last_axis(cp, prov, rng, shape, dtype):
     x = (rng.standard_normal(shape) * 3).astype(dtype)
@@ -462,7 +468,7 @@ def test_softmax_old_opset_flattens_and_inner_axis(cp, prov, rng):
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("keepdims", [0, 1])
 @pytest.mark.parametrize("last", [0, 1])
 def test_argmax(cp, prov, rng, dtype, keepdims, last):
@@ -477,6 +483,32 @@ def test_argmax(cp, prov, rng, dtype, keepdims, last):
     want0 = np.argmax(x0, axis=0, keepdims=bool(keepdims))
     (got0,) = run_op(cp, prov, "ArgMax", [x0], [want0], attrs={"keepdims": keepdims}, opset=13)
     np.testing.assert_array_equal(got0, want0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
+def test_argmax_prob(cp, prov, rng, dtype):
+    x = (rng.standard_normal((4, 3000)) * 3).astype(dtype)
+    x[:, 7] = x[:, 2000] = 20  # ties: the first index
+    x64 = x.astype(np.float64)
+    want_p = 1.0 / np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1)
+    want_i = np.full(4, 7, np.int64)
+    expected = [want_i, want_p.astype(dtype)]
+    got_i, got_p = run_op(cp, prov, "ArgMaxProb", [x], expected, opset=1, domain=GENRT_DOMAIN)
+    np.testing.assert_array_equal(got_i, want_i)
+    assert_close(got_p, want_p)
+
+
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
+@pytest.mark.parametrize("split", [0, 1])
+def test_silu_mul(cp, prov, rng, dtype, split):
+    g = (rng.standard_normal((3, 70)) * 2.5).astype(dtype)
+    u = rng.standard_normal((3, 70)).astype(dtype)
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    want = g64 / (1.0 + np.exp(-g64)) * u64
+    inputs = [np.concatenate([g, u], -1)] if split else [g, u]
+    kw = dict(attrs={"split": split}, opset=1, domain=GENRT_DOMAIN)
+    (got,) = run_op(cp, prov, "SiluMul", inputs, [want.astype(dtype)], **kw)
+    assert_close(got, want, scale=max(1.0, float(np.abs(want).max())))
 
 
 # ----------------------------------------------------------------------------- normalization

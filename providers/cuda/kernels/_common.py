@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import cupy
+import ml_dtypes
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
@@ -16,9 +17,13 @@ OPTIONS = ("-std=c++17",)
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+#: The float dtypes the RawKernels take.
+FLOAT_DTYPES = (F32, F16, BF16)
 
-#: C storage type of each dtype the RawKernels take; fp16 travels as raw 16-bit words.
-_STORAGE = {F32: "float", F16: "unsigned short"}
+#: C storage type of each dtype the RawKernels take: fp16 travels as raw 16-bit words
+#: (``half_t``), bf16 as ``bf16_t`` (a struct of its 16 bits, so overloads tell them apart).
+_STORAGE = {F32: "float", F16: "unsigned short", BF16: "bf16_t"}
 
 
 class CaptureUnsupported(RuntimeError):
@@ -97,7 +102,7 @@ def storage(ctx: KernelContext, dtype: Any) -> str:
     except KeyError:
         raise TypeError(
             f"{ctx.node.describe()}: dtype {dt} is not supported by the CUDA kernels "
-            "(float32 and float16 only; bfloat16 comes later)"
+            "(float32, float16 and bfloat16 only)"
         ) from None
 
 
@@ -159,13 +164,40 @@ DEVICE_COMMON = r"""
 #define DEVI __device__ __forceinline__
 typedef unsigned short half_t;
 
+struct __align__(2) bf16_t { unsigned short bits; };
+
 DEVI float h2f(half_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 DEVI half_t f2h(float f) { half_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+DEVI float bf2f(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
+DEVI unsigned short f2bf(float f) {
+  unsigned short b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+}
 
 DEVI float ld(const float* p, long long i) { return p[i]; }
 DEVI float ld(const half_t* p, long long i) { return h2f(p[i]); }
+DEVI float ld(const bf16_t* p, long long i) { return bf2f(p[i].bits); }
 DEVI void st(float* p, long long i, float v) { p[i] = v; }
 DEVI void st(half_t* p, long long i, float v) { p[i] = f2h(v); }
+DEVI void st(bf16_t* p, long long i, float v) { p[i].bits = f2bf(v); }
+
+// A 32-bit word of two 16-bit values of S (the pointer only picks the type) as two floats,
+// the lower address first; and two floats packed back.
+DEVI void unpack2(const half_t*, unsigned int w, float& a, float& b) {
+  a = h2f((half_t)(w & 0xffffu));
+  b = h2f((half_t)(w >> 16));
+}
+DEVI void unpack2(const bf16_t*, unsigned int w, float& a, float& b) {
+  a = __uint_as_float(w << 16);
+  b = __uint_as_float(w & 0xffff0000u);
+}
+DEVI unsigned int pack2(const half_t*, float a, float b) {
+  return (unsigned int)f2h(a) | ((unsigned int)f2h(b) << 16);
+}
+DEVI unsigned int pack2(const bf16_t*, float a, float b) {
+  return (unsigned int)f2bf(a) | ((unsigned int)f2bf(b) << 16);
+}
 
 DEVI float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -226,22 +258,21 @@ DEVI void ld16(const float* p, float* v) {
   const float4 q = *reinterpret_cast<const float4*>(p);
   v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
 }
-DEVI void ld16(const half_t* p, float* v) {
+template <typename S>  // half_t or bf16_t: 8 values
+DEVI void ld16(const S* p, float* v) {
   const uint4 q = *reinterpret_cast<const uint4*>(p);
   const unsigned int w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    v[2 * u] = h2f((half_t)(w[u] & 0xffffu));
-    v[2 * u + 1] = h2f((half_t)(w[u] >> 16));
-  }
+  for (int u = 0; u < 4; ++u) unpack2(p, w[u], v[2 * u], v[2 * u + 1]);
 }
 DEVI void st16(float* p, const float* v) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
-DEVI void st16(half_t* p, const float* v) {
+template <typename S>  // half_t or bf16_t: 8 values
+DEVI void st16(S* p, const float* v) {
   unsigned int w[4];
 #pragma unroll
-  for (int u = 0; u < 4; ++u) w[u] = (unsigned int)f2h(v[2 * u]) | ((unsigned int)f2h(v[2 * u + 1]) << 16);
+  for (int u = 0; u < 4; ++u) w[u] = pack2(p, v[2 * u], v[2 * u + 1]);
   *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 

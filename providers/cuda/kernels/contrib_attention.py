@@ -145,12 +145,17 @@ __global__ void gqa_append(const S* __restrict__ k_new, long long k_row,
 DEVI float dot4(const float* q, float4 v) {
   return q[0] * v.x + q[1] * v.y + q[2] * v.z + q[3] * v.w;
 }
-DEVI float dot8(const float* q, uint4 v) {
+// q . the eight 16-bit values of S (half_t or bf16_t; k only picks the type) in v.
+template <typename S>
+DEVI float dot8(const float* q, uint4 v, const S* k) {
   const unsigned int w[4] = {v.x, v.y, v.z, v.w};
   float s = 0.f;
 #pragma unroll
-  for (int u = 0; u < 4; ++u)
-    s += q[2 * u] * h2f((half_t)(w[u] & 0xffffu)) + q[2 * u + 1] * h2f((half_t)(w[u] >> 16));
+  for (int u = 0; u < 4; ++u) {
+    float a, b;
+    unpack2(k, w[u], a, b);
+    s += q[2 * u] * a + q[2 * u + 1] * b;
+  }
   return s;
 }
 
@@ -174,7 +179,8 @@ DEVI float dot_row(const float* q, const float* k, int D, int vec) {
   }
   return s;
 }
-DEVI float dot_row(const float* q, const half_t* k, int D, int vec) {
+template <typename S>  // half_t or bf16_t
+DEVI float dot_row(const float* q, const S* k, int D, int vec) {
   float s = 0.f;
   if (vec) {
     const uint4* k8 = reinterpret_cast<const uint4*>(k);
@@ -185,11 +191,11 @@ DEVI float dot_row(const float* q, const half_t* k, int D, int vec) {
 #pragma unroll
       for (int u = 0; u < 4; ++u) v[u] = k8[j + u];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) s += dot8(q + 8 * (j + u), v[u]);
+      for (int u = 0; u < 4; ++u) s += dot8(q + 8 * (j + u), v[u], k);
     }
-    for (; j < n; ++j) s += dot8(q + 8 * j, k8[j]);
+    for (; j < n; ++j) s += dot8(q + 8 * j, k8[j], k);
   } else {
-    for (int j = 0; j < D; ++j) s += q[j] * h2f(k[j]);
+    for (int j = 0; j < D; ++j) s += q[j] * ld(k, j);
   }
   return s;
 }
@@ -205,14 +211,13 @@ DEVI void ld2(const float* p, long long i, int vec, float& a, float& b) {
     b = p[i + 1];
   }
 }
-DEVI void ld2(const half_t* p, long long i, int vec, float& a, float& b) {
+template <typename S>  // half_t or bf16_t
+DEVI void ld2(const S* p, long long i, int vec, float& a, float& b) {
   if (vec) {
-    const unsigned int v = *reinterpret_cast<const unsigned int*>(p + i);
-    a = h2f((half_t)(v & 0xffffu));
-    b = h2f((half_t)(v >> 16));
+    unpack2(p, *reinterpret_cast<const unsigned int*>(p + i), a, b);
   } else {
-    a = h2f(p[i]);
-    b = h2f(p[i + 1]);
+    a = ld(p, i);
+    b = ld(p, i + 1);
   }
 }
 

@@ -101,25 +101,17 @@ DEVI void load_a(const float* a, int k0, int K, int vec, float* v) {
 #pragma unroll
   for (int e = 0; e < E; ++e) v[e] = k0 + e < K ? a[k0 + e] : 0.f;
 }
-template <int E>
-DEVI void load_a(const half_t* a, int k0, int K, int vec, float* v) {
+template <int E, typename S>  // S: half_t or bf16_t
+DEVI void load_a(const S* a, int k0, int K, int vec, float* v) {
   if constexpr (E % 8 == 0) {
     if (vec && k0 + E <= K) {
 #pragma unroll
-      for (int e = 0; e < E; e += 8) {
-        const uint4 q = *reinterpret_cast<const uint4*>(a + k0 + e);
-        const unsigned int w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          v[e + 2 * u] = h2f((half_t)(w[u] & 0xffffu));
-          v[e + 2 * u + 1] = h2f((half_t)(w[u] >> 16));
-        }
-      }
+      for (int e = 0; e < E; e += 8) ld16(a + k0 + e, v + e);
       return;
     }
   }
 #pragma unroll
-  for (int e = 0; e < E; ++e) v[e] = k0 + e < K ? h2f(a[k0 + e]) : 0.f;
+  for (int e = 0; e < E; ++e) v[e] = k0 + e < K ? ld(a, k0 + e) : 0.f;
 }
 
 // One packed 32-bit word per column r (E = 32 / BITS values from k0, scale s[r], zero z[r])
@@ -398,11 +390,15 @@ DEVI void nbits4_chunk_half2(const uint4* q, const float* s, const float* z, int
   }
 }
 
-// One chunk of each column: packed-half math where it applies, else nbits4_chunk.
+template <typename S> struct is_half { static constexpr bool value = false; };
+template <> struct is_half<half_t> { static constexpr bool value = true; };
+
+// One chunk of each column: packed-half math where it applies (fp16 activations), else
+// nbits4_chunk.
 template <typename S, int MT, int NR>
 DEVI void nbits4_chunk_any(const uint4* q, const float* s, const float* z, int zint, int k0,
                            const S* __restrict__ A, int M, int K, float (*acc)[MT]) {
-  if constexpr (NBITS_HALF2 && sizeof(S) == 2) {
+  if constexpr (NBITS_HALF2 && is_half<S>::value) {
     if (zint) {
       nbits4_chunk_half2<MT, NR>(q, s, z, k0, A, M, K, acc);
       return;

@@ -1,6 +1,7 @@
 """CUDA kernels: elementwise math, activations, comparisons, Where, Cast and Identity.
 
-Float math runs in float32 for float16 inputs (float64 for float64) and rounds once.
+Float math runs in float32 for float16 and bfloat16 inputs (float64 for float64) and rounds
+once.
 Every kernel writes into its output buffer with broadcasting; nothing is allocated.
 """
 
@@ -15,16 +16,21 @@ from onnx import TensorProto, helper
 
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, NodeInfo
 
-from ._common import OPTIONS, out
+from ._common import BF16, OPTIONS, out
 from ._registry import REGISTRY
 
 BOOL = np.dtype(np.bool_)
 
 #: Compute type per element type (``GenrtAcc<T>::type``) and overloaded math on it.
+#: CuPy defines its ``bfloat16`` class (cupy/bfloat16.cuh) only in kernels with a bfloat16
+#: argument; the declaration here lets the others compile (a specialization may name an
+#: incomplete class, and a class may be declared again before or after its definition).
 _PREAMBLE = r"""
+class bfloat16;
 template <typename T> struct GenrtAcc { typedef double type; };
 template <> struct GenrtAcc<float> { typedef float type; };
 template <> struct GenrtAcc<float16> { typedef float type; };
+template <> struct GenrtAcc<bfloat16> { typedef float type; };
 
 __device__ __forceinline__ float genrt_math_exp(float x) { return expf(x); }
 __device__ __forceinline__ double genrt_math_exp(double x) { return exp(x); }
@@ -173,10 +179,11 @@ def where(ctx: KernelContext, cond: cupy.ndarray, x: cupy.ndarray, y: cupy.ndarr
 
 # ----------------------------------------------------------------------------- Cast
 
-#: Element types Cast handles on CUDA (bfloat16 and the 8/4-bit floats come later).
+#: Element types Cast handles on CUDA (the 8/4-bit floats come later).
 _CAST_TYPES = {
     TensorProto.FLOAT,
     TensorProto.FLOAT16,
+    TensorProto.BFLOAT16,
     TensorProto.DOUBLE,
     TensorProto.INT8,
     TensorProto.INT16,
@@ -254,7 +261,7 @@ def silu_mul(ctx: KernelContext, g: cupy.ndarray, u: cupy.ndarray | None = None)
                 f"got {list(g.shape)}"
             )
         g, u = g[..., :half], g[..., half:]
-    if g.dtype != u.dtype or g.dtype.kind != "f":
+    if g.dtype != u.dtype or (g.dtype.kind != "f" and g.dtype != BF16):
         raise TypeError(
             f"{ctx.node.describe()}: SiluMul needs two equal float dtypes, got "
             f"{g.dtype} and {u.dtype}"

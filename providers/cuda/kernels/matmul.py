@@ -27,8 +27,7 @@ from onnx_genrt.core.op_rules import matmul_shape
 
 from ._common import (
     DEVICE_COMMON,
-    F16,
-    F32,
+    FLOAT_DTYPES,
     CaptureUnsupported,
     capturing,
     contiguous,
@@ -64,26 +63,26 @@ template <> struct Row<float, 4> {
     v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
   }
 };
-DEVI void unpack2(unsigned int q, float* v) {
-  v[0] = h2f((half_t)(q & 0xffffu)); v[1] = h2f((half_t)(q >> 16));
-}
-template <> struct Row<half_t, 1> {
-  static DEVI void load(const half_t* p, float* v) { v[0] = h2f(p[0]); }
-};
-template <> struct Row<half_t, 2> {
-  static DEVI void load(const half_t* p, float* v) { unpack2(*reinterpret_cast<const unsigned int*>(p), v); }
-};
-template <> struct Row<half_t, 4> {
-  static DEVI void load(const half_t* p, float* v) {
-    const uint2 q = *reinterpret_cast<const uint2*>(p); unpack2(q.x, v); unpack2(q.y, v + 2);
+// 16-bit storage (half_t, bf16_t): V consecutive values through unpack2.
+template <typename S, int V> struct Row16 {
+  static DEVI void load(const S* p, float* v) {
+    if constexpr (V == 1) {
+      v[0] = ld(p, 0);
+    } else if constexpr (V == 2) {
+      unpack2(p, *reinterpret_cast<const unsigned int*>(p), v[0], v[1]);
+    } else if constexpr (V == 4) {
+      const uint2 q = *reinterpret_cast<const uint2*>(p);
+      unpack2(p, q.x, v[0], v[1]); unpack2(p, q.y, v[2], v[3]);
+    } else {
+      static_assert(V == 8, "16-bit rows load 1, 2, 4 or 8 values");
+      const uint4 q = *reinterpret_cast<const uint4*>(p);
+      unpack2(p, q.x, v[0], v[1]); unpack2(p, q.y, v[2], v[3]);
+      unpack2(p, q.z, v[4], v[5]); unpack2(p, q.w, v[6], v[7]);
+    }
   }
 };
-template <> struct Row<half_t, 8> {
-  static DEVI void load(const half_t* p, float* v) {
-    const uint4 q = *reinterpret_cast<const uint4*>(p);
-    unpack2(q.x, v); unpack2(q.y, v + 2); unpack2(q.z, v + 4); unpack2(q.w, v + 6);
-  }
-};
+template <int V> struct Row<half_t, V> : Row16<half_t, V> {};
+template <int V> struct Row<bf16_t, V> : Row16<bf16_t, V> {};
 
 // C[z, m, n] = sum_k A[z, m, k] * B[z, k, n], fp32 accumulation.
 // grid (column tiles * row groups, K splits, batch); block (TX, TY), TX * TY = 256, powers of 2.
@@ -164,15 +163,14 @@ __global__ void __launch_bounds__(256) skinny_gemm(
   }
 }
 
-// 16 bytes of S as floats.
-template <typename S> struct Vec16;
+// 16 bytes of S as floats (8 values of a 16-bit S).
+template <typename S> struct Vec16 {
+  static constexpr int N = 8;
+  static DEVI void load(const S* p, float* v) { Row<S, 8>::load(p, v); }
+};
 template <> struct Vec16<float> {
   static constexpr int N = 4;
   static DEVI void load(const float* p, float* v) { Row<float, 4>::load(p, v); }
-};
-template <> struct Vec16<half_t> {
-  static constexpr int N = 8;
-  static DEVI void load(const half_t* p, float* v) { Row<half_t, 8>::load(p, v); }
 };
 
 // C[m, n] = sum_k A[m, k] * W[n, k]: W is a transposed weight [N, K], K a multiple of 16
@@ -336,9 +334,9 @@ def _skinny(
 
 
 def transpose_weight(provider, node, index: int, host: np.ndarray) -> TransposedWeight | None:
-    """Prepack a constant 2-D fp16/fp32 weight (input B) whose rows are whole 16-byte chunks."""
+    """Prepack a constant 2-D fp32/fp16/bf16 weight (input B) whose rows are whole 16-byte chunks."""
     host = np.asarray(host)
-    if index != 1 or host.ndim != 2 or host.dtype not in (F32, F16) or 0 in host.shape:
+    if index != 1 or host.ndim != 2 or host.dtype not in FLOAT_DTYPES or 0 in host.shape:
         return None
     if (host.shape[0] * host.dtype.itemsize) % 16:
         return None
@@ -401,7 +399,7 @@ def _gemv_transposed(
 
 @REGISTRY.register("MatMul", since=1, prepack=transpose_weight)
 def matmul(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray, norm: Any = None) -> cupy.ndarray:
-    """ONNX MatMul. A prepacked weight runs ``gemv_nk`` for M <= 16; other fp32/fp16 with
+    """ONNX MatMul. A prepacked weight runs ``gemv_nk`` for M <= 16; other fp32/fp16/bf16 with
     M <= 16 run the skinny kernel; the rest uses cuBLAS, which CuPy refuses during stream
     capture, so that case raises while capturing. ``norm``: see ``_gemv_transposed``."""
     if isinstance(b, TransposedWeight):
@@ -424,13 +422,13 @@ def matmul(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray, norm: Any = Non
         c.fill(0)
         return c
     dims = skinny_dims(tuple(a.shape), tuple(b.shape))
-    if dims is not None and a.dtype in (F32, F16) and dims[1] <= SKINNY_MAX_M:
+    if dims is not None and a.dtype in FLOAT_DTYPES and dims[1] <= SKINNY_MAX_M:
         _skinny(ctx, contiguous(ctx, a), contiguous(ctx, b), c, dims)
         return c
     if capturing(ctx):
         if dims is None:
             why = f"batch dims of {list(a.shape)} @ {list(b.shape)} broadcast"
-        elif a.dtype not in (F32, F16):
+        elif a.dtype not in FLOAT_DTYPES:
             why = f"dtype {a.dtype} has no own kernel"
         else:
             why = f"M={dims[1]} > {SKINNY_MAX_M}"

@@ -9,6 +9,7 @@ from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
 
 from ._common import (
     DEVICE_COMMON,
+    FLOAT_DTYPES,
     contiguous,
     function,
     normalize_axis,
@@ -75,10 +76,13 @@ DEVI float vec_elem(const uint4& w, int k, const float*) {
   const unsigned int u = k == 0 ? w.x : (k == 1 ? w.y : (k == 2 ? w.z : w.w));
   return __uint_as_float(u);
 }
-DEVI float vec_elem(const uint4& w, int k, const half_t*) {
+template <typename S>  // half_t or bf16_t: 8 values
+DEVI float vec_elem(const uint4& w, int k, const S* tag) {
   const int q = k >> 1;
   const unsigned int u = q == 0 ? w.x : (q == 1 ? w.y : (q == 2 ? w.z : w.w));
-  return h2f((half_t)((k & 1) ? (u >> 16) : (u & 0xffffu)));
+  float a, b;
+  unpack2(tag, u, a, b);
+  return (k & 1) ? b : a;
 }
 
 // ArgMaxProb: per row, the first index of the largest value and its softmax probability
@@ -265,8 +269,11 @@ def argmax(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
 def argmax_prob(ctx: KernelContext, x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
     """(ArgMax, max of Softmax) over the last axis, keepdims=0: a draft and its probability
     in one launch (see ``session.fusion.fuse_argmax_prob``)."""
-    if x.ndim == 0 or x.dtype.kind != "f":
-        raise TypeError(f"{ctx.node.describe()}: needs a float tensor of rank >= 1, got {x.dtype}")
+    if x.ndim == 0 or x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{ctx.node.describe()}: needs a float32/float16/bfloat16 tensor of rank >= 1, "
+            f"got {x.dtype}"
+        )
     rows, cols = rows_cols(x.shape, x.ndim - 1)
     idx = out(ctx, 0, x.shape[:-1], np.int64)
     prob = out(ctx, 1, x.shape[:-1], x.dtype)

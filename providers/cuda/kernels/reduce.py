@@ -5,9 +5,10 @@ view the input as ``(outer, reduced, inner)``, capturable. One block sums each o
 there are enough outputs to fill the GPU; few long ones (the engine's non-finite probe sums
 a whole logits tensor into a scalar) are split over many blocks in one launch, the last
 block adding the partial sums in a fixed order (deterministic).
-Floats accumulate in float32 (float64 for float64), integers in int64 and wrap to their
-own type on store. Other axis sets fall back to CuPy eagerly. Axes come from an attribute
-(opset < 13) or a host-known input (constants are host-shadowed).
+Floats accumulate in float32 (float64 for float64; float16 and bfloat16 round once on
+store), integers in int64 and wrap to their own type on store. Other axis sets fall back to
+CuPy eagerly. Axes come from an attribute (opset < 13) or a host-known input (constants are
+host-shadowed).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import numpy as np
 from onnx_genrt.core.kernels import KernelContext
 
 from ._common import (
+    BF16,
     DEVICE_COMMON,
+    F16,
     contiguous,
     function,
     host_ints,
@@ -37,7 +40,8 @@ from ._registry import REGISTRY
 #: (C element type, accumulator type) per dtype the kernel handles.
 _TYPES = {
     np.dtype(np.float32): ("float", "float"),
-    np.dtype(np.float16): ("half_t", "float"),
+    F16: ("half_t", "float"),
+    BF16: ("bf16_t", "float"),
     np.dtype(np.float64): ("double", "double"),
     np.dtype(np.int32): ("int", "long long"),
     np.dtype(np.int64): ("long long", "long long"),
@@ -50,10 +54,13 @@ template <typename T, typename A> struct Acc {
   static DEVI A load(const T* p, long long i) { return (A)p[i]; }
   static DEVI void store(T* p, long long i, A v) { p[i] = (T)v; }
 };
-template <> struct Acc<half_t, float> {
-  static DEVI float load(const half_t* p, long long i) { return h2f(p[i]); }
-  static DEVI void store(half_t* p, long long i, float v) { p[i] = f2h(v); }
+// 16-bit floats (half_t, bf16_t) through the shared conversions.
+template <typename T> struct Acc16 {
+  static DEVI float load(const T* p, long long i) { return ld(p, i); }
+  static DEVI void store(T* p, long long i, float v) { st(p, i, v); }
 };
+template <> struct Acc<half_t, float> : Acc16<half_t> {};
+template <> struct Acc<bf16_t, float> : Acc16<bf16_t> {};
 
 template <typename A> DEVI A shfl_sum(A v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -261,7 +268,7 @@ def reduce_sum(ctx: KernelContext, x, axes=None, _input_from: int = 13):
         )
         return y
     refuse_in_capture(ctx, f"ReduceSum of {x.dtype} over axes {ax}")
-    acc = np.float32 if x.dtype == np.float16 else None
+    acc = np.float32 if x.dtype in (F16, BF16) else None
     res = cupy.sum(x, axis=tuple(ax), keepdims=keep, dtype=acc)
     cupy.copyto(y, res.reshape(y.shape), casting="unsafe")
     return y
@@ -270,7 +277,7 @@ def reduce_sum(ctx: KernelContext, x, axes=None, _input_from: int = 13):
 @REGISTRY.register("ReduceMean", since=1)
 def reduce_mean(ctx: KernelContext, x, axes=None):
     """Mean = the sum kernel, then one in-place scale (capturable like ReduceSum)."""
-    if np.dtype(x.dtype).kind != "f":
+    if np.dtype(x.dtype).kind != "f" and x.dtype != BF16:
         raise NotImplementedError(
             f"{ctx.node.describe()}: ReduceMean of {x.dtype} is not supported"
         )
