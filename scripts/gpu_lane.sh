@@ -45,7 +45,8 @@ EOF
   fi
 
   echo "== GPU test fixtures (tiny builder models and their CPU reference results)"
-  if [ -f .gpu_fixtures/qwen2-int4/reference.npz ] && [ -f .gpu_fixtures/qwen2-fp32/reference.npz ]; then
+  if [ -f .gpu_fixtures/qwen2-int4/reference.npz ] && [ -f .gpu_fixtures/qwen2-fp32/reference.npz ] \
+    && [ -f .gpu_fixtures/qwen2-bf16/reference.npz ]; then
     echo "carried: .gpu_fixtures"
   else
     local site="${GPU_BENCH_DIR:-/tmp/onnx_genrt_bench}/site" whl

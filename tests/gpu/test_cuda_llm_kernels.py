@@ -521,7 +521,7 @@ def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, monkeypatch, s,
 # ----------------------------------------------------------------------------- norms and rotary
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize(
     "op,outs,with_bias,skip_shape",
     [
@@ -553,7 +553,7 @@ def test_skip_norms(cp, prov, rng, op, outs, with_bias, skip_shape, dtype):
             close(got[i], want[i], np.float32 if i < 3 else dtype, scale=4, what=name)
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 def test_simplified_layer_norm_ms_domain(cp, prov, rng, dtype):
     x = rng.standard_normal((3, 64)).astype(dtype)
     g = rng.uniform(0.5, 1.5, 64).astype(dtype)
@@ -600,7 +600,7 @@ def nbits_case(rng, m, k, n, block, bits, dtype, zp_kind, with_bias):
     return [a, b, scales, zp, None, bias], attrs
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("block", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 4, 16, 33])
 def test_matmul_nbits(cp, prov, rng, m, block, dtype):
@@ -628,7 +628,7 @@ def test_matmul_nbits_other_bits_and_many_words(cp, prov, rng, bits, block, k, n
     close(got[0], want[0], np.float32, scale=2)
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("zp_kind", [None, "u8", "float"])
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize(
@@ -945,7 +945,7 @@ def _fixture(name):
     return folder
 
 
-@pytest.mark.parametrize("name", ["qwen2-fp32", "qwen2-int4"])
+@pytest.mark.parametrize("name", ["qwen2-fp32", "qwen2-int4", "qwen2-bf16"])
 def test_builder_model_ops_all_on_cuda(cp, prov, name):
     import onnx
 
@@ -963,7 +963,7 @@ def test_builder_model_ops_all_on_cuda(cp, prov, name):
     assert not missing, missing
 
 
-@pytest.mark.parametrize("name", ["qwen2-fp32", "qwen2-int4"])
+@pytest.mark.parametrize("name", ["qwen2-fp32", "qwen2-int4", "qwen2-bf16"])
 def test_builder_model_matches_cpu(cp, name):
     """Logits (teacher-forced, decode steps replayed from one graph) and greedy tokens."""
     from onnx_genrt.engine import Generator, GeneratorParams, Model
@@ -976,11 +976,14 @@ def test_builder_model_matches_cpu(cp, name):
     plan = model.session.plan
     assert plan.placement_counts() == {"cuda": len(plan.steps)}
     runner = DecoderRunner(model.session, model.config, len(prompt) + len(tokens) + 1)
-    got = runner.forward(prompt, None).logits
-    np.testing.assert_allclose(got, ref["prefill"], atol=1e-3, rtol=0)
+    # bf16 rounds every op's output to 8 bits, in another order on each provider; on this
+    # chaotic fixture HF's own bf16 run is ~2.5% of the logit range off float32 (parity tests)
+    tol = 0.06 * float(np.abs(ref["prefill"]).max()) if name == "qwen2-bf16" else 1e-3
+    got = np.asarray(runner.forward(prompt, None).logits, np.float64)
+    np.testing.assert_allclose(got, ref["prefill"], atol=tol, rtol=0)
     for i, tok in enumerate(tokens[:-1]):
-        got = runner.forward([tok], PRIMARY).logits[0]
-        np.testing.assert_allclose(got, ref["steps"][i], atol=1e-3, rtol=0, err_msg=f"step {i}")
+        got = np.asarray(runner.forward([tok], PRIMARY).logits[0], np.float64)
+        np.testing.assert_allclose(got, ref["steps"][i], atol=tol, rtol=0, err_msg=f"step {i}")
     stats = model.session.graph_stats(PRIMARY)
     assert stats.captures == 1 and stats.fallbacks == 0, dict(stats.fallback_reasons)
     assert stats.replays >= len(tokens) - 3
@@ -997,7 +1000,8 @@ def test_builder_model_matches_cpu(cp, name):
         i = next(j for j, (a, b) in enumerate(zip(got_tokens, tokens, strict=False)) if a != b)
         row = ref["prefill"][-1] if i == 0 else ref["steps"][i - 1]
         top = np.sort(row)[::-1]
-        assert top[0] - top[1] < 1e-3, f"greedy tokens differ at {i}: {got_tokens} != {tokens}"
+        near = 2 * tol if name == "qwen2-bf16" else 1e-3
+        assert top[0] - top[1] < near, f"greedy tokens differ at {i}: {got_tokens} != {tokens}"
 
 
 # ----------------------------------------------------------------------------- timings
@@ -1109,8 +1113,10 @@ def build_fixtures(dest: Path = FIXTURES) -> None:
     from onnx_genrt.engine import Generator, GeneratorParams, Model
     from onnx_genrt.engine.decoder import DecoderRunner
 
-    for precision in ("fp32", "int4"):
-        src = llm_fixtures.build_qwen2(llm_fixtures.TINY_QWEN2, precision)
+    # bf16: the CUDA target, whose bf16 model uses GroupQueryAttention (the CPU target's
+    # MultiHeadAttention is not supported); the CPU provider computes its reference.
+    for precision, target in (("fp32", "cpu"), ("int4", "cpu"), ("bf16", "cuda")):
+        src = llm_fixtures.build_qwen2(llm_fixtures.TINY_QWEN2, precision, target=target)
         folder = dest / f"qwen2-{precision}"
         folder.mkdir(parents=True, exist_ok=True)
         for f in FIXTURE_FILES:
