@@ -26,6 +26,7 @@ from onnx_genrt.core.provider import ExecutionProvider
 from onnx_genrt.core.tensor import Tensor
 
 from .kernels import REGISTRY
+from .kernels._common import BF16, bf16_unsupported
 
 #: Host copies up to this size go through the pinned staging buffer (async on the stream).
 STAGING_MAX = 64 << 20
@@ -91,15 +92,25 @@ class CUDAProvider(ExecutionProvider):
         return super().get_kernel(domain, op_type, opset)
 
     def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
+        self._check_dtype(dtype.numpy)
         with self._scope:
             buf = cupy.empty(tuple(int(s) for s in shape), dtype.numpy)
         return Tensor(buf, dtype, self._device)
+
+    @staticmethod
+    def _check_dtype(dtype: np.dtype) -> None:
+        """A clear error for a bfloat16 tensor on a CuPy without bfloat16."""
+        if dtype == BF16:
+            reason = bf16_unsupported()
+            if reason:
+                raise TypeError(reason)
 
     def copy_from_host(self, array: np.ndarray, out: Tensor | None = None) -> Tensor:
         self._refuse_host_copy("host-to-device copy")
         host = np.asarray(array)
         if out is None:
             host = np.asarray(host, order="C")  # ascontiguousarray would make 0-d 1-d
+            self._check_dtype(host.dtype)
             with self._scope:
                 buf = cupy.empty(host.shape, host.dtype)
             self._upload(host, buf)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -94,8 +95,18 @@ def host_ints(ctx: KernelContext, value: Any) -> list[int]:
     return [int(v) for v in value.get(stream=stream).reshape(-1)]
 
 
+@functools.cache
+def _cupy_has_bf16() -> bool:
+    """CuPy takes ``ml_dtypes.bfloat16`` arrays from v14 on (with NumPy >= 2.1.2)."""
+    try:
+        cupy.empty(0, BF16)
+    except Exception:  # noqa: BLE001  (CuPy raises TypeError or ValueError by version)
+        return False
+    return True
+
+
 def storage(ctx: KernelContext, dtype: Any) -> str:
-    """C storage type of ``dtype`` for the RawKernels (fp32 and fp16 for now)."""
+    """C storage type of ``dtype`` for the RawKernels (fp32, fp16, bf16)."""
     dt = np.dtype(dtype)
     try:
         return _STORAGE[dt]
@@ -104,6 +115,16 @@ def storage(ctx: KernelContext, dtype: Any) -> str:
             f"{ctx.node.describe()}: dtype {dt} is not supported by the CUDA kernels "
             "(float32, float16 and bfloat16 only)"
         ) from None
+
+
+def bf16_unsupported() -> str | None:
+    """Why bfloat16 tensors cannot live on this CuPy, or None."""
+    if _cupy_has_bf16():
+        return None
+    return (
+        f"bfloat16 on CUDA needs CuPy >= 14 with NumPy >= 2.1.2 (found CuPy {cupy.__version__}, "
+        f"NumPy {np.__version__})"
+    )
 
 
 def normalize_axis(ctx: KernelContext, axis: int, rank: int) -> int:
