@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU lane: run from the repository root on the GPU machine (no network there).
-#   bash scripts/gpu_lane.sh
+#   bash scripts/gpu_lane.sh [tests] [bench]
 # Installs the project without fetching anything, runs the GPU tests with the GPU required,
-# lists providers, runs the dispatch bench and prints a summary. Logs go to $OUT when set.
+# lists providers, runs the dispatch and LLM benches and prints a summary. Logs go to $OUT when
+# set. With no argument both parts run; `tests` or `bench` runs one (each fits a 10-minute call).
 # GPU_LANE_PYTEST_ARGS overrides the extra pytest arguments (default: -x).
 set -euo pipefail
 
@@ -10,6 +11,14 @@ PY="${PYTHON:-python3}"
 LOGDIR="${OUT:-/tmp/gpu_lane}"
 mkdir -p "$LOGDIR"
 LOG="$LOGDIR/gpu_lane.log"
+PARTS="${*:-tests bench}"
+for part in $PARTS; do
+  case "$part" in
+    tests | bench) ;;
+    *) echo "gpu_lane.sh: unknown part '$part' (expected: tests, bench)" >&2; exit 2 ;;
+  esac
+done
+has_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 main() {
   echo "== machine"
@@ -44,6 +53,14 @@ EOF
     CPU_PROVIDER="does NOT import: $(tail -n 1 "$LOGDIR/cpu_import.txt")"
   fi
 
+  TESTS_RC=0
+  if has_part tests; then run_tests; fi
+  if has_part bench; then run_benches; fi
+  summary
+  return "$TESTS_RC"
+}
+
+run_tests() {
   echo "== GPU test fixtures (tiny builder models and their CPU reference results)"
   if [ -f .gpu_fixtures/qwen2-int4/reference.npz ] && [ -f .gpu_fixtures/qwen2-fp32/reference.npz ] \
     && [ -f .gpu_fixtures/qwen2-bf16/reference.npz ]; then
@@ -68,7 +85,9 @@ EOF
     --junitxml="$LOGDIR/gpu_tests.xml"
   TESTS_RC=$?
   set -e
+}
 
+run_benches() {
   echo "== providers"
   "${CLI[@]}" providers || echo "onnx-genrt providers failed"
 
@@ -85,8 +104,16 @@ EOF
 
   echo "== LLM bench (Qwen2.5-0.5B shape, random weights)"
   bash scripts/gpu_llm_bench.sh || echo "LLM bench failed"
+}
 
-  echo "== summary"
+summary() {
+  echo "== summary ($PARTS)"
+  echo "numba: $NUMBA; CPU provider: $CPU_PROVIDER"
+  if has_part tests; then summarize_tests; fi
+  if has_part bench; then summarize_benches; fi
+}
+
+summarize_tests() {
   "$PY" - "$LOGDIR/gpu_tests.xml" <<'EOF' || echo "tests: no junit report"
 import sys
 import xml.etree.ElementTree as ET
@@ -102,13 +129,15 @@ for case in root.iter("testcase"):
             print(f"  {bad.tag.upper()}: {case.get('name')}: {msg}")
 EOF
   echo "pytest exit code: $TESTS_RC"
-  echo "numba: $NUMBA; CPU provider: $CPU_PROVIDER"
+}
+
+summarize_benches() {
   echo "dispatch (us per node):"
   sed 's/^/  /' "$LOGDIR/bench.txt"
   for f in "$LOGDIR"/bench-fp16.txt "$LOGDIR"/bench-int4.txt "$LOGDIR"/step-fp16.txt "$LOGDIR"/step-int4.txt "$LOGDIR"/hf_bench.txt "$LOGDIR"/bench-default.txt "$LOGDIR"/step-default.txt "$LOGDIR"/profile-default.txt; do
     [ -f "$f" ] && { echo "$(basename "$f"):"; sed 's/^/  /' "$f"; }
   done
-  return "$TESTS_RC"
+  return 0
 }
 
 main "$@" 2>&1 | tee "$LOG"
