@@ -27,6 +27,8 @@ class BenchRow:
     decode_tok_s: float
     tokens: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: (fastest - slowest) / median of the timed runs' decode tok/s (0 for one run).
+    decode_spread: float = 0.0
 
 
 def _progress(msg: str) -> None:
@@ -76,9 +78,16 @@ def _interleaved(
             statistics.median(r["decode"]),
             r["tokens"],
             r["extra"],
+            _spread(r["decode"]),
         )
         for label, r in results.items()
     ]
+
+
+def _spread(values: list[float]) -> float:
+    """(max - min) / median: how far apart the timed runs were."""
+    mid = statistics.median(values)
+    return (max(values) - min(values)) / mid if mid else 0.0
 
 
 def _print_profile(profiler: cProfile.Profile, label: str, top: int) -> None:
@@ -214,7 +223,8 @@ def run_bench(args: argparse.Namespace) -> int:
         prompt = rng.integers(1, cfg.vocab_size, args.prompt_tokens).tolist()
     new = args.tokens
     _progress(
-        f"bench: {folder.name}, prompt {len(prompt)} tokens, {new} new tokens, median of {args.repeats}"
+        f"bench: {folder.name}, prompt {len(prompt)} tokens, {new} new tokens, median of {args.repeats} "
+        "(spread: fastest minus slowest run over the median)"
     )
     cases: list[tuple[str, Callable]] = []
     for provider in args.provider:
@@ -309,7 +319,7 @@ def format_rows(rows: list[BenchRow]) -> str:
     loop = ref.get("onnxruntime loop")
     base = rows[0].tokens if rows else []
     lines = [
-        f"{'runtime':<28}{'prefill ms':>11}{'decode tok/s':>14}{'vs genai':>10}{'vs ort loop':>13}  same tokens  notes"
+        f"{'runtime':<28}{'prefill ms':>11}{'decode tok/s':>14}{'spread':>8}{'vs genai':>10}{'vs ort loop':>13}  same tokens  notes"
     ]
     for r in rows:
         vs_genai = f"{r.decode_tok_s / genai.decode_tok_s:.2f}x" if genai else "-"
@@ -328,7 +338,7 @@ def format_rows(rows: list[BenchRow]) -> str:
                     f"{who}/{slot} c{st['captures']} r{st['replays']} f{st['fallbacks']} i{st['invalidations']}"
                 )
         lines.append(
-            f"{r.runtime:<28}{r.prefill_ms:>11.2f}{r.decode_tok_s:>14.1f}{vs_genai:>10}{vs_loop:>13}  {same:<11}  {'; '.join(notes)}"
+            f"{r.runtime:<28}{r.prefill_ms:>11.2f}{r.decode_tok_s:>14.1f}{r.decode_spread:>8.1%}{vs_genai:>10}{vs_loop:>13}  {same:<11}  {'; '.join(notes)}"
         )
     return "\n".join(lines)
 

@@ -82,6 +82,13 @@ def test_rows_are_timed_round_robin_after_one_warm_up_each():
     rows = _interleaved([("a", case("a", [10, 30, 20])), ("b", case("b", [5, 1, 3]))], 3)
     assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"]
     assert [(r.runtime, r.decode_tok_s) for r in rows] == [("a", 20), ("b", 3)]
+    # the spread: (fastest - slowest) / median, shown in the table next to the median
+    assert [r.decode_spread for r in rows] == pytest.approx([(30 - 10) / 20, (5 - 1) / 3])
+    from onnx_genrt.llm_bench import format_rows
+
+    header, row_a, row_b = format_rows(rows).splitlines()
+    assert "spread" in header.split()
+    assert "100.0%" in row_a.split() and "133.3%" in row_b.split()
 
 
 @pytest.mark.parametrize(
