@@ -28,7 +28,9 @@ class StepOutput:
 
     ``tokens`` (the device argmax of each row) costs M int64s; ``logits`` costs M x vocab.
     Values are read from the step's bound buffers, so read them before the next step of
-    the same width overwrites those buffers.
+    the same width overwrites those buffers. After a prefill that computed the last row's
+    logits only (``DecoderRunner.prefill_last_row``), ``logits`` and ``tokens`` hold that
+    one row: index them with -1.
     """
 
     def __init__(
@@ -174,6 +176,11 @@ class DecoderRunner:
             session, io, layers, max_length, config.num_kv_heads, config.head_size
         )
         self._bindings: dict[int, tuple[IOBinding, dict[str, Any]]] = {}
+        tail = session.executor.row_tail(io.logits)
+        #: Whether a prefill computes the logits (and device argmax) of its last row only:
+        #: the lm_head then skips every other prompt row. On where the logits come from the
+        #: hidden states through row-local steps (``session.row_tail``).
+        self.prefill_last_row = tail is not None and tail.outputs <= {io.logits, ARGMAX, NONFINITE}
         spec = session.output_spec(io.logits)
         self.vocab = int(spec.shape[-1]) if spec.shape and isinstance(spec.shape[-1], int) else None
         self.logits_dtype = spec.dtype or np.float32
@@ -187,8 +194,11 @@ class DecoderRunner:
         """Whether steps compute their argmax on the device (the decode heads)."""
         return ARGMAX in self._outputs
 
-    def _binding(self, width: int, keep: bool = True) -> tuple[IOBinding, dict[str, Any]]:
-        """The persistent binding for steps of ``width`` tokens (made once per width)."""
+    def _binding(
+        self, width: int, keep: bool = True, last_row: bool = False
+    ) -> tuple[IOBinding, dict[str, Any]]:
+        """The persistent binding for steps of ``width`` tokens (made once per width).
+        ``last_row``: the logits and argmax outputs hold one row (a prefill's last)."""
         if keep and width in self._bindings:
             return self._bindings[width]
         io, b = self.io, self.session.io_binding()
@@ -218,9 +228,10 @@ class DecoderRunner:
         vocab = self.vocab
         if vocab is None:
             raise ModelLoadError(f"output {io.logits!r} needs a static vocabulary dimension")
-        bufs["logits"] = b.bind_output(io.logits, shape=(1, width, vocab), dtype=self.logits_dtype)
+        rows = 1 if last_row else width
+        bufs["logits"] = b.bind_output(io.logits, shape=(1, rows, vocab), dtype=self.logits_dtype)
         if ARGMAX in self._outputs:
-            bufs["argmax"] = b.bind_output(ARGMAX, shape=(1, width), dtype=np.int64)
+            bufs["argmax"] = b.bind_output(ARGMAX, shape=(1, rows), dtype=np.int64)
             bufs["nonfinite"] = b.bind_output(NONFINITE, shape=(), dtype=self.logits_dtype)
         if self.hidden_name:
             hspec = self.session.output_spec(self.hidden_name)
@@ -281,7 +292,8 @@ class DecoderRunner:
             raise InvalidInputError(
                 f"sequence of {start + width} tokens exceeds the KV cache of {self.max_length}"
             )
-        binding, bufs = self._binding(width, keep=slot is not None)
+        last_row = slot is None and self.prefill_last_row and n == width and n > 1
+        binding, bufs = self._binding(width, keep=slot is not None, last_row=last_row)
         if feed_argmax_of is not None and (
             n != 1 or width != 1 or "argmax" not in feed_argmax_of.bufs
         ):
@@ -298,7 +310,9 @@ class DecoderRunner:
             last = feed_argmax_of.n - 1
             self.provider.copy_array(feed_argmax_of.bufs["argmax"][:, last : last + 1], bufs["ids"])
         if slot is None:
-            self.session.executor.run_bound_eager(binding)
+            self.session.executor.run_bound_eager(
+                binding, last_row_of=self.io.logits if last_row else None
+            )
         else:
             self.session.run_with_iobinding(binding, slot)
         self.cache.length = start + n
@@ -357,7 +371,12 @@ class DecoderRunner:
             ok = bool(np.isfinite(self.provider.to_numpy(bufs["logits"])[0, :n]).all())
         if not ok:
             slot = step.slot
-            where = f"{start}..{start + n - 1}" if start is not None else f"of a {n}-row step"
+            if start is None:
+                where = f"of a {n}-row step"
+            elif bufs["logits"].shape[1] < n:  # a prefill's last row only
+                where = f"{start + n - 1}"
+            else:
+                where = f"{start}..{start + n - 1}"
             raise NonFiniteError(
                 f"non-finite logits at positions {where} (slot {slot.value if slot else 'eager'})"
             )

@@ -31,6 +31,7 @@ from onnx_genrt.core.tensor import Tensor
 from .binding import IOBinding, Signature
 from .memory import Lifetime, MemoryPlan, plan_memory
 from .plan import GraphPlan, describe_value
+from .row_tail import RowTail, find_row_tail
 
 #: Eager (unslotted) runs keep memory plans for this many distinct input shapes.
 EAGER_PLAN_CACHE = 8
@@ -99,6 +100,7 @@ class Executor:
         self._step_args: list[list[tuple[str, Any]]] = []
         self._last_use: dict[str, int] = {}
         self._free_after: list[list[str]] = [[] for _ in plan.steps]
+        self._row_tails: dict[str, RowTail | None] = {}
         self._prepare()
 
     # -- setup --------------------------------------------------------------
@@ -264,21 +266,47 @@ class Executor:
             results.append(value)
         return results
 
-    def run_bound_eager(self, binding: IOBinding) -> None:
-        """Run on bound buffers without any graph slot (prefill-like, varying shapes)."""
-        self._eager_run(dict(binding.inputs), binding.outputs)
+    def row_tail(self, output: str) -> RowTail | None:
+        """The steps that make graph output ``output`` row by row from one projection, and
+        the graph outputs they make (``session.row_tail``); None where there are none."""
+        if output not in self._row_tails:
+            self._row_tails[output] = find_row_tail(
+                self.plan.steps, self.plan.constants, self._graph_outputs, output
+            )
+        return self._row_tails[output]
 
-    def _eager_run(self, env: dict[str, Any], outs: Mapping[str, Any]) -> Layout:
-        key = tuple((n, str(v.dtype), tuple(v.shape)) for n, v in sorted(env.items()))
+    def run_bound_eager(self, binding: IOBinding, last_row_of: str | None = None) -> None:
+        """Run on bound buffers without any graph slot (prefill-like, varying shapes).
+
+        ``last_row_of``: the steps of that output's :meth:`row_tail` see only the last row
+        (token) of their input, so the tail's outputs are bound with one row; every other
+        value is computed for all rows. A prefill wants the last row's logits only.
+        """
+        tail = None
+        if last_row_of is not None:
+            tail = self.row_tail(last_row_of)
+            if tail is None:
+                raise KernelError(
+                    f"output {last_row_of!r} is not made row by row from one projection "
+                    "(a MatMul on a constant weight or a MatMulNBits, then row-local ops), "
+                    "so it cannot be computed for the last row alone"
+                )
+        self._eager_run(dict(binding.inputs), binding.outputs, tail)
+
+    def _eager_run(
+        self, env: dict[str, Any], outs: Mapping[str, Any], tail: RowTail | None = None
+    ) -> Layout:
+        shapes = tuple((n, str(v.dtype), tuple(v.shape)) for n, v in sorted(env.items()))
+        key = (tail, shapes)
         layout = self._eager_layouts.get(key)
         if layout is None:
-            layout = self._execute_and_plan(env, outs, bind_outputs=False)
+            layout = self._execute_and_plan(env, outs, bind_outputs=False, tail=tail)
             self._eager_layouts[key] = layout
             if len(self._eager_layouts) > EAGER_PLAN_CACHE:
                 self._eager_layouts.popitem(last=False)
         else:
             self._eager_layouts.move_to_end(key)
-            self._execute(env, layout, outs)
+            self._execute(env, layout, outs, tail=tail)
         return layout
 
     def _constant(self, name: str) -> Any:
@@ -290,8 +318,10 @@ class Executor:
         layout: Layout | None,
         outs: Mapping[str, Any],
         record: _Record | None = None,
+        tail: RowTail | None = None,
     ) -> None:
-        """Run every step; ``env`` starts with the inputs and ends with every live value."""
+        """Run every step; ``env`` starts with the inputs and ends with every live value.
+        With ``tail``, its first step reads the last row of its first input only."""
         contexts = layout.contexts if layout is not None else None
         for i, step in enumerate(self.plan.steps):
             provider = step.provider
@@ -299,6 +329,8 @@ class Executor:
                 (const if const is not None else self._fetch(env, name, provider)) if name else None
                 for name, const in self._step_args[i]
             ]
+            if tail is not None and i == tail.start:
+                args[0] = _last_row(args[0], step)
             ctx = contexts[i] if contexts else KernelContext(step.node, provider)
             try:
                 result = provider.launch(step.kernel, ctx, args)
@@ -364,12 +396,16 @@ class Executor:
 
     # -- planning ---------------------------------------------------------------
     def _execute_and_plan(
-        self, env: dict[str, Any], outs: Mapping[str, Any], bind_outputs: bool = True
+        self,
+        env: dict[str, Any],
+        outs: Mapping[str, Any],
+        bind_outputs: bool = True,
+        tail: RowTail | None = None,
     ) -> Layout:
         """Eager run that records every value's shape, then plans memory from them."""
         inputs = set(env)
         record = _Record()
-        self._execute(env, None, outs, record)
+        self._execute(env, None, outs, record, tail)
         last_use = dict(self._last_use)
         # A view keeps its root's bytes alive: extend the root over the view's readers.
         for view, root in record.alias_of.items():
@@ -435,6 +471,14 @@ class _Record:
                 if in_name and arg is not None and _may_alias(value, arg):
                     self.alias_of[name] = self.alias_of.get(in_name, in_name)
                     break
+
+
+def _last_row(value: Any, step: Any) -> Any:
+    """The last row (axis -2) of an activation, as a view."""
+    if value is None or len(value.shape) < 2:
+        shape = None if value is None else list(value.shape)
+        raise KernelError(f"{step.node.describe()}: no rows to take the last of in {shape}")
+    return value[..., -1:, :]
 
 
 def _may_alias(a: Any, b: Any) -> bool:

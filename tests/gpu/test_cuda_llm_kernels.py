@@ -979,6 +979,13 @@ def test_builder_model_matches_cpu(cp, name):
     # bf16 rounds every op's output to 8 bits, in another order on each provider; on this
     # chaotic fixture HF's own bf16 run is ~2.5% of the logit range off float32 (parity tests)
     tol = 0.06 * float(np.abs(ref["prefill"]).max()) if name == "qwen2-bf16" else 1e-3
+    # a prefill computes its last row's logits only (session.row_tail) ...
+    last = DecoderRunner(model.session, model.config, len(prompt) + 1)
+    assert last.prefill_last_row
+    got = np.asarray(last.forward(prompt, None).logits, np.float64)
+    np.testing.assert_allclose(got, ref["prefill"][-1:], atol=tol, rtol=0)
+    # ... and every row's when asked
+    runner.prefill_last_row = False
     got = np.asarray(runner.forward(prompt, None).logits, np.float64)
     np.testing.assert_allclose(got, ref["prefill"], atol=tol, rtol=0)
     for i, tok in enumerate(tokens[:-1]):
@@ -1132,6 +1139,7 @@ def build_fixtures(dest: Path = FIXTURES) -> None:
             gen.generate_next_token()
         tokens = gen.get_sequence()[len(prompt) :]
         runner = DecoderRunner(model.session, model.config, len(prompt) + len(tokens) + 1)
+        runner.prefill_last_row = False  # the reference keeps every prompt row's logits
         prefill = np.array(runner.forward(prompt, None).logits, copy=True)
         steps = [np.array(runner.forward([t], None).logits[0], copy=True) for t in tokens[:-1]]
         np.savez(

@@ -66,6 +66,7 @@ def engine_greedy(model, prompt: list[int], steps: int) -> tuple[np.ndarray, lis
     from onnx_genrt.engine.decoder import DecoderRunner
 
     runner = DecoderRunner(model.session, model.config, len(prompt) + steps + 1)
+    runner.prefill_last_row = False  # every prompt row's logits, to compare them all
     rows = [runner.forward(prompt, None).logits.copy()]
     tokens = [int(np.argmax(rows[0][-1]))]
     for _ in range(steps):
