@@ -104,3 +104,20 @@ def fused_projection(node: NodeInfo) -> NodeInfo:
 def fused_matmul_nbits_unsupported(node: NodeInfo, types: object = ()) -> str | None:
     """``matmul_nbits_unsupported`` for the projection of a fused MatMulNBits node."""
     return matmul_nbits_unsupported(fused_projection(node), types)
+
+
+def gqa_attribute_problem(node: NodeInfo) -> str | None:
+    """Why a GroupQueryAttention node's attributes or outputs are not supported, or None:
+    the rules every provider shares (each also refuses inputs it does not take)."""
+    if (len(node.output_names) > 3 and node.output_names[3]) or node.attr("qk_output", 0):
+        return "GroupQueryAttention output_qk / qk_output is not supported"
+    if node.attr("sliding_window_cache", 0):
+        return "GroupQueryAttention sliding_window_cache=1 is not supported"
+    for a in ("k_quant_type", "v_quant_type"):
+        if node.attr(a, "NONE") != "NONE":
+            return f"GroupQueryAttention {a}={node.attr(a)!r} (quantized KV cache) is not supported"
+    if node.attr("causal", 1) not in (0, 1):
+        return f"GroupQueryAttention causal={node.attr('causal')} must be 0 or 1"
+    if not node.attr("causal", 1) and node.attr("local_window_size", -1) != -1:
+        return "GroupQueryAttention local_window_size needs causal=1"
+    return None

@@ -407,6 +407,25 @@ def test_gqa_refuses_quantized_cache() -> None:
         InferenceSession(_gqa_model(inp, F32, **ATTRS), providers=["cpu"])
 
 
+@pytest.mark.parametrize(
+    ("attrs", "reason"),
+    [
+        ({"qk_output": 1}, "qk_output is not supported"),
+        ({"sliding_window_cache": 1}, "sliding_window_cache=1 is not supported"),
+        ({"k_quant_type": "PER_TENSOR"}, "k_quant_type='PER_TENSOR' \\(quantized KV cache\\)"),
+        ({"causal": 2}, "causal=2 must be 0 or 1"),
+        ({"causal": 0, "local_window_size": 4}, "local_window_size needs causal=1"),
+    ],
+)
+def test_gqa_refuses_attributes_it_does_not_implement(attrs, reason) -> None:
+    """The attribute rules every provider shares (core.op_rules.gqa_attribute_problem)."""
+    from onnx_genrt.core.errors import UnsupportedOpError
+
+    inp = _gqa_inputs(15, F32, b=1, s=1, seqlens=[0], cap=None)
+    with pytest.raises(UnsupportedOpError, match=reason):
+        InferenceSession(_gqa_model(inp, F32, **{**ATTRS, **attrs}), providers=["cpu"])
+
+
 # ----------------------------------------------------------------------------- RotaryEmbedding
 
 

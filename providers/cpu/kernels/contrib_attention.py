@@ -24,6 +24,7 @@ import numba
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import gqa_attribute_problem
 
 from ._nn_common import softmax_rows
 from ._registry import REGISTRY
@@ -154,18 +155,7 @@ def _gqa_check(node: NodeInfo, _types: object) -> str | None:
     for i, what in _REFUSED_INPUTS.items():
         if i < len(names) and names[i]:
             return f"GroupQueryAttention input {what!r} is not supported"
-    if (len(node.output_names) > 3 and node.output_names[3]) or node.attr("qk_output", 0):
-        return "GroupQueryAttention output_qk / qk_output is not supported"
-    if node.attr("sliding_window_cache", 0):
-        return "GroupQueryAttention sliding_window_cache=1 is not supported"
-    for a in ("k_quant_type", "v_quant_type"):
-        if node.attr(a, "NONE") != "NONE":
-            return f"GroupQueryAttention {a}={node.attr(a)!r} (quantized KV cache) is not supported"
-    if node.attr("causal", 1) not in (0, 1):
-        return f"GroupQueryAttention causal={node.attr('causal')} must be 0 or 1"
-    if not node.attr("causal", 1) and node.attr("local_window_size", -1) != -1:
-        return "GroupQueryAttention local_window_size needs causal=1"
-    return None
+    return gqa_attribute_problem(node)
 
 
 # ----------------------------------------------------------------------------- GQA pieces
