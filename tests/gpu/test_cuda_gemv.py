@@ -6,8 +6,6 @@ Marked ``gpu``: skipped without a usable GPU, failed instead when ONNX_GENRT_REQ
 
 from __future__ import annotations
 
-import zlib
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -20,11 +18,6 @@ pytestmark = pytest.mark.gpu
 PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOATS = [np.float32, np.float16, BF16]
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def _matmul_model(w: np.ndarray, dtype) -> object:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import zlib
 from pathlib import Path
 
 import ml_dtypes
@@ -37,31 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / ".gpu_fixtures"
 FIXTURE_FILES = ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json")
 FIXTURE_FILES += ("tokenizer_config.json",)
-
-
-# ----------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def prov(cp):
-    from onnx_genrt.providers.cuda.provider import CUDAProvider
-
-    return CUDAProvider()
-
-
-@pytest.fixture
-def fresh(cp):
-    from onnx_genrt.providers.cuda.provider import CUDAProvider
-
-    p = CUDAProvider()
-    yield p
-    for slot in DeviceGraphSlot:
-        p.reset_graph(slot)
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 # ----------------------------------------------------------------------------- helpers

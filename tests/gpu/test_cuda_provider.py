@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 
 import ml_dtypes
 import numpy as np
@@ -32,33 +31,6 @@ FLOATS_BF16 = [*FLOATS, BF16]
 #: (rtol, atol) per output dtype, against a float64 reference of the same inputs.
 TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(np.float16): (2e-3, 2e-3)}
 TOL[BF16] = (2e-2, 2e-2)
-
-
-# ----------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def prov(cp):
-    """One provider shared by the kernel tests (they never capture)."""
-    from onnx_genrt.providers.cuda.provider import CUDAProvider
-
-    return CUDAProvider()
-
-
-@pytest.fixture
-def fresh(cp):
-    """A provider of its own, for tests that capture or latch slots."""
-    from onnx_genrt.providers.cuda.provider import CUDAProvider
-
-    p = CUDAProvider()
-    yield p
-    for slot in DeviceGraphSlot:
-        p.reset_graph(slot)
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 # ----------------------------------------------------------------------------- helpers
