@@ -742,29 +742,56 @@ def test_int4_matmul_parallel_matches_serial(m: int) -> None:
     np.testing.assert_allclose(serial, _f64(x) @ qw["ref"].T, rtol=1e-4, atol=1e-4)
 
 
-def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch) -> None:
-    """Decode-sized calls never build the float32 weight; the first large call does, once."""
+@pytest.mark.parametrize("keep", [False, True])
+def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch, keep: bool) -> None:
+    """Decode-sized calls never build the float32 weight; each large call does, unless the
+    cache keeps it (then once). The packed row tiles are kept either way."""
+    monkeypatch.setattr(contrib_quant.DEQUANT_CACHE, "enabled", keep)
     model, inp, _ = _nbits_case(50, 1, 128, 32, 4, 32, "none", False, F32)
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "m"
     sess = InferenceSession(model, providers=["cpu"])
-    real = contrib_quant.dequantize_nbits
-    built: list[int] = []
+    real_dequant, real_tiles = contrib_quant.dequantize_nbits, contrib_quant.int4_tiles
+    built: list[str] = []
 
-    def counting(*args: Any) -> np.ndarray:
-        built.append(1)
-        return real(*args)
+    def counting(real, what):
+        def build(*args: Any) -> Any:
+            built.append(what)
+            return real(*args)
 
-    monkeypatch.setattr(contrib_quant, "dequantize_nbits", counting)
+        return build
+
+    monkeypatch.setattr(contrib_quant, "dequantize_nbits", counting(real_dequant, "float"))
+    monkeypatch.setattr(contrib_quant, "int4_tiles", counting(real_tiles, "tiles"))
     a = _rng(51).standard_normal((40, 128)).astype(np.float32)
     want = _f64(a) @ _quantize_nbits(_rng(50).standard_normal((32, 128)), 4, 32, "none")["ref"].T
     for rows in (1, 16, 2):
         (got,) = sess.run(None, {"A": a[:rows]})
         np.testing.assert_allclose(got, want[:rows], rtol=1e-4, atol=1e-4)
-    assert not built
+    assert built == ["tiles"]
     for _ in range(2):
         (got,) = sess.run(None, {"A": a})
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    assert len(built) == 1
+    assert built.count("float") == (1 if keep else 2)
+    assert built.count("tiles") == 1
+
+
+@pytest.mark.parametrize("zero", ["none", "uint8", "float"])
+def test_whole_block_int4_dequant_equals_the_general_one(zero: str) -> None:
+    """The vectorized 4-bit path gives the same bits as the general loop."""
+    rng = _rng(52)
+    n, k, block = 70, 256, 64
+    qw = _quantize_nbits(rng.standard_normal((n, k)), 4, block, zero)
+    nb = k // block
+    packed = np.ascontiguousarray(qw["B"], np.uint8).reshape(n, nb, block // 2)
+    scales = np.ascontiguousarray(qw["scales"], np.float32).reshape(n, nb)
+    zeros = contrib_quant._nbits_zeros(qw.get("zero_points"), n, nb, 4)
+    general = np.empty((n, k), np.float32)
+    contrib_quant._dequant_nbits(packed, scales, zeros, 4, block, k, general)
+    fast = contrib_quant.dequantize_nbits(
+        qw["B"], qw["scales"], qw.get("zero_points"), k, n, 4, block
+    )
+    np.testing.assert_array_equal(fast, general)
+    np.testing.assert_allclose(fast, qw["ref"], rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- GatherBlockQuantized

@@ -6,12 +6,15 @@ MatMulNBits takes one of two paths, each preparing its weight once and keeping i
 * 4-bit weights with at most ``PACKED_MAX_M`` rows of A (decode, speculative verify,
   short prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
   rearranged into row tiles of the same bytes, about 1.25x the packed size.
-* Otherwise the weight is dequantized to float32 and every call is one BLAS matmul. The
-  float32 copy takes 32/bits times the packed bytes (8x for 4-bit), so it is built only
-  when such a call comes.
+* Otherwise (prompts, other bit widths) the call dequantizes the weight into a float32
+  buffer and runs one BLAS matmul. The buffer takes 32/bits times the packed bytes (8x for
+  4-bit), so it is not kept: a 4-bit model stays near its packed size after a long prompt.
+  Dequantizing whole 4-bit blocks runs at several GB/s, a small part of such a matmul.
 
-Set ``ONNX_GENRT_NBITS_CACHE=0`` (or ``contrib_quant.DEQUANT_CACHE.enabled = False``) to
-prepare the weight on every call instead, trading that memory for time.
+Set ``ONNX_GENRT_NBITS_CACHE=1`` (or ``contrib_quant.DEQUANT_CACHE.enabled = True``) to keep
+the float32 copies instead, trading that memory for a little prompt time. The 4-bit row tiles
+are kept either way (about the packed size; a decode step that tiled its weights on every call
+would be many times slower).
 """
 
 from __future__ import annotations
@@ -69,9 +72,14 @@ class DequantCache:
         self._entries: dict[tuple, tuple[list[weakref.ref], Any]] = {}
 
     def get(
-        self, sources: tuple[np.ndarray | None, ...], params: tuple, build: Callable[[], _T]
+        self,
+        sources: tuple[np.ndarray | None, ...],
+        params: tuple,
+        build: Callable[[], _T],
+        always: bool = False,
     ) -> _T:
-        """The cached value for ``sources``/``params``, built (and kept) on a miss."""
+        """The cached value for ``sources``/``params``, built on a miss and kept while the
+        cache is enabled (``always``: kept even when it is not)."""
         live = [a for a in sources if a is not None]
         key = (tuple(id(a) for a in sources), params)
         hit = self._entries.get(key)
@@ -79,7 +87,7 @@ class DequantCache:
             return hit[1]
         value = build()
         self.builds += 1
-        if self.enabled:
+        if self.enabled or always:
             drop = self._dropper(key)
             self._entries[key] = ([weakref.ref(a, drop) for a in live], value)
         return value
@@ -95,7 +103,7 @@ class DequantCache:
         self._entries.clear()
 
 
-DEQUANT_CACHE = DequantCache(os.environ.get("ONNX_GENRT_NBITS_CACHE", "1") != "0")
+DEQUANT_CACHE = DequantCache(os.environ.get("ONNX_GENRT_NBITS_CACHE", "0") == "1")
 
 
 # ----------------------------------------------------------------------------- MatMulNBits
@@ -120,6 +128,22 @@ def _dequant_nbits(packed, scales, zeros, bits, block, k, out):
                         out[r, col] = (np.float32((v >> (e * bits)) & mask) - z) * s
 
 
+@numba.njit(cache=True)
+def _dequant4_whole_blocks(packed, scales, zeros, out):
+    """``_dequant_nbits`` for 4 bits and K a multiple of the block: no bounds test in the
+    inner loop, two columns per byte (low nibble first), so it vectorizes."""
+    n, nb, blob = packed.shape
+    for r in range(n):
+        for bi in range(nb):
+            s = scales[r, bi]
+            z = zeros[r, bi]
+            base = 2 * blob * bi
+            for byte in range(blob):
+                v = packed[r, bi, byte]
+                out[r, base + 2 * byte] = (np.float32(v & 15) - z) * s
+                out[r, base + 2 * byte + 1] = (np.float32(v >> 4) - z) * s
+
+
 def _nbits_zeros(zp: np.ndarray | None, n: int, nb: int, bits: int) -> np.ndarray:
     """(N, blocks) float32 zero points from packed uint8, float, or the 2^(bits-1) default."""
     if zp is None:
@@ -138,7 +162,11 @@ def dequantize_nbits(
     packed = np.ascontiguousarray(b, _U8).reshape(n, nb, blob)
     sc = np.ascontiguousarray(scales, _F32).reshape(n, nb)
     out = np.empty((n, k), _F32)
-    _dequant_nbits(packed, sc, _nbits_zeros(zp, n, nb, bits), bits, block, k, out)
+    zeros = _nbits_zeros(zp, n, nb, bits)
+    if bits == 4 and k == nb * block:
+        _dequant4_whole_blocks(packed, sc, zeros, out)
+    else:
+        _dequant_nbits(packed, sc, zeros, bits, block, k, out)
     return out
 
 
@@ -169,7 +197,7 @@ def matmul_nbits(
     """Y = A @ dequant(B)^T (+ bias); float32 math whatever accuracy_level asks.
 
     4-bit weights with at most ``PACKED_MAX_M`` rows of A are multiplied packed; other
-    calls use the float32 copy of the weight (built on the first such call).
+    calls dequantize the weight to float32 first (kept only with ``DEQUANT_CACHE.enabled``).
     """
     reason = _nbits_check(ctx.node, ())
     if reason or g_idx is not None:
@@ -191,6 +219,7 @@ def matmul_nbits(
             sources,
             ("int4-tiles", k, n, block),
             lambda: int4_tiles(b, scales, zero_points, k, n, block),
+            always=True,
         )
         y = int4_matmul(
             np.ascontiguousarray(a2, _F32), w4, out2 if direct else np.empty(out2.shape, _F32)
