@@ -178,7 +178,7 @@ class DecoderRunner:
         self._bindings: dict[int, tuple[IOBinding, dict[str, Any]]] = {}
         tail = session.executor.row_tail(io.logits)
         #: Whether a prefill computes the logits (and device argmax) of its last row only:
-        #: the lm_head then skips every other prompt row. On where the logits come from the
+        #: the lm_head then skips every other prompt row. Only where the logits come from the
         #: hidden states through row-local steps (``session.row_tail``).
         self.prefill_last_row = tail is not None and tail.outputs <= {io.logits, ARGMAX, NONFINITE}
         spec = session.output_spec(io.logits)

@@ -1,7 +1,6 @@
 """CPU kernels: onnxruntime's MatMulNBits and GatherBlockQuantized (com.microsoft).
 
-MatMulNBits takes one of two paths, each preparing its weight once and keeping it (see
-``DequantCache``):
+MatMulNBits takes one of two paths (prepared weights are kept by ``DequantCache``):
 
 * 4-bit weights with at most ``PACKED_MAX_M`` rows of A (decode, speculative verify,
   short prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
