@@ -165,3 +165,25 @@ def test_silu_mul_fuses_into_the_down_projection_and_matches_onnxruntime():
     (got,) = sess.run(["y"], {"x": x})
     (want,) = ort.InferenceSession(model.SerializeToString()).run(["y"], {"x": x})
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_last_row_prefill_with_the_projection_fusions():
+    """With the fused projections a CUDA plan makes (here numpy kernels on the CPU), the
+    lm_head is still a plain projection after the final norm, so a prefill computes the last
+    row's logits only, and they equal the last of every row's."""
+    from onnx_genrt.engine import Model
+    from onnx_genrt.engine.decoder import DecoderRunner
+    from onnx_genrt.generate_cli import default_model_dir
+
+    model = Model(default_model_dir(), provider=[FusingCPU()])
+    ops = [s.node.op_type for s in model.session.plan.steps]
+    assert "NormMatMul" in ops and "SiluMulMatMul" in ops, ops
+    prompt = model.tokenizer.encode("    def __init__(self")
+    last = DecoderRunner(model.session, model.config, 32)
+    assert last.prefill_last_row
+    every = DecoderRunner(model.session, model.config, 32)
+    every.prefill_last_row = False
+    got, want = last.forward(prompt, None), every.forward(prompt, None)
+    assert got.logits.shape[0] == 1 and want.logits.shape[0] == len(prompt)
+    np.testing.assert_allclose(got.logits[-1], want.logits[-1], rtol=1e-5, atol=1e-5)
+    assert int(got.tokens[-1]) == int(want.tokens[-1])
