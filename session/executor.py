@@ -288,8 +288,8 @@ class Executor:
             if tail is None:
                 raise KernelError(
                     f"output {last_row_of!r} is not made row by row from one projection "
-                    "(a MatMul on a constant weight or a MatMulNBits, then row-local ops), "
-                    "so it cannot be computed for the last row alone"
+                    "(a MatMul on a constant weight, a MatMulNBits or a norm fused into one, "
+                    "then row-local ops), so it cannot be computed for the last row alone"
                 )
         self._eager_run(dict(binding.inputs), binding.outputs, tail)
 
@@ -321,7 +321,7 @@ class Executor:
         tail: RowTail | None = None,
     ) -> None:
         """Run every step; ``env`` starts with the inputs and ends with every live value.
-        With ``tail``, its first step reads the last row of its first input only."""
+        With ``tail``, its first step reads the last row of its row inputs only."""
         contexts = layout.contexts if layout is not None else None
         for i, step in enumerate(self.plan.steps):
             provider = step.provider
@@ -329,8 +329,10 @@ class Executor:
                 (const if const is not None else self._fetch(env, name, provider)) if name else None
                 for name, const in self._step_args[i]
             ]
-            if tail is not None and i == tail.start:
-                args[0] = _last_row(args[0], step)
+            if tail is not None and i == tail.start:  # its row inputs: every non-constant
+                for index, (name, const) in enumerate(self._step_args[i]):
+                    if name and const is None:
+                        args[index] = _last_row(args[index], step)
             ctx = contexts[i] if contexts else KernelContext(step.node, provider)
             try:
                 result = provider.launch(step.kernel, ctx, args)

@@ -28,9 +28,15 @@ _LAST_AXIS = frozenset({"Softmax", "LogSoftmax", "ArgMax", "ArgMin"})
 _FULL_REDUCTIONS = frozenset({"ReduceSum", "ReduceMax", "ReduceMin"})
 
 
+#: Fused ops (``session.fusion``) that normalize their rows, then project them: inputs
+#: (x, skip, gamma, weight...), outputs (y, residual sum, normalized rows).
+_NORM_PROJECTIONS = frozenset({"NormMatMul", "NormMatMulNBits"})
+
+
 @dataclass(frozen=True)
 class RowTail:
-    """Steps ``start`` on that only need the last row of ``start``'s first input.
+    """Steps ``start`` on that only need the last row of ``start``'s row inputs (its inputs
+    that are no constants: the activations, and a fused norm's residual).
 
     ``outputs``: the graph outputs computed from that row alone (a caller binds them with one
     row); every other value in the plan is computed as usual.
@@ -49,6 +55,19 @@ def _is_projection(step: Any, constants: Mapping[str, Any]) -> bool:
     if (domain, op) == ("", "MatMul"):
         return len(step.inputs) == 2 and getattr(constants[step.inputs[1]], "ndim", 0) == 2
     return (domain, op) == ("com.microsoft", "MatMulNBits")
+
+
+def _is_start(step: Any, constants: Mapping[str, Any], readers: Mapping[str, int]) -> bool:
+    """A projection, or a norm fused into one whose residual sum no one reads."""
+    if _is_projection(step, constants):
+        return True
+    if normalize_domain(step.node.domain) != "onnx_genrt":
+        return False
+    if step.node.op_type not in _NORM_PROJECTIONS or len(step.inputs) < 4:
+        return False
+    weights = [name for name in step.inputs[2:] if name]
+    total = step.outputs[1] if len(step.outputs) > 1 else ""
+    return all(name in constants for name in weights) and not (total and readers.get(total))
 
 
 def _row_local(step: Any, rows: set[str], constants: Mapping[str, Any]) -> bool:
@@ -82,7 +101,8 @@ def find_row_tail(
 
     From ``output``'s producer it walks back through row-local steps (a Cast or a softcap
     after the lm_head), over values with one reader that are no graph output, to a
-    projection: the tail's start. Every step downstream of the start must be row-local.
+    projection (or a norm fused into one): the tail's start. Every step downstream of the
+    start must be row-local.
     """
     producer = {name: i for i, s in enumerate(steps) for name in s.outputs if name}
     readers: dict[str, int] = {}
@@ -91,7 +111,7 @@ def find_row_tail(
             if name:
                 readers[name] = readers.get(name, 0) + 1
     i = producer.get(output)
-    while i is not None and not _is_projection(steps[i], constants):
+    while i is not None and not _is_start(steps[i], constants, readers):
         row_inputs = [n for n in steps[i].inputs if n and n not in constants]
         if len(set(row_inputs)) != 1 or not _row_local(steps[i], set(row_inputs), constants):
             return None

@@ -167,18 +167,33 @@ def test_silu_mul_fuses_into_the_down_projection_and_matches_onnxruntime():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_last_row_prefill_with_the_projection_fusions():
-    """With the fused projections a CUDA plan makes (here numpy kernels on the CPU), the
-    lm_head is still a plain projection after the final norm, so a prefill computes the last
-    row's logits only, and they equal the last of every row's."""
+@pytest.mark.parametrize(
+    ("which", "start"),
+    [
+        ("embedded", "MatMul"),  # hidden_states is an output: the final norm stays
+        ("builder-without-hidden-states", "NormMatMul"),  # the final norm fuses into lm_head
+    ],
+)
+def test_last_row_prefill_with_the_projection_fusions(which, start):
+    """With the fused projections a CUDA plan makes (here numpy kernels on the CPU), a
+    prefill still computes the last row's logits only, and they equal the last of every
+    row's. Without a hidden_states output the tail starts at the lm_head's NormMatMul, whose
+    input and residual are both cut to the last row."""
     from onnx_genrt.engine import Model
     from onnx_genrt.engine.decoder import DecoderRunner
     from onnx_genrt.generate_cli import default_model_dir
 
-    model = Model(default_model_dir(), provider=[FusingCPU()])
-    ops = [s.node.op_type for s in model.session.plan.steps]
-    assert "NormMatMul" in ops and "SiluMulMatMul" in ops, ops
-    prompt = model.tokenizer.encode("    def __init__(self")
+    from .llm_fixtures import TINY_QWEN2, build_qwen2
+
+    if which == "embedded":
+        folder = default_model_dir()
+    else:
+        folder = build_qwen2(TINY_QWEN2, hidden_states=False)
+    model = Model(folder, provider=[FusingCPU()])
+    tail = model.session.executor.row_tail(model.config.io.logits)
+    assert tail is not None
+    assert model.session.plan.steps[tail.start].node.op_type == start
+    prompt = [5, 17, 99, 3, 250, 7, 5, 17, 99]
     last = DecoderRunner(model.session, model.config, 32)
     assert last.prefill_last_row
     every = DecoderRunner(model.session, model.config, 32)
