@@ -272,6 +272,11 @@ def run_bench(args: argparse.Namespace) -> int:
                 _progress(f"  {label} skipped: {exc}")
     rows = _interleaved(cases, args.repeats, args.cprofile)
     print(format_rows(rows))
+    if "cpu" in args.provider and any(label.startswith("onnxruntime") for label, _ in cases):
+        print(
+            f"threads: onnx-genrt[cpu] {args.threads or 1} (--threads); the onnxruntime rows "
+            "use onnxruntime's default intra-op threads (one per physical core)"
+        )
     if "cuda" in args.provider:
         nbytes = weight_bytes_per_token(cfg.model_path)
         ceiling = args.bandwidth * 1e9 / nbytes if nbytes else float("nan")
