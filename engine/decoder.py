@@ -358,6 +358,8 @@ class DecoderRunner:
         With the decode heads, the probe scalar and the step's argmax ids come back in one
         transfer. The probe covers every row of the step, padded rows included: a padded
         verify row holds a real token's logits, so a non-finite value there is a real fault.
+        A last-row prefill computes (and probes) the last row's logits only; a non-finite
+        key or value of an earlier row reaches that row through attention.
         """
         values = step.fetch()
         read: dict[str, np.ndarray] = {}
