@@ -240,8 +240,8 @@ def silu_mul_matmul(ctx: KernelContext, g, u, w):
     fused, view, act = _prepare_silu(ctx, g, u)
     if view.shape[-1] > SILU_FLOAT_GEMV_MAX_K:
         y = matmul(_projection_ctx(ctx), fused.unfused(), w)
-        return (y, act)[: max(1, len(ctx.node.output_names))]
-    y = matmul(_projection_ctx(ctx), view, w, norm=fused)
+    else:
+        y = matmul(_projection_ctx(ctx), view, w, norm=fused)
     return (y, act)[: max(1, len(ctx.node.output_names))]
 
 
