@@ -37,3 +37,7 @@ class ProviderUnavailableError(OnnxGenrtError):
 
 class NonFiniteError(OnnxGenrtError, FloatingPointError):
     """A tensor that must be finite (for example logits) holds NaN or infinity."""
+
+
+class ConcurrentUseError(OnnxGenrtError, RuntimeError):
+    """An object that serves one thread at a time (a Generator) was entered by a second."""

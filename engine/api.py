@@ -11,6 +11,7 @@ from typing import Any
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.session import load_model
 
+from .config import SPECULATIVE_FILE
 from .generator import Generator
 from .model import GeneratorParams, Model
 from .mtp_chain import restrict_draft_vocab
@@ -85,12 +86,14 @@ def make_proposer(
         return PromptLookupProposer()
     if spec == "mtp":
         key = ("mtp", min_confidence)
-        if key not in model.proposers:
-            model.proposers[key] = _make_mtp(model, min_confidence)
+        with model.session.exclusive():  # one thread builds it; the others then reuse it
+            if key not in model.proposers:
+                model.proposers[key] = _make_mtp(model, min_confidence)
         return model.proposers[key]
     if spec == "draft":
-        if "draft" not in model.proposers:
-            model.proposers["draft"] = _draft_model(model)
+        with model.session.exclusive():
+            if "draft" not in model.proposers:
+                model.proposers["draft"] = _draft_model(model)
         return DraftModelProposer(
             model.proposers["draft"], max_length, min_confidence=min_confidence
         )
@@ -102,7 +105,9 @@ def _make_mtp(model: Model, min_confidence: float) -> MTPProposer:
     if not mtp:
         raise ModelLoadError(f"{model.folder}/speculative.json has no mtp section")
     inputs, outputs = mtp.get("inputs", {}), mtp.get("outputs", {})
-    head = load_model(Path(model.folder) / mtp.get("filename", "mtp/model.onnx"))
+    key = f"{SPECULATIVE_FILE}: mtp.filename"
+    head_path = model.config.path_of(mtp.get("filename", "mtp/model.onnx"), key)
+    head = load_model(head_path, folder=model.folder)
     vocab = mtp.get("draft_vocab")
     if vocab is not None:
         if not isinstance(vocab, int) or not 1 <= vocab <= model.config.vocab_size:
@@ -133,7 +138,9 @@ def _draft_model(model: Model) -> Model:
     draft = model.config.speculative.get("draft")
     if not draft:
         raise ModelLoadError(f"{model.folder}/speculative.json has no draft section")
-    folder = Path(model.folder) / draft.get("path", "draft")
+    folder = model.config.path_of(draft.get("path", "draft"), f"{SPECULATIVE_FILE}: draft.path")
+    if not folder.is_dir():
+        raise ModelLoadError(f"{SPECULATIVE_FILE}: draft.path: no model folder at {folder}")
     return Model(folder, model.providers, enable_graphs=model.enable_graphs)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_genrt.core.errors import ModelLoadError
+from onnx_genrt.core.paths import resolve_inside
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,18 @@ class GenAIConfig:
 
     @property
     def model_path(self) -> Path:
-        return self.folder / self.filename
+        """The decoder's file, resolved inside the folder (refused if it leaves it)."""
+        return resolve_inside(self.folder, self.filename, f"{CONFIG_FILE}: model.decoder.filename")
+
+    def path_of(self, name: Any, key: str) -> Path:
+        """Any other file the folder names (``key`` says which entry), inside the folder."""
+        return resolve_inside(self.folder, name, key)
+
+
+def _filename(value: Any, path: Path) -> str:
+    if not isinstance(value, str) or not value:
+        raise ModelLoadError(f"{path}: model.decoder.filename must be a file name, got {value!r}")
+    return value
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -71,32 +83,47 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
 
 
+CONFIG_FILE = "genai_config.json"
 SPECULATIVE_FILE = "speculative.json"
+
+
+def read_json_object(folder: Path, name: str) -> dict[str, Any] | None:
+    """``folder/name`` parsed as a JSON object (None when absent); the file must resolve
+    inside the folder, and every problem is a :class:`ModelLoadError` naming the file."""
+    path = resolve_inside(folder, name, name)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _speculative(folder: Path) -> dict[str, Any]:
     """Proposers shipped beside the model (``speculative.json``; onnxruntime-genai refuses
-    unknown keys in genai_config.json, so they live in a file of their own)."""
-    path = folder / SPECULATIVE_FILE
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
+    unknown keys in genai_config.json, so they live in a file of their own). Each section
+    (``mtp``, ``draft``, ...) must be an object."""
+    data = read_json_object(folder, SPECULATIVE_FILE) or {}
+    for section, value in data.items():
+        if not isinstance(value, dict):
+            raise ModelLoadError(
+                f"{folder / SPECULATIVE_FILE}: section {section!r} must be an object, "
+                f"got {type(value).__name__}"
+            )
     return data
 
 
 def load_config(folder: str | Path) -> GenAIConfig:
     """Parse ``folder/genai_config.json``; errors name the file and the missing key."""
     folder = Path(folder)
-    path = folder / "genai_config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"no genai_config.json in {folder}")
+    path = folder / CONFIG_FILE
+    raw = read_json_object(folder, CONFIG_FILE)
+    if raw is None:
+        raise ModelLoadError(f"no {CONFIG_FILE} in {folder}")
     try:
-        raw = json.loads(path.read_text())
         model = raw["model"]
         dec = model["decoder"]
         inputs, outputs = dec.get("inputs", {}), dec.get("outputs", {})
@@ -125,7 +152,7 @@ def load_config(folder: str | Path) -> GenAIConfig:
         return GenAIConfig(
             folder=folder,
             model_type=str(model.get("type", "")),
-            filename=dec.get("filename", "model.onnx"),
+            filename=_filename(dec.get("filename", "model.onnx"), path),
             io=io,
             num_layers=int(dec["num_hidden_layers"]),
             num_kv_heads=int(dec["num_key_value_heads"]),

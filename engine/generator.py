@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.locking import SingleUser
 
 from .decoder import HiddenState, PendingStep, StepOutput
 from .model import GeneratorParams, Model
 from .sampling import penalize_repetition, pick
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def one_thread(method: Method) -> Method:
+    """A generator method that changes the sequence or runs the model: refused while another
+    thread is inside this generator, and holding the model's session for the whole call
+    (steps of other generators on the same model wait; see ``core.locking``)."""
+
+    @functools.wraps(method)
+    def guarded(self: Generator, *args: Any, **kwargs: Any) -> Any:
+        with self._user, self.model.session.exclusive():
+            return method(self, *args, **kwargs)
+
+    return guarded  # type: ignore[return-value]
 
 
 class Generator:
@@ -20,6 +38,10 @@ class Generator:
     The last token of the sequence is *pending*: chosen but not yet fed to the model. The KV
     cache therefore holds ``len(sequence) - 1`` positions between calls, and rewinding is
     a matter of lowering that length.
+
+    Threads: a generator serves one thread at a time; a second thread that calls it while
+    the first is inside gets ``ConcurrentUseError``. Generators of one shared ``Model`` may
+    run in different threads: their steps take turns on the model's providers.
     """
 
     #: Queue the next greedy step before this one is read back: None (default) where the
@@ -27,6 +49,7 @@ class Generator:
     look_ahead: bool | None = None
 
     def __init__(self, model: Model, params: GeneratorParams, spare: int = 0) -> None:
+        self._user = SingleUser("this Generator")
         self.model = model
         self.params = params
         self.search = params.search
@@ -44,6 +67,7 @@ class Generator:
         # The next greedy step, queued before this one was read back (see _may_look_ahead).
         self._ahead: PendingStep | None = None
 
+    @one_thread
     def close(self) -> None:
         """Hand the KV cache back to the model's pool, so the next generation reuses it and
         the graphs captured on it. The sequence stays readable; stepping raises."""
@@ -63,6 +87,7 @@ class Generator:
             raise InvalidInputError("this generator is closed; create a new one")
 
     # -- feeding -----------------------------------------------------------------
+    @one_thread
     def append_tokens(self, ids: Sequence[int]) -> None:
         """Feed tokens (a prompt or a continuation); afterwards the next token can be picked."""
         self._check_open()
@@ -97,6 +122,7 @@ class Generator:
         self._hidden_at = (out, len(feed) - 1)
 
     # -- stepping ----------------------------------------------------------------
+    @one_thread
     def generate_next_token(self) -> None:
         self._check_open()
         if self.is_done():
@@ -200,6 +226,7 @@ class Generator:
             raise IndexError("this generator holds a single sequence (index 0)")
         return list(self.tokens)
 
+    @one_thread
     def rewind_to(self, length: int) -> None:
         """Keep the first ``length`` tokens; the next step recomputes from there."""
         self._check_open()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,11 @@ from .tokenizer import Tokenizer
 
 
 class Model:
-    """A decoder folder (genai_config.json, model.onnx, tokenizer.json) loaded on a provider."""
+    """A decoder folder (genai_config.json, model.onnx, tokenizer.json) loaded on a provider.
+
+    Threads: a model may be shared. Each generator gets a KV cache of its own from the
+    model's pool, and generation steps take turns on the model's providers.
+    """
 
     def __init__(
         self,
@@ -33,12 +38,15 @@ class Model:
         self.config: GenAIConfig = load_config(self.folder)
         self.providers = [provider] if isinstance(provider, str) else list(provider)
         self.enable_graphs = enable_graphs
-        proto = add_decode_heads(load_model(self.config.model_path), self.config.io.logits)
+        proto = add_decode_heads(
+            load_model(self.config.model_path, folder=self.folder), self.config.io.logits
+        )
         self.session = InferenceSession(
             proto, providers=self.providers, enable_graphs=enable_graphs
         )
         self._tokenizer: Tokenizer | None = None
         self._runners: list[tuple[DecoderRunner, weakref.ref]] = []
+        self._pool_lock = threading.Lock()
         #: Proposers and draft models built for this model, reused across generations.
         self.proposers: dict[Any, Any] = {}
 
@@ -57,22 +65,24 @@ class Model:
         """
         context = self.config.context_length
         capacity = min(max(256, 1 << max(min(length, context) - 1, 1).bit_length()), context)
-        for runner, holder in self._runners:
-            if runner.max_length == capacity and holder() is None:
-                self._runners.remove((runner, holder))
-                runner.rewind_to(0)
-                self._runners.append((runner, weakref.ref(owner)))
-                return runner
-        runner = DecoderRunner(self.session, self.config, capacity)
-        self._runners.append((runner, weakref.ref(owner)))
-        return runner
+        with self._pool_lock:
+            for runner, holder in self._runners:
+                if runner.max_length == capacity and holder() is None:
+                    self._runners.remove((runner, holder))
+                    runner.rewind_to(0)
+                    self._runners.append((runner, weakref.ref(owner)))
+                    return runner
+            runner = DecoderRunner(self.session, self.config, capacity)
+            self._runners.append((runner, weakref.ref(owner)))
+            return runner
 
     def release_runner(self, owner: object) -> None:
         """Hand ``owner``'s runners back to the pool now, without waiting for the owner to
         be garbage collected (a reference cycle or a kept traceback can delay that)."""
-        for i, (runner, holder) in enumerate(self._runners):
-            if holder() is owner:
-                self._runners[i] = (runner, _released)
+        with self._pool_lock:
+            for i, (runner, holder) in enumerate(self._runners):
+                if holder() is owner:
+                    self._runners[i] = (runner, _released)
 
     def session_from_proto(self, proto, provider: Any = None) -> InferenceSession:
         """A session for another graph (an MTP chain), on the same providers; on the given
@@ -82,9 +92,8 @@ class Model:
 
     def session_for(self, relative: str) -> InferenceSession:
         """A session for another ONNX file in the folder (an MTP head), on the same providers."""
-        return InferenceSession(
-            self.folder / relative, providers=self.providers, enable_graphs=self.enable_graphs
-        )
+        proto = load_model(self.config.path_of(relative, "model file"), folder=self.folder)
+        return InferenceSession(proto, providers=self.providers, enable_graphs=self.enable_graphs)
 
     def __repr__(self) -> str:
         return f"Model({str(self.folder)!r}, type={self.config.model_type!r}, providers={self.providers})"

@@ -16,7 +16,7 @@ import numpy as np
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
 from .decoder import PendingStep
-from .generator import Generator
+from .generator import Generator, one_thread
 from .model import GeneratorParams, Model
 from .proposers import Proposer
 from .sampling import distribution
@@ -72,11 +72,13 @@ class SpeculativeGenerator(Generator):
     #: where the provider reads asynchronously (a GPU), True or False to force it.
     pipeline: bool | None = None
 
+    @one_thread
     def close(self) -> None:
         self._queued = None
         super().close()
         self.proposer.close()
 
+    @one_thread
     def generate_next_token(self) -> None:
         self._check_open()
         if self.is_done():
@@ -212,11 +214,13 @@ class SpeculativeGenerator(Generator):
                 out.extra["drafts"].reshape(-1), out.extra["confidences"].reshape(-1)
             )
 
+    @one_thread
     def append_tokens(self, ids) -> None:
         self._chained = None
         self._queued = None
         super().append_tokens(ids)
 
+    @one_thread
     def rewind_to(self, length: int) -> None:
         self._chained = None
         self._queued = None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from onnx_genrt.core.errors import ModelLoadError
+from onnx_genrt.core.paths import resolve_inside
+
+from .config import read_json_object
 
 
 class Tokenizer:
@@ -21,15 +23,14 @@ class Tokenizer:
                 "the 'tokenizers' package is needed to read tokenizer.json"
             ) from exc
         folder = Path(folder)
-        path = folder / "tokenizer.json"
+        path = resolve_inside(folder, "tokenizer.json", "tokenizer.json")
         if not path.is_file():
             raise ModelLoadError(f"no tokenizer.json in {folder}")
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as exc:
             raise ModelLoadError(f"{path} cannot be read: {exc}") from None
-        cfg_path = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config: dict[str, Any] = read_json_object(folder, "tokenizer_config.json") or {}
 
     @property
     def vocab_size(self) -> int:

@@ -25,6 +25,7 @@ from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import KernelError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.locking import hold
 from onnx_genrt.core.provider import ExecutionProvider
 from onnx_genrt.core.tensor import Tensor
 
@@ -189,8 +190,13 @@ class Executor:
 
     # -- bound runs -----------------------------------------------------------
     def run_bound(self, binding: IOBinding, slot: DeviceGraphSlot | None = None) -> None:
-        """Run with persistent bindings in ``slot`` (default: the current graph slot)."""
-        slot = self._slot if slot is None else slot
+        """Run with persistent bindings in ``slot`` (default: the current graph slot).
+
+        Thread-safe: runs hold the locks of the plan's providers, one run at a time."""
+        with hold(self.plan.providers):
+            self._run_bound(binding, self._slot if slot is None else slot)
+
+    def _run_bound(self, binding: IOBinding, slot: DeviceGraphSlot) -> None:
         state = self.state(slot)
         sig = binding.signature()
         if sig != state.signature:
@@ -249,7 +255,13 @@ class Executor:
 
     # -- eager runs -------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str]) -> list[Any]:
-        """Eager run on fresh outputs; memory planned per distinct input-shape set."""
+        """Eager run on fresh outputs; memory planned per distinct input-shape set.
+
+        Thread-safe (the provider locks are held): results never come from another run."""
+        with hold(self.plan.providers):
+            return self._run(feeds, output_names)
+
+    def _run(self, feeds: Mapping[str, Any], output_names: Sequence[str]) -> list[Any]:
         env = dict(feeds)
         layout = self._eager_run(env, {})
         results = []
@@ -291,7 +303,8 @@ class Executor:
                     "(a MatMul on a constant weight, a MatMulNBits or a norm fused into one, "
                     "then row-local ops), so it cannot be computed for the last row alone"
                 )
-        self._eager_run(dict(binding.inputs), binding.outputs, tail)
+        with hold(self.plan.providers):
+            self._eager_run(dict(binding.inputs), binding.outputs, tail)
 
     def _eager_run(
         self, env: dict[str, Any], outs: Mapping[str, Any], tail: RowTail | None = None

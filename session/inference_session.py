@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnx
 
 from onnx_genrt.core.errors import InvalidInputError, ProviderUnavailableError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.locking import hold
 from onnx_genrt.core.provider import ExecutionProvider
 from onnx_genrt.core.registry import get_registry
 
@@ -50,6 +52,10 @@ class InferenceSession:
     ``providers`` are tried in order for each node; a node runs on the first that supports
     it, and copies are inserted between devices. ``enable_graphs`` turns graph capture of
     bound runs on (default) or off, for comparison.
+
+    Threads: a session may be shared. Runs hold the locks of its providers, so they run one
+    at a time and each returns its own results. An :class:`IOBinding` is its caller's set of
+    buffers: threads that share one share its values.
     """
 
     def __init__(
@@ -114,6 +120,14 @@ class InferenceSession:
                 )
 
     # -- running ------------------------------------------------------------------
+    def exclusive(self) -> AbstractContextManager[None]:
+        """Hold this session's providers for a sequence of runs and reads (re-entrant).
+
+        Every run already holds them; a caller that runs and then reads bound outputs (a
+        decode step) holds them across both, so no other thread's run comes in between.
+        """
+        return hold(self.providers)
+
     def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
         """Run once on host feeds; returns host numpy arrays in ``output_names`` order."""
         names = list(output_names) if output_names else [o.name for o in self.plan.outputs]
@@ -125,8 +139,9 @@ class InferenceSession:
             raise InvalidInputError(
                 f"missing inputs {missing}; the model needs {sorted(self._inputs)}"
             )
-        results = self.executor.run(checked, names)
-        return [np.asarray(self.main_provider.to_numpy(r)) for r in results]
+        with self.exclusive():  # device results may live in the run's arena until read
+            results = self.executor.run(checked, names)
+            return [np.asarray(self.main_provider.to_numpy(r)) for r in results]
 
     def _check_feed(self, name: str, value: Any) -> Any:
         spec = self.input_spec(name)

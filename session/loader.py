@@ -10,13 +10,22 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
 from onnx_genrt.core.errors import ModelLoadError
+from onnx_genrt.core.paths import resolve_inside
+
+#: protobuf cannot parse a message of 2 GiB or more; larger models keep weights outside.
+MAX_PROTO_BYTES = 2**31 - 1
 
 
-def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
+def load_model(
+    source: str | os.PathLike[str] | bytes | onnx.ModelProto,
+    folder: str | os.PathLike[str] | None = None,
+) -> onnx.ModelProto:
     """Read a model from a path, serialized bytes or a ``ModelProto``.
 
-    External data must live inside the model's folder; a location that escapes it (an
-    absolute path, ``..``, or a symlink out) is refused with an error naming the path.
+    ``folder`` is the model folder the file and its external data must stay inside
+    (default: the folder the path names, as given). The model file and every external-data
+    location are resolved with symlinks followed; one that leaves the folder (an absolute
+    path, ``..``, or a symlink out) is refused with an error naming the path.
     """
     if isinstance(source, onnx.ModelProto):
         model = source
@@ -25,13 +34,21 @@ def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
         model = _parse(bytes(source), "<bytes>")
         base = None
     else:
-        path = Path(source)
-        if path.is_dir():
-            path = path / "model.onnx"
+        given = Path(source)
+        if given.is_dir():
+            given = given / "model.onnx"
+        base = Path(folder if folder is not None else given.parent).resolve()
+        path = resolve_inside(base, os.path.relpath(given.absolute(), base), "model file")
         if not path.is_file():
-            raise ModelLoadError(f"model file not found: {path}")
-        model = _parse(path.read_bytes(), str(path))
-        base = path.resolve().parent
+            raise ModelLoadError(f"model file not found: {given}")
+        size = path.stat().st_size
+        if size > MAX_PROTO_BYTES:
+            raise ModelLoadError(
+                f"{given} is {size / 2**30:.1f} GiB; an ONNX file holds at most 2 GiB "
+                "(protobuf's limit): save the weights as external data "
+                "(onnx.save_model(..., save_as_external_data=True))"
+            )
+        model = _parse(path.read_bytes(), str(given))
     _check_structure(model)
     if _uses_external_data(model):
         if base is None:
@@ -79,23 +96,25 @@ def _load_external(model: onnx.ModelProto, base: Path) -> None:
     for tensor in external_data_helper._get_all_tensors(model):
         if not external_data_helper.uses_external_data(tensor):
             continue
-        info = external_data_helper.ExternalDataInfo(tensor)
-        target = (base / info.location).resolve()
-        if os.path.isabs(info.location) or not target.is_relative_to(base):
+        try:
+            info = external_data_helper.ExternalDataInfo(tensor)
+        except (TypeError, ValueError) as exc:
             raise ModelLoadError(
-                f"tensor {tensor.name!r}: external data location {info.location!r} escapes the "
-                f"model folder {base}"
-            )
+                f"tensor {tensor.name!r}: unreadable external data fields: {exc}"
+            ) from None
+        key = f"tensor {tensor.name!r}: external data location"
+        target = resolve_inside(base, info.location, key)
         if not target.is_file():
             raise ModelLoadError(f"tensor {tensor.name!r}: external data file missing: {target}")
-        with open(target, "rb") as f:
-            f.seek(info.offset or 0)
-            data = f.read(info.length) if info.length else f.read()
-        if info.length and len(data) != info.length:
+        offset, length, size = info.offset or 0, info.length or 0, target.stat().st_size
+        if offset < 0 or length < 0 or offset + length > size:
             raise ModelLoadError(
-                f"tensor {tensor.name!r}: external data file {target} is truncated "
-                f"(wanted {info.length} bytes at offset {info.offset or 0}, got {len(data)})"
+                f"tensor {tensor.name!r}: external data wants {length} bytes at offset "
+                f"{offset} of {target}, which has {size} bytes"
             )
+        with open(target, "rb") as f:
+            f.seek(offset)
+            data = f.read(length) if length else f.read()
         tensor.raw_data = data
         del tensor.external_data[:]
         tensor.data_location = onnx.TensorProto.DEFAULT

@@ -154,8 +154,9 @@ def test_external_data_inside_the_folder_loads(tmp_path):
     np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("location", ["../outside.bin", "/etc/passwd"])
-def test_external_data_escaping_the_folder_is_refused(tmp_path, location):
+def _model_with_external_weight(tmp_path, location: str, **fields: str):
+    """mlp() whose first weight is external data at ``location`` (its bytes are written to
+    ``tmp_path/outside.bin``), saved as ``tmp_path/m/model.onnx``."""
     model = mlp(hidden=8)
     w = model.graph.initializer[0]
     data = numpy_helper.to_array(w).tobytes()
@@ -163,14 +164,93 @@ def test_external_data_escaping_the_folder_is_refused(tmp_path, location):
     w.ClearField("float_data")
     w.ClearField("raw_data")
     w.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", location), ("length", str(len(data)))):
+    for key, value in {"location": location, "length": str(len(data)), **fields}.items():
         entry = w.external_data.add()
         entry.key, entry.value = key, value
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "model.onnx").write_bytes(model.SerializeToString())
-    with pytest.raises(ModelLoadError, match=f"'w1'.*{location!r} escapes the model folder"):
+    return model, folder
+
+
+@pytest.mark.parametrize(
+    ("location", "why"),
+    [("../outside.bin", "outside the model folder"), ("/etc/passwd", "is an absolute path")],
+)
+def test_external_data_escaping_the_folder_is_refused(tmp_path, location, why):
+    _, folder = _model_with_external_weight(tmp_path, location)
+    with pytest.raises(ModelLoadError, match=f"'w1'.*{location!r}.*{why}"):
         InferenceSession(folder / "model.onnx")
+
+
+def test_external_data_symlinked_out_of_the_folder_is_refused(tmp_path):
+    # The link sits inside the folder, but the bytes it points at do not.
+    _, folder = _model_with_external_weight(tmp_path, "weights.bin")
+    (folder / "weights.bin").symlink_to(tmp_path / "outside.bin")
+    with pytest.raises(ModelLoadError, match=r"'weights.bin' resolves to .*outside\.bin, outside"):
+        InferenceSession(folder / "model.onnx")
+    # A link that stays inside the folder is fine.
+    (folder / "weights.bin").unlink()
+    (tmp_path / "outside.bin").rename(folder / "real.bin")
+    (folder / "weights.bin").symlink_to(folder / "real.bin")
+    x = np.ones((1, 8), np.float32)
+    (y,) = InferenceSession(folder / "model.onnx").run(None, {"x": x})
+    np.testing.assert_allclose(y, mlp_reference(mlp(hidden=8), x), rtol=1e-5, atol=1e-6)
+
+
+def test_external_data_in_a_symlinked_directory_out_of_the_folder_is_refused(tmp_path):
+    _, folder = _model_with_external_weight(tmp_path, "sub/outside.bin")
+    (folder / "sub").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(ModelLoadError, match=r"'sub/outside.bin' resolves to .*, outside"):
+        InferenceSession(folder / "model.onnx")
+
+
+def test_model_file_symlinked_out_of_its_folder_is_refused(tmp_path):
+    model = mlp(hidden=8)
+    _save_with_external_data(model, tmp_path / "elsewhere", "weights.bin")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model.onnx").symlink_to(tmp_path / "elsewhere" / "model.onnx")
+    with pytest.raises(ModelLoadError, match=r"model file = 'model.onnx' resolves to .*elsewhere"):
+        InferenceSession(folder)
+    with pytest.raises(ModelLoadError, match="outside the model folder"):
+        InferenceSession(folder / "model.onnx")
+
+
+def test_a_symlinked_model_folder_loads(tmp_path):
+    # The folder itself may be a link (a "current" release, say): its contents are inside.
+    model = mlp(hidden=8)
+    _save_with_external_data(model, tmp_path / "v2", "weights.bin")
+    (tmp_path / "current").symlink_to(tmp_path / "v2", target_is_directory=True)
+    x = np.ones((1, 8), np.float32)
+    (y,) = InferenceSession(tmp_path / "current" / "model.onnx").run(None, {"x": x})
+    np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"offset": "-4"}, "offset must be non-negative"),
+        (
+            {"length": str(10**12)},
+            r"wants 1000000000000 bytes at offset 0 of .*which has \d+ bytes",
+        ),
+        ({"offset": "64"}, r"wants \d+ bytes at offset 64"),
+    ],
+)
+def test_external_data_ranges_are_checked_before_reading(tmp_path, fields, match):
+    _, folder = _model_with_external_weight(tmp_path, "outside.bin", **fields)
+    (tmp_path / "outside.bin").rename(folder / "outside.bin")
+    with pytest.raises(ModelLoadError, match=match):
+        InferenceSession(folder / "model.onnx")
+
+
+def test_a_model_file_over_protobufs_limit_is_refused_before_reading(tmp_path):
+    path = tmp_path / "model.onnx"
+    with open(path, "wb") as f:  # a sparse 2 GiB file: no disk is used
+        f.truncate(2**31)
+    with pytest.raises(ModelLoadError, match=r"is 2.0 GiB; an ONNX file holds at most 2 GiB"):
+        InferenceSession(path)
 
 
 def test_constant_folding_removes_initializer_only_subgraphs():

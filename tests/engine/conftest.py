@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,11 @@ def qwen2_dir() -> Path:
     folder = build_qwen2(TINY_QWEN2)
     random_mtp_head(folder, TINY_QWEN2["hidden_size"], TINY_QWEN2["vocab_size"])
     draft = build_qwen2(DRAFT_QWEN2, seed=3)
-    link = folder / "draft"
-    if not link.exists():
-        link.symlink_to(draft, target_is_directory=True)
+    inside = folder / "draft"  # a copy: a model folder never reads outside itself
+    if inside.is_symlink():  # caches made before containment linked it
+        inside.unlink()
+    if not inside.exists():
+        shutil.copytree(draft, inside)
     _add_speculative_section(folder)
     return folder
 
