@@ -99,8 +99,19 @@ class KernelContext:
         return np.empty(shape, dt)
 
 
+@dataclass(frozen=True)
+class TensorType:
+    """What placement knows of a value before running: its element type and shape (None
+    where unknown; a dimension is an int, a symbolic name or None)."""
+
+    dtype: np.dtype | None
+    shape: tuple[int | str | None, ...] | None
+
+
 Kernel = Callable[..., Any]
-SupportCheck = Callable[[NodeInfo, Sequence[Any]], str | None]
+#: ``check(node, input_types)``: why this kernel cannot run ``node`` (None when it can);
+#: ``input_types`` has a :class:`TensorType` or None (absent or unknown) per input.
+SupportCheck = Callable[[NodeInfo, Sequence["TensorType | None"]], str | None]
 #: ``prepack(provider, node, input_index, host_array)``: a constant input in the layout the
 #: kernel prefers (a transposed weight, say), made once when the session is built; None
 #: keeps the plain array. The kernel then receives whatever prepack returned.

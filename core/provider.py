@@ -12,7 +12,7 @@ from .device import Device
 from .dtypes import DType
 from .errors import GraphCaptureError, UnsupportedGraphSlot
 from .graph_slots import DeviceGraphSlot
-from .kernels import KernelContext, KernelDef, KernelRegistry, NodeInfo
+from .kernels import KernelContext, KernelDef, KernelRegistry, NodeInfo, TensorType
 from .tensor import Tensor
 from .workspace import StepWorkspace
 
@@ -22,10 +22,11 @@ class ExecutionProvider(ABC):
 
     A provider knows devices, memory, kernels and graphs; it knows nothing of LLMs.
 
-    Graphs: a provider that holds a single graph overrides the ``_graph_*`` hooks and is
-    routed ``PRIMARY`` by default. One that holds several declares them in ``GRAPH_SLOTS``
-    and receives the slot in each hook. Any slot not declared raises
-    :class:`UnsupportedGraphSlot`. A capture error latches its slot until the slot is reset.
+    Graphs: a provider that captures graphs overrides the ``graph_*`` hooks (which receive
+    the slot and a part number) and declares its slots in ``GRAPH_SLOTS``; one that
+    overrides the hooks without declaring slots holds ``PRIMARY``. Any slot not declared
+    raises :class:`UnsupportedGraphSlot`. A capture error latches its slot until the slot
+    is reset.
     """
 
     #: Registry name, for example ``"cpu"``.
@@ -42,6 +43,8 @@ class ExecutionProvider(ABC):
         self._graph_owner: dict[DeviceGraphSlot, object] = {}
         self._capture_owner: object = None
         self._capturing: DeviceGraphSlot | None = None
+        self._capturing_part = 0
+        self._parts: dict[DeviceGraphSlot, set[int]] = {}
         self.workspace = StepWorkspace(self._allocate_workspace)
 
     # -- device and memory -------------------------------------------------
@@ -67,6 +70,22 @@ class ExecutionProvider(ABC):
 
     def synchronize(self) -> None:
         """Wait until all work queued on this provider's stream is done."""
+
+    #: The array types this provider's kernels take as they are (host numpy arrays by
+    #: default; a device provider sets its own). Arrays must slice, ``.view(dtype)`` and
+    #: ``.reshape(shape)`` like numpy's: the session carves planned buffers out of one arena.
+    ARRAY_TYPES: tuple[type, ...] = (np.ndarray,)
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` is one of this provider's arrays (no transfer needed). The
+        session asks this instead of comparing device names."""
+        return isinstance(value, self.ARRAY_TYPES)
+
+    def may_share_memory(self, a: Any, b: Any) -> bool:
+        """Whether two of this provider's arrays may overlap (an output that is a view)."""
+        if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+            return bool(np.may_share_memory(a, b))
+        return False
 
     def as_array(self, host: np.ndarray) -> Any:
         """Host array to this provider's array type (used for feeds and constants)."""
@@ -115,8 +134,12 @@ class ExecutionProvider(ABC):
     def get_kernel(self, domain: str, op_type: str, opset: int) -> KernelDef | None:
         return self.kernels.lookup(domain, op_type, opset)
 
-    def supports(self, node: NodeInfo, input_types: Sequence[Any] = ()) -> tuple[bool, str]:
-        """Whether this provider can run ``node``; when not, the reason."""
+    def supports(
+        self, node: NodeInfo, input_types: Sequence[TensorType | None] = ()
+    ) -> tuple[bool, str]:
+        """Whether this provider can run ``node`` given its inputs' types (a
+        :class:`TensorType` or None per input); when not, the reason. Placement and every
+        fusion ask this; the default asks the kernel's ``check``."""
         kdef = self.get_kernel(node.domain, node.op_type, node.opset)
         if kdef is None:
             versions = self.kernels.versions(node.domain, node.op_type)
@@ -137,12 +160,17 @@ class ExecutionProvider(ABC):
         return kdef.fn(ctx, *inputs)
 
     # -- graph slots (public, slot-aware) ----------------------------------
+    # A provider holds graphs per slot. A session whose nodes all run here captures one
+    # graph (part 0) per slot; one whose nodes alternate with another provider's captures
+    # one part per contiguous run of this provider's nodes, all in the same slot. The base
+    # class keeps the bookkeeping (latch, owner, parts); a provider implements the
+    # ``graph_*`` hooks, which see the slot and the part.
     @property
     def graph_slots(self) -> frozenset[DeviceGraphSlot]:
         """Slots this provider can capture into."""
         if self.GRAPH_SLOTS is not None:
             return self.GRAPH_SLOTS
-        if type(self)._graph_begin is not ExecutionProvider._graph_begin:
+        if type(self).graph_begin is not ExecutionProvider.graph_begin:
             return frozenset({DeviceGraphSlot.PRIMARY})
         return frozenset()
 
@@ -162,14 +190,22 @@ class ExecutionProvider(ABC):
         return self._capturing
 
     def graph_owner(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> object:
-        """The ``owner`` given to the capture of the slot's current graph (None if none)."""
+        """The ``owner`` given to the captures of the slot's current graph (None if none)."""
         return self._graph_owner.get(slot)
 
+    def graph_parts(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> frozenset[int]:
+        """The parts captured in ``slot`` since it was last reset."""
+        return frozenset(self._parts.get(slot, ()))
+
     def begin_capture(
-        self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, owner: object = None
+        self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, owner: object = None, part: int = 0
     ) -> None:
-        """Start recording into ``slot``; ``owner`` (a session's executor) is remembered with
-        the graph, replacing any graph the slot held."""
+        """Start recording part ``part`` of ``slot``'s graph.
+
+        ``owner`` (a session's executor) is remembered with the slot. A capture by another
+        owner first drops every part the slot held; the same owner may capture several
+        parts, one after the other.
+        """
         self.check_slot(slot)
         if slot in self._capture_latch:
             raise GraphCaptureError(
@@ -180,24 +216,29 @@ class ExecutionProvider(ABC):
             raise GraphCaptureError(
                 f"cannot capture slot {slot.value!r} while slot {self._capturing.value!r} is capturing"
             )
+        if self._graph_owner.get(slot, owner) is not owner:
+            self._drop_parts(slot)
         try:
-            self._graph_begin(slot)
+            self.graph_begin(slot, part)
         except Exception as exc:
             self._capture_latch[slot] = f"{type(exc).__name__}: {exc}"
             raise GraphCaptureError(f"begin capture in slot {slot.value!r}: {exc}") from exc
         self._capturing = slot
+        self._capturing_part = part
         self._capture_owner = owner
         self._graph_owner.pop(slot, None)
 
     def end_capture(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> None:
         self._require_capturing(slot)
         self._capturing = None
+        part = self._capturing_part
         try:
-            self._graph_end(slot)
+            self.graph_end(slot, part)
         except Exception as exc:
             self._capture_latch[slot] = f"{type(exc).__name__}: {exc}"
             raise GraphCaptureError(f"end capture in slot {slot.value!r}: {exc}") from exc
         self._graph_owner[slot] = self._capture_owner
+        self._parts.setdefault(slot, set()).add(part)
 
     def abort_capture(
         self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, reason: str = "aborted"
@@ -206,50 +247,65 @@ class ExecutionProvider(ABC):
         self.check_slot(slot)
         if self._capturing == slot:
             self._capturing = None
-            self._graph_abort(slot)
+            self.graph_abort(slot, self._capturing_part)
         self._capture_latch[slot] = reason
 
-    def replay(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> None:
+    def replay(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, part: int = 0) -> None:
         self.check_slot(slot)
-        if not self._graph_exists(slot):
-            raise GraphCaptureError(f"slot {slot.value!r} holds no captured graph to replay")
-        self._graph_replay(slot)
+        if not self.graph_exists(slot, part):
+            raise GraphCaptureError(
+                f"slot {slot.value!r} holds no captured graph"
+                + (f" part {part}" if part else "")
+                + " to replay"
+            )
+        self.graph_replay(slot, part)
 
     def reset_graph(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> None:
-        """Drop the slot's graph and its capture latch. Other slots are untouched."""
+        """Drop every part of the slot's graph and its capture latch. Other slots are
+        untouched."""
         self.check_slot(slot)
         if self._capturing == slot:
             self._capturing = None
-            self._graph_abort(slot)
+            self.graph_abort(slot, self._capturing_part)
         self._capture_latch.pop(slot, None)
-        self._graph_owner.pop(slot, None)
-        self._graph_reset(slot)
+        self._drop_parts(slot)
         self.workspace.unpin(slot)
 
-    def has_graph(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> bool:
+    def has_graph(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, part: int = 0) -> bool:
         self.check_slot(slot)
-        return self._graph_exists(slot)
+        return self.graph_exists(slot, part)
+
+    def _drop_parts(self, slot: DeviceGraphSlot) -> None:
+        self._graph_owner.pop(slot, None)
+        for part in sorted(self._parts.pop(slot, {0})):
+            self.graph_reset(slot, part)
 
     def _require_capturing(self, slot: DeviceGraphSlot) -> None:
         self.check_slot(slot)
         if self._capturing != slot:
             raise GraphCaptureError(f"slot {slot.value!r} is not capturing")
 
-    # -- graph hooks (override; single-graph providers ignore ``slot``) ------
-    def _graph_begin(self, slot: DeviceGraphSlot) -> None:
+    # -- graph hooks: a provider that captures graphs overrides these ---------------
+    # Each sees the slot and the part (0 unless the session alternates providers). A
+    # provider that declares no GRAPH_SLOTS but overrides ``graph_begin`` holds PRIMARY.
+    def graph_begin(self, slot: DeviceGraphSlot, part: int) -> None:
+        """Start recording the work launched from now on as ``(slot, part)``."""
         raise UnsupportedGraphSlot(f"provider {self.name!r} does not capture graphs")
 
-    def _graph_end(self, slot: DeviceGraphSlot) -> None:
+    def graph_end(self, slot: DeviceGraphSlot, part: int) -> None:
+        """Finish the recording; it replaces any graph ``(slot, part)`` held."""
         raise UnsupportedGraphSlot(f"provider {self.name!r} does not capture graphs")
 
-    def _graph_abort(self, slot: DeviceGraphSlot) -> None:
-        """Discard a partial capture."""
+    def graph_abort(self, slot: DeviceGraphSlot, part: int) -> None:
+        """Discard a partial recording."""
 
-    def _graph_replay(self, slot: DeviceGraphSlot) -> None:
+    def graph_replay(self, slot: DeviceGraphSlot, part: int) -> None:
+        """Run the recorded work again, on the buffers it was recorded with."""
         raise UnsupportedGraphSlot(f"provider {self.name!r} does not capture graphs")
 
-    def _graph_reset(self, slot: DeviceGraphSlot) -> None:
-        """Forget the slot's graph."""
+    def graph_reset(self, slot: DeviceGraphSlot, part: int) -> None:
+        """Forget the graph of ``(slot, part)`` (a no-op when there is none)."""
 
-    def _graph_exists(self, slot: DeviceGraphSlot) -> bool:
+    def graph_exists(self, slot: DeviceGraphSlot, part: int) -> bool:
+        """Whether ``(slot, part)`` holds a graph."""
         return False

@@ -85,12 +85,17 @@ class IOBinding:
         return self._signature
 
     def _to_device(self, value: Any) -> Any:
+        """``value`` as one of the provider's arrays: kept when the provider holds it (so
+        in-place writes reach the run), copied once when it is a host array."""
         if isinstance(value, Tensor):
-            return value.buffer
-        if isinstance(value, np.ndarray) and self._provider.device.kind != "cpu":
-            return self._provider.as_array(value)
-        if isinstance(value, np.ndarray):
-            if not value.flags.c_contiguous:
+            value = value.buffer
+        if self._provider.holds(value):
+            if isinstance(value, np.ndarray) and not value.flags.c_contiguous:
                 raise InvalidInputError("bound host arrays must be C-contiguous")
             return value
-        return value
+        if isinstance(value, np.ndarray):
+            return self._provider.as_array(np.require(value, requirements="C"))
+        raise InvalidInputError(
+            f"cannot bind a {type(value).__name__} on provider {self._provider.name!r}: give a "
+            "numpy array or one of the provider's own arrays"
+        )

@@ -10,12 +10,19 @@ side by side and both replay. The state machine for one bound run in slot ``s``:
     warm-up not done           -> eager on planned memory
     capture impossible/latched -> eager (fallbacks += 1, reason kept)
     otherwise                  -> capture into s                           (captures += 1)
+
+Mixed placement: a plan whose steps alternate providers is cut into segments
+(``session.segments``). Each provider captures its segments as parts of its graph in ``s``;
+values that cross between segments are copied into buffers planned on the reading provider
+(an *edge*), before that segment runs. A captured run replays as a program: part replays
+with the edge copies between them. Every provider keeps its own memory arena.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +40,7 @@ from .binding import IOBinding, Signature
 from .memory import Lifetime, MemoryPlan, plan_memory
 from .plan import GraphPlan, describe_value
 from .row_tail import RowTail, find_row_tail
+from .segments import Segment, split_segments
 
 #: Eager (unslotted) runs keep memory plans for this many distinct input shapes.
 EAGER_PLAN_CACHE = 8
@@ -50,6 +58,11 @@ class SlotStats:
     displaced: int = 0
     eager_runs: int = 0
     fallback_reasons: Counter[str] = field(default_factory=Counter)
+    #: Graph parts captured and replayed, per provider name (one part per segment).
+    provider_captures: Counter[str] = field(default_factory=Counter)
+    provider_replays: Counter[str] = field(default_factory=Counter)
+    #: Values copied between providers' segments during replays.
+    edge_copies: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -60,18 +73,24 @@ class SlotStats:
             "displaced": self.displaced,
             "eager_runs": self.eager_runs,
             "fallback_reasons": dict(self.fallback_reasons),
+            "provider_captures": dict(self.provider_captures),
+            "provider_replays": dict(self.provider_replays),
+            "edge_copies": self.edge_copies,
         }
 
 
 @dataclass
 class Layout:
-    """Shapes seen in a first run and the memory plan made from them."""
+    """Shapes seen in a first run and the memory plans made from them (one arena per
+    provider), with the buffers that receive values crossing between segments."""
 
     shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
-    memory: MemoryPlan
-    arena: Any = None
+    memory: list[tuple[ExecutionProvider, MemoryPlan]]
+    arenas: list[Any] = field(default_factory=list)
     buffers: dict[str, Any] = field(default_factory=dict)
     contexts: list[KernelContext] = field(default_factory=list)
+    #: (value name, segment index) -> the reading provider's copy of the value.
+    edges: dict[tuple[str, int], Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +102,8 @@ class SlotState:
     captured: bool = False
     layout: Layout | None = None
     stats: SlotStats = field(default_factory=SlotStats)
+    #: What a replay runs: part replays and the edge copies between them, in order.
+    program: list[Callable[[], None]] = field(default_factory=list)
 
 
 class Executor:
@@ -102,6 +123,7 @@ class Executor:
         self._last_use: dict[str, int] = {}
         self._free_after: list[list[str]] = [[] for _ in plan.steps]
         self._row_tails: dict[str, RowTail | None] = {}
+        self.segments: list[Segment] = split_segments(plan.steps, plan.constants)
         self._prepare()
 
     # -- setup --------------------------------------------------------------
@@ -158,34 +180,33 @@ class Executor:
         return {s.value: st.stats.as_dict() for s, st in self._states.items()}
 
     def reset_slot(self, slot: DeviceGraphSlot, signature: Signature | None = None) -> None:
-        """Drop the slot's graph, latch and planned memory; other slots are untouched.
-
-        Dropping a captured graph counts as an invalidation.
-        """
+        """Drop the slot's graph (every provider's parts), latch and planned memory; other
+        slots are untouched. Dropping a captured graph counts as an invalidation."""
         state = self.state(slot)
         if state.captured:
             state.stats.invalidations += 1
-        provider = self.main_provider
-        if provider is not None and slot in provider.graph_slots:
-            provider.reset_graph(slot)
+        for provider in self.plan.providers:
+            if slot in provider.graph_slots:
+                provider.reset_graph(slot)
         state.captured = False
         state.signature = signature
         state.warmups = 0
         state.layout = None
+        state.program = []
 
     def capture_blocker(self, slot: DeviceGraphSlot) -> str | None:
-        """Why ``slot`` cannot be captured, or None when it can."""
-        providers = self.plan.providers
-        if len(providers) != 1:
-            names = ", ".join(sorted({p.name for p in providers})) or "none"
-            return f"nodes are placed on several providers ({names}); copies cannot be captured"
-        provider = providers[0]
-        if slot not in provider.graph_slots:
-            declared = ", ".join(sorted(s.value for s in provider.graph_slots)) or "none"
-            return f"provider {provider.name!r} has no graph slot {slot.value!r} (declares: {declared})"
-        latched = provider.capture_error(slot)
-        if latched:
-            return f"capture failed earlier: {latched}"
+        """Why ``slot`` cannot be captured, or None when it can: every provider the plan
+        runs on must hold the slot, and none may be latched after a failed capture."""
+        for provider in self.plan.providers:
+            if slot not in provider.graph_slots:
+                declared = ", ".join(sorted(s.value for s in provider.graph_slots)) or "none"
+                return (
+                    f"provider {provider.name!r} has no graph slot {slot.value!r} "
+                    f"(declares: {declared})"
+                )
+            latched = provider.capture_error(slot)
+            if latched:
+                return f"capture failed earlier on {provider.name!r}: {latched}"
         return None
 
     # -- bound runs -----------------------------------------------------------
@@ -203,14 +224,15 @@ class Executor:
             self.reset_slot(slot, sig)
         env = dict(binding.inputs)
         outs = binding.outputs
-        if state.captured and self.main_provider.graph_owner(slot) is not self:
-            # Another session on this provider captured into the slot since: our graph is
+        if state.captured and any(p.graph_owner(slot) is not self for p in self.plan.providers):
+            # Another session on a provider captured into the slot since: our graph is
             # gone (and the slot's pinned workspace may have moved). Capture again.
             state.captured = False
             state.stats.invalidations += 1
             state.stats.displaced += 1
         if state.captured:
-            self.main_provider.replay(slot)
+            for action in state.program:
+                action()
             state.stats.replays += 1
             return
         if state.layout is None:
@@ -233,25 +255,31 @@ class Executor:
         self._capture(slot, state, env, outs)
 
     def _capture(self, slot: DeviceGraphSlot, state: SlotState, env: dict, outs: Mapping) -> None:
-        provider = self.main_provider
-        provider.workspace.pin(slot)
+        """Capture every segment as a part of its provider's graph in ``slot`` (running the
+        step once), and keep the replay program; on failure latch, drop the parts captured
+        so far and run eagerly."""
+        providers = self.plan.providers
+        for provider in providers:
+            provider.workspace.pin(slot)
+        capture = _Capture(slot, self, state.stats)
         try:
-            provider.begin_capture(slot, owner=self)
-            self._execute(dict(env), state.layout, outs)
-            provider.end_capture(slot)
+            self._execute(dict(env), state.layout, outs, capture=capture)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            provider.abort_capture(slot, reason)
-            provider.workspace.unpin(slot)
+            for provider in providers:
+                if provider is capture.provider:
+                    provider.abort_capture(slot, reason)
+                else:
+                    provider.reset_graph(slot)
+                provider.workspace.unpin(slot)
             state.stats.fallbacks += 1
             state.stats.fallback_reasons[f"capture failed: {reason}"] += 1
             state.stats.eager_runs += 1
             self._execute(env, state.layout, outs)
             return
+        state.program = capture.program
         state.captured = True
         state.stats.captures += 1
-        if not provider.CAPTURE_EXECUTES:
-            provider.replay(slot)
 
     # -- eager runs -------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str]) -> list[Any]:
@@ -267,12 +295,11 @@ class Executor:
         results = []
         for name in output_names:
             value = env[name] if name in env else self._constant(name)
-            # A host view into the arena would be overwritten by the next run; device
+            # A host view into an arena would be overwritten by the next run; device
             # values are copied to the host by the caller before anything else runs.
-            if (
-                isinstance(value, np.ndarray)
-                and isinstance(layout.arena, np.ndarray)
-                and np.may_share_memory(value, layout.arena)
+            if isinstance(value, np.ndarray) and any(
+                isinstance(arena, np.ndarray) and np.may_share_memory(value, arena)
+                for arena in layout.arenas
             ):
                 value = value.copy()
             results.append(value)
@@ -332,82 +359,144 @@ class Executor:
         outs: Mapping[str, Any],
         record: _Record | None = None,
         tail: RowTail | None = None,
+        capture: _Capture | None = None,
     ) -> None:
-        """Run every step; ``env`` starts with the inputs and ends with every live value.
-        With ``tail``, its first step reads the last row of its row inputs only."""
+        """Run every step, segment by segment; ``env`` starts with the inputs and ends with
+        every live value. With ``tail``, its first step reads the last row of its row
+        inputs only. With ``capture``, each segment is captured as a part of its
+        provider's graph and the replay program is collected."""
         contexts = layout.contexts if layout is not None else None
-        for i, step in enumerate(self.plan.steps):
-            provider = step.provider
-            args = [
-                (const if const is not None else self._fetch(env, name, provider)) if name else None
-                for name, const in self._step_args[i]
-            ]
-            if tail is not None and i == tail.start:  # its row inputs: every non-constant
-                for index, (name, const) in enumerate(self._step_args[i]):
-                    if name and const is None:
-                        args[index] = _last_row(args[index], step)
-            ctx = contexts[i] if contexts else KernelContext(step.node, provider)
-            try:
-                result = provider.launch(step.kernel, ctx, args)
-            except Exception as exc:
-                inputs = ", ".join(
-                    f"{n}={describe_value(a)}" for n, a in zip(step.inputs, args, strict=False)
-                )
-                raise KernelError(
-                    f"{step.node.describe()} failed: {type(exc).__name__}: {exc} (inputs: {inputs})"
-                ) from exc
-            results = result if type(result) in (tuple, list) else (result,)
-            if record is not None:
-                record.step(i, step, args, results)
-            for name, value in zip(step.outputs, results, strict=False):
-                if not name:
-                    continue
-                target = outs.get(name)
-                if target is not None and value is not target:
-                    self._copy_into(provider, value, target, step, name)
-                    value = target
-                env[name] = value
-            for name in self._free_after[i]:
-                env.pop(name, None)
+        steps = self.plan.steps
+        for segment in self.segments:
+            provider = segment.provider
+            moved = self._bring_in(segment, env, layout, capture)
+            if capture is not None:
+                capture.begin(segment)
+            crossing: list[Callable[[], None]] = []
+            for i in range(segment.start, segment.stop):
+                step = steps[i]
+                try:
+                    args = [
+                        (const if const is not None else moved.get(name, env[name]))
+                        if name
+                        else None
+                        for name, const in self._step_args[i]
+                    ]
+                except KeyError as missing:
+                    raise KernelError(
+                        f"value {missing.args[0]!r} is needed by {step.node.describe()} but was "
+                        "not computed or fed"
+                    ) from None
+                if tail is not None and i == tail.start:  # its row inputs: every non-constant
+                    for index, (name, const) in enumerate(self._step_args[i]):
+                        if name and const is None:
+                            args[index] = _last_row(args[index], step)
+                ctx = contexts[i] if contexts else KernelContext(step.node, provider)
+                try:
+                    result = provider.launch(step.kernel, ctx, args)
+                except Exception as exc:
+                    inputs = ", ".join(
+                        f"{n}={describe_value(a)}" for n, a in zip(step.inputs, args, strict=False)
+                    )
+                    raise KernelError(
+                        f"{step.node.describe()} failed: {type(exc).__name__}: {exc} "
+                        f"(inputs: {inputs})"
+                    ) from exc
+                results = result if type(result) in (tuple, list) else (result,)
+                if record is not None:
+                    record.step(i, step, args, results)
+                for name, value in zip(step.outputs, results, strict=False):
+                    if not name:
+                        continue
+                    target = outs.get(name)
+                    if target is not None and value is not target:
+                        _check_fits(value, target, step, name)
+                        if provider.holds(target):
+                            _copy(provider, value, target)
+                            value = target
+                        else:  # a bound buffer of another provider: after the segment
+                            crossing.append(self._transfer(value, provider, target))
+                    env[name] = value
+                for name in self._free_after[i]:
+                    env.pop(name, None)
+            if capture is not None:
+                capture.end(segment)
+            for copy in crossing:
+                copy()
+                if capture is not None:
+                    capture.program.append(capture.counted(copy))
         for name, target in outs.items():
             if name not in env and name in self.plan.constants:
-                self._copy_into(self.main_provider, self._const_for(name), target, None, name)
+                value = self._const_for(name)
+                _check_fits(value, target, None, name)
+                _copy(self.main_provider, value, target)
+
+    def _bring_in(
+        self,
+        segment: Segment,
+        env: Mapping[str, Any],
+        layout: Layout | None,
+        capture: _Capture | None,
+    ) -> dict[str, Any]:
+        """The segment's copies of values it reads that its provider does not hold (fed
+        host arrays, other providers' results), each in a buffer kept in ``layout``."""
+        provider = segment.provider
+        moved: dict[str, Any] = {}
+        for name in segment.reads:
+            value = env.get(name)
+            if value is None or provider.holds(value):
+                continue
+            if layout is None:  # a first run: no planned buffers yet
+                moved[name] = provider.as_array(self._host_copy(value))
+                continue
+            key = (name, segment.index)
+            dst = layout.edges.get(key)
+            if dst is None or tuple(dst.shape) != tuple(value.shape) or dst.dtype != value.dtype:
+                dst = provider.allocate(tuple(value.shape), DType.from_numpy(value.dtype)).buffer
+                layout.edges[key] = dst
+            copy = self._transfer(value, self._holder(value), dst)
+            copy()
+            if capture is not None:
+                capture.program.append(capture.counted(copy))
+            moved[name] = dst
+        return moved
+
+    def _holder(self, value: Any) -> ExecutionProvider | None:
+        """The plan's provider that holds ``value``; None for a host array no provider
+        claims."""
+        for provider in self.plan.providers:
+            if provider.holds(value):
+                return provider
+        if isinstance(value, np.ndarray):
+            return None
+        raise KernelError(
+            f"a {type(value).__name__} was fed or bound, but no provider of this session "
+            f"({', '.join(p.name for p in self.plan.providers)}) holds that array type"
+        )
+
+    def _host_copy(self, value: Any) -> np.ndarray:
+        holder = self._holder(value)
+        return np.asarray(value) if holder is None else np.asarray(holder.to_numpy(value))
+
+    def _transfer(
+        self, src: Any, src_holder: ExecutionProvider | None, dst: Any
+    ) -> Callable[[], None]:
+        """A copy of ``src`` into ``dst`` (a buffer of another provider, or a host array),
+        through the host: the one currency every provider speaks."""
+        dst_holder = self._holder(dst)
+
+        def read() -> np.ndarray:
+            return np.asarray(src) if src_holder is None else src_holder.to_numpy(src)
+
+        if dst_holder is None:
+            return lambda: np.copyto(dst, read(), casting="unsafe")
+        return lambda: dst_holder.write_from_host(dst, read())
 
     def _const_for(self, name: str) -> Any:
         key = (id(self.main_provider), name)
         if key not in self._consts:
             self._consts[key] = self.main_provider.as_array(self.plan.constants[name])
         return self._consts[key]
-
-    def _fetch(self, env: dict[str, Any], name: str, provider: ExecutionProvider) -> Any:
-        try:
-            value = env[name]
-        except KeyError:
-            raise KernelError(f"value {name!r} is needed but was not computed or fed") from None
-        if provider.device.kind != "cpu" and isinstance(value, np.ndarray):
-            value = provider.as_array(value)
-            env[name] = value
-        elif provider.device.kind == "cpu" and not isinstance(value, np.ndarray):
-            value = np.asarray(value.get() if hasattr(value, "get") else value)
-        return value
-
-    @staticmethod
-    def _copy_into(
-        provider: ExecutionProvider, value: Any, target: Any, step: Any, name: str
-    ) -> None:
-        if tuple(value.shape) != tuple(target.shape):
-            where = step.node.describe() if step is not None else "constant"
-            raise KernelError(
-                f"output {name!r} of {where} has shape {list(value.shape)}, but the bound buffer "
-                f"has shape {list(target.shape)}"
-            )
-        if value.dtype != target.dtype:
-            where = step.node.describe() if step is not None else "constant"
-            raise KernelError(
-                f"output {name!r} of {where} is {value.dtype}, but the bound buffer is {target.dtype}"
-            )
-        dt = DType.from_numpy(target.dtype)
-        provider.copy(Tensor(value, dt, provider.device), Tensor(target, dt, provider.device))
 
     # -- planning ---------------------------------------------------------------
     def _execute_and_plan(
@@ -417,7 +506,8 @@ class Executor:
         bind_outputs: bool = True,
         tail: RowTail | None = None,
     ) -> Layout:
-        """Eager run that records every value's shape, then plans memory from them."""
+        """Eager run that records every value's shape, then plans memory from them: one
+        arena per provider, for the values its steps make."""
         inputs = set(env)
         record = _Record()
         self._execute(env, None, outs, record, tail)
@@ -425,42 +515,111 @@ class Executor:
         # A view keeps its root's bytes alive: extend the root over the view's readers.
         for view, root in record.alias_of.items():
             last_use[root] = max(last_use.get(root, -1), last_use.get(view, -1))
-        lifetimes = []
+        groups: dict[int, tuple[ExecutionProvider, list[Lifetime]]] = {}
         for name, (shape, dtype) in record.shapes.items():
             if name in inputs or name in self._graph_outputs or name in record.alias_of:
                 continue
             first = record.produced_at[name]
+            provider = self.plan.steps[first].provider
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            lifetimes.append(Lifetime(name, nbytes, first, max(first, last_use.get(name, first))))
-        layout = Layout(record.shapes, plan_memory(lifetimes))
+            lifetime = Lifetime(name, nbytes, first, max(first, last_use.get(name, first)))
+            groups.setdefault(id(provider), (provider, []))[1].append(lifetime)
+        memory = [(provider, plan_memory(lifetimes)) for provider, lifetimes in groups.values()]
+        layout = Layout(record.shapes, memory)
         self._materialize(layout, outs if bind_outputs else {})
         return layout
 
     def _materialize(self, layout: Layout, outs: Mapping[str, Any]) -> None:
-        provider = self.main_provider
-        if provider is None:
-            return
-        if layout.memory.arena_bytes:
-            layout.arena = provider.allocate((layout.memory.arena_bytes,), DType.UINT8).buffer
-        for name, offset in layout.memory.offsets.items():
-            shape, dtype = layout.shapes[name]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            layout.buffers[name] = layout.arena[offset : offset + nbytes].view(dtype).reshape(shape)
+        for provider, memory in layout.memory:
+            if not memory.arena_bytes:
+                continue
+            arena = provider.allocate((memory.arena_bytes,), DType.UINT8).buffer
+            layout.arenas.append(arena)
+            for name, offset in memory.offsets.items():
+                shape, dtype = layout.shapes[name]
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                layout.buffers[name] = arena[offset : offset + nbytes].view(dtype).reshape(shape)
         for step in self.plan.steps:
             planned = []
             for name in step.outputs:
-                buf = outs.get(name) if name in outs else layout.buffers.get(name)
-                if step.provider is not provider:
-                    buf = None
-                planned.append(buf)
+                bound = outs.get(name)
+                if bound is not None and step.provider.holds(bound):
+                    planned.append(bound)
+                elif bound is not None:  # made here, then copied to another provider's buffer
+                    planned.append(None)
+                else:
+                    planned.append(layout.buffers.get(name))
             layout.contexts.append(KernelContext(step.node, step.provider, planned))
 
     def peak_bytes(self, slot: DeviceGraphSlot | None = None) -> tuple[int, int] | None:
-        """(arena bytes, naive bytes) of the slot's memory plan, once planned."""
+        """(arena bytes, naive bytes) of the slot's memory plans, all providers, once
+        planned."""
         layout = self.state(slot).layout
         if layout is None:
             return None
-        return layout.memory.arena_bytes, layout.memory.naive_bytes
+        return (
+            sum(m.arena_bytes for _, m in layout.memory),
+            sum(m.naive_bytes for _, m in layout.memory),
+        )
+
+
+class _Capture:
+    """One capture of a bound run: begins and ends each segment's part, replays a part
+    right away where capturing only records (its results are needed next), and collects
+    the replay program."""
+
+    def __init__(self, slot: DeviceGraphSlot, owner: Executor, stats: SlotStats) -> None:
+        self.slot, self.owner, self.stats = slot, owner, stats
+        self.program: list[Callable[[], None]] = []
+        #: The provider whose part is being captured (the one to latch if it fails).
+        self.provider: ExecutionProvider | None = None
+
+    def begin(self, segment: Segment) -> None:
+        self.provider = segment.provider
+        segment.provider.begin_capture(self.slot, owner=self.owner, part=segment.part)
+
+    def end(self, segment: Segment) -> None:
+        provider = segment.provider
+        provider.end_capture(self.slot)
+        self.provider = None
+        self.stats.provider_captures[provider.name] += 1
+        replay = functools.partial(provider.replay, self.slot, segment.part)
+        if not provider.CAPTURE_EXECUTES:
+            replay()
+        replays = self.stats.provider_replays
+
+        def counted_replay(name: str = provider.name) -> None:
+            replay()
+            replays[name] += 1
+
+        self.program.append(counted_replay)
+
+    def counted(self, copy: Callable[[], None]) -> Callable[[], None]:
+        stats = self.stats
+
+        def counted_copy() -> None:
+            copy()
+            stats.edge_copies += 1
+
+        return counted_copy
+
+
+def _check_fits(value: Any, target: Any, step: Any, name: str) -> None:
+    where = step.node.describe() if step is not None else "constant"
+    if tuple(value.shape) != tuple(target.shape):
+        raise KernelError(
+            f"output {name!r} of {where} has shape {list(value.shape)}, but the bound buffer "
+            f"has shape {list(target.shape)}"
+        )
+    if value.dtype != target.dtype:
+        raise KernelError(
+            f"output {name!r} of {where} is {value.dtype}, but the bound buffer is {target.dtype}"
+        )
+
+
+def _copy(provider: ExecutionProvider, value: Any, target: Any) -> None:
+    dt = DType.from_numpy(target.dtype)
+    provider.copy(Tensor(value, dt, provider.device), Tensor(target, dt, provider.device))
 
 
 class _Record:
@@ -483,7 +642,7 @@ class _Record:
             self.shapes[name] = (tuple(int(d) for d in value.shape), np.dtype(value.dtype))
             self.produced_at[name] = index
             for in_name, arg in zip(step.inputs, args, strict=False):
-                if in_name and arg is not None and _may_alias(value, arg):
+                if in_name and arg is not None and step.provider.may_share_memory(value, arg):
                     self.alias_of[name] = self.alias_of.get(in_name, in_name)
                     break
 
@@ -494,16 +653,3 @@ def _last_row(value: Any, step: Any) -> Any:
         shape = None if value is None else list(value.shape)
         raise KernelError(f"{step.node.describe()}: no rows to take the last of in {shape}")
     return value[..., -1:, :]
-
-
-def _may_alias(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return bool(np.may_share_memory(a, b))
-    if type(a) is not type(b):  # a prepacked constant is never an output's view
-        return False
-    may_share = getattr(type(a), "__module__", "").startswith("cupy")
-    if may_share:
-        import cupy
-
-        return bool(cupy.may_share_memory(a, b))
-    return False

@@ -1,4 +1,9 @@
-"""Step fusions applied after placement, where the step's provider has the fused kernel.
+"""Step fusions applied after placement, where the step's provider supports the fused node.
+
+A fusion replaces steps by one node; it happens only where the provider holding those
+steps says yes to that node, asked exactly as placement asks (``provider.supports`` with
+the fused node and its input types), so a provider that claims only some forms of a fused
+op (say, SiluMul without ``split``) is never handed the others.
 
 Both run on a plan's steps after constant folding; see :func:`fuse_silu_mul` and
 :func:`fuse_gate_up`.
@@ -11,12 +16,30 @@ three launches and two intermediate buffers fewer per layer.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from onnx_genrt.core.dtypes import is_float_dtype
-from onnx_genrt.core.kernels import GENRT_DOMAIN, NodeInfo
+from onnx_genrt.core.kernels import GENRT_DOMAIN, NodeInfo, TensorType
+
+#: The type of a value by name (None when unknown): what ``provider.supports`` is asked with.
+TypeOf = Callable[[str], TensorType | None]
+
+
+def no_types(_name: str) -> TensorType | None:
+    return None
+
+
+def step_for(like, node: NodeInfo, type_of: TypeOf):
+    """``node`` as a step on ``like``'s provider, when that provider supports it (asked with
+    the node and its input types, as placement asks); None skips the fusion."""
+    types = tuple(type_of(n) if n else None for n in node.input_names)
+    ok, _reason = like.provider.supports(node, types)
+    if not ok:
+        return None
+    kdef = like.provider.get_kernel(node.domain, node.op_type, node.opset)
+    return type(like)(node, kdef, like.provider, node.input_names, node.output_names)
 
 
 def _index(steps: list) -> tuple[Counter[str], dict[str, int]]:
@@ -31,7 +54,7 @@ def _rewrite(steps: list, replace: dict[int, object], drop: set[int]) -> list:
     return [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
 
 
-def fuse_silu_mul(steps: list, keep: Iterable[str]) -> tuple[list, int]:
+def fuse_silu_mul(steps: list, keep: Iterable[str], type_of: TypeOf = no_types) -> tuple[list, int]:
     """Steps with every fusable Sigmoid/Mul/Mul triple replaced by one SiluMul step.
 
     ``keep`` names values that must stay materialized (graph outputs). A triple fuses only
@@ -46,7 +69,9 @@ def fuse_silu_mul(steps: list, keep: Iterable[str]) -> tuple[list, int]:
         if mul.node.op_type != "Mul" or mul.node.domain != "" or len(mul.inputs) != 2:
             continue
         for j in (0, 1):
-            fused = _match(steps, producer, readers, keep, mul, mul.inputs[j], mul.inputs[1 - j])
+            fused = _match(
+                steps, producer, readers, keep, mul, mul.inputs[j], mul.inputs[1 - j], type_of
+            )
             if fused is not None:
                 gate_mul, sigmoid, step = fused
                 drop.update((gate_mul, sigmoid))
@@ -56,7 +81,7 @@ def fuse_silu_mul(steps: list, keep: Iterable[str]) -> tuple[list, int]:
     return out, len(replace)
 
 
-def _match(steps, producer, readers, keep, mul, act: str, up: str):
+def _match(steps, producer, readers, keep, mul, act: str, up: str, type_of: TypeOf):
     """(gate Mul index, Sigmoid index, fused step) when ``act`` is g * sigmoid(g), else None."""
     a = producer.get(act)
     if a is None or readers[act] != 1 or act in keep:
@@ -76,9 +101,6 @@ def _match(steps, producer, readers, keep, mul, act: str, up: str):
         provider = mul.provider
         if gate_mul.provider is not provider or sigmoid.provider is not provider:
             return None
-        kdef = provider.get_kernel(GENRT_DOMAIN, "SiluMul", 1)
-        if kdef is None:
-            return None
         node = NodeInfo(
             "SiluMul",
             f"{mul.node.name or mul.outputs[0]}/SiluMul",
@@ -88,12 +110,14 @@ def _match(steps, producer, readers, keep, mul, act: str, up: str):
             (gate, up),
             tuple(mul.outputs),
         )
-        step = type(mul)(node, kdef, provider, (gate, up), tuple(mul.outputs))
-        return a, si, step
+        step = step_for(mul, node, type_of)
+        return None if step is None else (a, si, step)
     return None
 
 
-def fuse_gate_up(steps: list, constants: dict, keep: Iterable[str]) -> tuple[list, int]:
+def fuse_gate_up(
+    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list, int]:
     """Gate and up projections of a SiluMul, read from the same input with constant weights,
     become one projection onto the concatenated weights; SiluMul then splits its one input.
 
@@ -119,17 +143,19 @@ def fuse_gate_up(steps: list, constants: dict, keep: Iterable[str]) -> tuple[lis
         if merged is None:
             continue
         node, inputs, new_consts = merged
-        constants.update(new_consts)
         out_name = f"{act.inputs[0]}/gate_up"
-        node = _with(node, inputs=inputs, outputs=(out_name,))
-        proj = type(gate)(node, gate.kernel, gate.provider, inputs, (out_name,))
-        split = type(act)(
-            _with(act.node, inputs=(out_name,), attrs={"split": 1}),
-            act.kernel,
-            act.provider,
-            (out_name,),
-            act.outputs,
-        )
+
+        def merged_type(name: str, new: dict = new_consts) -> TensorType | None:
+            if name in new:
+                return TensorType(new[name].dtype, tuple(new[name].shape))
+            return type_of(name)
+
+        proj = step_for(gate, _with(node, inputs=inputs, outputs=(out_name,)), merged_type)
+        split_node = _with(act.node, inputs=(out_name,), attrs={"split": 1})
+        split = step_for(act, split_node, merged_type)
+        if proj is None or split is None:
+            continue
+        constants.update(new_consts)
         first, second = sorted((gi, ui))
         drop.add(first)
         replace[second] = proj
@@ -204,7 +230,9 @@ def _merge_projections(gate, up, constants: dict, provider):
     return None
 
 
-def fuse_rms_norm(steps: list, constants: dict, keep: Iterable[str]) -> tuple[list, int]:
+def fuse_rms_norm(
+    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list, int]:
     """RMS norms that exporters decompose become one SimplifiedLayerNormalization step.
 
     Matches ``w * (x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), [-1]) + eps)))`` (Mul operands
@@ -220,7 +248,7 @@ def fuse_rms_norm(steps: list, constants: dict, keep: Iterable[str]) -> tuple[li
         if _op(mul) != "Mul" or len(mul.inputs) != 2 or i in drop:
             continue
         for w_pos in (0, 1):
-            found = _match_rms(steps, producer, readers, keep, constants, mul, w_pos)
+            found = _match_rms(steps, producer, readers, keep, constants, mul, w_pos, type_of)
             if found is not None and not drop.intersection(found[0]):
                 chain, step = found
                 drop.update(chain)
@@ -241,7 +269,7 @@ def _scalar(constants: dict, name: str) -> float | None:
     return float(value.reshape(-1)[0])
 
 
-def _match_rms(steps, producer, readers, keep, constants, mul, w_pos: int):
+def _match_rms(steps, producer, readers, keep, constants, mul, w_pos: int, type_of: TypeOf):
     """(indices of the six inner steps, fused step) when ``mul`` is w * rms_normalize(x)."""
     weight, normed = mul.inputs[w_pos], mul.inputs[1 - w_pos]
     w = constants.get(weight)
@@ -297,9 +325,6 @@ def _match_rms(steps, producer, readers, keep, constants, mul, w_pos: int):
         provider = mul.provider
         if any(steps[j].provider is not provider for j in chain):
             continue
-        kdef = provider.get_kernel("", "SimplifiedLayerNormalization", 1)
-        if kdef is None:
-            return None
         node = NodeInfo(
             "SimplifiedLayerNormalization",
             f"{mul.node.name or mul.outputs[0]}/RMSNorm",
@@ -309,7 +334,8 @@ def _match_rms(steps, producer, readers, keep, constants, mul, w_pos: int):
             (x, weight),
             tuple(mul.outputs),
         )
-        return chain, type(mul)(node, kdef, provider, (x, weight), tuple(mul.outputs))
+        step = step_for(mul, node, type_of)
+        return None if step is None else (chain, step)
     return None
 
 
@@ -328,7 +354,7 @@ def _axes(step, constants: dict) -> list[int] | None:
 
 
 def fuse_skip_rms_norm(
-    steps: list, keep: Iterable[str], shapes: dict[str, tuple | None]
+    steps: list, keep: Iterable[str], shapes: dict[str, tuple | None], type_of: TypeOf = no_types
 ) -> tuple[list, int]:
     """``SimplifiedLayerNormalization(Add(a, b))`` becomes one com.microsoft
     SkipSimplifiedLayerNormalization step (residual add and norm in one launch).
@@ -358,9 +384,6 @@ def fuse_skip_rms_norm(
         shape_a, shape_b = shapes.get(a), shapes.get(b)
         if not shape_a or shape_a != shape_b or not all(isinstance(d, int) for d in shape_a):
             continue
-        kdef = norm.provider.get_kernel("com.microsoft", "SkipSimplifiedLayerNormalization", 1)
-        if kdef is None:
-            continue
         total = add.outputs[0]
         keeps_sum = readers[total] > 1 or total in keep
         outputs = (norm.outputs[0], "", "", total) if keeps_sum else (norm.outputs[0],)
@@ -373,13 +396,18 @@ def fuse_skip_rms_norm(
             (a, b, norm.inputs[1]),
             outputs,
         )
+        step = step_for(norm, node, type_of)
+        if step is None:
+            continue
         drop.add(j)
-        replace[i] = type(norm)(node, kdef, norm.provider, (a, b, norm.inputs[1]), outputs)
+        replace[i] = step
     out = _rewrite(steps, replace, drop)
     return out, len(replace)
 
 
-def fuse_argmax_prob(steps: list, constants: dict, keep: Iterable[str]) -> tuple[list, int]:
+def fuse_argmax_prob(
+    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list, int]:
     """``ArgMax(l)`` next to ``ReduceMax(Softmax(l))`` over the last axis (keepdims=0)
     becomes one ``onnx_genrt::ArgMaxProb`` step: a draft and its probability in one pass,
     without writing the softmax. The fused step takes the place of the first of the three,
@@ -415,9 +443,6 @@ def fuse_argmax_prob(steps: list, constants: dict, keep: Iterable[str]) -> tuple
         provider = reduce.provider
         if steps[ai].provider is not provider or softmax.provider is not provider:
             continue
-        kdef = provider.get_kernel(GENRT_DOMAIN, "ArgMaxProb", 1)
-        if kdef is None:
-            continue
         outputs = (steps[ai].outputs[0], reduce.outputs[0])
         node = NodeInfo(
             "ArgMaxProb",
@@ -428,8 +453,11 @@ def fuse_argmax_prob(steps: list, constants: dict, keep: Iterable[str]) -> tuple
             (logits,),
             outputs,
         )
+        step = step_for(reduce, node, type_of)
+        if step is None:
+            continue
         first, *rest = sorted((ai, si, r))
-        replace[first] = type(reduce)(node, kdef, provider, (logits,), outputs)
+        replace[first] = step
         drop.update(rest)
     out = _rewrite(steps, replace, drop)
     return out, len(replace)
@@ -454,7 +482,9 @@ _NORMS = {
 _NORM_FUSED = {("", "MatMul"): "NormMatMul", ("com.microsoft", "MatMulNBits"): "NormMatMulNBits"}
 
 
-def fuse_norm_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple[list, int]:
+def fuse_norm_matmul(
+    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list, int]:
     """An RMS norm whose normalized output only projections read (MatMul on a constant 2-D
     weight, MatMulNBits) goes into those projections: each becomes ``NormMatMul`` /
     ``NormMatMulNBits`` (domain ``onnx_genrt``), whose GEMV normalizes its rows itself.
@@ -473,7 +503,7 @@ def fuse_norm_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple
     drop: set[int] = set()
     replace: dict[int, object] = {}
     for i, norm in enumerate(steps):
-        fused = _norm_projections(steps, constants, keep, read_by, norm)
+        fused = _norm_projections(steps, constants, keep, read_by, norm, type_of)
         if fused is None or drop.intersection(fused) or set(replace).intersection(fused):
             continue
         drop.add(i)
@@ -481,7 +511,9 @@ def fuse_norm_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple
     return _rewrite(steps, replace, drop), len(drop)
 
 
-def _norm_projections(steps, constants, keep, read_by, norm) -> dict[int, object] | None:
+def _norm_projections(
+    steps, constants, keep, read_by, norm, type_of: TypeOf
+) -> dict[int, object] | None:
     """{index: fused step} for the projections reading ``norm``, or None."""
     if (norm.node.domain, norm.node.op_type) not in _NORMS:
         return None
@@ -513,9 +545,6 @@ def _norm_projections(steps, constants, keep, read_by, norm) -> dict[int, object
             return None
         if op == "NormMatMul" and (len(proj.inputs) != 2 or constants[proj.inputs[1]].ndim != 2):
             return None
-        kdef = provider.get_kernel(GENRT_DOMAIN, op, 1)
-        if kdef is None:
-            return None
         first = j == consumers[0]
         if first and total and any(r <= j for r in read_by.get(total, [])):
             return None  # the sum is read before the first projection could write it
@@ -535,7 +564,10 @@ def _norm_projections(steps, constants, keep, read_by, norm) -> dict[int, object
             inputs,
             outputs,
         )
-        fused[j] = type(proj)(node, kdef, provider, inputs, outputs)
+        step = step_for(proj, node, type_of)
+        if step is None:
+            return None
+        fused[j] = step
     return fused
 
 
@@ -546,7 +578,9 @@ _SILU_FUSED = {
 }
 
 
-def fuse_silu_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple[list, int]:
+def fuse_silu_matmul(
+    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list, int]:
     """A SiluMul whose one reader is a projection (MatMul on a constant 2-D weight, or
     MatMulNBits) goes into it: ``SiluMulMatMul`` / ``SiluMulMatMulNBits`` (domain
     ``onnx_genrt``), whose GEMV computes the activations itself. The fused step takes the
@@ -571,9 +605,6 @@ def fuse_silu_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple
             continue
         if op == "SiluMulMatMul" and (len(proj.inputs) != 2 or constants[proj.inputs[1]].ndim != 2):
             continue
-        kdef = proj.provider.get_kernel(GENRT_DOMAIN, op, 1)
-        if kdef is None:
-            continue
         gate_up = tuple(silu.inputs) + ("",) * (2 - len(silu.inputs))
         inputs = (*gate_up[:2], *proj.inputs[1:])
         outputs = (proj.outputs[0], f"{act}/act")
@@ -590,6 +621,9 @@ def fuse_silu_matmul(steps: list, constants: dict, keep: Iterable[str]) -> tuple
             inputs,
             outputs,
         )
+        step = step_for(proj, node, type_of)
+        if step is None:
+            continue
         drop.add(i)
-        replace[j] = type(proj)(node, kdef, proj.provider, inputs, outputs)
+        replace[j] = step
     return _rewrite(steps, replace, drop), len(replace)

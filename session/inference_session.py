@@ -5,12 +5,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 
-from onnx_genrt.core.errors import InvalidInputError, ProviderUnavailableError
+from onnx_genrt.core.errors import (
+    InvalidInputError,
+    ProviderUnavailableError,
+    UnsupportedOpError,
+)
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.locking import hold
 from onnx_genrt.core.provider import ExecutionProvider
@@ -46,12 +51,26 @@ def _short_name(name: str) -> str:
     return n[: -len("executionprovider")] if n.endswith("executionprovider") else n
 
 
+@dataclass(frozen=True)
+class PlacedNode:
+    """One step of a session's plan, as :meth:`InferenceSession.placement` reports it."""
+
+    node: str
+    op: str
+    provider: str
+    kernel: str
+    fused: bool
+
+
 class InferenceSession:
     """Load an ONNX model, plan it and run it: ``InferenceSession(path).run(None, feeds)``.
 
-    ``providers`` are tried in order for each node; a node runs on the first that supports
-    it, and copies are inserted between devices. ``enable_graphs`` turns graph capture of
-    bound runs on (default) or off, for comparison.
+    ``providers`` is a priority list, as in onnxruntime: a node runs on the first that
+    supports it (asked with the node and its input types), and values are copied where
+    they cross providers. When some node is supported by none of them, the CPU provider is
+    appended as the fallback (``cpu_fallback=False`` refuses instead); :meth:`placement`
+    says where each node runs. ``enable_graphs`` turns graph capture of bound runs on
+    (default) or off, for comparison.
 
     Threads: a session may be shared. Runs hold the locks of its providers, so they run one
     at a time and each returns its own results. An :class:`IOBinding` is its caller's set of
@@ -65,10 +84,17 @@ class InferenceSession:
         *,
         enable_graphs: bool = True,
         warmup_runs: int = 1,
+        cpu_fallback: bool = True,
     ) -> None:
         self.model = load_model(model)
         self.providers = resolve_providers(providers)
-        self.plan: GraphPlan = build_plan(self.model, self.providers)
+        try:
+            self.plan: GraphPlan = build_plan(self.model, self.providers)
+        except UnsupportedOpError:
+            if not cpu_fallback or any(p.name == "cpu" for p in self.providers):
+                raise
+            self.providers.append(get_registry().create("cpu"))
+            self.plan = build_plan(self.model, self.providers)
         self.executor = Executor(self.plan, graphs=enable_graphs, warmup_runs=warmup_runs)
         self._inputs = {s.name: s for s in self.plan.inputs}
         self._outputs = {s.name: s for s in self.plan.outputs}
@@ -86,6 +112,21 @@ class InferenceSession:
 
     def get_providers(self) -> list[str]:
         return [p.name for p in self.providers]
+
+    def placement(self) -> list[PlacedNode]:
+        """Where each step of the plan runs, in order: node, op, provider, kernel, and
+        whether the step is a fusion of several of the model's nodes."""
+        original = {n.name for n in self.model.graph.node}
+        return [
+            PlacedNode(
+                node=s.node.name,
+                op=f"{s.node.domain or 'ai.onnx'}::{s.node.op_type}",
+                provider=s.provider.name,
+                kernel=getattr(s.kernel.fn, "__qualname__", repr(s.kernel.fn)),
+                fused=s.node.name not in original,
+            )
+            for s in self.plan.steps
+        ]
 
     def input_spec(self, name: str) -> ValueSpec:
         try:

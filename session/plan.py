@@ -13,7 +13,14 @@ from onnx import numpy_helper
 
 from onnx_genrt.core.dtypes import numpy_dtype_of_onnx
 from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpError
-from onnx_genrt.core.kernels import KernelContext, KernelDef, NodeInfo, normalize_domain, opset_map
+from onnx_genrt.core.kernels import (
+    KernelContext,
+    KernelDef,
+    NodeInfo,
+    TensorType,
+    normalize_domain,
+    opset_map,
+)
 from onnx_genrt.core.provider import ExecutionProvider
 
 from .fusion import (
@@ -182,6 +189,14 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
     inputs = [_value_spec(vi) for vi in graph.input if vi.name not in init_names]
     outputs = [_value_spec(vi) for vi in graph.output]
     available = set(constants) | {s.name for s in inputs}
+    # Types first: placement and fusions ask providers with each input's dtype and shape.
+    value_types = _infer_value_types(model)
+
+    def type_of(name: str) -> TensorType | None:
+        if name in constants:
+            return TensorType(constants[name].dtype, tuple(constants[name].shape))
+        spec = value_types.get(name)
+        return None if spec is None else TensorType(spec.dtype, spec.shape)
 
     steps: list[Step] = []
     unsupported: list[str] = []
@@ -194,7 +209,7 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
                 "which the model does not import"
             )
         info = NodeInfo.from_proto(proto, opsets[domain])
-        placed = _place(info, providers)
+        placed = _place(info, providers, tuple(type_of(n) if n else None for n in proto.input))
         if isinstance(placed, str):
             unsupported.append(placed)
             continue
@@ -212,20 +227,19 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
         more = f"\n  ... and {len(unsupported) - 20} more" if len(unsupported) > 20 else ""
         raise UnsupportedOpError(f"no provider can run these nodes:\n  {listed}{more}")
     keep = {o.name for o in outputs}
-    steps, fused = fuse_silu_mul(steps, keep)
-    steps, norms = fuse_rms_norm(steps, constants, keep)
+    steps, fused = fuse_silu_mul(steps, keep, type_of)
+    steps, norms = fuse_rms_norm(steps, constants, keep, type_of)
     fused += norms
-    value_types = _infer_value_types(model)
     shapes = {name: spec.shape for name, spec in value_types.items()}
-    steps, skips = fuse_skip_rms_norm(steps, keep, shapes)
+    steps, skips = fuse_skip_rms_norm(steps, keep, shapes, type_of)
     fused += skips
-    steps, picks = fuse_argmax_prob(steps, constants, keep)
+    steps, picks = fuse_argmax_prob(steps, constants, keep, type_of)
     fused += picks
-    steps, merged = fuse_gate_up(steps, constants, keep)
+    steps, merged = fuse_gate_up(steps, constants, keep, type_of)
     fused += merged
-    steps, normed = fuse_norm_matmul(steps, constants, keep)
+    steps, normed = fuse_norm_matmul(steps, constants, keep, type_of)
     fused += normed
-    steps, activated = fuse_silu_matmul(steps, constants, keep)
+    steps, activated = fuse_silu_matmul(steps, constants, keep, type_of)
     fused += activated
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)
     plan.value_types = value_types
@@ -233,11 +247,15 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
 
 
 def _place(
-    info: NodeInfo, providers: Sequence[ExecutionProvider]
+    info: NodeInfo,
+    providers: Sequence[ExecutionProvider],
+    input_types: tuple[TensorType | None, ...],
 ) -> tuple[ExecutionProvider, KernelDef] | str:
+    """The first provider (in the session's order) that supports the node with these input
+    types, and its kernel; else why none does."""
     reasons = []
     for p in providers:
-        ok, reason = p.supports(info)
+        ok, reason = p.supports(info, input_types)
         if ok:
             kdef = p.get_kernel(info.domain, info.op_type, info.opset)
             assert kdef is not None

@@ -57,22 +57,22 @@ class SingleGraphProvider(_HostBase):
         self.replayed = 0
         self.fail_next_end = False
 
-    def _graph_begin(self, slot):
+    def graph_begin(self, slot, part):
         assert slot is PRIMARY
         self.graph = "capturing"
 
-    def _graph_end(self, slot):
+    def graph_end(self, slot, part):
         if self.fail_next_end:
             raise RuntimeError("driver refused the graph")
         self.graph = "ready"
 
-    def _graph_replay(self, slot):
+    def graph_replay(self, slot, part):
         self.replayed += 1
 
-    def _graph_reset(self, slot):
+    def graph_reset(self, slot, part):
         self.graph = None
 
-    def _graph_exists(self, slot):
+    def graph_exists(self, slot, part):
         return self.graph == "ready"
 
 

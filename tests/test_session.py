@@ -466,5 +466,5 @@ def test_replayed_skip_norm_and_silu_mul_match_float64(sum_is_read):
             np.testing.assert_allclose(outs["z"], r * r, rtol=1e-5, atol=1e-5)
     stats = sess.graph_stats(DeviceGraphSlot.PRIMARY)
     assert stats.replays >= 3 and stats.fallbacks == 0
-    graph_calls = sess.main_provider._graphs[DeviceGraphSlot.PRIMARY]
+    graph_calls = sess.main_provider.recorded_graph(DeviceGraphSlot.PRIMARY)
     assert graph_calls.bound == len(graph_calls.calls)  # every call prebound

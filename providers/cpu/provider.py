@@ -97,7 +97,7 @@ class CPUProvider(ExecutionProvider):
         11x slower decode was measured on a 2-core machine with one core busy).
         """
         super().__init__()
-        self._graphs: dict[DeviceGraphSlot, RecordedGraph] = {}
+        self._graphs: dict[tuple[DeviceGraphSlot, int], RecordedGraph] = {}
         self._recording: RecordedGraph | None = None
         self.threads = threads
         if threads is not None:
@@ -141,32 +141,35 @@ class CPUProvider(ExecutionProvider):
             self._recording.record(kdef.fn, ctx, inputs, result)
         return result
 
-    # graph hooks
-    def _graph_begin(self, slot: DeviceGraphSlot) -> None:
+    # graph hooks: one recording per (slot, part)
+    def graph_begin(self, slot: DeviceGraphSlot, part: int) -> None:
         self._recording = RecordedGraph()
 
-    def _graph_end(self, slot: DeviceGraphSlot) -> None:
+    def graph_end(self, slot: DeviceGraphSlot, part: int) -> None:
         graph, self._recording = self._recording, None
         if graph is None:
             raise GraphCaptureError("no recording in progress")
-        self._graphs[slot] = graph
+        self._graphs[slot, part] = graph
 
-    def _graph_abort(self, slot: DeviceGraphSlot) -> None:
+    def graph_abort(self, slot: DeviceGraphSlot, part: int) -> None:
         self._recording = None
 
-    def _graph_replay(self, slot: DeviceGraphSlot) -> None:
-        self._graphs[slot].replay()
+    def graph_replay(self, slot: DeviceGraphSlot, part: int) -> None:
+        self._graphs[slot, part].replay()
 
-    def _graph_reset(self, slot: DeviceGraphSlot) -> None:
-        self._graphs.pop(slot, None)
+    def graph_reset(self, slot: DeviceGraphSlot, part: int) -> None:
+        self._graphs.pop((slot, part), None)
 
-    def _graph_exists(self, slot: DeviceGraphSlot) -> bool:
-        return slot in self._graphs
+    def graph_exists(self, slot: DeviceGraphSlot, part: int) -> bool:
+        return (slot, part) in self._graphs
+
+    def recorded_graph(self, slot: DeviceGraphSlot, part: int = 0) -> RecordedGraph | None:
+        """The recording held in ``(slot, part)``, for inspection (None when none)."""
+        return self._graphs.get((slot, part))
 
     def recorded_calls(self, slot: DeviceGraphSlot) -> int:
-        """Number of kernel calls in the slot's graph (0 when none)."""
-        graph = self._graphs.get(slot)
-        return len(graph.calls) if graph else 0
+        """Number of kernel calls in the slot's graph, all parts (0 when none)."""
+        return sum(len(g.calls) for (s, _), g in self._graphs.items() if s == slot)
 
 
 def set_threads(threads: int) -> None:

@@ -53,6 +53,13 @@ class CUDAProvider(ExecutionProvider):
     name = "cuda"
     GRAPH_SLOTS = frozenset(DeviceGraphSlot)
     CAPTURE_EXECUTES = False
+    ARRAY_TYPES = (cupy.ndarray,)
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, cupy.ndarray) and value.device.id == self._index
+
+    def may_share_memory(self, a: Any, b: Any) -> bool:
+        return self.holds(a) and self.holds(b) and bool(cupy.may_share_memory(a, b))
 
     def __init__(self, device_id: int = 0, gemv_prologues: bool | None = None) -> None:
         super().__init__()
@@ -68,7 +75,7 @@ class CUDAProvider(ExecutionProvider):
         self._scope = (
             self.stream if self._index == 0 else _DeviceStream(self._cuda_device, self.stream)
         )
-        self._graphs: dict[DeviceGraphSlot, Any] = {}
+        self._graphs: dict[tuple[DeviceGraphSlot, int], Any] = {}
         self._staging: np.ndarray | None = None
         self._staging_mem: Any = None
         self._staging_used = 0
@@ -293,38 +300,35 @@ class CUDAProvider(ExecutionProvider):
         with self._scope:
             return kdef.fn(ctx, *inputs)
 
-    # -- graph hooks ----------------------------------------------------------
-    def _graph_begin(self, slot: DeviceGraphSlot) -> None:
+    # -- graph hooks: one CUDA graph per (slot, part) ----------------------------
+    def graph_begin(self, slot: DeviceGraphSlot, part: int) -> None:
         with self._scope:
             self.stream.begin_capture()
 
-    def _graph_end(self, slot: DeviceGraphSlot) -> None:
+    def graph_end(self, slot: DeviceGraphSlot, part: int) -> None:
         with self._scope:
             graph = self.stream.end_capture()
             with contextlib.suppress(Exception):
                 graph.upload(self.stream)
-        self._drop_graph(slot)
-        self._graphs[slot] = graph
+        self.graph_reset(slot, part)
+        self._graphs[slot, part] = graph
 
-    def _graph_abort(self, slot: DeviceGraphSlot) -> None:
+    def graph_abort(self, slot: DeviceGraphSlot, part: int) -> None:
         with contextlib.suppress(Exception), self._scope:
             self.stream.end_capture()
 
-    def _graph_replay(self, slot: DeviceGraphSlot) -> None:
+    def graph_replay(self, slot: DeviceGraphSlot, part: int) -> None:
         with self._scope:
-            self._graphs[slot].launch(self.stream)
+            self._graphs[slot, part].launch(self.stream)
 
-    def _graph_reset(self, slot: DeviceGraphSlot) -> None:
-        self._drop_graph(slot)
-
-    def _graph_exists(self, slot: DeviceGraphSlot) -> bool:
-        return slot in self._graphs
-
-    def _drop_graph(self, slot: DeviceGraphSlot) -> None:
-        if slot in self._graphs:
+    def graph_reset(self, slot: DeviceGraphSlot, part: int) -> None:
+        if (slot, part) in self._graphs:
             if self.capturing is None:
                 self.stream.synchronize()  # a replay in flight must finish first
-            del self._graphs[slot]
+            del self._graphs[slot, part]
+
+    def graph_exists(self, slot: DeviceGraphSlot, part: int) -> bool:
+        return (slot, part) in self._graphs
 
     # -- host staging -------------------------------------------------------------
     def _refuse_host_copy(self, what: str) -> None:

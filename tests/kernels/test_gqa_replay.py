@@ -118,7 +118,7 @@ class _Bound:
         self.sess.run_with_iobinding(self.binding, PRIMARY)
 
     def bound_calls(self) -> int:
-        return self.sess.main_provider._graphs[PRIMARY].bound
+        return self.sess.main_provider.recorded_graph(PRIMARY).bound
 
 
 def _check_step(
@@ -248,7 +248,7 @@ def test_gqa_replay_without_prebuilt_step_batch_two() -> None:
         for j, t in enumerate(seq + 1):
             np.testing.assert_allclose(keys[j, :, :t], want[1][j, :, :t], rtol=1e-5, atol=1e-6)
     assert sess.graph_stats(PRIMARY).replays == 4
-    assert sess.main_provider._graphs[PRIMARY].bound == 0
+    assert sess.main_provider.recorded_graph(PRIMARY).bound == 0
 
 
 # ----------------------------------------------------------------------------- step vs general

@@ -136,7 +136,7 @@ def test_decode_and_verify_steps_replay_the_prebound_kernel(op, rank, attrs):
     for slot, *_ in runs:
         stats = sess.graph_stats(slot)
         assert stats.captures == 1 and stats.replays == 3 and stats.fallbacks == 0, slot
-        graph = provider._graphs[slot]
+        graph = provider.recorded_graph(slot)
         assert graph.bound == len(graph.calls) == 1, slot  # the kernel's own prebound call
 
 

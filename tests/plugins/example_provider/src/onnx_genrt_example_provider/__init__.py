@@ -88,23 +88,23 @@ class ExampleProvider(ExecutionProvider):
         return result
 
     # One graph only: overriding these hooks routes PRIMARY here by default.
-    def _graph_begin(self, slot: DeviceGraphSlot) -> None:
+    def graph_begin(self, slot: DeviceGraphSlot, part: int) -> None:
         self._recording = []
 
-    def _graph_end(self, slot: DeviceGraphSlot) -> None:
+    def graph_end(self, slot: DeviceGraphSlot, part: int) -> None:
         self._calls, self._recording = self._recording or [], None
 
-    def _graph_abort(self, slot: DeviceGraphSlot) -> None:
+    def graph_abort(self, slot: DeviceGraphSlot, part: int) -> None:
         self._recording = None
 
-    def _graph_replay(self, slot: DeviceGraphSlot) -> None:
+    def graph_replay(self, slot: DeviceGraphSlot, part: int) -> None:
         for call in self._calls:
             call()
 
-    def _graph_reset(self, slot: DeviceGraphSlot) -> None:
+    def graph_reset(self, slot: DeviceGraphSlot, part: int) -> None:
         self._calls = []
 
-    def _graph_exists(self, slot: DeviceGraphSlot) -> bool:
+    def graph_exists(self, slot: DeviceGraphSlot, part: int) -> bool:
         return bool(self._calls)
 
 
