@@ -467,7 +467,7 @@ def _run_data_sets(case: Case, provider: ProviderArg) -> CaseResult:
         return CaseResult(case.name, case.op, status, reason)
 
     try:
-        sess = InferenceSession(case.model, providers=[provider])
+        sess = InferenceSession(case.model, providers=[provider], cpu_fallback=False)
     except UnsupportedOpError as exc:
         return result(Status.SKIPPED, _one_line(exc))
     except Exception as exc:
