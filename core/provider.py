@@ -2,19 +2,73 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from .device import Device
 from .dtypes import DType
-from .errors import GraphCaptureError, UnsupportedGraphSlot
+from .errors import GraphCaptureError, InvalidInputError, UnsupportedGraphSlot
 from .graph_slots import DeviceGraphSlot
 from .kernels import KernelContext, KernelDef, KernelRegistry, NodeInfo, TensorType
 from .tensor import Tensor
 from .workspace import StepWorkspace
+
+
+@dataclass(frozen=True)
+class ProviderOption:
+    """A provider setting, fixed when the provider is made: the keyword argument when one is
+    given, else the environment variable ``env`` when it is set, else ``default``. The
+    default's type (bool, int, float or str) is the option's type."""
+
+    name: str
+    default: bool | int | float | str
+    doc: str
+    env: str | None = None
+
+    def resolve(self, provider: str, given: Any = None) -> Any:
+        kind = type(self.default)
+        if given is None and self.env and os.environ.get(self.env) is not None:
+            raw = os.environ[self.env].strip()
+            where = f"environment variable {self.env}={raw!r}"
+            if kind is bool:
+                if raw.lower() not in ("0", "1", "false", "true", "off", "on"):
+                    raise InvalidInputError(f"{where}: expected 0 or 1")
+                return raw.lower() in ("1", "true", "on")
+            try:
+                return kind(raw)
+            except ValueError:
+                raise InvalidInputError(f"{where}: expected a {kind.__name__}") from None
+        if given is None:
+            return self.default
+        ok = isinstance(given, kind) and (kind is not int or not isinstance(given, bool))
+        if kind is float and isinstance(given, int) and not isinstance(given, bool):
+            ok, given = True, float(given)
+        if not ok:
+            raise InvalidInputError(
+                f"provider {provider!r} option {self.name!r} must be a {kind.__name__}, "
+                f"got {given!r}"
+            )
+        return given
+
+
+def resolve_options(
+    provider: str, declared: Sequence[ProviderOption], given: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Every declared option's value; an unknown name is refused with the known ones."""
+    known = {o.name: o for o in declared}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        listed = ", ".join(sorted(known)) or "none"
+        raise InvalidInputError(
+            f"provider {provider!r} has no option {', '.join(map(repr, unknown))} "
+            f"(its options: {listed})"
+        )
+    return {name: o.resolve(provider, given.get(name)) for name, o in known.items()}
 
 
 class ExecutionProvider(ABC):
@@ -35,8 +89,11 @@ class ExecutionProvider(ABC):
     GRAPH_SLOTS: ClassVar[frozenset[DeviceGraphSlot] | None] = None
     #: True when capturing runs the work too (CPU); False when it only records (CUDA).
     CAPTURE_EXECUTES: ClassVar[bool] = False
+    #: Settings that choose kernel variants, fixed at construction (see :class:`ProviderOption`).
+    OPTIONS: ClassVar[tuple[ProviderOption, ...]] = ()
 
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
+        self._options = resolve_options(self.name, self.OPTIONS, options)
         self._capture_latch: dict[DeviceGraphSlot, str] = {}
         # Who captured each slot's graph (an executor); sessions sharing this provider
         # check it before a replay, so one never replays a graph another put in its slot.
@@ -46,6 +103,21 @@ class ExecutionProvider(ABC):
         self._capturing_part = 0
         self._parts: dict[DeviceGraphSlot, set[int]] = {}
         self.workspace = StepWorkspace(self._allocate_workspace)
+
+    def option(self, name: str) -> Any:
+        """The value of one of this provider's :attr:`OPTIONS`."""
+        options = self.__dict__.get("_options")
+        if options is None:  # a subclass that did not call ExecutionProvider.__init__
+            options = self._options = resolve_options(self.name, self.OPTIONS, {})
+        try:
+            return options[name]
+        except KeyError:
+            raise InvalidInputError(f"provider {self.name!r} has no option {name!r}") from None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Every option and its value."""
+        return {o.name: self.option(o.name) for o in self.OPTIONS}
 
     # -- device and memory -------------------------------------------------
     @property

@@ -9,9 +9,7 @@ from onnx_genrt.core.registry import ProviderSpec
 def _factory(threads: int | None = 1, **options: object):
     from .provider import CPUProvider
 
-    if options:
-        raise TypeError(f"cpu provider options are: threads; got {sorted(options)}")
-    return CPUProvider(threads=threads)
+    return CPUProvider(threads=threads, **options)
 
 
 @hookimpl

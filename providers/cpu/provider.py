@@ -13,7 +13,7 @@ from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import KernelContext, KernelDef, KernelRegistry
-from onnx_genrt.core.provider import ExecutionProvider
+from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 from onnx_genrt.core.tensor import Tensor, buffer_address
 
 from .kernels import REGISTRY
@@ -88,15 +88,31 @@ class CPUProvider(ExecutionProvider):
     name = "cpu"
     GRAPH_SLOTS = frozenset(DeviceGraphSlot)
     CAPTURE_EXECUTES = True
+    OPTIONS = (
+        ProviderOption(
+            "skinny_matmul",
+            True,
+            "prepack constant float32 MatMul/Gemm weights for the decode-sized skinny GEMM "
+            "(off: numpy/BLAS only)",
+            env="ONNX_GENRT_SKINNY_MATMUL",
+        ),
+        ProviderOption(
+            "nbits_cache",
+            False,
+            "keep the float32 copy a prompt-sized MatMulNBits makes of its 4-bit weights "
+            "(8x their packed bytes) instead of dequantizing again on each prompt",
+            env="ONNX_GENRT_NBITS_CACHE",
+        ),
+    )
 
-    def __init__(self, threads: int | None = 1) -> None:
+    def __init__(self, threads: int | None = 1, **options: Any) -> None:
         """``threads`` caps BLAS and Numba threads for the process (``None`` leaves them).
 
         The default is 1: decode-sized matmuls gain little from a second thread, and
         multi-threaded OpenBLAS spin-waits badly when another process holds a core (an
         11x slower decode was measured on a 2-core machine with one core busy).
         """
-        super().__init__()
+        super().__init__(**options)
         self._graphs: dict[tuple[DeviceGraphSlot, int], RecordedGraph] = {}
         self._recording: RecordedGraph | None = None
         self.threads = threads

@@ -9,7 +9,6 @@ or with ``array.set(host, stream=provider.stream)``.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +21,7 @@ from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, KernelDef, KernelRegistry
-from onnx_genrt.core.provider import ExecutionProvider
+from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 from onnx_genrt.core.tensor import Tensor
 
 from .kernels import REGISTRY
@@ -61,12 +60,44 @@ class CUDAProvider(ExecutionProvider):
     def may_share_memory(self, a: Any, b: Any) -> bool:
         return self.holds(a) and self.holds(b) and bool(cupy.may_share_memory(a, b))
 
-    def __init__(self, device_id: int = 0, gemv_prologues: bool | None = None) -> None:
-        super().__init__()
-        if gemv_prologues is None:
-            gemv_prologues = os.environ.get("ONNX_GENRT_GEMV_PROLOGUES", "1") != "0"
+    OPTIONS = (
+        ProviderOption(
+            "gemv_prologues",
+            True,
+            "let the plan fuse RMS norms and SiluMul into the GEMVs that read them "
+            "(GEMV_PROLOGUE_OPS)",
+            env="ONNX_GENRT_GEMV_PROLOGUES",
+        ),
+        ProviderOption(
+            "nbits_stream",
+            True,
+            "4-bit rows of at most 128 words on the persistent, prefetching GEMV",
+            env="ONNX_GENRT_NBITS_STREAM",
+        ),
+        ProviderOption(
+            "nbits_chunk16",
+            True,
+            "4-bit weights with blocks of a multiple of 32 on the 16-byte-load GEMV",
+            env="ONNX_GENRT_NBITS_CHUNK16",
+        ),
+        ProviderOption(
+            "nbits_small_k",
+            True,
+            "lm_head-shaped 4-bit GEMVs (K <= 2048, M <= 8) with several lanes a column",
+            env="ONNX_GENRT_NBITS_SMALL_K",
+        ),
+        ProviderOption(
+            "nbits_half2",
+            True,
+            "fp16 activations with integer zero points: 4-bit GEMV math on packed halves",
+            env="ONNX_GENRT_NBITS_HALF2",
+        ),
+    )
+
+    def __init__(self, device_id: int = 0, **options: Any) -> None:
+        super().__init__(**options)
         #: Whether the plan may fuse norms and SiluMul into GEMVs (``GEMV_PROLOGUE_OPS``).
-        self.gemv_prologues = bool(gemv_prologues)
+        self.gemv_prologues = self.option("gemv_prologues")
         self._index = int(device_id)
         self._device = Device("cuda", self._index)
         self._cuda_device = cupy.cuda.Device(self._index)

@@ -621,7 +621,8 @@ def test_matmul_nbits_small_k(cp, prov, rng, monkeypatch, k, n, block, lanes, m,
 
     chunks = k // 32
     if lanes is None:
-        assert cq.SMALL_K_GEMV and cq.nbits4_small_k_split(chunks, n, cq.sm_count()) is not None
+        assert prov.option("nbits_small_k")
+        assert cq.nbits4_small_k_split(chunks, n, cq.sm_count()) is not None
     else:
         split = (lanes, -(-chunks // lanes))
         monkeypatch.setattr(cq, "nbits4_small_k_split", lambda *_: split)
@@ -1048,7 +1049,6 @@ def test_llm_kernel_timings(cp, fresh, rng):
                 )
     from onnx_genrt.providers.cuda.kernels import contrib_quant
 
-    small_k = contrib_quant.SMALL_K_GEMV
     shapes = ((896, 4864, 1), (896, 4864, 4), (4864, 896, 1), (896, 151936, 1), (896, 151936, 8))
     for k, n, m in shapes:
         inputs, attrs = nbits_case(rng, m, k, n, 32, 4, np.float16, None, False)
@@ -1062,12 +1062,13 @@ def test_llm_kernel_timings(cp, fresh, rng):
 
         nbytes = sum(int(x.nbytes) for x in d_in[1:3])
         split = contrib_quant.nbits4_small_k_split(k // 32, n, contrib_quant.sm_count())
-        for variant in (True, False):  # ONNX_GENRT_NBITS_SMALL_K on / off
-            contrib_quant.SMALL_K_GEMV = variant
+        for variant in (True, False):  # the nbits_small_k option on / off
+            options = prov._options
+            prov._options = {**options, "nbits_small_k": variant}
             try:
                 us = _graph_us(cp, prov, gemv)
             finally:
-                contrib_quant.SMALL_K_GEMV = small_k
+                prov._options = options
             on = variant and split is not None and m <= contrib_quant.SMALL_K_MAX_M
             kind = f"small-K {split[0]} lanes/column" if on else "chunk16 warp/column"
             lines.append(

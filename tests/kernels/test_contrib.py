@@ -746,10 +746,9 @@ def test_int4_matmul_parallel_matches_serial(m: int) -> None:
 def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch, keep: bool) -> None:
     """Decode-sized calls never build the float32 weight; each large call does, unless the
     cache keeps it (then once). The packed row tiles are kept either way."""
-    monkeypatch.setattr(contrib_quant.DEQUANT_CACHE, "enabled", keep)
     model, inp, _ = _nbits_case(50, 1, 128, 32, 4, 32, "none", False, F32)
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "m"
-    sess = InferenceSession(model, providers=["cpu"])
+    sess = InferenceSession(model, providers=[("cpu", {"nbits_cache": keep})])
     real_dequant, real_tiles = contrib_quant.dequantize_nbits, contrib_quant.int4_tiles
     built: list[str] = []
 

@@ -14,7 +14,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.providers.cpu.kernels import _skinny_matmul as sk
-from onnx_genrt.providers.cpu.kernels import nn
 from onnx_genrt.session import InferenceSession
 
 F32 = np.float32
@@ -149,10 +148,14 @@ def test_one_dimensional_input_and_plain_run():
     _check(y[None], x[None], w)
 
 
-def test_disabled_prepack_keeps_the_plain_weight(monkeypatch):
-    monkeypatch.setattr(nn, "SKINNY_ENABLED", False)
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_disabled_prepack_keeps_the_plain_weight(monkeypatch, how):
     model, w, _ = _model("MatMul", 2)
-    sess = InferenceSession(model, providers=["cpu"])
+    if how == "option":
+        sess = InferenceSession(model, providers=[("cpu", {"skinny_matmul": False})])
+    else:
+        monkeypatch.setenv("ONNX_GENRT_SKINNY_MATMUL", "0")
+        sess = InferenceSession(model, providers=["cpu"])
     assert not any(isinstance(v, sk.TransposedWeight) for v in sess.executor._consts.values())
     x = np.random.default_rng(4).standard_normal((3, K), dtype=F32)
     (y,) = sess.run(None, {"x": x})

@@ -10,15 +10,14 @@ MatMulNBits takes one of two paths (prepared weights are kept by ``DequantCache`
   4-bit), so it is not kept: a 4-bit model stays near its packed size after a long prompt.
   Dequantizing whole 4-bit blocks runs at several GB/s, a small part of such a matmul.
 
-Set ``ONNX_GENRT_NBITS_CACHE=1`` (or ``contrib_quant.DEQUANT_CACHE.enabled = True``) to keep
-the float32 copies instead, trading that memory for a little prompt time. The 4-bit row tiles
+The CPU provider's ``nbits_cache`` option (or ``ONNX_GENRT_NBITS_CACHE=1``) keeps the float32
+copies instead, trading that memory for a little prompt time. The 4-bit row tiles
 are kept either way (about the packed size; a decode step that tiled its weights on every call
 would be many times slower).
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -65,8 +64,7 @@ class DequantCache:
     modified in place, which holds for initializers.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self) -> None:
         self.builds = 0
         self._entries: dict[tuple, tuple[list[weakref.ref], Any]] = {}
 
@@ -75,10 +73,10 @@ class DequantCache:
         sources: tuple[np.ndarray | None, ...],
         params: tuple,
         build: Callable[[], _T],
-        always: bool = False,
+        keep: bool = True,
     ) -> _T:
-        """The cached value for ``sources``/``params``, built on a miss and kept while the
-        cache is enabled (``always``: kept even when it is not)."""
+        """The cached value for ``sources``/``params``, built on a miss and kept when
+        ``keep``."""
         live = [a for a in sources if a is not None]
         key = (tuple(id(a) for a in sources), params)
         hit = self._entries.get(key)
@@ -86,7 +84,7 @@ class DequantCache:
             return hit[1]
         value = build()
         self.builds += 1
-        if self.enabled or always:
+        if keep:
             drop = self._dropper(key)
             self._entries[key] = ([weakref.ref(a, drop) for a in live], value)
         return value
@@ -102,7 +100,7 @@ class DequantCache:
         self._entries.clear()
 
 
-DEQUANT_CACHE = DequantCache(os.environ.get("ONNX_GENRT_NBITS_CACHE", "0") == "1")
+DEQUANT_CACHE = DequantCache()
 
 
 # ----------------------------------------------------------------------------- MatMulNBits
@@ -196,7 +194,7 @@ def matmul_nbits(
     """Y = A @ dequant(B)^T (+ bias); float32 math whatever accuracy_level asks.
 
     4-bit weights with at most ``PACKED_MAX_M`` rows of A are multiplied packed; other
-    calls dequantize the weight to float32 first (kept only with ``DEQUANT_CACHE.enabled``).
+    calls dequantize the weight to float32 first (kept only with the ``nbits_cache`` option).
     """
     reason = _nbits_check(ctx.node, ())
     if reason or g_idx is not None:
@@ -218,7 +216,6 @@ def matmul_nbits(
             sources,
             ("int4-tiles", k, n, block),
             lambda: int4_tiles(b, scales, zero_points, k, n, block),
-            always=True,
         )
         y = int4_matmul(
             np.ascontiguousarray(a2, _F32), w4, out2 if direct else np.empty(out2.shape, _F32)
@@ -226,7 +223,10 @@ def matmul_nbits(
     else:
         params = (k, n, bits, block)
         w = DEQUANT_CACHE.get(
-            sources, params, lambda: dequantize_nbits(b, scales, zero_points, *params)
+            sources,
+            params,
+            lambda: dequantize_nbits(b, scales, zero_points, *params),
+            keep=ctx.provider is not None and ctx.provider.option("nbits_cache"),
         )
         if direct:
             np.matmul(a2, w.T, out=out2)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 
@@ -24,9 +23,8 @@ from ._skinny_matmul import SKINNY_MAX_M, TransposedWeight, pack_weight, skinny_
 
 _F64 = np.dtype(np.float64)
 _F32 = np.dtype(np.float32)
-#: Constant float32 MatMul/Gemm weights are prepacked for ``skinny_matmul`` (decode and
-#: verify steps); ``ONNX_GENRT_SKINNY_MATMUL=0`` keeps them as they are (numpy/BLAS only).
-SKINNY_ENABLED = os.environ.get("ONNX_GENRT_SKINNY_MATMUL", "1") != "0"
+# Constant float32 MatMul/Gemm weights are prepacked for ``skinny_matmul`` (decode and
+# verify steps) unless the provider's ``skinny_matmul`` option is off (numpy/BLAS only).
 
 
 # ----------------------------------------------------------------------------- MatMul / Gemm
@@ -93,7 +91,7 @@ def prepack_weight(provider, node, index: int, host: np.ndarray) -> TransposedWe
     """A constant 2-D float32 weight (input B) transposed for ``skinny_matmul``; for Gemm,
     a B that ``transB`` already stores as [N, K] is kept as it is (no copy)."""
     host = np.asarray(host)
-    if not SKINNY_ENABLED or index != 1 or host.ndim != 2 or host.dtype != _F32:
+    if not provider.option("skinny_matmul") or index != 1 or host.ndim != 2 or host.dtype != _F32:
         return None
     if 0 in host.shape:
         return None

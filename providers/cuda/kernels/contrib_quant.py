@@ -22,8 +22,6 @@ with cuBLAS, which CuPy refuses inside a stream capture, so that case raises whi
 
 from __future__ import annotations
 
-import os
-
 import cupy
 import numpy as np
 
@@ -47,28 +45,27 @@ from .matmul import gemv_layout
 
 #: Largest M that runs on the GEMV kernel.
 GEMV_MAX_M = 16
-#: Packed rows of at most this many 32-bit words (K <= 1024 at 4 bits) run on the persistent,
-#: prefetching GEMV; ``ONNX_GENRT_NBITS_STREAM=0`` keeps them on the one-round kernel.
+# Kernel variants, each a CUDA provider option (``CUDAProvider.OPTIONS``; the environment
+# variable in brackets is its default):
+# - packed rows of at most STREAM_MAX_WORDS 32-bit words (K <= 1024 at 4 bits) run on the
+#   persistent, prefetching GEMV (``nbits_stream``, ONNX_GENRT_NBITS_STREAM), else the
+#   one-round kernel;
+# - 4-bit weights with blocks of a multiple of 32 run on ``nbits4_gemv16``, 16-byte loads
+#   (``nbits_chunk16``, ONNX_GENRT_NBITS_CHUNK16), else the 32-bit-word kernels;
+# - of those, rows of at most 64 chunks (K <= 2048) with M <= SMALL_K_MAX_M and enough columns
+#   to fill the GPU run on ``nbits4_gemv16_small_k``, a few lanes a column, several columns a
+#   warp, split by :func:`~onnx_genrt.providers.cuda.gemv_split.nbits4_small_k_split`
+#   (``nbits_small_k``, ONNX_GENRT_NBITS_SMALL_K);
+# - fp16 activations with integer zero points run the chunk16 GEMVs' math on packed halves,
+#   ``nbits4_chunk_half2``: about half the instructions of float math, which bounds the lm_head
+#   and the verify step (``nbits_half2``, ONNX_GENRT_NBITS_HALF2): a compile-time switch, so
+#   the source exists in both forms (:func:`_source`).
 STREAM_MAX_WORDS = 128
-STREAM_GEMV = os.environ.get("ONNX_GENRT_NBITS_STREAM", "1") != "0"
-#: 4-bit weights with blocks of a multiple of 32 run on ``nbits4_gemv16`` (16-byte loads);
-#: ``ONNX_GENRT_NBITS_CHUNK16=0`` keeps them on the 32-bit-word kernels above.
-CHUNK16_GEMV = os.environ.get("ONNX_GENRT_NBITS_CHUNK16", "1") != "0"
-#: Of those, rows of at most 64 chunks (K <= 2048) with M <= 8 and enough columns to fill the
-#: GPU run on ``nbits4_gemv16_small_k`` (a few lanes a column, several columns a warp; split by
-#: :func:`~onnx_genrt.providers.cuda.gemv_split.nbits4_small_k_split`);
-#: ``ONNX_GENRT_NBITS_SMALL_K=0`` keeps them on ``nbits4_gemv16``.
-SMALL_K_GEMV = os.environ.get("ONNX_GENRT_NBITS_SMALL_K", "1") != "0"
 SMALL_K_MAX_M = 8
-#: fp16 activations with integer zero points run the chunk16 GEMVs' math on packed halves
-#: (``nbits4_chunk_half2``: about half the instructions of float math, which bounds the lm_head
-#: and the verify step); ``ONNX_GENRT_NBITS_HALF2=0`` keeps float math.
-HALF2_GEMV = os.environ.get("ONNX_GENRT_NBITS_HALF2", "1") != "0"
 _NBITS = NBITS
 
-_SOURCE = (
-    f"#define NBITS_HALF2 {int(HALF2_GEMV)}\n"
-    + DEVICE_COMMON
+_BODY = (
+    DEVICE_COMMON
     + r"""
 // Zero point of block blk of row n. zp_mode 0: 2^(bits-1); 1: packed uint8 (zrow bytes per
 // row, low bits first); 2: one float per block (same type as the scales).
@@ -579,6 +576,16 @@ __global__ void gather_block_quant(const unsigned char* __restrict__ data,
 )
 
 
+def _source(ctx: KernelContext) -> str:
+    """The kernels' source in the form the provider's ``nbits_half2`` option asks for."""
+    return f"#define NBITS_HALF2 {int(_option(ctx, 'nbits_half2'))}\n" + _BODY
+
+
+def _option(ctx: KernelContext, name: str) -> bool:
+    """A CUDA provider option; a kernel called without a provider takes the default."""
+    return ctx.provider.option(name) if ctx.provider is not None else True
+
+
 # ----------------------------------------------------------------------------- dequant cache
 
 
@@ -662,10 +669,10 @@ def _zero_args(ctx: KernelContext, zp, scales, n: int, nb: int, bits: int):
     return scales, zp, nb, 2
 
 
-def _chunk16_fits(bits: int, block: int, k: int, row_bytes: int, b, a) -> bool:
+def _chunk16_fits(ctx: KernelContext, bits: int, block: int, k: int, row_bytes: int, b, a) -> bool:
     """Whether ``nbits4_gemv16`` applies: 4 bits, 16-byte chunks within one block, aligned."""
     return (
-        CHUNK16_GEMV
+        _option(ctx, "nbits_chunk16")
         and bits == 4
         and block % 32 == 0
         and k % 32 == 0
@@ -697,7 +704,7 @@ def matmul_nbits(
     nb = -(-k // block)
     blob = block * bits // 8
     if norm is not None:
-        chunk16 = b.size and m <= GEMV_MAX_M and _chunk16_fits(bits, block, k, nb * blob, b, a)
+        chunk16 = b.size and m <= GEMV_MAX_M and _chunk16_fits(ctx, bits, block, k, nb * blob, b, a)
         if not (y.size and chunk16 and norm.fits_on_the_fly(a)):
             a, norm = contiguous(ctx, norm.unfused()), None
     if y.size == 0:
@@ -720,7 +727,7 @@ def matmul_nbits(
     bias_arg = contiguous(ctx, bias) if bias is not None else y
     if norm is None:  # the prologue reads the fused inputs itself
         a = contiguous(ctx, a)
-    if m <= GEMV_MAX_M and _chunk16_fits(bits, block, k, nb * blob, b, a):
+    if m <= GEMV_MAX_M and _chunk16_fits(ctx, bits, block, k, nb * blob, b, a):
         args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
         args += (np.int32(nb), np.int32(block), np.int32(nb * blob // 16), np.int32(zrow))
         args += (np.int32(zp_mode), np.int32(bias is not None))
@@ -730,17 +737,17 @@ def matmul_nbits(
         else:
             norm_args, shared = (a, a, y, np.float32(0.0), np.int32(0)), 0
         split = None
-        if SMALL_K_GEMV and m <= SMALL_K_MAX_M:
+        if _option(ctx, "nbits_small_k") and m <= SMALL_K_MAX_M:
             split = nbits4_small_k_split(k // 32, n, sm_count())
         if split is not None:
             lpc, cpl = split
             mt = next(t for t in (1, 2, 4, 8) if t >= m)
             name = f"nbits4_gemv16_small_k<{s_type}, {w_type}, {mt}, {lpc}, {cpl}, {fused}>"
             grid = (small_k_blocks(n, lpc),)
-            function(_SOURCE, name)(grid, (32, 8), (*args, *norm_args), shared_mem=shared)
+            function(_source(ctx), name)(grid, (32, 8), (*args, *norm_args), shared_mem=shared)
             return y
         mt, nr, wpc = gemv_layout(m, k // 32, n, sm_count())
-        fn = function(_SOURCE, f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}, {fused}>")
+        fn = function(_source(ctx), f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}, {fused}>")
         groups = -(-n // nr)
         grid = (-(-groups * wpc // 8),)
         fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=shared)
@@ -760,12 +767,12 @@ def matmul_nbits(
         args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
         args += (np.int32(nb), np.int32(block), np.int32(words), np.int32(zrow))
         args += (np.int32(zp_mode), np.int32(bias is not None))
-        if STREAM_GEMV and words <= STREAM_MAX_WORDS:
+        if _option(ctx, "nbits_stream") and words <= STREAM_MAX_WORDS:
             name = f"nbits_gemv_stream<{s_type}, {w_type}, {mt}, {bits}, {nr}>"
-            fn = function(_SOURCE, name)
+            fn = function(_source(ctx), name)
             fn((stream_blocks(fn, groups, sms),), (32, 8), (*args, np.int32(a_vec)))
             return y
-        fn = function(_SOURCE, f"nbits_gemv<{s_type}, {w_type}, {mt}, {bits}, {nr}>")
+        fn = function(_source(ctx), f"nbits_gemv<{s_type}, {w_type}, {mt}, {bits}, {nr}>")
         fn((-(-groups * wpr // 8),), (32, 8), (*args, np.int32(wpr), np.int32(a_vec)))
         return y
     if capturing(ctx):
@@ -777,7 +784,7 @@ def matmul_nbits(
 
     def build() -> cupy.ndarray:
         w = cupy.empty((n, k), a.dtype)
-        fn = function(_SOURCE, f"nbits_dequant<{s_type}, {w_type}, {bits}>")
+        fn = function(_source(ctx), f"nbits_dequant<{s_type}, {w_type}, {bits}>")
         total = n * k
         fn(
             (-(-total // 256),),
@@ -844,7 +851,9 @@ def gather_block_quantized(ctx: KernelContext, data, indices, scales, zero_point
     if total == 0:
         return y
     i_type = "int" if indices.dtype == np.int32 else "long long"
-    fn = function(_SOURCE, f"gather_block_quant<{i_type}, {storage(ctx, scales.dtype)}, {bits}>")
+    fn = function(
+        _source(ctx), f"gather_block_quant<{i_type}, {storage(ctx, scales.dtype)}, {bits}>"
+    )
     args = (contiguous(ctx, data), contiguous(ctx, indices), contiguous(ctx, scales), zp, y)
     args += (np.int64(rows), np.int32(cols), np.int32(row_bytes), np.int32(nb))
     args += (np.int32(block), np.int32(zrow), np.int32(has_zp), np.int64(total))
