@@ -10,7 +10,7 @@ import pytest
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
-from ..models import mlp, mlp_reference
+from tests.models import mlp, mlp_reference
 
 pytestmark = pytest.mark.gpu
 
