@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
-
 from tests.models import mlp, mlp_reference
 
 pytestmark = pytest.mark.gpu
