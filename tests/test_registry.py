@@ -168,6 +168,67 @@ def test_second_registration_of_a_name_is_refused_naming_the_first():
     assert "in-process plugin 'two' cannot register it again" in reg.errors[0].error
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"name": "a,b"}, "provider name 'a,b' is not usable: use letters, digits"),
+        ({"name": ""}, "provider name '' is not usable"),
+        ({"factory": "CPUProvider"}, "provider 'odd': factory 'CPUProvider' is not callable"),
+        ({"availability": None}, "provider 'odd': availability None is not callable"),
+        ({"api_version": "1.0"}, "provider 'odd': api_version must be a (major, minor) tuple"),
+    ],
+)
+def test_malformed_spec_fields_are_refused_by_name(fields, message):
+    spec = ProviderSpec(**{"name": "odd", "factory": CPUProvider, "api_version": (1, 0), **fields})
+
+    class Plugin:
+        @hookimpl
+        def register_providers(self, register):
+            register(spec)
+            register(ProviderSpec("fine", factory=CPUProvider, api_version=(1, 0)))
+
+    reg = ProviderRegistry(entry_points=())
+    reg.register_plugin(Plugin(), name="mixed")
+    assert reg.names() == ["fine"]  # the plugin's other provider is unaffected
+    assert [e.error[: len(message)] for e in reg.errors] == [message]
+
+
+@pytest.mark.parametrize(
+    ("check", "reason"),
+    [
+        (lambda: 3, "availability check returned 3, not None or a reason"),
+        (lambda: sys.exit(2), "availability check raised SystemExit: 2"),
+        (lambda: 1 / 0, "availability check raised ZeroDivisionError: division by zero"),
+    ],
+)
+def test_misbehaving_availability_check_makes_the_provider_unavailable(check, reason):
+    class Plugin:
+        @hookimpl
+        def register_providers(self, register):
+            register(
+                ProviderSpec("flaky", factory=CPUProvider, availability=check, api_version=(1, 0))
+            )
+
+    reg = ProviderRegistry()
+    reg.register_plugin(Plugin(), name="flaky")
+    info = {p.name: p for p in reg.providers()}["flaky"]
+    assert not info.available and info.reason == reason
+    with pytest.raises(
+        ProviderUnavailableError, match=re.escape(f"'flaky' is unavailable: {reason}")
+    ):
+        reg.create("flaky")
+    assert_cpu_session_runs([reg.create("cpu")])
+
+
+def test_factory_failure_names_the_provider_and_distribution():
+    with pytest.raises(
+        ProviderUnavailableError,
+        match=r"provider 'cpu' \(onnx-genrt \S+\) could not be created with options "
+        r"\{'cores': 2\}: TypeError: cpu provider options are: threads",
+    ):
+        ProviderRegistry().create("cpu", cores=2)
+
+
 def test_api_version_rule_names_both_versions(monkeypatch):
     import onnx_genrt.core.registry as registry_module
 
