@@ -505,3 +505,30 @@ def test_providers_command_in_process_lists_broken_plugins(installed_plugins, ca
     assert re.search(r"^cpu\s+available\s", out, re.MULTILINE)
     assert re.search(r"^cuda\s+(available|unavailable)\s+1\.0\s", out, re.MULTILINE)
     assert "broken plugins (8, not used):" in out
+
+
+def test_providers_command_reports_a_factory_that_raises(monkeypatch, capsys):
+    import onnx_genrt.core.registry as registry_module
+
+    def refuse(**options):
+        raise RuntimeError("driver said no")
+
+    class Plugin:
+        @hookimpl
+        def register_providers(self, register):
+            register(ProviderSpec("boom", factory=refuse, api_version=(1, 0)))
+
+    reg = ProviderRegistry()
+    reg.register_plugin(Plugin(), name="boom")
+    monkeypatch.setattr(registry_module, "_default", reg)
+    assert cli_main(["providers", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^boom\s+failed\s+1\.0\s+-\s+in-process plugin 'boom'\s+provider 'boom' \(in-process "
+        r"plugin 'boom'\) could not be created: RuntimeError: driver said no$",
+        out,
+        re.MULTILINE,
+    )
+    assert 'raise RuntimeError("driver said no")' in out  # --verbose: the traceback
+    assert re.search(r"^cpu\s+available\s+1\.0\s+primary, verify, draft\s", out, re.MULTILINE)
+    assert "broken plugins" not in out  # a factory that raises is not a broken plugin
