@@ -69,6 +69,14 @@ def test_unknown_provider_names_the_known_ones():
         ProviderRegistry().create("tpu")
 
 
+def _registry_with(*entry_point_names: str) -> ProviderRegistry:
+    """A registry of the built-ins plus the named entry points of the installed test plugins."""
+    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    chosen = [ep for ep in eps if ep.name in ("cpu", "cuda", *entry_point_names)]
+    assert len(chosen) == 2 + len(entry_point_names), [ep.name for ep in eps]
+    return ProviderRegistry(entry_points=chosen)
+
+
 def assert_cpu_session_runs(providers: list) -> None:
     """A CPU session runs the small MLP and matches numpy in float64."""
     model = mlp(hidden=8)
@@ -96,7 +104,7 @@ def test_in_process_plugin_registers_through_the_same_hook():
                 )
             )
 
-    reg = ProviderRegistry()
+    reg = _registry_with()
     reg.register_plugin(Plugin(), name="inline")
     infos = {p.name: p for p in reg.providers()}
     assert infos["cpu2"].available and infos["cpu2"].api_version == "1.0"
@@ -113,7 +121,7 @@ def test_plugin_whose_hook_raises_is_reported_and_others_survive(exc):
         def register_providers(self, register):
             raise exc
 
-    reg = ProviderRegistry()
+    reg = _registry_with()
     reg.register_plugin(Bad(), name="bad")
     (error,) = reg.errors
     assert error.plugin == "in-process plugin 'bad'"
@@ -126,7 +134,7 @@ def test_plugin_that_registers_nothing_is_reported():
         def register_providers(self, register):  # no @hookimpl: pluggy never calls it
             register(ProviderSpec("forgot", factory=CPUProvider, api_version=(1, 0)))
 
-    reg = ProviderRegistry()
+    reg = _registry_with()
     reg.register_plugin(Forgot(), name="forgot")
     assert "forgot" not in reg.names()
     assert "registered no providers" in reg.errors[0].error
@@ -139,7 +147,7 @@ def test_in_process_plugin_cannot_take_a_builtin_name():
         def register_providers(self, register):
             register(ProviderSpec("cuda", factory=CPUProvider, api_version=(1, 0)))
 
-    reg = ProviderRegistry()
+    reg = _registry_with()
     reg.register_plugin(Plugin(), name="squatter")
     assert re.fullmatch(
         r"provider 'cuda' is built into onnx-genrt \S+; in-process plugin 'squatter' cannot "
@@ -209,7 +217,7 @@ def test_misbehaving_availability_check_makes_the_provider_unavailable(check, re
                 ProviderSpec("flaky", factory=CPUProvider, availability=check, api_version=(1, 0))
             )
 
-    reg = ProviderRegistry()
+    reg = _registry_with()
     reg.register_plugin(Plugin(), name="flaky")
     info = {p.name: p for p in reg.providers()}["flaky"]
     assert not info.available and info.reason == reason
@@ -249,7 +257,7 @@ def test_api_version_rule_names_both_versions(monkeypatch):
 
 
 def test_builtins_declare_the_runtime_api_version():
-    reg = ProviderRegistry()
+    reg = _registry_with()
     for info in reg.providers():
         if info.name in ("cpu", "cuda"):
             assert info.api_version == f"{PROVIDER_API_VERSION[0]}.{PROVIDER_API_VERSION[1]}"
@@ -322,14 +330,6 @@ def _line_for(output: str, entry_point: str) -> str:
     lines = [line for line in output.splitlines() if f"(entry point {entry_point} = " in line]
     assert len(lines) == 1, f"expected one line for entry point {entry_point}:\n{output}"
     return lines[0]
-
-
-def _registry_with(*entry_point_names: str) -> ProviderRegistry:
-    """A registry of the built-ins plus the named entry points of the installed test plugins."""
-    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    chosen = [ep for ep in eps if ep.name in ("cpu", "cuda", *entry_point_names)]
-    assert len(chosen) == 2 + len(entry_point_names), [ep.name for ep in eps]
-    return ProviderRegistry(entry_points=chosen)
 
 
 def _check_refused(entry_point: str, message: str, providers_output: str) -> ProviderRegistry:
@@ -518,7 +518,7 @@ def test_providers_command_reports_a_factory_that_raises(monkeypatch, capsys):
         def register_providers(self, register):
             register(ProviderSpec("boom", factory=refuse, api_version=(1, 0)))
 
-    reg = ProviderRegistry()
+    reg = _registry_with()
     reg.register_plugin(Plugin(), name="boom")
     monkeypatch.setattr(registry_module, "_default", reg)
     assert cli_main(["providers", "--verbose"]) == 0
