@@ -8,7 +8,16 @@ group. It implements ``register_providers``::
 
     @hookimpl
     def register_providers(register):
-        register(ProviderSpec("mydev", factory=MyProvider, availability=check_driver))
+        register(
+            ProviderSpec(
+                "mydev", factory=MyProvider, availability=check_driver, api_version=(1, 0)
+            )
+        )
+
+``api_version`` is the provider API the plugin was written for
+(``onnx_genrt.core.PROVIDER_API_VERSION``); see :class:`~onnx_genrt.core.registry.ProviderSpec`.
+Each plugin is imported and called in isolation: if it fails, it is reported by
+``onnx-genrt providers`` with its distribution and version, and the others load regardless.
 """
 
 from __future__ import annotations
@@ -30,4 +39,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def register_providers(register: Callable[[ProviderSpec], None]) -> None:
-    """Call ``register(spec)`` once for each provider this plugin offers."""
+    """Call ``register(spec)`` once for each provider this plugin offers.
+
+    Do not build providers or touch devices here: ``availability`` says whether the provider
+    can run, and ``factory`` builds it when a session asks for it.
+    """

@@ -18,6 +18,12 @@ from .kernels import KernelContext, KernelDef, KernelRegistry, NodeInfo, TensorT
 from .tensor import Tensor
 from .workspace import StepWorkspace
 
+#: The provider API this runtime implements, as (major, minor). A plugin states the version it
+#: was written for in ``ProviderSpec.api_version``; it loads when the majors are equal and its
+#: minor is not newer (as onnxruntime's plugin EPs report the ``ORT_API_VERSION`` they were
+#: built with). A minor adds members with defaults; a major changes or removes them.
+PROVIDER_API_VERSION: tuple[int, int] = (1, 0)
+
 
 @dataclass(frozen=True)
 class ProviderOption:

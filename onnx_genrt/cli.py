@@ -8,26 +8,54 @@ from collections.abc import Sequence
 
 
 def _cmd_providers(args: argparse.Namespace) -> int:
+    """List providers (built with default options to read their graph slots, when available)
+    and then the plugins that were refused. Exits 0 even when some plugins are broken."""
+    import traceback
+
+    from onnx_genrt.core.errors import OnnxGenrtError
+    from onnx_genrt.core.graph_slots import DeviceGraphSlot
     from onnx_genrt.core.registry import get_registry
 
     registry = get_registry()
-    rows = [("provider", "status", "graph slots", "plugin / reason")]
+    header = ("provider", "status", "API", "graph slots", "distribution")
+    rows: list[tuple[tuple[str, ...], str]] = []
+    tracebacks: dict[str, str] = {}
     for info in registry.providers():
-        if info.available:
-            try:
-                slots = ", ".join(sorted(s.value for s in registry.create(info.name).graph_slots))
-            except Exception as exc:  # a provider that cannot be built is reported, not fatal
-                rows.append((info.name, "broken", "-", f"{type(exc).__name__}: {exc}"))
+        cells = (info.name, "unavailable", info.api_version, "-", info.distribution)
+        if not info.available:
+            rows.append((cells, info.reason))
+            continue
+        try:
+            slots = registry.create(info.name).graph_slots
+        except Exception as exc:  # one provider that cannot be built is reported, not fatal
+            if info.name not in registry.names():  # refused for good: listed with the broken
                 continue
-            rows.append((info.name, "available", slots or "none", info.plugin))
-        else:
-            rows.append((info.name, "unavailable", "-", info.reason))
-    for err in registry.errors:
-        rows.append(("?", "plugin failed", "-", f"{err.plugin}: {err.error}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
+            message = (
+                str(exc) if isinstance(exc, OnnxGenrtError) else f"{type(exc).__name__}: {exc}"
+            )
+            tracebacks[info.name] = "".join(traceback.format_exception(exc))
+            rows.append(((info.name, "failed", *cells[2:]), message))
+            continue
+        names = ", ".join(s.value for s in DeviceGraphSlot if s in slots) or "none"
+        rows.append(
+            ((info.name, "available", info.api_version, names, info.distribution), info.description)
+        )
+    widths = [max(len(r[i]) for r in [header, *(c for c, _ in rows)]) for i in range(len(header))]
+    for cells, details in [(header, "details"), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + "  " + details)
+        if args.verbose and cells[0] in tracebacks:
+            print(_indent(tracebacks[cells[0]]))
+    if registry.errors:
+        print(f"\nbroken plugins ({len(registry.errors)}, not used):")
+        for err in registry.errors:
+            print(f"  {err.plugin}: {err.error}")
+            if args.verbose and err.detail:
+                print(_indent(err.detail))
     return 0
+
+
+def _indent(text: str) -> str:
+    return "\n".join("      " + line for line in text.rstrip().splitlines())
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
@@ -68,7 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate_cli.add_parser(sub)
 
-    p = sub.add_parser("providers", help="list execution providers, their availability and why not")
+    p = sub.add_parser(
+        "providers",
+        help="list execution providers, their availability and why not, and broken plugins",
+        description="List every provider with its distribution, provider API version, graph "
+        "slots (read from an instance built with default options; unavailable providers are "
+        "not built) and availability, then the plugins that were refused and why.",
+    )
+    p.add_argument("--verbose", action="store_true", help="show the traceback of each failure")
     p.set_defaults(func=_cmd_providers)
 
     p = sub.add_parser(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from onnx_genrt.core.hookspecs import hookimpl
+from onnx_genrt.core.provider import PROVIDER_API_VERSION
 from onnx_genrt.core.registry import ProviderSpec
 
 
@@ -19,6 +20,8 @@ def register_providers(register) -> None:
             "cpu",
             factory=_factory,
             description="host CPU: numpy BLAS and Numba kernels, recorded graphs in every slot",
-            priority=1000,
+            # Built-ins ship with the runtime; a third-party plugin writes the literal
+            # version it was checked against, for example (1, 0).
+            api_version=PROVIDER_API_VERSION,
         )
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from onnx_genrt.core.hookspecs import hookimpl
+from onnx_genrt.core.provider import PROVIDER_API_VERSION
 from onnx_genrt.core.registry import ProviderSpec
 
 
@@ -35,6 +36,8 @@ def register_providers(register) -> None:
             factory=_factory,
             availability=cuda_unavailable_reason,
             description="NVIDIA GPU through CuPy; CUDA graphs in PRIMARY, VERIFY and DRAFT",
-            priority=10,
+            # Built-ins ship with the runtime; a third-party plugin writes the literal
+            # version it was checked against, for example (1, 0).
+            api_version=PROVIDER_API_VERSION,
         )
     )

@@ -110,4 +110,13 @@ class ExampleProvider(ExecutionProvider):
 
 @hookimpl
 def register_providers(register) -> None:
-    register(ProviderSpec("example", factory=ExampleProvider, description="example plugin"))
+    register(
+        ProviderSpec(
+            "example",
+            factory=ExampleProvider,
+            description="example plugin",
+            # The provider API this plugin was written for (onnx_genrt.core.PROVIDER_API_VERSION
+            # of the onnx-genrt it was checked against); a newer minor of the runtime loads it.
+            api_version=(1, 0),
+        )
+    )

@@ -1,0 +1,1 @@
+"""Plugins with one loading fault each, for the registry's isolation tests."""

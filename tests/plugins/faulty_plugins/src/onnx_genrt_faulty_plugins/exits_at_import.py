@@ -1,0 +1,5 @@
+"""Calls ``sys.exit()`` at import: the process that loads plugins must survive it."""
+
+import sys
+
+sys.exit("this plugin exits at import on purpose")
