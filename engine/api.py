@@ -218,7 +218,7 @@ def _prompt_ids(model: Model, prompt: str | Sequence[int]) -> list[int]:
                 f"the prompt {prompt[:40]!r} encodes to no tokens with the tokenizer of "
                 f"{model.config.folder}"
             )
-    elif isinstance(prompt, Sequence | np.ndarray):
+    elif isinstance(prompt, Sequence | np.ndarray) and not isinstance(prompt, bytes | bytearray):
         ids = [check_int(t, f"prompt token {i}", minimum=0) for i, t in enumerate(prompt)]
     else:
         raise InvalidInputError(
