@@ -121,7 +121,9 @@ def bench_ours(
             Generator.look_ahead = SpeculativeGenerator.pipeline = False
         try:
             # min_length = the full length: eos is ruled out, as in the onnxruntime-genai row.
-            res = generate(model, prompt, new, spec=spec, k=k, min_length=len(prompt) + new)
+            res = generate(
+                model, prompt, new, spec=spec, k=k if spec else None, min_length=len(prompt) + new
+            )
         finally:
             Generator.look_ahead, SpeculativeGenerator.pipeline = saved
         return (
