@@ -896,14 +896,29 @@ def test_gather_block_quantized(cp, prov, rng, bits, zp):
     zps = (
         rng.integers(0, 256, (rows, -(-cols // block * bits // 8))).astype(np.uint8) if zp else None
     )
-    idx = np.array([[0, 7, -1], [49, 3, 60]], np.int64)  # 60: out of range -> zeros
+    idx = np.array([[0, 7, -1], [49, 3, -50]], np.int64)  # both ends of the table
     inputs = [data, idx, scales] + ([zps] if zp else [])
     attrs = {"bits": bits, "block_size": block, "gather_axis": 0, "quantize_axis": 1}
     info = node("GatherBlockQuantized", inputs, attrs=attrs, opset=1, domain=MS_DOMAIN)
     want = reference(info, inputs, gbq_np(bits, block))
     got, _, _ = run_gpu(cp, prov, info, inputs, [((2, 3, cols), np.float32)])
     close(got[0], want[0], np.float32)
-    assert not got[0][1, 2].any()
+
+
+@pytest.mark.parametrize("bad", [50, -51])
+def test_gather_block_quantized_refuses_indices_out_of_range(cp, prov, rng, bad):
+    """Eager runs check device indices (one min/max read-back) and host indices alike."""
+    rows, cols, block = 50, 64, 32
+    data = rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8)
+    scales = rng.uniform(0.1, 1.0, (rows, cols // block)).astype(np.float32)
+    idx = np.array([[0, bad]], np.int64)
+    attrs = {"bits": 4, "block_size": block, "gather_axis": 0, "quantize_axis": 1}
+    info = node("GatherBlockQuantized", [data, idx, scales], attrs=attrs, opset=1, domain=MS_DOMAIN)
+    message = f"indices value {bad} out of range for axis of size {rows}"
+    with pytest.raises(IndexError, match=message):
+        run_gpu(cp, prov, info, [data, idx, scales], [((1, 2, cols), np.float32)])
+    with pytest.raises(IndexError, match=message):  # host indices, checked before the upload
+        launch(prov, info, [dev(prov, data), idx, dev(prov, scales)])
 
 
 # ----------------------------------------------------------------------------- whole models
