@@ -150,3 +150,10 @@ def test_a_successful_run_exits_zero():
 )
 def test_exit_codes_per_kind(exc, code):
     assert exit_code(exc) == code
+
+
+def test_a_prompt_that_is_not_utf8_is_a_usage_error():
+    """Bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape)."""
+    argv = [sys.executable.encode(), b"-m", b"onnx_genrt", b"generate", b"--prompt", b"ab\xff"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    _one_line_error(proc, EXIT_USAGE, "lone surrogate '\\udcff' at index 2")
