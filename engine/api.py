@@ -168,9 +168,10 @@ def stream(
     result: list[GenerationResult] | None = None,
     **search: Any,
 ) -> Iterator[str]:
-    """Yield text pieces as tokens are generated. Appends a GenerationResult to ``result``.
+    """Text pieces as tokens are generated; appends a GenerationResult to ``result``.
 
-    ``stop``: strings that end the generation (one string or a sequence of them)."""
+    ``stop``: strings that end the generation (one string or a sequence of them). Arguments
+    are checked when ``stream`` is called; the model runs as the pieces are iterated."""
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
     if spec is not None and spec not in SPEC_KINDS:
         raise InvalidInputError(f"unknown speculation kind {spec!r}; choose one of {SPEC_KINDS}")
@@ -191,6 +192,20 @@ def stream(
         )
     params = GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + max_new_tokens, **search)
+    return _generation(model, params, ids, spec, k, stop, ignore_eos, result)
+
+
+def _generation(
+    model: Model,
+    params: GeneratorParams,
+    ids: list[int],
+    spec: str | None,
+    k: int | None,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+    result: list[GenerationResult] | None,
+) -> Iterator[str]:
+    """The generator behind :func:`stream`: makes the Generator on first use, closes it."""
     gen = make_generator(model, params, spec, k)
     try:
         yield from _drive(gen, model, ids, stop, ignore_eos, result)

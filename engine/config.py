@@ -92,6 +92,34 @@ def _section(
     return value
 
 
+def _name(section: dict[str, Any], key: str, default: str | None, where: str) -> str | None:
+    """A graph input or output name; ``%d`` names (per-layer KV) must contain ``%d``."""
+    value = section.get(key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ModelLoadError(f"{where}{key} must be a non-empty name, got {value!r}")
+    if key.endswith("_names") and value.count("%d") != 1:
+        raise ModelLoadError(f"{where}{key} must contain %d once (the layer index), got {value!r}")
+    return value
+
+
+def _decoder_io(inputs: dict[str, Any], outputs: dict[str, Any], path: Path) -> DecoderIO:
+    """The decoder's input and output names from ``model.decoder.inputs`` / ``outputs``."""
+    i, o = f"{path}: model.decoder.inputs.", f"{path}: model.decoder.outputs."
+    return DecoderIO(
+        input_ids=_name(inputs, "input_ids", "input_ids", i),
+        attention_mask=_name(inputs, "attention_mask", None, i),
+        position_ids=_name(inputs, "position_ids", None, i),
+        past_key=_name(inputs, "past_key_names", DecoderIO.past_key, i),
+        past_value=_name(inputs, "past_value_names", DecoderIO.past_value, i),
+        logits=_name(outputs, "logits", "logits", o),
+        present_key=_name(outputs, "present_key_names", DecoderIO.present_key, o),
+        present_value=_name(outputs, "present_value_names", DecoderIO.present_value, o),
+        hidden_states=_name(outputs, "hidden_states", None, o),
+    )
+
+
 def _count(
     parent: dict[str, Any], key: str, path: Path, where: str = "model.", default: Any = ...
 ) -> Any:
@@ -150,6 +178,14 @@ def _speculative(folder: Path) -> dict[str, Any]:
                 f"{folder / SPECULATIVE_FILE}: section {section!r} must be an object, "
                 f"got {type(value).__name__}"
             )
+        for key in ("inputs", "outputs"):
+            names = _section(value, key, folder / SPECULATIVE_FILE, f"{section}.")
+            for name, graph_name in names.items():
+                if not isinstance(graph_name, str) or not graph_name:
+                    raise ModelLoadError(
+                        f"{folder / SPECULATIVE_FILE}: {section}.{key}.{name} must be a "
+                        f"non-empty name, got {graph_name!r}"
+                    )
     return data
 
 
@@ -165,17 +201,7 @@ def load_config(folder: str | Path) -> GenAIConfig:
         dec = _section(model, "decoder", path, "model.", required=True)
         inputs = _section(dec, "inputs", path, "model.decoder.")
         outputs = _section(dec, "outputs", path, "model.decoder.")
-        io = DecoderIO(
-            input_ids=inputs.get("input_ids", "input_ids"),
-            attention_mask=inputs.get("attention_mask"),
-            position_ids=inputs.get("position_ids"),
-            past_key=inputs.get("past_key_names", DecoderIO.past_key),
-            past_value=inputs.get("past_value_names", DecoderIO.past_value),
-            logits=outputs.get("logits", "logits"),
-            present_key=outputs.get("present_key_names", DecoderIO.present_key),
-            present_value=outputs.get("present_value_names", DecoderIO.present_value),
-            hidden_states=outputs.get("hidden_states"),
-        )
+        io = _decoder_io(inputs, outputs, path)
         s = _section(raw, "search", path)
         context = _count(model, "context_length", path, default=None)
         search = validate(

@@ -190,6 +190,14 @@ def test_speculative_generator_refuses_k_below_one(model):
         (lambda c: c["model"].update(decoder="x"), "model.decoder must be an object"),
         (lambda c: c["model"]["decoder"].update(filename=123), "model.decoder.filename must"),
         (lambda c: c["model"]["decoder"].pop("hidden_size"), "missing key 'hidden_size'"),
+        (
+            lambda c: c["model"]["decoder"]["inputs"].update(past_key_names="past.key"),
+            "inputs.past_key_names must contain %d once",
+        ),
+        (
+            lambda c: c["model"]["decoder"]["outputs"].update(logits=5),
+            "model.decoder.outputs.logits must be a non-empty name, got 5",
+        ),
     ],
 )
 def test_config_values_are_checked(folder, edit, message):
@@ -198,6 +206,21 @@ def test_config_values_are_checked(folder, edit, message):
         load_config(folder)
     assert message in str(info.value)
     assert "genai_config.json" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("speculative", "message"),
+    [
+        ({"mtp": {"inputs": [1]}}, "mtp.inputs must be an object, got list"),
+        ({"mtp": {"outputs": {"logits": None}}}, "mtp.outputs.logits must be a non-empty name"),
+        ({"mtp": []}, "section 'mtp' must be an object"),
+    ],
+)
+def test_speculative_sections_are_checked(folder, speculative, message):
+    (folder / "speculative.json").write_text(json.dumps(speculative))
+    with pytest.raises(ModelLoadError) as info:
+        load_config(folder)
+    assert message in str(info.value) and "speculative.json" in str(info.value)
 
 
 def test_config_accepts_whole_number_floats(folder):
@@ -236,3 +259,15 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(folder):
     assert f"needs {need} bytes" in text and "lower max_length" in text
     # A generation that asks for little still runs on the same model.
     assert generate(model, "def", 3).new_tokens == 3
+
+
+def test_stream_checks_its_arguments_when_called(model):
+    """No iteration needed: a bad argument is refused by the call itself."""
+    from onnx_genrt.engine import stream
+
+    with pytest.raises(InvalidInputError, match="max_new_tokens"):
+        stream(model, "def", 0)
+    with pytest.raises(InvalidInputError, match="top_p"):
+        stream(model, "def", 4, top_p=math.nan)
+    pieces = stream(model, "def", 4)
+    assert "".join(pieces) == generate(model, "def", 4).text
