@@ -217,6 +217,7 @@ def load_config(folder: str | Path) -> GenAIConfig:
             ),
             error=ModelLoadError,
             where=f"{path}: search.",
+            from_json=True,
         )
         vocab_size = _count(model, "vocab_size", path)
         return GenAIConfig(

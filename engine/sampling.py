@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,21 +20,26 @@ def validate(
     *,
     error: type[OnnxGenrtError] = InvalidInputError,
     where: str = "search option ",
+    from_json: bool = False,
 ) -> SearchOptions:
     """``options`` with every value checked for type, range and finiteness (the option's
-    name, prefixed by ``where``, is in the message) and converted to plain Python types."""
+    name, prefixed by ``where``, is in the message) and converted to plain Python types.
+    ``from_json``: whole-number floats count as integers (JSON writers put 1e9 or 64.0)."""
 
     def name(option: str) -> str:
         return f"{where}{option}"
 
+    def integer(value: object, label: str, **kwargs: Any) -> int:
+        return check_int(value, label, integral_floats=from_json, **kwargs)
+
     seed = options.seed
     if seed is not None:
-        seed = check_int(seed, name("seed"), minimum=0, error=error)
+        seed = integer(seed, name("seed"), minimum=0, error=error)
     do_sample = check_bool(options.do_sample, name("do_sample"), error=error)
     checked = dataclasses.replace(
         options,
-        max_length=check_int(options.max_length, name("max_length"), minimum=1, error=error),
-        min_length=check_int(options.min_length, name("min_length"), minimum=0, error=error),
+        max_length=integer(options.max_length, name("max_length"), minimum=1, error=error),
+        min_length=integer(options.min_length, name("min_length"), minimum=0, error=error),
         do_sample=do_sample,
         temperature=check_float(
             options.temperature,
@@ -43,7 +48,7 @@ def validate(
             open_min=do_sample,
             error=error,
         ),
-        top_k=check_int(options.top_k, name("top_k") + " (0 = off)", minimum=0, error=error),
+        top_k=integer(options.top_k, name("top_k") + " (0 = off)", minimum=0, error=error),
         top_p=check_float(
             options.top_p, name("top_p"), minimum=0.0, maximum=1.0, open_min=True, error=error
         ),

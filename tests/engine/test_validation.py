@@ -226,7 +226,10 @@ def test_speculative_sections_are_checked(folder, speculative, message):
 def test_config_accepts_whole_number_floats(folder):
     """JSON writers put 1e9 or 2048.0 for integers; those values are whole, so they load."""
     _edit_config(folder, lambda c: c["model"].update(context_length=2048.0))
-    assert load_config(folder).context_length == 2048
+    _edit_config(folder, lambda c: c["search"].update(max_length=64.0, top_k=5.0))
+    config = load_config(folder)
+    assert config.context_length == 2048 and type(config.context_length) is int
+    assert (config.search.max_length, config.search.top_k) == (64, 5)
 
 
 def test_corrupt_tokenizer_config_is_a_model_load_error(folder):
