@@ -274,3 +274,11 @@ def test_stream_checks_its_arguments_when_called(model):
         stream(model, "def", 4, top_p=math.nan)
     pieces = stream(model, "def", 4)
     assert "".join(pieces) == generate(model, "def", 4).text
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, "2"])
+def test_the_cpu_threads_option_is_checked(threads):
+    from onnx_genrt.session.inference_session import resolve_providers
+
+    with pytest.raises(InvalidInputError, match="CPU provider option threads must be an integer"):
+        resolve_providers([("cpu", {"threads": threads})])
