@@ -40,6 +40,20 @@ def reshape_target(ctx: KernelContext, in_shape: Sequence[int], shape: Sequence[
     return target
 
 
+def check_index_range(ctx: KernelContext, idx: np.ndarray, dim: int, what: str = "index") -> None:
+    """Raise IndexError naming the node when any index is outside ``[-dim, dim)`` (the range
+    ONNX's gather-like ops allow; negatives count from the end). ``idx`` is on the host."""
+    if idx.size == 0:
+        return
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < -dim or hi >= dim:
+        bad = lo if lo < -dim else hi
+        raise IndexError(
+            f"{ctx.node.describe()}: {what} {bad} out of range for axis of size {dim} "
+            f"(valid: {-dim}..{dim - 1})"
+        )
+
+
 def matmul_nbits_unsupported(node: NodeInfo, _types: object = ()) -> str | None:
     """Why a MatMulNBits node's attributes cannot run, or None (a kernel ``check``)."""
     bits = int(node.attr("bits", 4))

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from onnx_genrt.core.checks import check_bool, check_int
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.session import load_model
 
@@ -59,7 +62,7 @@ def default_k(model: Model, spec: str, k: int | None = None) -> int:
     """``k`` when given, else the ``k`` of the model's speculative.json section for ``spec``
     (the model's own best, e.g. 3 for the embedded model's MTP head), else DEFAULT_K."""
     if k is not None:
-        return int(k)
+        return check_int(k, "k (drafts per speculative step)", minimum=1)
     section = model.config.speculative.get(spec)
     value = section.get("k") if isinstance(section, dict) else None
     if value is None:
@@ -165,15 +168,22 @@ def stream(
     result: list[GenerationResult] | None = None,
     **search: Any,
 ) -> Iterator[str]:
-    """Yield text pieces as tokens are generated. Appends a GenerationResult to ``result``."""
-    ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-    if not ids:
-        if isinstance(prompt, str) and prompt:
-            raise InvalidInputError(
-                f"the prompt {prompt[:40]!r} encodes to no tokens with the tokenizer of "
-                f"{model.config.folder}"
-            )
-        raise InvalidInputError("the prompt is empty")
+    """Text pieces as tokens are generated; appends a GenerationResult to ``result``.
+
+    ``stop``: strings that end the generation (one string or a sequence of them). Arguments
+    are checked when ``stream`` is called; the model runs as the pieces are iterated."""
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
+    if spec is not None and spec not in SPEC_KINDS:
+        raise InvalidInputError(f"unknown speculation kind {spec!r}; choose one of {SPEC_KINDS}")
+    if spec is not None:
+        k = default_k(model, spec, k)
+    elif k is not None:
+        raise InvalidInputError(
+            f"k={k!r} needs a speculation kind (spec='mtp', 'draft' or 'ngram')"
+        )
+    stop = _stop_strings(stop)
+    ignore_eos = check_bool(ignore_eos, "ignore_eos")
+    ids = _prompt_ids(model, prompt)
     context = model.config.context_length
     if len(ids) + max_new_tokens > context:
         raise InvalidInputError(
@@ -182,11 +192,56 @@ def stream(
         )
     params = GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + max_new_tokens, **search)
+    return _generation(model, params, ids, spec, k, stop, ignore_eos, result)
+
+
+def _generation(
+    model: Model,
+    params: GeneratorParams,
+    ids: list[int],
+    spec: str | None,
+    k: int | None,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+    result: list[GenerationResult] | None,
+) -> Iterator[str]:
+    """The generator behind :func:`stream`: makes the Generator on first use, closes it."""
     gen = make_generator(model, params, spec, k)
     try:
         yield from _drive(gen, model, ids, stop, ignore_eos, result)
     finally:
         gen.close()
+
+
+def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings (a lone string is one stop string)."""
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, Sequence):
+        raise InvalidInputError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise InvalidInputError(f"stop strings must be non-empty strings, got {item!r}")
+    return tuple(items)
+
+
+def _prompt_ids(model: Model, prompt: str | Sequence[int]) -> list[int]:
+    """The prompt's token ids: a string is encoded, a sequence must hold integer ids."""
+    if isinstance(prompt, str):
+        ids = model.tokenizer.encode(prompt)
+        if not ids and prompt:
+            raise InvalidInputError(
+                f"the prompt {prompt[:40]!r} encodes to no tokens with the tokenizer of "
+                f"{model.config.folder}"
+            )
+    elif isinstance(prompt, Sequence | np.ndarray) and not isinstance(prompt, bytes | bytearray):
+        ids = [check_int(t, f"prompt token {i}", minimum=0) for i, t in enumerate(prompt)]
+    else:
+        raise InvalidInputError(
+            f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}"
+        )
+    if not ids:
+        raise InvalidInputError("the prompt is empty")
+    return ids
 
 
 def _drive(

@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onnx_genrt.core.checks import check_int
 from onnx_genrt.core.errors import ModelLoadError
 from onnx_genrt.core.paths import resolve_inside
+
+from .sampling import validate
 
 
 @dataclass(frozen=True)
@@ -77,10 +80,72 @@ def _filename(value: Any, path: Path) -> str:
     return value
 
 
-def _ids(value: Any) -> tuple[int, ...]:
+def _section(
+    parent: dict[str, Any], key: str, path: Path, where: str = "", required: bool = False
+) -> dict[str, Any]:
+    """``parent[key]`` as a JSON object ({} when absent and not required)."""
+    if key not in parent and not required:
+        return {}
+    value = parent[key]  # a missing required key: KeyError, reported by load_config
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path}: {where}{key} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _name(section: dict[str, Any], key: str, default: str | None, where: str) -> str | None:
+    """A graph input or output name; ``%d`` names (per-layer KV) must contain ``%d``."""
+    value = section.get(key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ModelLoadError(f"{where}{key} must be a non-empty name, got {value!r}")
+    if key.endswith("_names") and value.count("%d") != 1:
+        raise ModelLoadError(f"{where}{key} must contain %d once (the layer index), got {value!r}")
+    return value
+
+
+def _decoder_io(inputs: dict[str, Any], outputs: dict[str, Any], path: Path) -> DecoderIO:
+    """The decoder's input and output names from ``model.decoder.inputs`` / ``outputs``."""
+    i, o = f"{path}: model.decoder.inputs.", f"{path}: model.decoder.outputs."
+    return DecoderIO(
+        input_ids=_name(inputs, "input_ids", "input_ids", i),
+        attention_mask=_name(inputs, "attention_mask", None, i),
+        position_ids=_name(inputs, "position_ids", None, i),
+        past_key=_name(inputs, "past_key_names", DecoderIO.past_key, i),
+        past_value=_name(inputs, "past_value_names", DecoderIO.past_value, i),
+        logits=_name(outputs, "logits", "logits", o),
+        present_key=_name(outputs, "present_key_names", DecoderIO.present_key, o),
+        present_value=_name(outputs, "present_value_names", DecoderIO.present_value, o),
+        hidden_states=_name(outputs, "hidden_states", None, o),
+    )
+
+
+def _count(
+    parent: dict[str, Any], key: str, path: Path, where: str = "model.", default: Any = ...
+) -> Any:
+    """A positive integer entry (a whole-number float such as 1e9 is accepted)."""
+    if key not in parent and default is not ...:
+        return default
+    return check_int(
+        parent[key], f"{path}: {where}{key}", minimum=1, integral_floats=True, error=ModelLoadError
+    )
+
+
+def _optional_id(value: Any, name: str, path: Path) -> int | None:
+    if value is None:
+        return None
+    return check_int(value, f"{path}: {name}", minimum=0, error=ModelLoadError)
+
+
+def _ids(value: Any, name: str, path: Path, vocab_size: int) -> tuple[int, ...]:
+    """Token ids given as one id or a list, each in ``[0, vocab_size)``."""
     if value is None:
         return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+    values = value if isinstance(value, list) else [value]
+    return tuple(
+        check_int(v, f"{path}: {name}", minimum=0, maximum=vocab_size - 1, error=ModelLoadError)
+        for v in values
+    )
 
 
 CONFIG_FILE = "genai_config.json"
@@ -113,6 +178,14 @@ def _speculative(folder: Path) -> dict[str, Any]:
                 f"{folder / SPECULATIVE_FILE}: section {section!r} must be an object, "
                 f"got {type(value).__name__}"
             )
+        for key in ("inputs", "outputs"):
+            names = _section(value, key, folder / SPECULATIVE_FILE, f"{section}.")
+            for name, graph_name in names.items():
+                if not isinstance(graph_name, str) or not graph_name:
+                    raise ModelLoadError(
+                        f"{folder / SPECULATIVE_FILE}: {section}.{key}.{name} must be a "
+                        f"non-empty name, got {graph_name!r}"
+                    )
     return data
 
 
@@ -124,45 +197,43 @@ def load_config(folder: str | Path) -> GenAIConfig:
     if raw is None:
         raise ModelLoadError(f"no {CONFIG_FILE} in {folder}")
     try:
-        model = raw["model"]
-        dec = model["decoder"]
-        inputs, outputs = dec.get("inputs", {}), dec.get("outputs", {})
-        io = DecoderIO(
-            input_ids=inputs.get("input_ids", "input_ids"),
-            attention_mask=inputs.get("attention_mask"),
-            position_ids=inputs.get("position_ids"),
-            past_key=inputs.get("past_key_names", DecoderIO.past_key),
-            past_value=inputs.get("past_value_names", DecoderIO.past_value),
-            logits=outputs.get("logits", "logits"),
-            present_key=outputs.get("present_key_names", DecoderIO.present_key),
-            present_value=outputs.get("present_value_names", DecoderIO.present_value),
-            hidden_states=outputs.get("hidden_states"),
+        model = _section(raw, "model", path, required=True)
+        dec = _section(model, "decoder", path, "model.", required=True)
+        inputs = _section(dec, "inputs", path, "model.decoder.")
+        outputs = _section(dec, "outputs", path, "model.decoder.")
+        io = _decoder_io(inputs, outputs, path)
+        s = _section(raw, "search", path)
+        context = _count(model, "context_length", path, default=None)
+        search = validate(
+            SearchOptions(
+                max_length=s.get("max_length", context if context is not None else 256),
+                min_length=s.get("min_length", 0),
+                do_sample=s.get("do_sample", False),
+                temperature=s.get("temperature", 1.0),
+                top_k=s.get("top_k", 0),
+                top_p=s.get("top_p", 1.0),
+                min_p=s.get("min_p", 0.0),
+                repetition_penalty=s.get("repetition_penalty", 1.0),
+            ),
+            error=ModelLoadError,
+            where=f"{path}: search.",
+            from_json=True,
         )
-        s = raw.get("search", {})
-        search = SearchOptions(
-            max_length=int(s.get("max_length", model.get("context_length", 256))),
-            min_length=int(s.get("min_length", 0)),
-            do_sample=bool(s.get("do_sample", False)),
-            temperature=float(s.get("temperature", 1.0)),
-            top_k=int(s.get("top_k", 0)),
-            top_p=float(s.get("top_p", 1.0)),
-            min_p=float(s.get("min_p", 0.0)),
-            repetition_penalty=float(s.get("repetition_penalty", 1.0)),
-        )
+        vocab_size = _count(model, "vocab_size", path)
         return GenAIConfig(
             folder=folder,
             model_type=str(model.get("type", "")),
             filename=_filename(dec.get("filename", "model.onnx"), path),
             io=io,
-            num_layers=int(dec["num_hidden_layers"]),
-            num_kv_heads=int(dec["num_key_value_heads"]),
-            head_size=int(dec["head_size"]),
-            hidden_size=int(dec["hidden_size"]),
-            vocab_size=int(model["vocab_size"]),
-            context_length=int(model.get("context_length", search.max_length)),
-            eos_token_ids=_ids(model.get("eos_token_id")),
-            bos_token_id=model.get("bos_token_id"),
-            pad_token_id=model.get("pad_token_id"),
+            num_layers=_count(dec, "num_hidden_layers", path, "model.decoder."),
+            num_kv_heads=_count(dec, "num_key_value_heads", path, "model.decoder."),
+            head_size=_count(dec, "head_size", path, "model.decoder."),
+            hidden_size=_count(dec, "hidden_size", path, "model.decoder."),
+            vocab_size=vocab_size,
+            context_length=context if context is not None else search.max_length,
+            eos_token_ids=_ids(model.get("eos_token_id"), "model.eos_token_id", path, vocab_size),
+            bos_token_id=_optional_id(model.get("bos_token_id"), "model.bos_token_id", path),
+            pad_token_id=_optional_id(model.get("pad_token_id"), "model.pad_token_id", path),
             search=search,
             speculative=_speculative(folder),
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from onnx_genrt.core.errors import ModelLoadError
+
 ARGMAX = "onnx_genrt.argmax"
 NONFINITE = "onnx_genrt.nonfinite"
 
@@ -22,7 +24,9 @@ def add_decode_heads(model: onnx.ModelProto, logits: str) -> onnx.ModelProto:
         return model
     found = [o for o in graph.output if o.name == logits]
     if not found:
-        raise ValueError(f"the model has no output {logits!r}")
+        raise ModelLoadError(
+            f"the model has no output {logits!r} (genai_config.json model.decoder.outputs.logits)"
+        )
     logits_type = found[0].type.tensor_type.elem_type or TensorProto.FLOAT
     diff = "onnx_genrt.logits_minus_logits"
     graph.node.extend(

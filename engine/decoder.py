@@ -9,6 +9,8 @@ length.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +100,32 @@ class HiddenState:
         return self._out.hidden[self.row]
 
 
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_cache_fits(provider: Any, layers: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Refuse a KV cache larger than the host's physical memory before allocating it.
+
+    Only for providers whose buffers live in host memory (device kind ``cpu``); a device
+    provider's own allocator reports what does not fit on the device."""
+    if provider.device.kind != "cpu":
+        return
+    limit = host_memory_bytes()
+    need = 2 * layers * math.prod(shape) * np.dtype(dtype).itemsize
+    if limit is not None and need > limit:
+        raise InvalidInputError(
+            f"the KV cache for max_length {shape[2]} needs {need} bytes ({need / 2**30:.1f} GiB: "
+            f"2 x {layers} layers x {list(shape)} {np.dtype(dtype).name}), more than this "
+            f"machine's {limit / 2**30:.1f} GiB of memory; lower max_length "
+            "(set_search_options(max_length=...), or search.max_length in genai_config.json)"
+        )
+
+
 class StaticKVCache:
     """Per-layer key and value buffers of shape ``[1, kv_heads, max_length, head_size]``."""
 
@@ -123,6 +151,7 @@ class StaticKVCache:
         provider = session.main_provider
         dtype = DType.from_numpy(spec.dtype)
         shape = (1, kv_heads, max_length, head_size)
+        check_cache_fits(provider, layers, shape, dtype.numpy)
         zeros = np.zeros(shape, dtype.numpy)  # through the provider: on its stream
         self.keys = [provider.copy_from_host(zeros).buffer for _ in range(layers)]
         self.values = [provider.copy_from_host(zeros).buffer for _ in range(layers)]

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from onnx_genrt.core.checks import check_int
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.locking import SingleUser
@@ -91,7 +92,7 @@ class Generator:
     def append_tokens(self, ids: Sequence[int]) -> None:
         """Feed tokens (a prompt or a continuation); afterwards the next token can be picked."""
         self._check_open()
-        ids = [int(t) for t in ids]
+        ids = [check_int(t, f"token id {i}") for i, t in enumerate(ids)]
         if not ids:
             raise InvalidInputError("append_tokens needs at least one token")
         vocab = self.model.config.vocab_size
@@ -231,6 +232,7 @@ class Generator:
         """Keep the first ``length`` tokens; the next step recomputes from there."""
         self._check_open()
         self._cancel_ahead()
+        length = check_int(length, "rewind length")
         if not 0 <= length <= len(self.tokens):
             raise InvalidInputError(
                 f"cannot rewind to {length}: the sequence has {len(self.tokens)}"

@@ -119,8 +119,7 @@ class GeneratorParams:
         unknown = sorted(set(options) - known)
         if unknown:
             raise InvalidInputError(f"unknown search options {unknown}; known: {sorted(known)}")
-        search = dataclasses.replace(self.search, **options)
-        validate(search)
+        search = validate(dataclasses.replace(self.search, **options))
         if search.max_length > self.model.config.context_length:
             raise InvalidInputError(
                 f"max_length {search.max_length} exceeds the model's context length "

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.core.kernels import GENRT_DOMAIN
 
 DRAFTS = "drafts"
@@ -29,13 +30,13 @@ def unroll_mtp_head(
     """A model with inputs (hidden_input [1,1,H], ids_input [1,1]) and outputs drafts and
     confidences, running ``head`` k times in a chain. Weights are shared, not copied."""
     if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+        raise InvalidInputError(f"k (drafts per speculative step) must be >= 1, got {k}")
     g = head.graph
     weights = {init.name for init in g.initializer}
     graph_inputs = {hidden_input, ids_input}
     missing = graph_inputs - {i.name for i in g.input}
     if missing:
-        raise ValueError(f"the MTP head has no input {sorted(missing)}")
+        raise ModelLoadError(f"the MTP head has no input {sorted(missing)}")
     opset = next((o.version for o in head.opset_import if o.domain in ("", "ai.onnx")), 18)
     nodes: list[onnx.NodeProto] = []
     axes = "mtp_chain/axes_last"
@@ -120,14 +121,14 @@ def restrict_draft_vocab(
     step multiplies by a smaller lm_head. Drafts stay token ids (a prefix keeps ids as
     indices); verification is unchanged, so the output is too."""
     if vocab < 1:
-        raise ValueError(f"a draft vocabulary needs at least 1 token, got {vocab}")
+        raise InvalidInputError(f"a draft vocabulary needs at least 1 token, got {vocab}")
     h = onnx.ModelProto()
     h.CopyFrom(head)
     g = h.graph
     producer = next((n for n in g.node if logits_output in n.output), None)
     if producer is None or producer.op_type != "MatMul" or producer.domain not in ("", "ai.onnx"):
         kind = "nothing" if producer is None else f"a {producer.op_type}"
-        raise ValueError(
+        raise InvalidInputError(
             f"a draft vocabulary needs {logits_output!r} to come from a MatMul; {kind} makes it"
         )
     weight = producer.input[1]
@@ -179,7 +180,7 @@ def after_verify(
     g = chain.graph
     by_name = {i.name: i for i in g.input}
     if hidden_input not in by_name or ids_input not in by_name:
-        raise ValueError(f"the chain has no inputs {hidden_input!r} and {ids_input!r}")
+        raise ModelLoadError(f"the chain has no inputs {hidden_input!r} and {ids_input!r}")
     hidden_type = by_name[hidden_input].type.tensor_type.elem_type
     hidden_size = by_name[hidden_input].type.tensor_type.shape.dim[-1]
     p = "accept/"

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession
 
@@ -193,7 +194,7 @@ class MTPProposer(Proposer):
 
     def propose(self, tokens: Sequence[int], hidden: HiddenState | None, k: int) -> list[int]:
         if hidden is None:
-            raise ValueError("the MTP proposer needs the target model's hidden states output")
+            raise ModelLoadError("the MTP proposer needs the target model's hidden states output")
         session, binding, hidden_buf, ids_buf, (drafts_buf, confs_buf) = self._chain(k)
         provider = session.main_provider
         self._feed_hidden(provider, hidden, hidden_buf)
@@ -235,7 +236,7 @@ class MTPProposer(Proposer):
         if next_inputs is None:
             next_inputs = runner.provider.ASYNC_READS
         if n_drafts is None and not next_inputs:
-            raise ValueError("a verify step fed on the device needs the chain's next inputs")
+            raise InvalidInputError("a verify step fed on the device needs the chain's next inputs")
         key = (id(runner), k, bool(next_inputs))
         if key not in self._after:
             bufs = runner.step_buffers(k + 1)
@@ -251,7 +252,7 @@ class MTPProposer(Proposer):
         host = None
         if n_drafts is not None:
             if start is None:
-                raise ValueError("a host-fed verify step needs its start position")
+                raise InvalidInputError("a host-fed verify step needs its start position")
             host = np.array([n_drafts, start], np.int64)
 
         def hook(_bufs: dict[str, Any]) -> dict[str, Any]:

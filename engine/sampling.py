@@ -2,31 +2,69 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnx_genrt.core.errors import InvalidInputError, NonFiniteError
+from onnx_genrt.core.checks import check_bool, check_float, check_int
+from onnx_genrt.core.errors import InvalidInputError, NonFiniteError, OnnxGenrtError
 
-from .config import SearchOptions
+if TYPE_CHECKING:
+    from .config import SearchOptions
 
 
-def validate(options: SearchOptions) -> None:
-    """Reject option values that make no sense, naming the option."""
-    if options.max_length < 1:
-        raise InvalidInputError(f"max_length must be >= 1, got {options.max_length}")
-    if options.do_sample and options.temperature <= 0:
-        raise InvalidInputError(f"temperature must be > 0 when sampling, got {options.temperature}")
-    if options.top_k < 0:
-        raise InvalidInputError(f"top_k must be >= 0 (0 = off), got {options.top_k}")
-    if not 0.0 < options.top_p <= 1.0:
-        raise InvalidInputError(f"top_p must be in (0, 1], got {options.top_p}")
-    if not 0.0 <= options.min_p < 1.0:
-        raise InvalidInputError(f"min_p must be in [0, 1), got {options.min_p}")
-    if options.repetition_penalty <= 0:
-        raise InvalidInputError(
-            f"repetition_penalty must be > 0 (1 = off), got {options.repetition_penalty}"
-        )
+def validate(
+    options: SearchOptions,
+    *,
+    error: type[OnnxGenrtError] = InvalidInputError,
+    where: str = "search option ",
+    from_json: bool = False,
+) -> SearchOptions:
+    """``options`` with every value checked for type, range and finiteness (the option's
+    name, prefixed by ``where``, is in the message) and converted to plain Python types.
+    ``from_json``: whole-number floats count as integers (JSON writers put 1e9 or 64.0)."""
+
+    def name(option: str) -> str:
+        return f"{where}{option}"
+
+    def integer(value: object, label: str, **kwargs: Any) -> int:
+        return check_int(value, label, integral_floats=from_json, **kwargs)
+
+    seed = options.seed
+    if seed is not None:
+        seed = integer(seed, name("seed"), minimum=0, error=error)
+    do_sample = check_bool(options.do_sample, name("do_sample"), error=error)
+    checked = dataclasses.replace(
+        options,
+        max_length=integer(options.max_length, name("max_length"), minimum=1, error=error),
+        min_length=integer(options.min_length, name("min_length"), minimum=0, error=error),
+        do_sample=do_sample,
+        temperature=check_float(
+            options.temperature,
+            name("temperature") + (" (sampling)" if do_sample else ""),
+            minimum=0.0,
+            open_min=do_sample,
+            error=error,
+        ),
+        top_k=integer(options.top_k, name("top_k") + " (0 = off)", minimum=0, error=error),
+        top_p=check_float(
+            options.top_p, name("top_p"), minimum=0.0, maximum=1.0, open_min=True, error=error
+        ),
+        min_p=check_float(options.min_p, name("min_p"), minimum=0.0, error=error),
+        repetition_penalty=check_float(
+            options.repetition_penalty,
+            name("repetition_penalty") + " (1 = off)",
+            minimum=0.0,
+            open_min=True,
+            error=error,
+        ),
+        seed=seed,
+    )
+    if checked.min_p >= 1.0:
+        raise error(f"{name('min_p')} must be in [0, 1), got {checked.min_p}")
+    return checked
 
 
 def check_finite(logits: np.ndarray, where: str = "") -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from onnx_genrt.core.checks import check_int
+from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
 from .decoder import PendingStep
@@ -53,8 +55,7 @@ class SpeculativeGenerator(Generator):
     """A Generator whose ``generate_next_token`` may add several tokens at once."""
 
     def __init__(self, model: Model, params: GeneratorParams, proposer: Proposer, k: int = 4):
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        k = check_int(k, "k (drafts per speculative step)", minimum=1)
         super().__init__(model, params, spare=k)
         self.proposer = proposer
         self.k = k
@@ -84,7 +85,7 @@ class SpeculativeGenerator(Generator):
         if self.is_done():
             super().generate_next_token()  # raises the usual error
         if not self.tokens:
-            raise ValueError("append_tokens first: there is no prompt")
+            raise InvalidInputError("append_tokens first: there is no prompt")
         if self._next is not None:  # right after a prompt: its logits are ready
             return super().generate_next_token()
         room = self.search.max_length - len(self.tokens) - 1

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from onnx_genrt.core.errors import ModelLoadError
+from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.core.paths import resolve_inside
 
 from .config import read_json_object
@@ -37,6 +37,16 @@ class Tokenizer:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, which must be a str of valid Unicode (no lone surrogates)."""
+        if not isinstance(text, str):
+            raise InvalidInputError(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidInputError(
+                f"the text has a lone surrogate {text[exc.start]!r} at index {exc.start}; "
+                "it cannot be encoded as UTF-8 (decode input bytes with errors='replace')"
+            ) from None
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import NoReturn
+
+from .cli_args import POSITIVE, POSITIVE_INT
 
 
 def _cmd_providers(args: argparse.Namespace) -> int:
@@ -85,11 +90,48 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Exit codes, one per kind of failure (documented in ``--help`` and README.md).
+EXIT_OK = 0
+EXIT_USAGE = 2  # a bad flag or option value (argparse, InvalidInputError)
+EXIT_MODEL = 3  # the model folder or file cannot be used (missing, malformed, unsupported)
+EXIT_RUNTIME = 4  # running failed (a kernel, non-finite logits, out of memory)
+EXIT_INTERNAL = 5  # a bug in onnx-genrt: an exception outside its error hierarchy
+EXIT_BROKEN_PIPE = 141  # stdout closed early (piped into head); 128 + SIGPIPE, as a shell reports
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+EPILOG = f"""exit codes:
+  {EXIT_OK}    success
+  {EXIT_USAGE}    usage: a bad flag or option value
+  {EXIT_MODEL}    model: the model folder or file cannot be used (missing, malformed, unsupported op)
+  {EXIT_RUNTIME}    runtime: running the model failed (a kernel, non-finite logits, out of memory)
+  {EXIT_INTERNAL}    internal error (a bug: please report it with the --debug traceback)
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+  {EXIT_BROKEN_PIPE}  stdout was closed early (for example piped into head); nothing is printed
+
+Errors are one line on stderr; --debug (before or after COMMAND) adds the traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _debug_flag(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--debug", action="store_true", default=default, help="show tracebacks of errors"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="onnx-genrt",
         description="Run ONNX generative models through pluggable execution providers.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _debug_flag(parser, False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     from onnx_genrt import generate_cli
@@ -110,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run the bundled demo model in slots PRIMARY and VERIFY, checked against eager"
     )
     p.add_argument("--provider", default="cpu", help="provider name (default: cpu)")
-    p.add_argument("--steps", type=int, default=24, help="steps per slot (default: 24)")
+    p.add_argument("--steps", type=POSITIVE_INT, default=24, help="steps per slot (default: 24)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser(
@@ -127,28 +169,75 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--op", action="append", default=[], help="only these op types (repeatable)")
     p.add_argument("-k", dest="pattern", default=None, help="only test names containing this text")
     p.add_argument("--failures", action="store_true", help="list every failure with its reason")
-    p.add_argument("--timeout", type=float, default=None, help="per-case limit in s (default: 60)")
+    p.add_argument(
+        "--timeout", type=POSITIVE, default=None, help="per-case limit in s (default: 60)"
+    )
     p.set_defaults(func=_cmd_conformance)
+    for command in sub.choices.values():
+        # Accepted after the command too; SUPPRESS keeps a --debug given before it.
+        _debug_flag(command, argparse.SUPPRESS)
+        command.epilog = EPILOG
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; user errors are one line on stderr and an exit code (see EPILOG)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "command", None) == "bench" and not args.provider:
         args.provider = ["cpu"]
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
-    from onnx_genrt.core.errors import OnnxGenrtError
-
+        return EXIT_USAGE
     try:
         return int(args.func(args) or 0)
-    except OnnxGenrtError as exc:
-        print(f"onnx-genrt {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line and a code
+        code = exit_code(exc)
+        if args.debug:
+            traceback.print_exc()
+        what = "internal error" if code == EXIT_INTERNAL else "error"
+        hint = "; rerun with --debug for the traceback" if code == EXIT_INTERNAL else ""
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if code == EXIT_INTERNAL or isinstance(exc, MemoryError | OSError):
+            message = f"{type(exc).__name__}: {message}"
+        print(f"onnx-genrt {args.command}: {what}: {message}{hint}", file=sys.stderr)
+        return code
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code for an exception that ended a command."""
+    from onnx_genrt.core.errors import (
+        InvalidInputError,
+        ModelLoadError,
+        OnnxGenrtError,
+        ProviderUnavailableError,
+        UnsupportedOpError,
+    )
+
+    if isinstance(exc, InvalidInputError):
+        return EXIT_USAGE
+    if isinstance(exc, ModelLoadError | UnsupportedOpError | ProviderUnavailableError):
+        return EXIT_MODEL
+    if isinstance(exc, OSError):  # a file named on the command line cannot be read
+        return EXIT_MODEL
+    if isinstance(exc, OnnxGenrtError | MemoryError):
+        return EXIT_RUNTIME
+    return EXIT_INTERNAL
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so flushing at exit raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -601,8 +601,11 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     try:
         resolve_providers([ns.provider])  # fail fast; each case builds its own instance
     except (OnnxGenrtError, KeyError, ValueError) as exc:
-        print(f"error: provider {ns.provider!r}: {_one_line(exc)}", file=sys.stderr)
-        return 2
+        print(
+            f"onnx-genrt conformance: error: provider {ns.provider!r}: {_one_line(exc)}",
+            file=sys.stderr,
+        )
+        return 3  # the CLI's code for a model or provider that cannot be used (cli.EXIT_MODEL)
     timeout = getattr(ns, "timeout", None) or DEFAULT_TIMEOUT
     report = run_conformance(
         ns.provider, ns.op or None, ns.pattern, stderr_progress(), timeout=timeout

@@ -8,6 +8,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from .cli_args import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT
+
 
 def default_model_dir() -> Path:
     """The embedded default model shipped in the package."""
@@ -22,15 +24,15 @@ def provider_arg(name: str, threads: int | None):
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search options")
     g.add_argument(
-        "--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)"
+        "--max-new-tokens", type=POSITIVE_INT, default=128, help="tokens to generate (default 128)"
     )
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--temperature", type=NON_NEGATIVE, default=1.0)
+    g.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="0 = off")
+    g.add_argument("--top-p", type=POSITIVE, default=1.0)
+    g.add_argument("--min-p", type=NON_NEGATIVE, default=0.0)
+    g.add_argument("--repetition-penalty", type=POSITIVE, default=1.0)
+    g.add_argument("--seed", type=NON_NEGATIVE_INT, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument(
         "--ignore-eos", action="store_true", help="generate max-new-tokens regardless of eos"
@@ -61,14 +63,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "-k",
-        type=int,
+        type=POSITIVE_INT,
         default=None,
         help="drafts per speculative step (default: the model's speculative.json, else 4)",
     )
     p.add_argument(
         "--no-graphs", action="store_true", help="disable graph capture (for comparison)"
     )
-    p.add_argument("--threads", type=int, default=None, help="CPU provider threads (default 1)")
+    p.add_argument(
+        "--threads", type=POSITIVE_INT, default=None, help="CPU provider threads (default 1)"
+    )
     p.add_argument(
         "--stats", action="store_true", help="print timings and graph statistics to stderr"
     )

@@ -17,6 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from onnx_genrt.core.errors import InvalidInputError
+
+from .cli_args import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT
+
 SPEC_KINDS = ("mtp", "draft", "ngram")
 
 
@@ -121,7 +125,9 @@ def bench_ours(
             Generator.look_ahead = SpeculativeGenerator.pipeline = False
         try:
             # min_length = the full length: eos is ruled out, as in the onnxruntime-genai row.
-            res = generate(model, prompt, new, spec=spec, k=k, min_length=len(prompt) + new)
+            res = generate(
+                model, prompt, new, spec=spec, k=k if spec else None, min_length=len(prompt) + new
+            )
         finally:
             Generator.look_ahead, SpeculativeGenerator.pipeline = saved
         return (
@@ -253,7 +259,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 (f"onnx-genrt[{tag}{'' if graphs else ',eager'}]", ours(None, None, graphs))
             )
         if len(set(args.spec)) != len(args.spec):
-            raise SystemExit(f"--spec: each entry once, got {' '.join(args.spec)}")
+            raise InvalidInputError(f"--spec: each entry once, got {' '.join(args.spec)}")
         for entry in args.spec:
             spec, k = _spec_entry(entry, args.k)
             for overlap in [True, False] if args.compare_serial else [True]:
@@ -291,11 +297,13 @@ def _spec_entry(entry: str, k: int | None) -> tuple[str, int | None]:
     """``kind`` or ``kind:k`` of ``--spec`` as (kind, k); a bare kind takes ``-k``."""
     kind, _, drafts = entry.partition(":")
     if kind not in SPEC_KINDS:
-        raise SystemExit(f"--spec {entry!r}: the kind must be one of {', '.join(SPEC_KINDS)}")
+        raise InvalidInputError(
+            f"--spec {entry!r}: the kind must be one of {', '.join(SPEC_KINDS)}"
+        )
     if not drafts:
         return kind, k
     if not drafts.isdigit() or int(drafts) < 1:
-        raise SystemExit(f"--spec {entry!r}: k must be a positive integer")
+        raise InvalidInputError(f"--spec {entry!r}: k must be a positive integer")
     return kind, int(drafts)
 
 
@@ -363,14 +371,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "-k",
-        type=int,
+        type=POSITIVE_INT,
         default=None,
         help="drafts per speculative step (default: the model's speculative.json, else 4)",
     )
-    p.add_argument("--tokens", type=int, default=128, help="new tokens per run (eos ignored)")
-    p.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length")
+    p.add_argument(
+        "--tokens", type=POSITIVE_INT, default=128, help="new tokens per run (eos ignored)"
+    )
+    p.add_argument("--prompt-tokens", type=POSITIVE_INT, default=16, help="random prompt length")
     p.add_argument("--prompt", default=None, help="prompt text instead of random ids")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed runs per row (median)")
     p.add_argument("--compare-eager", action="store_true", help="also time with graphs off")
     p.add_argument(
         "--compare-serial",
@@ -384,19 +394,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cprofile",
-        type=int,
+        type=NON_NEGATIVE_INT,
         default=0,
         metavar="N",
         help="profile the host side of our timed runs; print the top N functions (stderr)",
     )
-    p.add_argument("--threads", type=int, default=None, help="CPU provider threads (default 1)")
+    p.add_argument(
+        "--threads", type=POSITIVE_INT, default=None, help="CPU provider threads (default 1)"
+    )
     p.add_argument(
         "--bandwidth",
-        type=float,
+        type=POSITIVE,
         default=4300.0,
         help="GB/s for the CUDA roofline line (H200 device-to-device copy: about 4300)",
     )
     p.add_argument(
         "--dispatch", action="store_true", help="per-node dispatch cost instead (eager vs replay)"
     )
-    p.add_argument("--nodes", type=int, default=200, help="--dispatch: nodes in the chain model")
+    p.add_argument(
+        "--nodes", type=POSITIVE_INT, default=200, help="--dispatch: nodes in the chain model"
+    )

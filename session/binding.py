@@ -60,6 +60,11 @@ class IOBinding:
             value = self._provider.allocate(tuple(shape), DType.from_numpy(dt)).buffer
         else:
             value = self._to_device(value)
+        if spec.dtype is not None and np.dtype(value.dtype) != spec.dtype:
+            raise InvalidInputError(
+                f"output {name!r} is declared {spec.dtype}; a buffer of {np.dtype(value.dtype)} "
+                "cannot hold it"
+            )
         self.outputs[name] = value
         self._signature = None
         return value

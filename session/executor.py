@@ -447,7 +447,7 @@ class Executor:
             if value is None or provider.holds(value):
                 continue
             if layout is None:  # a first run: no planned buffers yet
-                moved[name] = provider.as_array(self._host_copy(value))
+                moved[name] = provider.as_array(self.to_host(value))
                 continue
             key = (name, segment.index)
             dst = layout.edges.get(key)
@@ -474,7 +474,8 @@ class Executor:
             f"({', '.join(p.name for p in self.plan.providers)}) holds that array type"
         )
 
-    def _host_copy(self, value: Any) -> np.ndarray:
+    def to_host(self, value: Any) -> np.ndarray:
+        """``value`` (any provider's array of this plan, or a host array) as a numpy array."""
         holder = self._holder(value)
         return np.asarray(value) if holder is None else np.asarray(holder.to_numpy(value))
 

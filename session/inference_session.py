@@ -13,6 +13,7 @@ import onnx
 
 from onnx_genrt.core.errors import (
     InvalidInputError,
+    KernelError,
     ProviderUnavailableError,
     UnsupportedOpError,
 )
@@ -182,7 +183,20 @@ class InferenceSession:
             )
         with self.exclusive():  # device results may live in the run's arena until read
             results = self.executor.run(checked, names)
-            return [np.asarray(self.main_provider.to_numpy(r)) for r in results]
+            host = [self.executor.to_host(r) for r in results]
+        for name, value in zip(names, host, strict=True):
+            self._check_result(name, value)
+        return host
+
+    def _check_result(self, name: str, value: np.ndarray) -> None:
+        """A result must have the element type the model declares for that output."""
+        declared = self._outputs[name].dtype
+        if declared is not None and value.dtype != declared:
+            raise KernelError(
+                f"output {name!r} came back as {value.dtype}, but the model declares {declared}: "
+                "the graph computes another type than its output says (fix the output's "
+                "declared type or add a Cast)"
+            )
 
     def _check_feed(self, name: str, value: Any) -> Any:
         spec = self.input_spec(name)

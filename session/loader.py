@@ -10,8 +10,11 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
 from onnx_genrt.core.errors import ModelLoadError
+from onnx_genrt.core.kernels import GENRT_DOMAIN, MS_DOMAIN, ONNX_DOMAIN, normalize_domain
 from onnx_genrt.core.paths import resolve_inside
 
+#: The domain of ONNX's classical machine-learning operators.
+ML_DOMAIN = "ai.onnx.ml"
 #: protobuf cannot parse a message of 2 GiB or more; larger models keep weights outside.
 MAX_PROTO_BYTES = 2**31 - 1
 
@@ -70,9 +73,59 @@ def _parse(data: bytes, label: str) -> onnx.ModelProto:
     return model
 
 
-def _check_structure(model: onnx.ModelProto) -> None:
+def supported_opsets() -> dict[str, int]:
+    """The newest opset of each domain this runtime knows: ONNX's from the installed onnx
+    package, onnxruntime's contrib ops and the runtime's own fused ops at version 1."""
+    ml = max(
+        (
+            s.since_version
+            for s in onnx.defs.get_all_schemas_with_history()
+            if s.domain == ML_DOMAIN
+        ),
+        default=1,
+    )
+    return {
+        ONNX_DOMAIN: onnx.defs.onnx_opset_version(),
+        ML_DOMAIN: ml,
+        MS_DOMAIN: 1,
+        GENRT_DOMAIN: 1,
+    }
+
+
+def _check_opsets(model: onnx.ModelProto) -> None:
+    """Refuse opset versions below 1 or newer than the runtime knows (other domains are
+    left to the planner, which refuses their nodes when no provider has a kernel)."""
     if not model.opset_import:
         raise ModelLoadError("model imports no opset")
+    newest = supported_opsets()
+    for entry in model.opset_import:
+        domain = normalize_domain(entry.domain)
+        label = entry.domain or "ai.onnx"
+        if entry.version < 1:
+            raise ModelLoadError(
+                f"model imports opset {entry.version} of {label!r}; versions start at 1"
+            )
+        if domain in newest and entry.version > newest[domain]:
+            raise ModelLoadError(
+                f"model imports opset {entry.version} of {label!r}, newer than this runtime "
+                f"supports (1..{newest[domain]}; onnx {onnx.__version__}): export the model "
+                "with an older opset or update onnx-genrt"
+            )
+
+
+def _check_initializers(model: onnx.ModelProto) -> None:
+    """Refuse initializers whose declared dims are negative (a tensor has no unknown dim)."""
+    for init in model.graph.initializer:
+        if any(d < 0 for d in init.dims):
+            raise ModelLoadError(
+                f"initializer {init.name!r} has dims {list(init.dims)}; every dimension of a "
+                "stored tensor must be >= 0"
+            )
+
+
+def _check_structure(model: onnx.ModelProto) -> None:
+    _check_opsets(model)
+    _check_initializers(model)
     known = {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}
     for node in model.graph.node:
         for name in node.input:

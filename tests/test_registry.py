@@ -228,13 +228,19 @@ def test_misbehaving_availability_check_makes_the_provider_unavailable(check, re
     assert_cpu_session_runs([reg.create("cpu")])
 
 
-def test_factory_failure_names_the_provider_and_distribution():
+def test_factory_failure_names_the_provider_and_distribution(monkeypatch):
+    from onnx_genrt.providers.cpu.provider import CPUProvider
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("the BLAS library went away")
+
+    monkeypatch.setattr(CPUProvider, "__init__", broken)
     with pytest.raises(
         ProviderUnavailableError,
         match=r"provider 'cpu' \(onnx-genrt \S+\) could not be created with options "
-        r"\{'threads': 'two'\}: TypeError",
+        r"\{'threads': 2\}: RuntimeError: the BLAS library went away",
     ):
-        ProviderRegistry().create("cpu", threads="two")
+        ProviderRegistry().create("cpu", threads=2)
 
 
 def test_an_unknown_option_is_the_providers_own_clear_error():

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from onnx_genrt.core.checks import check_int
 from onnx_genrt.core.device import CPU, Device
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError
@@ -190,8 +191,7 @@ class CPUProvider(ExecutionProvider):
 
 def set_threads(threads: int) -> None:
     """Cap the BLAS and Numba thread pools of this process."""
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    threads = check_int(threads, "CPU provider option threads", minimum=1)
     import numba
     from threadpoolctl import threadpool_limits
 

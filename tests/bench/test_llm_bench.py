@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.llm_bench import bench_onnxruntime_genai, bench_onnxruntime_loop, bench_ours
 
 from ..llm_fixtures import TINY_QWEN2, build_qwen2
@@ -104,7 +105,7 @@ def test_spec_entries_name_a_kind_and_maybe_its_drafts(entry, want):
 def test_bad_spec_entries_say_what_is_wrong(entry):
     from onnx_genrt.llm_bench import _spec_entry
 
-    with pytest.raises(SystemExit, match="--spec"):
+    with pytest.raises(InvalidInputError, match="--spec"):
         _spec_entry(entry, None)
 
 
@@ -123,11 +124,12 @@ def test_bench_rows_need_distinct_labels():
         _interleaved([("a", case), ("b", case), ("a", case)], repeats=1)
 
 
-def test_bench_refuses_a_spec_given_twice():
-    from onnx_genrt.cli import main
+def test_bench_refuses_a_spec_given_twice(capsys):
+    from onnx_genrt.cli import EXIT_USAGE, main
 
-    with pytest.raises(SystemExit, match="--spec: each entry once"):
-        main(["bench", "--provider", "cpu", "--spec", "mtp", "--spec", "mtp", "--no-reference"])
+    argv = ["bench", "--provider", "cpu", "--spec", "mtp", "--spec", "mtp", "--no-reference"]
+    assert main(argv) == EXIT_USAGE
+    assert "--spec: each entry once" in capsys.readouterr().err
 
 
 @pytest.mark.benchmark(group="speculative-embedded-48-tokens")

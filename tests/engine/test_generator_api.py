@@ -61,11 +61,17 @@ def test_prompt_longer_than_the_context_is_refused(qwen2_dir):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"temperature": 0.0, "do_sample": True}, "temperature must be > 0"),
-        ({"top_p": 0.0}, "top_p must be in"),
-        ({"top_k": -1}, "top_k must be >= 0"),
+        (
+            {"temperature": 0.0, "do_sample": True},
+            r"temperature \(sampling\) must be a finite number > 0",
+        ),
+        ({"top_p": 0.0}, "top_p must be a finite number > 0.0 and <= 1.0"),
+        ({"top_k": -1}, r"top_k \(0 = off\) must be an integer >= 0"),
         ({"min_p": 1.5}, "min_p must be in"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        (
+            {"repetition_penalty": 0.0},
+            r"repetition_penalty \(1 = off\) must be a finite number > 0",
+        ),
         ({"beams": 4}, "unknown search options"),
     ],
 )

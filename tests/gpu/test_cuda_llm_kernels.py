@@ -382,6 +382,19 @@ def test_group_query_attention(cp, prov, rng, case, dtype):
         np.testing.assert_array_equal(got[2][bi, :, t:], inputs[4][bi, :, t:])
 
 
+def test_group_query_attention_refuses_a_device_length_past_the_cache(cp, prov, rng):
+    """total_sequence_length on the device (unknown to the host): an eager run reads the
+    longest seqlens_k back and refuses a length past the past buffer."""
+    c = dict(b=2, s=1, h=4, kvh=2, d=32, cap=16, totals=[4, 17])
+    inputs, attrs = gqa_inputs(rng, c, np.float32)
+    info = node("GroupQueryAttention", inputs[:9], 3, attrs, opset=1, domain=MS_DOMAIN)
+    d_in = [dev(prov, x) for x in inputs[:9]]
+    with prov.stream:  # a plain device copy: no host shadow of the total length
+        d_in[6] = cp.asarray(inputs[6])
+    with pytest.raises(ValueError, match="total length of 17, more than the past buffer of 16"):
+        launch(prov, info, d_in)
+
+
 def test_group_query_attention_refuses_concat_mode(prov):
     ok, reason = prov.supports(
         NodeInfo(
@@ -897,14 +910,29 @@ def test_gather_block_quantized(cp, prov, rng, bits, zp):
     zps = (
         rng.integers(0, 256, (rows, -(-cols // block * bits // 8))).astype(np.uint8) if zp else None
     )
-    idx = np.array([[0, 7, -1], [49, 3, 60]], np.int64)  # 60: out of range -> zeros
+    idx = np.array([[0, 7, -1], [49, 3, -50]], np.int64)  # both ends of the table
     inputs = [data, idx, scales] + ([zps] if zp else [])
     attrs = {"bits": bits, "block_size": block, "gather_axis": 0, "quantize_axis": 1}
     info = node("GatherBlockQuantized", inputs, attrs=attrs, opset=1, domain=MS_DOMAIN)
     want = reference(info, inputs, gbq_np(bits, block))
     got, _, _ = run_gpu(cp, prov, info, inputs, [((2, 3, cols), np.float32)])
     close(got[0], want[0], np.float32)
-    assert not got[0][1, 2].any()
+
+
+@pytest.mark.parametrize("bad", [50, -51])
+def test_gather_block_quantized_refuses_indices_out_of_range(cp, prov, rng, bad):
+    """Eager runs check device indices (one min/max read-back) and host indices alike."""
+    rows, cols, block = 50, 64, 32
+    data = rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8)
+    scales = rng.uniform(0.1, 1.0, (rows, cols // block)).astype(np.float32)
+    idx = np.array([[0, bad]], np.int64)
+    attrs = {"bits": 4, "block_size": block, "gather_axis": 0, "quantize_axis": 1}
+    info = node("GatherBlockQuantized", [data, idx, scales], attrs=attrs, opset=1, domain=MS_DOMAIN)
+    message = f"indices value {bad} out of range for axis of size {rows}"
+    with pytest.raises(IndexError, match=message):
+        run_gpu(cp, prov, info, [data, idx, scales], [((1, 2, cols), np.float32)])
+    with pytest.raises(IndexError, match=message):  # host indices, checked before the upload
+        launch(prov, info, [dev(prov, data), idx, dev(prov, scales)])
 
 
 # ----------------------------------------------------------------------------- whole models

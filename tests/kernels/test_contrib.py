@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from onnx import ModelProto, helper, numpy_helper
 
+from onnx_genrt.core.errors import KernelError
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
 from onnx_genrt.providers.cpu.kernels import REGISTRY, contrib_quant
 from onnx_genrt.session import InferenceSession
@@ -830,7 +831,7 @@ def test_gather_block_quantized(kind: str, zero: bool, dtype: np.dtype) -> None:
     inp["scales"] = inp["scales"].astype(dtype)
     g = attrs.get("gather_axis", 0)
     dim = table.shape[g]
-    idx = np.array([[1, dim - 1], [-1, dim + 3], [0, 2]], np.int64)  # one out of range
+    idx = np.array([[1, dim - 1], [-1, -dim], [0, 2]], np.int64)  # both ends, negatives
     inp["indices"] = idx
     model = _model(
         "GatherBlockQuantized",
@@ -844,11 +845,32 @@ def test_gather_block_quantized(kind: str, zero: bool, dtype: np.dtype) -> None:
     (got,) = _run_ours(model, inp)
     (want,) = _run_ort(model, inp)
     _close(got, want, dtype)
-    fixed = np.where(idx < 0, idx + dim, idx)
-    ok = fixed < dim
-    ref = np.take(table, np.where(ok, fixed, 0), axis=g)
-    ref *= ok.reshape((1,) * g + idx.shape + (1,) * (table.ndim - g - 1))
+    ref = np.take(table, np.where(idx < 0, idx + dim, idx), axis=g)
     _close(got, ref.astype(dtype), dtype)
+
+
+@pytest.mark.parametrize("kind", ["uint8_4bit", "int4", "int4_axis0"])
+@pytest.mark.parametrize("offset", [0, 3, -1], ids=["dim", "dim+3", "-dim-1"])
+def test_gather_block_quantized_refuses_indices_out_of_range(kind: str, offset: int) -> None:
+    """onnxruntime's CPU kernel returns zeros for such an index; ours raises, naming it."""
+    inp, attrs, table = _gbq_case(kind, True, 52)
+    dim = table.shape[attrs.get("gather_axis", 0)]
+    bad = dim + offset if offset >= 0 else -dim + offset
+    inp["indices"] = np.array([[0, 1], [bad, 2]], np.int64)
+    model = _model(
+        "GatherBlockQuantized",
+        inp,
+        ["data", "indices", "scales", "zero_points"],
+        ["y"],
+        [F32],
+        consts=("data", "scales", "zero_points"),
+        **attrs,
+    )
+    with pytest.raises(KernelError) as info:
+        _run_ours(model, inp)
+    message = str(info.value)
+    assert "GatherBlockQuantized" in message
+    assert f"indices value {bad} out of range for axis of size {dim}" in message
 
 
 # ----------------------------------------------------------------------------- GELU family
@@ -904,7 +926,7 @@ def test_gather_block_quantized_float8(scale_shape: tuple, block: int) -> None:
     rng = _rng(51)
     inp = {
         "data": rng.standard_normal((12, 64)).astype(ml_dtypes.float8_e4m3fn),
-        "indices": np.array([[1, -1], [3, 20]], np.int64),
+        "indices": np.array([[1, -1], [3, 11]], np.int64),
         "scales": (rng.random(scale_shape) + 0.1).astype(np.float32),
     }
     model = _model(
@@ -919,4 +941,6 @@ def test_gather_block_quantized_float8(scale_shape: tuple, block: int) -> None:
     (got,) = _run_ours(model, inp)
     (want,) = _run_ort(model, inp)
     _close(got, want, F32)
-    assert not got[1, 1].any()  # index 20 is out of range
+    inp["indices"] = np.array([[1, -1], [3, 12]], np.int64)
+    with pytest.raises(KernelError, match="indices value 12 out of range for axis of size 12"):
+        _run_ours(model, inp)

@@ -28,7 +28,7 @@ import numpy as np
 
 from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
-from onnx_genrt.core.op_rules import NBITS, matmul_nbits_unsupported
+from onnx_genrt.core.op_rules import NBITS, check_index_range, matmul_nbits_unsupported
 
 from ._int4_matmul import Int4Tiles, int4_matmul, pack_int4
 from ._nn_common import normalize_axis
@@ -279,7 +279,8 @@ def gather_block_quantized(
     scales: np.ndarray,
     zero_points: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Gather rows of block-quantized ``data`` and dequantize them; bad indices give zeros."""
+    """Gather rows of block-quantized ``data`` and dequantize them; an index outside
+    ``[-dim, dim)`` of the gather axis raises, naming the node and the index."""
     bits = int(ctx.attr("bits", 4))
     block = int(ctx.attr("block_size", 128))
     packed = data.dtype == _U8 and bits < 8
@@ -295,9 +296,8 @@ def gather_block_quantized(
         raise ValueError(f"{ctx.node.describe()}: packed uint8 data cannot gather on its last axis")
     dim = data.shape[g]
     idx = indices.astype(np.int64)
-    idx = np.where(idx < 0, idx + dim, idx)
-    valid = (idx >= 0) & (idx < dim)
-    safe = np.where(valid, idx, 0)
+    check_index_range(ctx, idx, dim, "indices value")
+    safe = np.where(idx < 0, idx + dim, idx)
 
     # Gather first, then unpack and convert: only the rows asked for (an embedding lookup
     # must not touch the whole table's scales and zero points).
@@ -318,9 +318,6 @@ def gather_block_quantized(
     elif not is_float and _default_zero(data, bits):
         q -= _default_zero(data, bits)
     q *= sc
-    if not valid.all():
-        mask_shape = (1,) * g + indices.shape + (1,) * (rank - g - 1)
-        q *= valid.reshape(mask_shape)
     out = ctx.out(0, q.shape, scales.dtype)
     out[...] = q
     return out

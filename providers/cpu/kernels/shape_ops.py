@@ -9,7 +9,7 @@ import numpy as np
 from onnx import helper
 
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import reshape_target
+from onnx_genrt.core.op_rules import check_index_range, reshape_target
 
 from ._registry import REGISTRY
 
@@ -67,20 +67,10 @@ def _scalar(a: Array | None, default: float | int | None = None) -> float | int 
     return np.asarray(a).reshape(-1)[0].item()
 
 
-def _check_index_range(ctx: KernelContext, idx: Array, dim: int, what: str = "index") -> None:
-    """Raise IndexError naming the node when any index is outside [-dim, dim)."""
-    if idx.size == 0:
-        return
-    lo, hi = int(idx.min()), int(idx.max())
-    if lo < -dim or hi >= dim:
-        bad = lo if lo < -dim else hi
-        raise IndexError(f"{ctx.node.describe()}: {what} {bad} out of range for axis of size {dim}")
-
-
 def _normalized_indices(ctx: KernelContext, idx: Array, dim: int) -> Array:
     """Bounds-check indices and map negatives to positives (as intp)."""
     idx = np.asarray(idx)
-    _check_index_range(ctx, idx, dim)
+    check_index_range(ctx, idx, dim)
     idx = idx.astype(np.intp, copy=False)
     if idx.size and idx.min() < 0:
         idx = np.where(idx < 0, idx + dim, idx)
@@ -395,7 +385,7 @@ def gather(ctx: KernelContext, x: Array, indices: Array) -> Array:
     """``np.take`` along ``axis``; negative indices count from the end."""
     axis = _axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
     idx = np.asarray(indices)
-    _check_index_range(ctx, idx, x.shape[axis])
+    check_index_range(ctx, idx, x.shape[axis])
     shape = x.shape[:axis] + idx.shape + x.shape[axis + 1 :]
     out = ctx.out(0, shape, x.dtype)
     if idx.size == 0 or x.size == 0:
@@ -420,7 +410,7 @@ def _nd_positions(ctx: KernelContext, data: Array, indices: Array, batch_dims: i
         raise ValueError(f"{ctx.node.describe()}: index tuples of length {k} exceed data rank")
     idx = indices.reshape(-1, k).astype(np.int64, copy=False)
     for j, d in enumerate(dims):
-        _check_index_range(ctx, idx[:, j], d)
+        check_index_range(ctx, idx[:, j], d)
     idx = np.where(idx < 0, idx + np.array(dims, np.int64), idx) if idx.size else idx
     if k == 0:
         return np.zeros(idx.shape[0], np.intp)

@@ -5,8 +5,11 @@ the new keys (rotated) and values are written in place at positions
 ``[past, past + S)`` and the past buffers themselves are returned as the present outputs.
 Every length comes from ``seqlens_k`` *in device memory* (``total = seqlens_k[b] + 1``,
 ``past = total - S``), read inside the kernels, so one captured graph stays valid while the
-cache grows. ``total_sequence_length`` is only checked when its value is known on the host
-(a host array or a host-shadowed constant); it is never synchronized on.
+cache grows. ``total_sequence_length`` is checked against the cache's capacity when its
+value is known on the host (a host array or a host-shadowed constant); when it is not, an
+eager run reads the largest ``seqlens_k`` back (one sync) and refuses a length past the
+cache. Inside a captured graph neither check is possible: a length past the capacity then
+attends to the first ``capacity`` keys and writes no key past the buffer.
 
 One launch per call for up to ``FUSE_MAX_NEW`` new tokens (decode, verify: the steps that
 are captured), two for longer prompts; all capturable (no cuBLAS, no allocation, no host
@@ -46,6 +49,7 @@ from onnx_genrt.core.op_rules import gqa_attribute_problem
 
 from ._common import (
     DEVICE_COMMON,
+    capturing,
     contiguous,
     function,
     out,
@@ -768,6 +772,14 @@ def group_query_attention(
             f"{desc}: seqlens_k must be int32 [{b}], got {seqlens.dtype}{seqlens.shape}"
         )
     seqlens = contiguous(ctx, seqlens)
+    if total_len is None and not capturing(ctx) and b:
+        # The host does not know the length: an eager run reads the longest one back.
+        longest = int(seqlens.max().get()) + 1
+        if longest > cap:
+            raise ValueError(
+                f"{desc}: seqlens_k gives a total length of {longest}, more than the past "
+                f"buffer of {cap} positions: allocate a longer KV cache"
+            )
 
     rotary = bool(ctx.attr("do_rotary", 0))
     interleaved = int(bool(ctx.attr("rotary_interleaved", 0)))

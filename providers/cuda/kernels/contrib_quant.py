@@ -26,7 +26,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import NBITS, matmul_nbits_unsupported
+from onnx_genrt.core.op_rules import NBITS, check_index_range, matmul_nbits_unsupported
 
 from ..gemv_split import nbits4_small_k_split, small_k_blocks
 from ._common import (
@@ -547,7 +547,9 @@ __global__ void nbits_dequant(const unsigned char* __restrict__ B, const W* __re
 }
 
 // GatherBlockQuantized, gather axis 0 of a 2-D packed table, blocks along the last axis.
-// out[i, c] = (q[idx[i], c] - z) * s[idx[i], c / block]; invalid indices give zeros.
+// out[i, c] = (q[idx[i], c] - z) * s[idx[i], c / block]. An index outside [-rows, rows) (which
+// the host checks on eager runs) gives a NaN row, so a captured step's logits turn non-finite
+// instead of silently reading row 0 or zeros.
 template <typename I, typename W, int BITS>
 __global__ void gather_block_quant(const unsigned char* __restrict__ data,
                                    const I* __restrict__ idx, const W* __restrict__ scales,
@@ -560,7 +562,7 @@ __global__ void gather_block_quant(const unsigned char* __restrict__ data,
   const int c = (int)(t - i * cols);
   long long r = (long long)idx[i];
   if (r < 0) r += rows;
-  if (r < 0 || r >= rows) { st(out, t, 0.f); return; }
+  if (r < 0 || r >= rows) { st(out, t, __int_as_float(0x7fc00000)); return; }
   constexpr int per = 8 / BITS;
   const unsigned int byte = data[r * row_bytes + c / per];
   const float q = (float)((byte >> ((c % per) * BITS)) & ((1u << BITS) - 1u));
@@ -821,7 +823,13 @@ def _gbq_check(node: NodeInfo, _types: object) -> str | None:
 
 @REGISTRY.register("GatherBlockQuantized", since=1, domain=MS_DOMAIN, check=_gbq_check)
 def gather_block_quantized(ctx: KernelContext, data, indices, scales, zero_points=None):
-    """Rows of a uint8 block-quantized 2-D table, dequantized; bad indices give zeros."""
+    """Rows of a uint8 block-quantized 2-D table, dequantized.
+
+    Indices outside ``[-rows, rows)`` raise (IndexError naming the node and the index) when
+    they are checked: always for host indices, and for device indices on eager runs (one
+    min/max read-back). Inside a CUDA graph capture no read-back is possible, so a captured
+    step writes NaN rows for such indices (the decoder's non-finite probe then raises).
+    """
     desc = ctx.node.describe()
     reason = _gbq_check(ctx.node, ())
     if reason:
@@ -837,8 +845,12 @@ def gather_block_quantized(ctx: KernelContext, data, indices, scales, zero_point
         raise ValueError(f"{desc}: scales {list(scales.shape)} do not fit [{rows}, {nb}]")
     nb = int(scales.shape[1])
     if not isinstance(indices, cupy.ndarray):
+        check_index_range(ctx, np.asarray(indices), rows, "indices value")
         refuse_in_capture(ctx, "uploading host indices")
         indices = cupy.asarray(indices)
+    elif indices.size and not capturing(ctx):
+        ends = cupy.stack([indices.min(), indices.max()]).get()
+        check_index_range(ctx, ends, rows, "indices value")
     if indices.dtype not in (np.int32, np.int64):
         raise TypeError(f"{desc}: indices must be int32 or int64")
     zrow, has_zp, zp = 0, 0, data

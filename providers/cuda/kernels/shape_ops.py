@@ -12,7 +12,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
-from onnx_genrt.core.op_rules import reshape_target
+from onnx_genrt.core.op_rules import check_index_range, reshape_target
 
 from ._common import (
     OPTIONS,
@@ -223,10 +223,13 @@ _GATHER = cupy.ElementwiseKernel(
 def gather(ctx: KernelContext, x: cupy.ndarray, indices: cupy.ndarray) -> cupy.ndarray:
     """Take along ``axis`` with device indices; negatives count from the end.
 
-    Indices are not range-checked (that would need a host sync); out-of-range ones clamp.
+    Host indices are range-checked (IndexError naming the node and the index). Device
+    indices are not (that would need a host sync on every Gather, shape arithmetic
+    included): an out-of-range device index clamps to the nearest end of the axis.
     """
     axis = normalize_axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
     if not isinstance(indices, cupy.ndarray):
+        check_index_range(ctx, np.asarray(indices), int(x.shape[axis]))
         refuse_in_capture(ctx, "uploading host indices")
         indices = cupy.asarray(indices)
     shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1 :])

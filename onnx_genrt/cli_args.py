@@ -1,0 +1,50 @@
+"""argparse value types that check a flag's range and finiteness where it is parsed.
+
+A bad value makes argparse report ``argument FLAG: <message>`` (exit code 2, usage)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An integer flag of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def finite_float(minimum: float | None = None, above: bool = False) -> Callable[[str], float]:
+    """A finite number flag; with ``minimum``, at least it (strictly above it when ``above``)."""
+    bound = "" if minimum is None else f" {'>' if above else '>='} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        too_low = minimum is not None and (value <= minimum if above else value < minimum)
+        if not math.isfinite(value) or too_low:
+            raise argparse.ArgumentTypeError(f"must be a finite number{bound}, got {text}")
+        return value
+
+    parse.__name__ = f"finite number{bound}"
+    return parse
+
+
+POSITIVE_INT = int_at_least(1)
+NON_NEGATIVE_INT = int_at_least(0)
+FINITE = finite_float()
+NON_NEGATIVE = finite_float(0.0)
+POSITIVE = finite_float(0.0, above=True)
