@@ -6,6 +6,12 @@ are written into it in place and it is returned as ``present_key`` (the same obj
 Otherwise a present buffer of ``total_sequence_length`` is filled (concat mode). Each
 batch entry b holds seqlens_k[b] + 1 tokens after the step, the new ones at the end.
 
+With ``sliding_window_cache=1`` (Gemma-2's local layers as onnxruntime-genai's builder writes
+them) past/present are a window-sized cache instead: present is as long as past, and rows
+[0, L) hold the L most recent tokens in onnxruntime's layout (see
+``core.op_rules.windowed_cache_length``); the queries attend to those rows and the new keys,
+and the rows are then compacted in place. RoPE keeps absolute positions.
+
 A decode or verify step (batch 1, up to 16 new tokens, float32, shared buffers) runs as a
 _GqaStep built once per node and buffers: the kernel's ``.bind`` hands it to a recorded CPU
 graph, and eager calls keep one in ``ctx.scratch``. It does the general path's arithmetic
@@ -515,7 +521,8 @@ class _GqaStep:
     _softmax_sink_rows), BLAS output; so results equal the general path's. ``run()`` returns
     False, having done nothing, when the lengths fall outside what the step handles (the
     cache would have to grow, fewer valid tokens than M, a rotary position past the cos/sin
-    cache, a score block over _SCORE_BUDGET): the caller then runs the general kernel.
+    cache, a score block over _SCORE_BUDGET, a window-sized cache that would drop rows the
+    first new query still sees): the caller then runs the general kernel.
     """
 
     __slots__ = (
@@ -653,36 +660,36 @@ class _GqaStep:
 
     def run(self) -> bool:
         """Run the step for the current seqlens_k; False (nothing done) when it cannot."""
-        t = int(self.seqlens[0]) + 1
+        total = int(self.seqlens[0]) + 1
         m, cfg = self.m, self.cfg
-        k0 = max(0, t - m - cfg.window + 1) if cfg.window > 0 and cfg.causal else 0
+        windowed = cfg.window > 0 and cfg.causal
         kvn, rows, h = self.heads.shape
-        size = kvn * rows * (t - k0)
-        if size > _SCORE_BUDGET or t < m:
+        # Checked before _rows changes anything: the most score columns the step can have.
+        k0 = max(0, total - m - cfg.window + 1) if windowed else 0
+        if total < m or kvn * rows * (total - k0) > _SCORE_BUDGET:
             return False
-        span = self._rows(t)
+        span = self._rows(total)
         if span is None:
             return False
-        past, t = span
-        k0 = max(0, past - cfg.window + 1) if cfg.window > 0 and cfg.causal else 0
-        width = t - k0
-        size = kvn * rows * width
+        row0, end = span  # cache rows of the first new token and past the last one
+        k0 = max(0, row0 - cfg.window + 1) if windowed else 0
+        width = end - k0
         ra = self.rows_args
-        _gqa_step_rows(*ra[:8], past, int(self.seqlens[0]) + 1 - m, *ra[8:])
-        scores = _score_scratch(size).reshape(kvn, rows, width)
-        np.matmul(self.heads, self.keys[:, k0:t].swapaxes(1, 2), out=scores)
+        _gqa_step_rows(*ra[:8], row0, total - m, *ra[8:])
+        scores = _score_scratch(kvn * rows * width).reshape(kvn, rows, width)
+        np.matmul(self.heads, self.keys[:, k0:end].swapaxes(1, 2), out=scores)
         if cfg.softcap > 0.0:
             scores *= np.float32(1.0 / cfg.softcap)
             np.tanh(scores, out=scores)
             scores *= np.float32(cfg.softcap)
         flat = scores.reshape(-1, width)
-        if m > 1:  # one row sees exactly keys k0 .. t-1
-            _mask_scores(flat, m, 0, past, t, k0, cfg.window, cfg.causal)
+        if m > 1:  # one row sees exactly keys k0 .. end-1
+            _mask_scores(flat, m, 0, row0, end, k0, cfg.window, cfg.causal)
         if self.sinks is None:
             softmax_rows(flat, flat, True)
         else:
             _softmax_sink_rows(flat, np.repeat(self.sinks, m))
-        values = self.values[:, k0:t]
+        values = self.values[:, k0:end]
         if self.attn is None:  # one row: (kvN, G, H) is the output's own layout
             np.matmul(scores, values, out=self.out4.reshape(kvn, rows, h))
         else:
