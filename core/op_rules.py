@@ -125,13 +125,58 @@ def gqa_attribute_problem(node: NodeInfo) -> str | None:
     the rules every provider shares (each also refuses inputs it does not take)."""
     if (len(node.output_names) > 3 and node.output_names[3]) or node.attr("qk_output", 0):
         return "GroupQueryAttention output_qk / qk_output is not supported"
-    if node.attr("sliding_window_cache", 0):
-        return "GroupQueryAttention sliding_window_cache=1 is not supported"
     for a in ("k_quant_type", "v_quant_type"):
         if node.attr(a, "NONE") != "NONE":
             return f"GroupQueryAttention {a}={node.attr(a)!r} (quantized KV cache) is not supported"
     if node.attr("causal", 1) not in (0, 1):
         return f"GroupQueryAttention causal={node.attr('causal')} must be 0 or 1"
-    if not node.attr("causal", 1) and node.attr("local_window_size", -1) != -1:
+    window = node.attr("local_window_size", -1)
+    if window != -1 and window < 1:
+        return f"GroupQueryAttention local_window_size={window} must be -1 (no window) or >= 1"
+    if not node.attr("causal", 1) and window != -1:
         return "GroupQueryAttention local_window_size needs causal=1"
+    softcap = float(node.attr("softcap", 0.0))
+    if not math.isfinite(softcap) or softcap < 0.0:
+        return f"GroupQueryAttention softcap={softcap} must be finite and >= 0 (0: no softcap)"
+    return _sliding_window_cache_problem(node, window)
+
+
+def _sliding_window_cache_problem(node: NodeInfo, window: int) -> str | None:
+    """The rules of ``sliding_window_cache`` (a window-sized KV cache, see
+    ``windowed_cache_length``)."""
+    mode = node.attr("sliding_window_cache", 0)
+    if mode not in (0, 1):
+        return f"GroupQueryAttention sliding_window_cache={mode} must be 0 or 1"
+    if not mode:
+        return None
+    if window < 1:
+        return (
+            "GroupQueryAttention sliding_window_cache=1 needs local_window_size >= 1 "
+            f"(got {window})"
+        )
+    names = node.input_names
+    if len(names) < 5 or not names[3] or not names[4]:
+        return "GroupQueryAttention sliding_window_cache=1 needs past_key and past_value inputs"
+    if len(names) > 10 and names[10]:
+        return "GroupQueryAttention sliding_window_cache=1 with attention_bias is not supported"
     return None
+
+
+def windowed_cache_length(total: int, capacity: int, window: int) -> int:
+    """Rows of a ``sliding_window_cache=1`` KV cache that hold tokens after ``total`` tokens.
+
+    onnxruntime's contract for a window-sized cache of ``capacity`` rows and a window of
+    ``window`` keys: rows ``[0, L)`` hold the ``L`` most recent positions in order (row i holds
+    position ``total - L + i``). Until the cache is full L = total; after that the cache is
+    compacted in blocks of ``capacity - window + 1`` rows, so L runs from ``window`` back up
+    to ``capacity``.
+    """
+    if window < 1 or capacity < window:
+        raise ValueError(
+            f"sliding_window_cache: KV cache capacity {capacity} must be at least "
+            f"local_window_size {window}"
+        )
+    if total <= capacity:
+        return total
+    block = capacity - window + 1
+    return total - block * -(-(total - capacity) // block)

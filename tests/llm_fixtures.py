@@ -33,6 +33,26 @@ TINY_QWEN2 = {
 }
 DRAFT_QWEN2 = {**TINY_QWEN2, "num_hidden_layers": 1, "intermediate_size": 64}
 
+#: Gemma-2 shape: local (sliding-window) and global layers alternate, attention and final
+#: logit softcaps. The window (8) is far shorter than a prompt plus 32 new tokens.
+TINY_GEMMA2 = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "sliding_window": 8,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "query_pre_attn_scalar": 16,
+    # A tied lm_head reads back the (sqrt(hidden)-scaled) input embedding: greedy text then
+    # repeats the prompt's last token whatever the layers do.
+    "tie_word_embeddings": False,
+}
+
 
 def cache_root() -> Path:
     root = os.environ.get("ONNX_GENRT_CACHE") or os.path.join(
@@ -76,6 +96,47 @@ def _save_hf(config: dict, seed: int, out: Path) -> None:
 
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
+    model.eval()
+    model.save_pretrained(out)
+
+
+def build_gemma2(config: dict, seed: int = 0) -> Path:
+    """Folder with model.onnx + genai_config.json for a random Gemma-2 (built once, then
+    cached): the builder's CPU fp32 model, GroupQueryAttention with local_window_size,
+    softcap and sliding_window_cache=1 on the local layers."""
+    import onnxruntime_genai
+
+    key = json.dumps([config, seed, "gemma2-normal-v1", onnxruntime_genai.__version__])
+    folder = cache_root() / f"gemma2-fp32-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (folder / "genai_config.json").is_file():
+        return folder
+    hf = folder.with_name(folder.name + "-hf")
+    _save_gemma2(config, seed, hf)
+    tmp = folder.with_name(folder.name + ".tmp")
+    _run_builder(hf, tmp, "fp32", [])
+    tmp.rename(folder)
+    return folder
+
+
+def _save_gemma2(config: dict, seed: int, out: Path) -> None:
+    """A Gemma-2 checkpoint with every weight drawn at random: matrices N(0, 1/fan_in), the
+    embedding N(0, 1), norm weights N(0, 0.09). transformers' own init (zero norm weights,
+    0.02 matrices) gives greedy text of one repeated token."""
+    import math
+
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "embed_tokens" in name:
+                param.normal_(0.0, 1.0)
+            elif param.ndim == 2:
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]))
+            else:
+                param.normal_(0.0, 0.3)
     model.eval()
     model.save_pretrained(out)
 

@@ -948,7 +948,12 @@ def _fixture(name):
     return folder
 
 
-@pytest.mark.parametrize("name", ["qwen2-fp32", "qwen2-int4", "qwen2-bf16"])
+#: Builder models of .gpu_fixtures; gemma2-fp32: sliding-window layers with a window-sized
+#: KV cache (sliding_window_cache=1), attention and final logit softcaps.
+BUILDER_MODELS = ["qwen2-fp32", "qwen2-int4", "qwen2-bf16", "gemma2-fp32"]
+
+
+@pytest.mark.parametrize("name", BUILDER_MODELS)
 def test_builder_model_ops_all_on_cuda(cp, prov, name):
     import onnx
 
@@ -966,7 +971,7 @@ def test_builder_model_ops_all_on_cuda(cp, prov, name):
     assert not missing, missing
 
 
-@pytest.mark.parametrize("name", ["qwen2-fp32", "qwen2-int4", "qwen2-bf16"])
+@pytest.mark.parametrize("name", BUILDER_MODELS)
 def test_builder_model_matches_cpu(cp, name):
     """Logits (teacher-forced, decode steps replayed from one graph) and greedy tokens."""
     from onnx_genrt.engine import Generator, GeneratorParams, Model
@@ -1125,9 +1130,17 @@ def build_fixtures(dest: Path = FIXTURES) -> None:
 
     # bf16: the CUDA target, whose bf16 model uses GroupQueryAttention (the CPU target's
     # MultiHeadAttention is not supported); the CPU provider computes its reference.
-    for precision, target in (("fp32", "cpu"), ("int4", "cpu"), ("bf16", "cuda")):
-        src = llm_fixtures.build_qwen2(llm_fixtures.TINY_QWEN2, precision, target=target)
-        folder = dest / f"qwen2-{precision}"
+    sources = {
+        f"qwen2-{precision}": llm_fixtures.build_qwen2(
+            llm_fixtures.TINY_QWEN2, precision, target=target
+        )
+        for precision, target in (("fp32", "cpu"), ("int4", "cpu"), ("bf16", "cuda"))
+    }
+    # The CPU provider decodes it token-identically to onnxruntime-genai
+    # (tests/engine/test_sliding_window_parity.py).
+    sources["gemma2-fp32"] = llm_fixtures.build_gemma2(llm_fixtures.TINY_GEMMA2)
+    for name, src in sources.items():
+        folder = dest / name
         folder.mkdir(parents=True, exist_ok=True)
         for f in FIXTURE_FILES:
             if (src / f).is_file():

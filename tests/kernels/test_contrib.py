@@ -412,7 +412,15 @@ def test_gqa_refuses_quantized_cache() -> None:
     ("attrs", "reason"),
     [
         ({"qk_output": 1}, "qk_output is not supported"),
-        ({"sliding_window_cache": 1}, "sliding_window_cache=1 is not supported"),
+        ({"sliding_window_cache": 1}, "sliding_window_cache=1 needs local_window_size >= 1"),
+        (
+            {"sliding_window_cache": 1, "local_window_size": 4},
+            "sliding_window_cache=1 needs past_key and past_value",
+        ),
+        ({"sliding_window_cache": 2, "local_window_size": 4}, "sliding_window_cache=2 must be 0"),
+        ({"local_window_size": 0}, "local_window_size=0 must be -1 \\(no window\\) or >= 1"),
+        ({"softcap": -1.0}, "softcap=-1.0 must be finite and >= 0"),
+        ({"softcap": float("nan")}, "softcap=nan must be finite"),
         ({"k_quant_type": "PER_TENSOR"}, "k_quant_type='PER_TENSOR' \\(quantized KV cache\\)"),
         ({"causal": 2}, "causal=2 must be 0 or 1"),
         ({"causal": 0, "local_window_size": 4}, "local_window_size needs causal=1"),

@@ -6,6 +6,12 @@ are written into it in place and it is returned as ``present_key`` (the same obj
 Otherwise a present buffer of ``total_sequence_length`` is filled (concat mode). Each
 batch entry b holds seqlens_k[b] + 1 tokens after the step, the new ones at the end.
 
+With ``sliding_window_cache=1`` (Gemma-2's local layers as onnxruntime-genai's builder writes
+them) past/present are a window-sized cache instead: present is as long as past, and rows
+[0, L) hold the L most recent tokens in onnxruntime's layout (see
+``core.op_rules.windowed_cache_length``); the queries attend to those rows and the new keys,
+and the rows are then compacted in place. RoPE keeps absolute positions.
+
 A decode or verify step (batch 1, up to 16 new tokens, float32, shared buffers) runs as a
 _GqaStep built once per node and buffers: the kernel's ``.bind`` hands it to a recorded CPU
 graph, and eager calls keep one in ``ctx.scratch``. It does the general path's arithmetic
@@ -24,7 +30,7 @@ import numba
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import gqa_attribute_problem
+from onnx_genrt.core.op_rules import gqa_attribute_problem, windowed_cache_length
 
 from ._nn_common import softmax_rows
 from ._registry import REGISTRY
@@ -132,6 +138,7 @@ class _GqaConfig:
     softcap: float
     smooth: bool
     causal: bool
+    window_cache: bool  # sliding_window_cache=1: past/present hold only the recent rows
 
     @classmethod
     def from_ctx(cls, ctx: KernelContext) -> _GqaConfig:
@@ -146,6 +153,7 @@ class _GqaConfig:
             float(ctx.attr("softcap", 0.0)),
             int(ctx.attr("smooth_softmax", -1)) == 1,
             bool(ctx.attr("causal", 1)),
+            bool(ctx.attr("sliding_window_cache", 0)),
         )
 
 
@@ -373,6 +381,61 @@ def _as_f32(x: np.ndarray) -> np.ndarray:
     return x if x.dtype == _F32 else x.astype(_F32)
 
 
+# ----------------------------------------------------------------------------- window-sized cache
+
+
+def _window_present(
+    ctx: KernelContext,
+    past: np.ndarray | None,
+    shape: tuple[int, int, int],
+    dtype: np.dtype,
+    window: int,
+) -> np.ndarray:
+    """The present buffer of a sliding_window_cache=1 node: ``past`` itself (written in place)
+    when writeable, else a copy; either way as long as ``past`` (its capacity)."""
+    b, kvn, h = shape
+    if past is None or past.ndim != 4 or past.shape[:2] != (b, kvn) or past.shape[3] != h:
+        got = None if past is None else past.shape
+        raise ValueError(
+            f"sliding_window_cache=1: past shape {got} does not fit {(b, kvn, '*', h)}"
+        )
+    if past.dtype != dtype:
+        raise NotImplementedError(f"past dtype {past.dtype} differs from query {dtype}")
+    windowed_cache_length(0, past.shape[2], window)  # raises when the capacity is too small
+    return past if past.flags.writeable else past.copy()
+
+
+def _attend_windowed(
+    cfg: _GqaConfig,
+    cache_k: np.ndarray,
+    cache_v: np.ndarray,
+    k4: np.ndarray,
+    v4: np.ndarray,
+    qs: np.ndarray,
+    lens: _Lengths,
+    i: int,
+    sinks: np.ndarray | None,
+) -> np.ndarray:
+    """(S, N, H) output of batch entry ``i`` on a window-sized cache (kvN, C, H), updated.
+
+    Rows [0, L(past)) of the cache hold the most recent cached tokens (see
+    op_rules.windowed_cache_length). The queries attend to those rows followed by the new
+    keys (masks depend only on distances, so cache-relative rows give the same scores); then
+    the cache keeps the L(total) most recent of them, again from row 0.
+    """
+    cap = cache_k.shape[1]
+    past, total, n_new = int(lens.past[i]), int(lens.total[i]), int(lens.new[i])
+    resident = windowed_cache_length(past, cap, cfg.window)
+    keep = windowed_cache_length(total, cap, cfg.window)
+    keys = np.concatenate([cache_k[:, :resident], k4[:, :n_new].astype(cache_k.dtype)], axis=1)
+    values = np.concatenate([cache_v[:, :resident], v4[:, :n_new].astype(cache_v.dtype)], axis=1)
+    attn = _BatchAttn(cfg, _as_f32(keys), _as_f32(values), resident, None, sinks)
+    y = _attend(attn, qs).transpose(1, 0, 2)
+    cache_k[:, :keep] = keys[:, keys.shape[1] - keep :]
+    cache_v[:, :keep] = values[:, values.shape[1] - keep :]
+    return y
+
+
 # ----------------------------------------------------------------------------- GQA decode step
 
 _STEP_KEY = "gqa_step"  # ctx.scratch entry: the eager call's prebuilt _GqaStep
@@ -404,24 +467,26 @@ def _rope_row(x, cos, sin, out, rot, interleaved):
 
 
 @numba.njit(cache=True)
-def _gqa_step_rows(q, k, v, kc, vc, cos, sin, qs, past, scale, rot, interleaved):
+def _gqa_step_rows(q, k, v, kc, vc, cos, sin, qs, row0, pos0, scale, rot, interleaved):
     """The M new rows of a step: keys (rotated) and values into the cache, queries scaled.
 
-    q (M, N, H), k/v (M, kvN, H); kc/vc (kvN, T, H) get rows past .. past+M-1; qs (N, M, H)
-    gets the rotated queries times ``scale``. ``rot`` 0: no rotary (cos/sin unused).
+    q (M, N, H), k/v (M, kvN, H); kc/vc (kvN, T, H) get rows row0 .. row0+M-1, rotated for
+    positions pos0 .. pos0+M-1 (row0 = pos0 but in a window-sized cache); qs (N, M, H) gets
+    the rotated queries times ``scale``. ``rot`` 0: no rotary (cos/sin unused).
     """
     m, n, h = q.shape
     kvn = k.shape[1]
     for i in range(m):
-        t = past + i
+        t = pos0 + i
+        r = row0 + i
         for kh in range(kvn):
             if rot > 0:
-                _rope_row(k[i, kh], cos[t], sin[t], kc[kh, t], rot, interleaved)
+                _rope_row(k[i, kh], cos[t], sin[t], kc[kh, r], rot, interleaved)
             else:
                 for d in range(h):
-                    kc[kh, t, d] = k[i, kh, d]
+                    kc[kh, r, d] = k[i, kh, d]
             for d in range(h):
-                vc[kh, t, d] = v[i, kh, d]
+                vc[kh, r, d] = v[i, kh, d]
         for hq in range(n):
             dst = qs[hq, i]
             if rot > 0:
@@ -456,7 +521,8 @@ class _GqaStep:
     _softmax_sink_rows), BLAS output; so results equal the general path's. ``run()`` returns
     False, having done nothing, when the lengths fall outside what the step handles (the
     cache would have to grow, fewer valid tokens than M, a rotary position past the cos/sin
-    cache, a score block over _SCORE_BUDGET): the caller then runs the general kernel.
+    cache, a score block over _SCORE_BUDGET, a window-sized cache that would drop rows the
+    first new query still sees): the caller then runs the general kernel.
     """
 
     __slots__ = (
@@ -572,35 +638,58 @@ class _GqaStep:
             and ctx.planned[0] is self.y
         )
 
+    def _rows(self, t: int) -> tuple[int, int] | None:
+        """(first new row, rows after the step) in the cache for ``t`` tokens after the step,
+        or None when the step cannot run. A window-sized cache (sliding_window_cache=1) that
+        must drop rows drops them here, first, when the new queries do not need them."""
+        m, cap, cfg = self.m, self.cap, self.cfg
+        if t < m or t > self.rope_len:
+            return None
+        if not cfg.window_cache:
+            if t > cap or int(self.total_len[0]) > cap:
+                return None
+            return t - m, t
+        resident = windowed_cache_length(t - m, cap, cfg.window)
+        drop = resident + m - windowed_cache_length(t, cap, cfg.window)
+        if drop > max(0, resident - cfg.window + 1):  # the first new query still sees them
+            return None
+        if drop:
+            for cache in (self.keys, self.values):
+                cache[:, : resident - drop] = cache[:, drop:resident]
+        return resident - drop, resident - drop + m
+
     def run(self) -> bool:
         """Run the step for the current seqlens_k; False (nothing done) when it cannot."""
-        t = int(self.seqlens[0]) + 1
-        m, cap, cfg = self.m, self.cap, self.cfg
-        if t < m or t > cap or t > self.rope_len or int(self.total_len[0]) > cap:
-            return False
-        past = t - m
-        k0 = max(0, past - cfg.window + 1) if cfg.window > 0 and cfg.causal else 0
-        width = t - k0
+        total = int(self.seqlens[0]) + 1
+        m, cfg = self.m, self.cfg
+        windowed = cfg.window > 0 and cfg.causal
         kvn, rows, h = self.heads.shape
-        size = kvn * rows * width
-        if size > _SCORE_BUDGET:
+        # Checked before _rows changes anything: the most score columns the step can have.
+        k0 = max(0, total - m - cfg.window + 1) if windowed else 0
+        if total < m or kvn * rows * (total - k0) > _SCORE_BUDGET:
             return False
+        span = self._rows(total)
+        if span is None:
+            return False
+        row0, end = span  # cache rows of the first new token and past the last one
+        k0 = max(0, row0 - cfg.window + 1) if windowed else 0
+        width = end - k0
         ra = self.rows_args
-        _gqa_step_rows(*ra[:8], past, *ra[8:])
-        scores = _score_scratch(size).reshape(kvn, rows, width)
-        np.matmul(self.heads, self.keys[:, k0:t].swapaxes(1, 2), out=scores)
+        _gqa_step_rows(*ra[:8], row0, total - m, *ra[8:])
+        scores = _score_scratch(kvn * rows * width).reshape(kvn, rows, width)
+        np.matmul(self.heads, self.keys[:, k0:end].swapaxes(1, 2), out=scores)
         if cfg.softcap > 0.0:
             scores *= np.float32(1.0 / cfg.softcap)
             np.tanh(scores, out=scores)
             scores *= np.float32(cfg.softcap)
         flat = scores.reshape(-1, width)
-        if m > 1:  # one row sees exactly keys k0 .. t-1
-            _mask_scores(flat, m, 0, past, t, k0, cfg.window, cfg.causal)
+        if m > 1:  # one row sees exactly keys k0 .. end-1
+            _mask_scores(flat, m, 0, row0, end, k0, cfg.window, cfg.causal)
         if self.sinks is None:
             softmax_rows(flat, flat, True)
         else:
             _softmax_sink_rows(flat, np.repeat(self.sinks, m))
-        values = self.values[:, k0:t]
+        values = self.values[:, k0:end]
         if self.attn is None:  # one row: (kvN, G, H) is the output's own layout
             np.matmul(scores, values, out=self.out4.reshape(kvn, rows, h))
         else:
@@ -724,8 +813,12 @@ def _gqa_general(
         raise ValueError(f"{ctx.node.describe()}: seqlens_k has {lens.total.shape[0]} entries")
     dtype = query.dtype
     t_max = int(lens.total.max()) if b else 0
-    present_k = _present(ctx, 1, past_key, (b, cfg.kv_heads, h), dtype, lens, total_len)
-    present_v = _present(ctx, 2, past_value, (b, cfg.kv_heads, h), dtype, lens, total_len)
+    if cfg.window_cache:
+        present_k = _window_present(ctx, past_key, (b, cfg.kv_heads, h), dtype, cfg.window)
+        present_v = _window_present(ctx, past_value, (b, cfg.kv_heads, h), dtype, cfg.window)
+    else:
+        present_k = _present(ctx, 1, past_key, (b, cfg.kv_heads, h), dtype, lens, total_len)
+        present_v = _present(ctx, 2, past_value, (b, cfg.kv_heads, h), dtype, lens, total_len)
 
     q4, k4, v4 = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if cfg.rotary:
@@ -749,6 +842,11 @@ def _gqa_general(
         sinks = np.zeros(cfg.heads, _F32)
     out = ctx.out(0, (b, s, cfg.heads * h), dtype)
     out4 = out.reshape(b, s, cfg.heads, h)
+    if cfg.window_cache:
+        for i in range(b):
+            out4[i] = _attend_windowed(cfg, present_k[i], present_v[i], k4[i], v4[i], qs[i],
+                                       lens, i, sinks)  # fmt: skip
+        return out, present_k, present_v
     for i in range(b):
         p, t, n_new = int(lens.past[i]), int(lens.total[i]), int(lens.new[i])
         present_k[i, :, p:t] = k4[i, :, :n_new]

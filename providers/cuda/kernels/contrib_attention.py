@@ -35,6 +35,14 @@ sync). The attention kernel has one block per (split, query head, batch x query 
   fixed order (deterministic).
 
 Concat mode (a past shorter than the total, or no past at all) is refused.
+
+``sliding_window_cache=1`` (a window-sized cache, onnxruntime's layout: see
+``core.op_rules.windowed_cache_length``): the cached tokens sit at rows ``[0, L(past))`` and
+the new ones follow. With up to ``FUSE_MAX_NEW`` new tokens the attention kernel reads the
+new keys from the inputs only, and ``gqa_window_store`` then compacts the cache and stores
+them (lengths read on the device: capturable). Longer prompts append first and must fit the
+cache; one that would overflow it is refused when the host knows ``total_sequence_length``,
+else its output rows are NaN.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import gqa_attribute_problem
+from onnx_genrt.core.op_rules import gqa_attribute_problem, windowed_cache_length
 
 from ._common import (
     DEVICE_COMMON,
@@ -117,6 +125,15 @@ DEVI float rope_elem(const S* x, int d, int rot, int interleaved, const C* cs, c
 
 DEVI int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// Rows of a window-sized cache (sliding_window_cache=1) holding tokens after `total` tokens:
+// total until the cache is full, then compacted in blocks of cap - window + 1 rows
+// (core.op_rules.windowed_cache_length; cap >= window >= 1, checked on the host).
+DEVI int window_rows(int total, int cap, int window) {
+  if (total <= cap) return total;
+  const int block = cap - window + 1;
+  return total - block * ((total - cap + block - 1) / block);
+}
+
 // New keys (rotated) and values into the cache at their absolute positions.
 // grid (B * S, kvh); k_new / v_new rows of k_row / v_row elements, head h at h * D.
 template <typename S, typename C>
@@ -125,17 +142,19 @@ __global__ void gqa_append(const S* __restrict__ k_new, long long k_row,
                            S* __restrict__ kc, S* __restrict__ vc, const int* __restrict__ seqlens,
                            const C* __restrict__ cos_c, const C* __restrict__ sin_c, int max_pos,
                            int S_len, int kvh, int D, int cap, int rot, int interleaved,
-                           int rotary) {
+                           int rotary, int window, int wcache) {
   const int b = blockIdx.x / S_len, i = blockIdx.x % S_len, h = blockIdx.y;
   const int total = seqlens[b] + 1;
   const int n_new = min(max(total, 0), S_len);
   if (i >= n_new) return;
   const int pos = total - n_new + i;
-  if (pos < 0 || pos >= cap) return;  // a bad length must never write out of bounds
+  // A window-sized cache holds the recent tokens from row 0 (gqa_attn refuses an overflow).
+  const int at = wcache ? window_rows(total - n_new, cap, window) + i : pos;
+  if (pos < 0 || at < 0 || at >= cap) return;  // a bad length must never write out of bounds
   const long long row = (long long)b * S_len + i;
   const S* kx = k_new + row * k_row + (long long)h * D;
   const S* vx = v_new + row * v_row + (long long)h * D;
-  const long long dst = (((long long)b * kvh + h) * cap + pos) * D;
+  const long long dst = (((long long)b * kvh + h) * cap + at) * D;
   const int half = rot >> 1;
   const int p = clampi(pos, 0, max_pos - 1);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -310,11 +329,11 @@ DEVI void attend(const float* q_sh, const S* Kb, const S* Vb, int off, int k0, i
       S *__restrict__ out, float *__restrict__ part, int *__restrict__ counters, int S_len,   \
       int H, int kvh, int D, int cap, int rot, int interleaved, int rotary, float scale,      \
       float softcap, int window, int causal, int splits, int min_chunk, int fuse,             \
-      int sink_mode, int vec
+      int sink_mode, int vec, int wcache
 #define GQA_ARGS                                                                             \
   q, q_row, k_new, k_row, v_new, v_row, kc, vc, seqlens, cos_c, sin_c, max_pos, sinks, out,  \
       part, counters, S_len, H, kvh, D, cap, rot, interleaved, rotary, scale, softcap,        \
-      window, causal, splits, min_chunk, fuse, sink_mode, vec
+      window, causal, splits, min_chunk, fuse, sink_mode, vec, wcache
 
 DEVI void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
@@ -358,16 +377,22 @@ DEVI void gqa_body(GQA_PARAMS) {
   const int n_new = min(max(total, 0), S_len);
   const int past = total - n_new;
   const int pos = past + i;
-  const int t = min(total, cap);
-  const int hi = causal ? min(pos, t - 1) : t - 1;
-  const int lo = (causal && window > 0) ? max(0, pos - window + 1) : 0;
+  // Keys by cache row: position p sits at row p, or with a window-sized cache (wcache) the
+  // `base` cached tokens sit at rows [0, base) and the new ones follow (rows base + j, read
+  // from k_new / v_new: they may not fit before gqa_window_store compacts). The masks only
+  // depend on distances, so rows stand for positions; rotary uses the positions.
+  const int base = wcache ? window_rows(past, cap, window) : past;
+  const int row = base + i;
+  const int t = wcache ? base + n_new : min(total, cap);
+  const int hi = causal ? min(row, t - 1) : t - 1;
+  const int lo = (causal && window > 0) ? max(0, row - window + 1) : 0;
   const int n_vis = max(hi - lo + 1, 0);
   const int chunk = max((n_vis + splits - 1) / splits, min_chunk);
   const int n_act = (n_vis + chunk - 1) / chunk;
   const int half = rot >> 1;
   const long long orow = (long long)bi * H + h;
 
-  if (fuse && split == 0 && h % G == 0 && i < n_new && pos >= 0 && pos < cap) {
+  if (fuse && !wcache && split == 0 && h % G == 0 && i < n_new && pos >= 0 && pos < cap) {
     const S* kx = k_new + (long long)bi * k_row + (long long)g * D;
     const S* vx = v_new + (long long)bi * v_row + (long long)g * D;
     const long long dst = (((long long)b * kvh + g) * cap + pos) * D;
@@ -380,6 +405,14 @@ DEVI void gqa_body(GQA_PARAMS) {
       st(vc, dst + d, ld(vx, d));
     }
   }
+  if (CL == 0 && wcache && !fuse && t > cap) {
+    // More than FUSE_MAX_NEW new tokens that overflow a window-sized cache: gqa_append could
+    // not store them all. NaN, never a silent wrong answer (the host refuses it when it knows
+    // total_sequence_length).
+    if (split == 0)
+      for (int d = tid; d < D; d += T) st(out, orow * D + d, __int_as_float(0x7fc00000));
+    return;
+  }
   if (CL == 0 && n_act == 0) {  // no visible key (a bad length): zeros, never garbage
     if (split == 0)
       for (int d = tid; d < D; d += T) st(out, orow * D + d, 0.f);
@@ -389,7 +422,7 @@ DEVI void gqa_body(GQA_PARAMS) {
   const bool work = split < n_act;  // always true without clusters
   const int k_begin = lo + split * chunk;
   const int k_end = work ? min(k_begin + chunk, hi + 1) : k_begin;
-  const int k_mid = fuse ? max(k_begin, min(past, k_end)) : k_end;  // cache | new rows
+  const int k_mid = fuse ? max(k_begin, min(base, k_end)) : k_end;  // cache | new rows
 
   const int nsh = fuse ? S_len : 0;
   const int ps = (D + 5) & ~3;
@@ -418,8 +451,8 @@ DEVI void gqa_body(GQA_PARAMS) {
       q_sh[d] = v * scale;
     }
   }
-  if (k_mid < k_end) {  // new rows j0..j1-1 (positions past + j) into shared memory
-    const int j0 = k_mid - past, n = (k_end - k_mid) * D;
+  if (k_mid < k_end) {  // new rows j0..j1-1 (rows base + j, positions past + j) into smem
+    const int j0 = k_mid - base, n = (k_end - k_mid) * D;
 #pragma unroll 4
     for (int e = tid; e < n; e += T) {
       const int j = j0 + e / D, d = e % D;
@@ -440,7 +473,7 @@ DEVI void gqa_body(GQA_PARAMS) {
   for (int c = 0; c < NC; ++c) acc[c][0] = acc[c][1] = 0.f;
   attend<S, NC, W>(q_sh, K, V, 0, k_begin, k_mid, D, vec, vec, softcap, lane, warp, m, l, acc);
   if (k_mid < k_end)
-    attend<S, NC, W>(q_sh, kn, vn, past, k_mid, k_end, D, (D * (int)sizeof(S)) % 16 == 0, 1,
+    attend<S, NC, W>(q_sh, kn, vn, base, k_mid, k_end, D, (D * (int)sizeof(S)) % 16 == 0, 1,
                      softcap, lane, warp, m, l, acc);
 
   // Merge the warps: max M, denominator L, sums o relative to M.
@@ -579,6 +612,55 @@ __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(32 * W, MB)
   gqa_body<S, C, NC, W, 8>(GQA_ARGS);
 }
 #endif
+
+// A window-sized cache (sliding_window_cache=1) after a fused gqa_attn: of its `base` cached
+// tokens and the n_new new ones, the last window_rows(total) stay, from row 0 in order: the
+// cached rows that stay move to the front (row by row, in order: a row's source is never
+// overwritten before it is read), then the new keys (rotated at their positions) and values
+// follow. grid (B, kvh).
+template <typename S, typename C>
+__global__ void gqa_window_store(const S* __restrict__ k_new, long long k_row,
+                                 const S* __restrict__ v_new, long long v_row, S* __restrict__ kc,
+                                 S* __restrict__ vc, const int* __restrict__ seqlens,
+                                 const C* __restrict__ cos_c, const C* __restrict__ sin_c,
+                                 int max_pos, int S_len, int kvh, int D, int cap, int rot,
+                                 int interleaved, int rotary, int window) {
+  const int b = blockIdx.x, h = blockIdx.y;
+  const int total = seqlens[b] + 1;
+  if (total < 1) return;  // a bad length must never write out of bounds
+  const int n_new = min(total, S_len);
+  const int past = total - n_new;
+  const int base = window_rows(past, cap, window);
+  const int drop = base + n_new - window_rows(total, cap, window);
+  S* K = kc + ((long long)b * kvh + h) * cap * D;
+  S* V = vc + ((long long)b * kvh + h) * cap * D;
+  if (drop > 0) {
+    for (int r = 0; r + drop < base; ++r) {
+      for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        const long long src = (long long)(r + drop) * D + d;
+        K[(long long)r * D + d] = K[src];
+        V[(long long)r * D + d] = V[src];
+      }
+      __syncthreads();
+    }
+  }
+  const int half = rot >> 1;
+  for (int j = 0; j < n_new; ++j) {
+    const int r = base + j - drop;
+    if (r < 0 || r >= cap) continue;
+    const long long row = (long long)b * S_len + j;
+    const S* kx = k_new + row * k_row + (long long)h * D;
+    const S* vx = v_new + row * v_row + (long long)h * D;
+    const int p = clampi(past + j, 0, max_pos - 1);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + (long long)p * half,
+                                          sin_c + (long long)p * half)
+                              : ld(kx, d);
+      st(K, (long long)r * D + d, kv);
+      st(V, (long long)r * D + d, ld(vx, d));
+    }
+  }
+}
 
 // com.microsoft RotaryEmbedding. grid: rows (B*N*S); bnsh: x is (B, N, S, Dh), else (B, S, N*Dh).
 template <typename S, typename C>
@@ -761,7 +843,20 @@ def group_query_attention(
         raise ValueError(f"{desc}: past_key and past_value shapes differ")
     cap = int(past_key.shape[2])
     total_len = _host_scalar(ctx, total_sequence_length)
-    if total_len is not None and total_len > cap:
+    window = int(ctx.attr("local_window_size", -1))
+    wcache = int(bool(ctx.attr("sliding_window_cache", 0)))
+    if wcache:
+        try:
+            windowed_cache_length(0, cap, window)
+        except ValueError as err:
+            raise ValueError(f"{desc}: {err}") from None
+        if s > FUSE_MAX_NEW and total_len is not None and total_len > cap:
+            raise NotImplementedError(
+                f"{desc}: {s} new tokens that overflow the window-sized cache of {cap} rows "
+                f"(total_sequence_length {total_len}) are not supported on CUDA; feed at most "
+                f"{FUSE_MAX_NEW} tokens per call once the cache is full"
+            )
+    elif total_len is not None and total_len > cap:
         raise NotImplementedError(
             f"{desc}: total_sequence_length {total_len} exceeds the past buffer of {cap} "
             "(concat mode is not supported on CUDA)"
@@ -800,7 +895,6 @@ def group_query_attention(
     scale = ctx.attr("scale")
     scale = 1.0 / math.sqrt(d) if scale is None or float(scale) == 0.0 else float(scale)
     softcap = float(ctx.attr("softcap", 0.0))
-    window = int(ctx.attr("local_window_size", -1))
     causal = int(bool(ctx.attr("causal", 1)))
     sink_mode = 0
     sinks = query
@@ -839,6 +933,8 @@ def group_query_attention(
                 np.int32(rot),
                 np.int32(interleaved),
                 np.int32(rotary),
+                np.int32(window),
+                np.int32(wcache),
             ),
         )
     rows = b * s * heads
@@ -901,9 +997,36 @@ def group_query_attention(
             np.int32(fuse),
             np.int32(sink_mode),
             np.int32(vec),
+            np.int32(wcache),
         ),
         shared_mem=shared,
     )
+    if wcache and fuse:  # the new rows were kept out of the cache: compact, then store them
+        store = function(_SOURCE, f"gqa_window_store<{s_type}, {c_type}>")
+        store(
+            (b, kvh),
+            (min(256, max(32, -(-d // 32) * 32)),),
+            (
+                k_src,
+                np.int64(k_row),
+                v_src,
+                np.int64(v_row),
+                past_key,
+                past_value,
+                seqlens,
+                cos_c,
+                sin_c,
+                np.int32(max_pos),
+                np.int32(s),
+                np.int32(kvh),
+                np.int32(d),
+                np.int32(cap),
+                np.int32(rot),
+                np.int32(interleaved),
+                np.int32(rotary),
+                np.int32(window),
+            ),
+        )
     return y, past_key, past_value
 
 
