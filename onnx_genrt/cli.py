@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failures", action="store_true", help="list every failure with its reason")
     p.add_argument("--timeout", type=float, default=None, help="per-case limit in s (default: 60)")
     p.set_defaults(func=_cmd_conformance)
+
+    from onnx_genrt.testing import runner
+
+    runner.add_parser(sub)
     return parser
 
 

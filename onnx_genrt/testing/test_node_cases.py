@@ -9,6 +9,17 @@ from onnx_genrt import conformance
 
 from .plugin import KitTarget, kit_target
 
+#: Cases whose expected outputs are one random draw of ONNX's generator (training-mode
+#: Dropout with a non-zero ratio): no provider can reproduce them, so the kit skips them.
+RANDOM_OUTPUT_CASES = frozenset(
+    {
+        "test_training_dropout",
+        "test_training_dropout_default",
+        "test_training_dropout_default_mask",
+        "test_training_dropout_mask",
+    }
+)
+
 
 def claimed_cases(target: KitTarget) -> list[conformance.Case]:
     """Node test cases (not the ``_expanded`` function bodies) whose op the provider has a
@@ -18,9 +29,7 @@ def claimed_cases(target: KitTarget) -> list[conformance.Case]:
     provider = target.create()
     claimed = {op.lower() for domain, op in provider.kernels.ops() if domain == ""}
     return [
-        case
-        for case in conformance.load_cases(ops=claimed)
-        if conformance.EXPANDED not in case.op
+        case for case in conformance.load_cases(ops=claimed) if conformance.EXPANDED not in case.op
     ]
 
 
@@ -31,6 +40,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def test_node_case(node_case: conformance.Case, genrt_target: KitTarget) -> None:
+    if node_case.name in RANDOM_OUTPUT_CASES:
+        pytest.skip("random outputs: the expected values are one draw of ONNX's generator")
     result = conformance.run_case(
         node_case,
         genrt_target.stack(),

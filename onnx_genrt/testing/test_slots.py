@@ -57,7 +57,7 @@ class Bound:
 
     def step(self, slot: DeviceGraphSlot) -> None:
         """New input values, one bound run in ``slot``, output checked against float64."""
-        x = self.rng.standard_normal((self.x.shape)).astype(np.float32)
+        x = self.rng.standard_normal(self.x.shape).astype(np.float32)
         self.provider.write_from_host(self.x, x)
         self.session.run_with_iobinding(self.binding, slot)
         got = self.session.main_provider.to_numpy(self.y)
