@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=POSITIVE, default=None, help="per-case limit in s (default: 60)"
     )
     p.set_defaults(func=_cmd_conformance)
+
+    from onnx_genrt.testing import runner
+
+    runner.add_parser(sub)
     for command in sub.choices.values():
         # Accepted after the command too; SUPPRESS keeps a --debug given before it.
         _debug_flag(command, argparse.SUPPRESS)

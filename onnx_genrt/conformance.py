@@ -459,7 +459,14 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _run_data_sets(case: Case, provider: ProviderArg) -> CaseResult:
+def _provider_list(provider: ProviderArg | list[ProviderArg]) -> list[ProviderArg]:
+    """A list is a priority list of providers; anything else is one provider."""
+    return list(provider) if isinstance(provider, list) else [provider]
+
+
+def _run_data_sets(
+    case: Case, provider: ProviderArg | list[ProviderArg], require_on: str | None = None
+) -> CaseResult:
     from onnx_genrt.core.errors import UnsupportedOpError
     from onnx_genrt.session import InferenceSession
 
@@ -467,11 +474,13 @@ def _run_data_sets(case: Case, provider: ProviderArg) -> CaseResult:
         return CaseResult(case.name, case.op, status, reason)
 
     try:
-        sess = InferenceSession(case.model, providers=[provider], cpu_fallback=False)
+        sess = InferenceSession(case.model, providers=_provider_list(provider), cpu_fallback=False)
     except UnsupportedOpError as exc:
         return result(Status.SKIPPED, _one_line(exc))
     except Exception as exc:
         return result(Status.FAILED, f"session: {_one_line(exc)}")
+    if require_on is not None and all(p.provider != require_on for p in sess.placement()):
+        return result(Status.SKIPPED, f"no node placed on {require_on!r} (its kernels refused)")
     names = [spec.name for spec in sess.get_inputs()]
     for inputs, expected in case.data_sets:
         feeds = {n: np.asarray(v) for n, v in zip(names, inputs, strict=False)}
@@ -489,8 +498,18 @@ def _run_data_sets(case: Case, provider: ProviderArg) -> CaseResult:
     return result(Status.PASSED)
 
 
-def run_case(case: Case, provider: ProviderArg = "cpu", timeout: float | None = None) -> CaseResult:
-    """Run one case on ``provider`` (a name or instance); never raises for case errors."""
+def run_case(
+    case: Case,
+    provider: ProviderArg | list[ProviderArg] = "cpu",
+    timeout: float | None = None,
+    *,
+    require_on: str | None = None,
+) -> CaseResult:
+    """Run one case on ``provider`` (a name or instance, or a list of them in priority
+    order, with no CPU fallback beyond the list); never raises for case errors.
+
+    With ``require_on``, a case none of whose nodes lands on that provider is skipped.
+    """
     reason = non_tensor_reason(case)
     if reason:
         return CaseResult(case.name, case.op, Status.SKIPPED, reason)
@@ -498,7 +517,7 @@ def run_case(case: Case, provider: ProviderArg = "cpu", timeout: float | None = 
         warnings.simplefilter("ignore")
         try:
             with _time_limit(timeout):
-                return _run_data_sets(case, provider)
+                return _run_data_sets(case, provider, require_on)
         except CaseTimeout as exc:
             return CaseResult(case.name, case.op, Status.FAILED, str(exc))
 

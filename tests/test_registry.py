@@ -458,7 +458,8 @@ def test_broken_plugin_does_not_affect_a_working_one(installed_plugins, provider
     ]
     assert set(reg.names()) == {"cpu", "cuda", "example"}
     assert re.search(
-        r"^example\s+available\s+1\.0\s+primary\s+onnx-genrt-example-provider 0\.1\.0\s+example",
+        r"^example\s+available\s+1\.0\s+primary, verify, draft\s+onnx-genrt-example-provider "
+        r"0\.1\.0\s+example",
         providers_output,
         re.MULTILINE,
     )
@@ -490,24 +491,22 @@ def test_third_party_provider_is_discovered_and_runs_a_model(installed_plugins):
     x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
     (y,) = sess.run(None, {"x": x})
     np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-6)
-    # A single-graph provider: PRIMARY is routed to it, VERIFY is refused with a reason.
+    # The example declares three slots: bound runs capture and replay in each.
     provider = sess.main_provider
-    assert provider.graph_slots == frozenset({DeviceGraphSlot.PRIMARY})
+    assert provider.graph_slots == frozenset(DeviceGraphSlot)
     binding = sess.io_binding()
     xb = binding.bind_input("x", x.copy())
     yb = binding.bind_output("y", shape=(3, 8))
-    for step in range(4):
-        xb[...] = x * step
-        sess.run_with_iobinding(binding)
-        np.testing.assert_allclose(yb, mlp_reference(model, x * step), rtol=1e-5, atol=1e-6)
-    assert sess.graph_stats().replays == 2
-    for step in range(3):
-        xb[...] = x + step
-        sess.run_with_iobinding(binding, DeviceGraphSlot.VERIFY)
-        np.testing.assert_allclose(yb, mlp_reference(model, x + step), rtol=1e-5, atol=1e-6)
-    stats = sess.graph_stats(DeviceGraphSlot.VERIFY)
-    assert stats.replays == 0 and stats.fallbacks == 2
-    assert "no graph slot 'verify'" in next(iter(stats.fallback_reasons))
+    for slot in (DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY):
+        for step in range(4):
+            provider.write_from_host(xb, x * step + 1)
+            sess.run_with_iobinding(binding, slot)
+            got = provider.to_numpy(yb)
+            np.testing.assert_allclose(
+                got, mlp_reference(model, x * step + 1), rtol=1e-5, atol=1e-6
+            )
+        stats = sess.graph_stats(slot)
+        assert (stats.captures, stats.replays, stats.fallbacks) == (1, 2, 0), slot
 
 
 def test_providers_command_in_process_lists_broken_plugins(installed_plugins, capsys):

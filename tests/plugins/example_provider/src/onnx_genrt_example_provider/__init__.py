@@ -1,8 +1,14 @@
-"""Example third-party provider: host memory, a few numpy kernels, one recorded graph."""
+"""Example third-party provider on the v1 contract.
+
+A host-memory device named ``example`` with its own array type, five float kernels
+(Add, Mul, MatMul, Relu, Softmax), and recorded graphs in three slots, one recording per
+(slot, part). Everything else a model needs runs on the fallback provider.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -10,113 +16,154 @@ from onnx_genrt.core.device import Device
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.hookspecs import hookimpl
-from onnx_genrt.core.kernels import KernelRegistry
+from onnx_genrt.core.kernels import KernelContext, KernelDef, KernelRegistry, NodeInfo, TensorType
 from onnx_genrt.core.provider import ExecutionProvider
 from onnx_genrt.core.registry import ProviderSpec
 from onnx_genrt.core.tensor import Tensor
 
+#: The element types these kernels take.
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class ExampleArray(np.ndarray):
+    """Memory of the ``example`` device: host bytes that other providers must copy in."""
+
+
+def floats_only(node: NodeInfo, input_types: Sequence[TensorType | None]) -> str | None:
+    """Refuse a node whose inputs are known not to be float32 or float64."""
+    for index, t in enumerate(input_types):
+        if t is not None and t.dtype is not None and np.dtype(t.dtype) not in FLOATS:
+            return (
+                f"{node.describe()}: input {index} is {np.dtype(t.dtype)}; "
+                "the example kernels take float32 and float64 only"
+            )
+    return None
+
+
 KERNELS = KernelRegistry()
 
 
-@KERNELS.register("Add", since=7)
-def add(ctx, a, b):
+@KERNELS.register("Add", since=7, check=floats_only)
+def add(ctx: KernelContext, a: ExampleArray, b: ExampleArray) -> ExampleArray:
     return np.add(a, b)
 
 
-@KERNELS.register("Mul", since=7)
-def mul(ctx, a, b):
+@KERNELS.register("Mul", since=7, check=floats_only)
+def mul(ctx: KernelContext, a: ExampleArray, b: ExampleArray) -> ExampleArray:
     return np.multiply(a, b)
 
 
-@KERNELS.register("Relu", since=6)
-def relu(ctx, x):
+@KERNELS.register("Relu", since=6, check=floats_only)
+def relu(ctx: KernelContext, x: ExampleArray) -> ExampleArray:
     return np.maximum(x, np.zeros((), x.dtype))
 
 
-@KERNELS.register("MatMul", since=1)
-def matmul(ctx, a, b):
+@KERNELS.register("MatMul", since=1, check=floats_only)
+def matmul(ctx: KernelContext, a: ExampleArray, b: ExampleArray) -> ExampleArray:
     return np.matmul(a, b)
 
 
+@KERNELS.register("Softmax", since=13, check=floats_only)
+def softmax(ctx: KernelContext, x: ExampleArray) -> ExampleArray:
+    axis = ctx.attr("axis", -1)
+    shifted = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return shifted / np.sum(shifted, axis=axis, keepdims=True)
+
+
 class ExampleProvider(ExecutionProvider):
-    """Runs on the host under the device name ``example``; holds a single graph."""
+    """Runs on the host under the device name ``example`` and records graphs in three slots.
+
+    A graph here is the list of kernel launches and copies made while capturing; a replay
+    runs them again on the same buffers, writing each result where it was first written.
+    """
 
     name = "example"
+    GRAPH_SLOTS = frozenset(DeviceGraphSlot)
     CAPTURE_EXECUTES = True
+    ARRAY_TYPES = (ExampleArray,)
 
     def __init__(self) -> None:
         super().__init__()
-        self._calls: list = []
-        self._recording: list | None = None
-        self.launches = 0
+        self._graphs: dict[tuple[DeviceGraphSlot, int], list[Callable[[], None]]] = {}
+        self._recording: list[Callable[[], None]] | None = None
 
+    # -- memory and transfer ----------------------------------------------------
     @property
     def device(self) -> Device:
-        return Device("cpu")
+        return Device("example")
 
     @property
     def kernels(self) -> KernelRegistry:
         return KERNELS
 
     def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
-        return Tensor(np.empty(tuple(shape), dtype.numpy), dtype, self.device)
+        buffer = np.empty(tuple(shape), dtype.numpy).view(ExampleArray)
+        return Tensor(buffer, dtype, self.device)
 
-    def copy_from_host(self, array, out=None):
+    def copy_from_host(self, array: np.ndarray, out: Tensor | None = None) -> Tensor:
         if out is None:
-            return Tensor.from_numpy(np.array(array))
-        np.copyto(out.buffer, array)
+            host = np.array(array, copy=True)
+            return Tensor(host.view(ExampleArray), DType.from_numpy(host.dtype), self.device)
+        np.copyto(out.buffer, array, casting="unsafe")
         return out
 
-    def copy_to_host(self, tensor, out=None):
-        return np.array(tensor.buffer) if out is None else np.copyto(out, tensor.buffer)
+    def copy_to_host(self, tensor: Tensor, out: np.ndarray | None = None) -> np.ndarray:
+        host = np.asarray(tensor.buffer).view(np.ndarray)
+        if out is None:
+            return host.copy()
+        np.copyto(out, host)
+        return out
 
-    def copy(self, src, dst):
+    def copy(self, src: Tensor, dst: Tensor) -> None:
         np.copyto(dst.buffer, src.buffer)
         if self._recording is not None:
             self._recording.append(lambda s=src.buffer, d=dst.buffer: np.copyto(d, s))
 
-    def launch(self, kdef, ctx, inputs):
-        self.launches += 1
+    def as_array(self, host: np.ndarray) -> ExampleArray:
+        return np.array(host, copy=True).view(ExampleArray)
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        return np.array(array, copy=True).view(np.ndarray)
+
+    # -- kernels ------------------------------------------------------------------
+    def launch(self, kdef: KernelDef, ctx: KernelContext, inputs: Sequence[Any]) -> Any:
         result = kdef.fn(ctx, *inputs)
         if self._recording is not None:
-            args = tuple(inputs)
 
-            def call(fn=kdef.fn, ctx=ctx, args=args, out=result):
+            def again(fn=kdef.fn, ctx=ctx, args=tuple(inputs), out=result) -> None:
                 np.copyto(out, fn(ctx, *args))
 
-            self._recording.append(call)
+            self._recording.append(again)
         return result
 
-    # One graph only: overriding these hooks routes PRIMARY here by default.
+    # -- graphs: one recording per (slot, part) -----------------------------------
     def graph_begin(self, slot: DeviceGraphSlot, part: int) -> None:
         self._recording = []
 
     def graph_end(self, slot: DeviceGraphSlot, part: int) -> None:
-        self._calls, self._recording = self._recording or [], None
+        self._graphs[(slot, part)] = self._recording or []
+        self._recording = None
 
     def graph_abort(self, slot: DeviceGraphSlot, part: int) -> None:
         self._recording = None
 
     def graph_replay(self, slot: DeviceGraphSlot, part: int) -> None:
-        for call in self._calls:
+        for call in self._graphs[(slot, part)]:
             call()
 
     def graph_reset(self, slot: DeviceGraphSlot, part: int) -> None:
-        self._calls = []
+        self._graphs.pop((slot, part), None)
 
     def graph_exists(self, slot: DeviceGraphSlot, part: int) -> bool:
-        return bool(self._calls)
+        return (slot, part) in self._graphs
 
 
 @hookimpl
-def register_providers(register) -> None:
+def register_providers(register: Callable[[ProviderSpec], None]) -> None:
+    """The entry point's hook: one provider named ``example``, written for provider API 1.0
+    (``onnx_genrt.core.PROVIDER_API_VERSION``; a newer minor of the runtime loads it)."""
     register(
         ProviderSpec(
-            "example",
-            factory=ExampleProvider,
-            description="example plugin",
-            # The provider API this plugin was written for (onnx_genrt.core.PROVIDER_API_VERSION
-            # of the onnx-genrt it was checked against); a newer minor of the runtime loads it.
-            api_version=(1, 0),
+            "example", factory=ExampleProvider, description="example plugin", api_version=(1, 0)
         )
     )
