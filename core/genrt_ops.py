@@ -281,7 +281,8 @@ def _norm_matmul_body(b: BodyBuilder, types) -> None:
     elif total:
         raise ModelLoadError(f"{node.describe()}: a sum output (1) needs a skip input (1)")
     else:
-        b.add("SimplifiedLayerNormalization", [x, gamma], [normed], MS_DOMAIN, axis=-1, epsilon=eps)
+        # ai.onnx, where onnxruntime (and every provider here) registers it
+        b.add("SimplifiedLayerNormalization", [x, gamma], [normed], axis=-1, epsilon=eps)
     _projection(b, normed, 3)
 
 
