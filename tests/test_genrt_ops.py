@@ -292,10 +292,10 @@ def test_mtp_accept_body_equals_the_kernel_and_python(k, to):
 
 
 NEXT_OUTPUTS = {
-    "both": ["start", "ids", "count", "pos", "mask"],
-    "positions": ["start", "ids", "count", "pos"],
-    "mask": ["start", "ids", "count", "", "mask"],
-    "neither": ["start", "ids", "count"],
+    "both": ["next_start", "next_ids", "count", "pos", "mask"],
+    "positions": ["next_start", "next_ids", "count", "pos"],
+    "mask": ["next_start", "next_ids", "count", "", "mask"],
+    "neither": ["next_start", "next_ids", "count"],
 }
 
 
@@ -319,8 +319,8 @@ def test_mtp_next_inputs_body_equals_the_kernel_and_python(k, outputs):
         begin = int(feeds["start"][0] + feeds["accepted"][0] + 1)
         low = feeds["confidences"][0] < min_conf
         want = {
-            "start": [begin],
-            "ids": np.concatenate([feeds["token"], feeds["drafts"]], axis=1),
+            "next_start": [begin],
+            "next_ids": np.concatenate([feeds["token"], feeds["drafts"]], axis=1),
             "count": [int(np.argmax(low)) if low.any() else k],
             "pos": np.arange(begin, begin + k + 1)[None, :],
             "mask": (np.arange(length) < begin + k + 1).astype(np.int64)[None, :],
