@@ -166,3 +166,28 @@ def test_draft_vocabulary_cuts_the_head_lm_head_and_keeps_output_identical():
     model.proposers.clear()
     with pytest.raises(ModelLoadError, match=r"mtp\.draft_vocab"):
         make_proposer(model, "mtp", 64)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["host-fed", "pipelined"])
+def test_speculative_mtp_without_the_fused_mtp_ops_equals_greedy(pipeline, monkeypatch):
+    """On a provider without MTPAccept / MTPNextInputs kernels the chain runs their bodies
+    (no CPU fallback needed) and speculative MTP output stays token-identical to greedy,
+    host-fed (MTPAccept) and pipelined (MTPNextInputs writing the next verify's inputs)."""
+    from onnx_genrt.engine import Model, generate
+    from onnx_genrt.engine.speculative import SpeculativeGenerator
+    from tests.models import standard_ops_cpu
+
+    monkeypatch.setattr(SpeculativeGenerator, "pipeline", pipeline)
+    model = Model(default_model_dir(), [standard_ops_cpu()])
+    for prompt in ("class Foo:\n    def __init__(self", "for i in range("):
+        greedy = generate(model, prompt, max_new_tokens=40, ignore_eos=True)
+        fast = generate(model, prompt, max_new_tokens=40, spec="mtp", k=4, ignore_eos=True)
+        assert fast.tokens == greedy.tokens, prompt
+        assert fast.speculation["verify_steps"] > 0
+    after = [s for p in model.proposers.values() for s in getattr(p, "_after_sessions", [])]
+    assert after, "the chain ran on the verify step's outputs"
+    for session in after:
+        assert session.get_providers() == ["cpu-standard"]
+        assert _genrt_ops(session) == set()
+        nodes = {p.node.split("/")[1] for p in session.placement() if "/" in p.node}
+        assert "MTPAccept" in nodes and ("MTPNextInputs" in nodes) == pipeline, nodes
