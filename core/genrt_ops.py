@@ -74,11 +74,19 @@ class Attribute:
 
 @dataclass
 class Body:
-    """An instantiated function body: nodes (in order) and the constants they read."""
+    """An instantiated function body: nodes (in order) and the constants they read. Nodes
+    are written against ``BODY_OPSETS``, except those named in ``node_opsets`` (a fused
+    projection keeps the opset it had in the model)."""
 
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     initializers: dict[str, np.ndarray] = field(default_factory=dict)
-    opsets: Mapping[str, int] = field(default_factory=lambda: dict(BODY_OPSETS))
+    node_opsets: dict[str, int] = field(default_factory=dict)
+
+    def opset(self, node: onnx.NodeProto) -> int:
+        """The opset ``node`` of this body is to run at."""
+        if node.name in self.node_opsets:
+            return self.node_opsets[node.name]
+        return BODY_OPSETS["" if node.domain in ("", "ai.onnx") else node.domain]
 
 
 class BodyBuilder:
@@ -130,8 +138,9 @@ class GenrtOp:
     attributes: tuple[Attribute, ...]
     type_constraints: Mapping[str, tuple[np.dtype, ...]]
     build: BodyFn
-    #: (domain, op) of the projection whose attributes the op also carries, or None.
-    projection: tuple[str, str] | None = None
+    #: (domain, op, index of its first weight input) of the projection this op ends in (its
+    #: attributes carried by the op's node), or None.
+    projection: tuple[str, str, int] | None = None
 
     def attr(self, node: NodeInfo, name: str) -> Any:
         """The node's value of attribute ``name``, or its default."""
@@ -256,17 +265,30 @@ def _argmax_prob_body(b: BodyBuilder, types) -> None:
 _OWN_ATTRIBUTES = ("epsilon", "projection_opset", "split")
 
 
-def _projection(b: BodyBuilder, activations: str, own: int) -> None:
-    """The projection's node reading ``activations`` and the weights (inputs ``own``..)."""
-    node = b.node
-    domain, op = GENRT_OPS[node.op_type].projection  # type: ignore[misc]
-    attrs = {k: v for k, v in node.attrs.items() if k not in _OWN_ATTRIBUTES}
-    weights = list(node.input_names[own:])
+def projection_node(node: NodeInfo, activations: str) -> NodeInfo:
+    """The projection inside a NormMatMul / SiluMulMatMul (or NBits) node, as that
+    projection's kernel expects it: reading ``activations`` and the weights, with its own
+    attributes and opset, and only output 0."""
+    domain, op, first_weight = GENRT_OPS[node.op_type].projection  # type: ignore[misc]
+    weights = list(node.input_names[first_weight:])
     while weights and not weights[-1]:
         weights.pop()
-    b.add(op, [activations, *weights], [b.output(0, "y")], domain=domain, **attrs)
-    opset = int(node.attrs.get("projection_opset", BODY_OPSETS[domain]))
-    b.body.opsets = {**b.body.opsets, domain: opset}
+    return NodeInfo(
+        op,
+        node.name,
+        domain,
+        int(node.attrs.get("projection_opset", 1)),
+        {k: v for k, v in node.attrs.items() if k not in _OWN_ATTRIBUTES},
+        (activations, *weights),
+        tuple(node.output_names[:1]),
+    )
+
+
+def _projection(b: BodyBuilder, activations: str) -> None:
+    """The projection's node reading ``activations``, writing the node's output 0."""
+    proj = projection_node(b.node, activations)
+    b.add(proj.op_type, proj.input_names, [b.output(0, "y")], proj.domain, **proj.attrs)
+    b.body.node_opsets[b.body.nodes[-1].name] = proj.opset
 
 
 def _norm_matmul_body(b: BodyBuilder, types) -> None:
@@ -283,13 +305,13 @@ def _norm_matmul_body(b: BodyBuilder, types) -> None:
     else:
         # ai.onnx, where onnxruntime (and every provider here) registers it
         b.add("SimplifiedLayerNormalization", [x, gamma], [normed], axis=-1, epsilon=eps)
-    _projection(b, normed, 3)
+    _projection(b, normed)
 
 
 def _silu_mul_matmul_body(b: BodyBuilder, types) -> None:
     node = b.node
     act = _silu_mul(b, types, node.input_names[0], _input(node, 1), b.output(1, "act"))
-    _projection(b, act, 2)
+    _projection(b, act)
 
 
 # -- MTPAccept, MTPNextInputs -----------------------------------------------------------------
@@ -358,7 +380,7 @@ def _mtp_next_inputs_body(b: BodyBuilder, types) -> None:
 _T = {"T": _float_types()}
 _EPS = Attribute("epsilon", onnx.AttributeProto.FLOAT, 1e-5, "added to the mean square")
 _PROJ_OPSET = Attribute(
-    "projection_opset", onnx.AttributeProto.INT, None, "opset of the projection's domain"
+    "projection_opset", onnx.AttributeProto.INT, 1, "the projection's opset in the model"
 )
 _SPLIT = Attribute(
     "split", onnx.AttributeProto.INT, 0, "1: one input g whose last-axis halves are g and u"
@@ -445,7 +467,7 @@ def _ops() -> dict[str, GenrtOp]:
             (_EPS, _PROJ_OPSET),
             _T,
             _norm_matmul_body,
-            projection=("", "MatMul"),
+            projection=("", "MatMul", 3),
         ),
         GenrtOp(
             "NormMatMulNBits",
@@ -456,7 +478,7 @@ def _ops() -> dict[str, GenrtOp]:
             (_EPS, _PROJ_OPSET),
             _NBITS_TYPES,
             _norm_matmul_body,
-            projection=(MS_DOMAIN, "MatMulNBits"),
+            projection=(MS_DOMAIN, "MatMulNBits", 3),
         ),
         GenrtOp(
             "SiluMulMatMul",
@@ -467,7 +489,7 @@ def _ops() -> dict[str, GenrtOp]:
             (_SPLIT, _PROJ_OPSET),
             _T,
             _silu_mul_matmul_body,
-            projection=("", "MatMul"),
+            projection=("", "MatMul", 2),
         ),
         GenrtOp(
             "SiluMulMatMulNBits",
@@ -478,7 +500,7 @@ def _ops() -> dict[str, GenrtOp]:
             (_SPLIT, _PROJ_OPSET),
             _NBITS_TYPES,
             _silu_mul_matmul_body,
-            projection=(MS_DOMAIN, "MatMulNBits"),
+            projection=(MS_DOMAIN, "MatMulNBits", 2),
         ),
         GenrtOp(
             "MTPAccept",
@@ -540,6 +562,20 @@ def _ops() -> dict[str, GenrtOp]:
 
 #: Every ``onnx_genrt`` op by name.
 GENRT_OPS: Mapping[str, GenrtOp] = _ops()
+
+
+#: Projection (domain, op) -> the op that normalizes its activations first (NormMatMul...).
+NORM_PROJECTIONS: Mapping[tuple[str, str], str] = {
+    op.projection[:2]: name
+    for name, op in GENRT_OPS.items()
+    if op.projection and name.startswith("Norm")
+}
+#: Projection (domain, op) -> the op that makes its SiluMul activations first.
+SILU_PROJECTIONS: Mapping[tuple[str, str], str] = {
+    op.projection[:2]: name
+    for name, op in GENRT_OPS.items()
+    if op.projection and name.startswith("SiluMul")
+}
 
 
 def expand(node: NodeInfo, input_types: Sequence[TensorType | None] = ()) -> Body:

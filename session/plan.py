@@ -80,6 +80,8 @@ class GraphPlan:
     #: Steps that replace several nodes (see ``session.fusion``).
     fused: int = 0
     value_types: dict[str, ValueSpec] = field(default_factory=dict)
+    #: Nodes of ``onnx_genrt`` bodies (``core.genrt_ops``) -> the node each body replaces.
+    bodies: dict[str, str] = field(default_factory=dict)
 
     @property
     def providers(self) -> list[ExecutionProvider]:
@@ -204,6 +206,7 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
 
     steps: list[Step] = []
     unsupported: list[str] = []
+    bodies: dict[str, str] = {}
     folded = 0
 
     def place(info: NodeInfo) -> None:
@@ -219,7 +222,8 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
                 return
             constants.update(body.initializers)
             for node in body.nodes:
-                place(NodeInfo.from_proto(node, body.opsets[normalize_domain(node.domain)]))
+                bodies[node.name] = bodies.get(info.name, info.name)
+                place(NodeInfo.from_proto(node, body.opset(node)))
             return
         if isinstance(placed, str):
             unsupported.append(placed)
@@ -263,6 +267,7 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
     fused += activated
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)
     plan.value_types = value_types
+    plan.bodies = bodies
     return plan
 
 

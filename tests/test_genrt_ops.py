@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_genrt.core.errors import ModelLoadError, UnsupportedOpError
-from onnx_genrt.core.genrt_ops import GENRT_OPS, expand
+from onnx_genrt.core.genrt_ops import BODY_OPSETS, GENRT_OPS, expand
 from onnx_genrt.core.kernels import GENRT_DOMAIN, MS_DOMAIN, NodeInfo, TensorType
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.session import InferenceSession
@@ -85,7 +85,8 @@ def _run_ort_body(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
         list(model.graph.output),
         [numpy_helper.from_array(v, n) for n, v in {**consts, **body.initializers}.items()],
     )
-    opsets = [helper.make_opsetid(d, v) for d, v in body.opsets.items()]
+    opsets = [helper.make_opsetid(d, v) for d, v in BODY_OPSETS.items()]
+    assert all(body.opset(n) == BODY_OPSETS[n.domain] for n in body.nodes)
     sess = ort.InferenceSession(helper.make_model(graph, opset_imports=opsets).SerializeToString())
     names = [o.name for o in model.graph.output]
     return dict(zip(names, sess.run(names, feeds), strict=True))
@@ -356,6 +357,8 @@ def test_two_bodies_of_one_op_get_distinct_names_and_run_on_the_session_provider
     )
     placed = session.placement()
     assert {p.provider for p in placed} == {"cpu-standard"}
+    assert not any(p.fused for p in placed)
+    assert set(session.plan.bodies.values()) == {"first", "second"}
     assert [p.op for p in placed] == ["ai.onnx::Sigmoid", "ai.onnx::Mul", "ai.onnx::Mul"] * 2
     assert all(p.node.startswith(("first/", "second/")) for p in placed)
     (b,) = session.run(["b"], {"g": g, "u": u})
