@@ -29,27 +29,30 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from .dtypes import DType, numpy_dtype_of_onnx
 from .errors import ModelLoadError, UnsupportedOpError
 from .kernels import GENRT_DOMAIN, MS_DOMAIN, NodeInfo, TensorType
 
 #: Opsets the bodies are written against.
 BODY_OPSETS: Mapping[str, int] = {"": 21, MS_DOMAIN: 1}
 
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_FLOATS = (
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+    np.dtype(ml_dtypes.bfloat16),
+)
 _INT64 = (np.dtype(np.int64),)
-_BF16 = "bfloat16"
 
 
-def _float_types() -> tuple[np.dtype, ...]:
-    """float16, float32, float64 and bfloat16 (ml_dtypes) where numpy knows it."""
-    try:
-        return (*_FLOATS, np.dtype(_BF16))
-    except TypeError:
-        return _FLOATS
+def _onnx_type(dtype: Any) -> int:
+    """The ONNX element type code of a numpy dtype (ml_dtypes' bfloat16 included)."""
+    return DType.from_numpy(dtype).value
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,45 @@ class Body:
         if node.name in self.node_opsets:
             return self.node_opsets[node.name]
         return BODY_OPSETS["" if node.domain in ("", "ai.onnx") else node.domain]
+
+    def value_types(self, inputs: Mapping[str, TensorType | None]) -> dict[str, TensorType]:
+        """Types of the body's values, by ONNX shape inference from its inputs' types
+        (``inputs``: the node's inputs by name; values after an op ONNX does not know, a
+        com.microsoft one, stay unknown)."""
+
+        def info(name: str, t: TensorType | None) -> onnx.ValueInfoProto:
+            if t is None or t.dtype is None:
+                return helper.make_empty_tensor_value_info(name)
+            shape = None if t.shape is None else list(t.shape)
+            return helper.make_tensor_value_info(name, _onnx_type(t.dtype), shape)
+
+        graph = helper.make_graph(
+            self.nodes,
+            "body",
+            [info(n, t) for n, t in inputs.items() if n],
+            [],
+            [onnx.numpy_helper.from_array(v, n) for n, v in self.initializers.items()],
+        )
+        opsets = [helper.make_opsetid(d, v) for d, v in BODY_OPSETS.items()]
+        try:
+            inferred = onnx.shape_inference.infer_shapes(
+                helper.make_model(graph, opset_imports=opsets), strict_mode=False
+            )
+        except Exception:  # inference is a hint for placement; the kernels check shapes
+            return {}
+        types = {}
+        for vi in inferred.graph.value_info:
+            t = vi.type.tensor_type
+            if not t.elem_type:
+                continue
+            shape = None
+            if t.HasField("shape"):
+                shape = tuple(
+                    d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                    for d in t.shape.dim
+                )
+            types[vi.name] = TensorType(numpy_dtype_of_onnx(t.elem_type), shape)
+        return types
 
 
 class BodyBuilder:
@@ -230,7 +272,7 @@ def _silu_mul(b: BodyBuilder, types, gate: str, up: str, out: str) -> str:
     # 16-bit floats compute in float32 and round once, as the fused kernels do.
     wide = _is_16bit(types[0])
     if wide:
-        dtype = helper.np_dtype_to_tensor_dtype(np.dtype(types[0].dtype))
+        dtype = _onnx_type(types[0].dtype)
         gate = b.add("Cast", [gate], [b.tmp("gate_f32")], to=TensorProto.FLOAT)
         up = b.add("Cast", [up], [b.tmp("up_f32")], to=TensorProto.FLOAT)
     sig = b.add("Sigmoid", [gate], [b.tmp("sigmoid")])
@@ -340,7 +382,7 @@ def _mtp_accept_body(b: BodyBuilder, types) -> None:
     b.add("Gather", [argmax, accepted], [b.output(1, "token")], axis=1)
     to = int(GENRT_OPS["MTPAccept"].attr(node, "to"))
     same = types[2] is not None and types[2].dtype is not None
-    same = same and helper.np_dtype_to_tensor_dtype(np.dtype(types[2].dtype)) == to
+    same = same and _onnx_type(types[2].dtype) == to
     row = b.output(2, "row")
     gathered = row if same else b.tmp("row_in")
     b.add("Gather", [hidden, accepted], [gathered], axis=1)
@@ -377,7 +419,7 @@ def _mtp_next_inputs_body(b: BodyBuilder, types) -> None:
 
 # -- declarations -----------------------------------------------------------------------------
 
-_T = {"T": _float_types()}
+_T = {"T": _FLOATS}
 _EPS = Attribute("epsilon", onnx.AttributeProto.FLOAT, 1e-5, "added to the mean square")
 _PROJ_OPSET = Attribute(
     "projection_opset", onnx.AttributeProto.INT, 1, "the projection's opset in the model"

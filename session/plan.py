@@ -221,6 +221,9 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
                 unsupported.append(f"{placed}; {exc}")
                 return
             constants.update(body.initializers)
+            inferred = body.value_types(dict(zip(info.input_names, types, strict=True)))
+            for name, t in inferred.items():
+                value_types.setdefault(name, ValueSpec(name, t.dtype, t.shape))
             for node in body.nodes:
                 bodies[node.name] = bodies.get(info.name, info.name)
                 place(NodeInfo.from_proto(node, body.opset(node)))

@@ -11,8 +11,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_genrt.core.errors import ModelLoadError, UnsupportedOpError
 from onnx_genrt.core.genrt_ops import BODY_OPSETS, GENRT_OPS, expand
-from onnx_genrt.core.kernels import GENRT_DOMAIN, MS_DOMAIN, NodeInfo, TensorType
+from onnx_genrt.core.kernels import (
+    GENRT_DOMAIN,
+    MS_DOMAIN,
+    KernelDef,
+    KernelRegistry,
+    NodeInfo,
+    TensorType,
+)
 from onnx_genrt.providers.cpu.kernels import REGISTRY
+from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
 from tests.models import standard_ops_cpu
 
@@ -364,6 +372,38 @@ def test_two_bodies_of_one_op_get_distinct_names_and_run_on_the_session_provider
     (b,) = session.run(["b"], {"g": g, "u": u})
     a = _silu64(g, u)
     np.testing.assert_allclose(b, _silu64(a, u), rtol=1e-5, atol=1e-6)
+
+
+class Float32Only(CPUProvider):
+    """Sigmoid and Mul, claimed only where every input is known to be float32."""
+
+    name = "float32-only"
+
+    @property
+    def kernels(self) -> KernelRegistry:
+        def float32_only(node, types):
+            dtypes = [None if t is None else t.dtype for t in types]
+            return None if all(d == F32 for d in dtypes) else f"input types {dtypes}"
+
+        reg = KernelRegistry()
+        for op in ("Sigmoid", "Mul"):
+            kdef = REGISTRY.lookup("", op, 21)
+            reg.add(KernelDef("", op, kdef.since, kdef.fn, float32_only))
+        return reg
+
+
+def test_body_values_are_typed_for_placement():
+    """A provider that claims nodes by dtype sees the types of a body's inner values
+    (inferred from the node's input types), so the whole body runs on it."""
+    rng = np.random.default_rng(0)
+    feeds = {"g": rng.standard_normal((3, 8)).astype(np.float32)}
+    feeds["u"] = rng.standard_normal((3, 8)).astype(np.float32)
+    model = _model("SiluMul", feeds, {}, ["y"])
+    session = InferenceSession(model, [Float32Only()], cpu_fallback=False)
+    assert {p.provider for p in session.placement()} == {"float32-only"}
+    assert session.plan.value_types["SiluMul_node/sigmoid"].shape == (3, 8)
+    (y,) = session.run(["y"], feeds)
+    np.testing.assert_allclose(y, _silu64(feeds["g"], feeds["u"]), rtol=1e-5, atol=1e-6)
 
 
 def test_a_body_that_needs_a_static_width_says_which_input():
