@@ -201,6 +201,11 @@ class GenrtOp:
         if len(node.output_names) > len(self.outputs):
             return f"has at most {len(self.outputs)} outputs, got {len(node.output_names)}"
         known = {a.name for a in self.attributes}
+        missing = [
+            a.name for a in self.attributes if a.default is None and a.name not in node.attrs
+        ]
+        if missing:
+            return f"attributes {missing} are required"
         if self.projection is None:
             extra = sorted(set(node.attrs) - known)
             if extra:
@@ -618,6 +623,15 @@ SILU_PROJECTIONS: Mapping[tuple[str, str], str] = {
     for name, op in GENRT_OPS.items()
     if op.projection and name.startswith("SiluMul")
 }
+
+
+def check_node(node: NodeInfo, input_types: Sequence[TensorType | None] = ()) -> None:
+    """ModelLoadError naming the node when an ``onnx_genrt`` node breaks its op's schema
+    (placement checks every node of the domain before asking providers)."""
+    op = GENRT_OPS.get(node.op_type)
+    reason = None if op is None else op.problem(node, input_types)
+    if reason:
+        raise ModelLoadError(f"{node.describe()}: {reason}")
 
 
 def expand(node: NodeInfo, input_types: Sequence[TensorType | None] = ()) -> Body:

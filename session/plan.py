@@ -13,7 +13,7 @@ from onnx import numpy_helper
 
 from onnx_genrt.core.dtypes import numpy_dtype_of_onnx
 from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpError
-from onnx_genrt.core.genrt_ops import expand
+from onnx_genrt.core.genrt_ops import check_node, expand
 from onnx_genrt.core.kernels import (
     GENRT_DOMAIN,
     KernelContext,
@@ -213,6 +213,8 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
         """Place one node (an onnx_genrt node no provider has: its body's nodes), or fold it."""
         nonlocal folded
         types = tuple(type_of(n) if n else None for n in info.input_names)
+        if info.domain == GENRT_DOMAIN:
+            check_node(info, types)
         placed = _place(info, providers, types)
         if isinstance(placed, str) and info.domain == GENRT_DOMAIN:
             try:

@@ -451,6 +451,21 @@ def test_a_node_that_breaks_its_schema_is_refused_by_name(op, inputs, attrs, mes
         expand(node, [TensorType(F32, (2, 8))] * len(inputs))
 
 
+def test_a_model_node_that_breaks_its_schema_is_refused_even_where_a_kernel_exists():
+    """The CPU provider has an MTPNextInputs kernel, but a misspelt attribute is an error
+    naming the node, not an attribute silently ignored."""
+    feeds = {
+        "accepted": np.zeros(1, np.int64),
+        "start": np.zeros(1, np.int64),
+        "token": np.zeros((1, 1), np.int64),
+        "drafts": np.zeros((1, 2), np.int64),
+        "confidences": np.zeros((1, 2), np.float32),
+    }
+    model = _model("MTPNextInputs", feeds, {}, ["s", "i", "c"], min_confidense=0.5)
+    with pytest.raises(ModelLoadError, match=r"'MTPNextInputs_node'.*\['min_confidense'\]"):
+        InferenceSession(model, ["cpu"])
+
+
 def test_every_cpu_kernel_of_the_domain_is_declared():
     cpu_ops = {op for domain, op in REGISTRY.ops() if domain == GENRT_DOMAIN}
     assert cpu_ops <= set(GENRT_OPS)
