@@ -476,3 +476,35 @@ def test_every_cpu_kernel_of_the_domain_is_declared():
     assert cpu_ops <= set(GENRT_OPS)
     for op in GENRT_OPS.values():
         assert op.doc and all(f.doc for f in (*op.inputs, *op.outputs)), op.name
+
+
+def test_the_nodes_fusions_make_fit_their_schemas():
+    """Every onnx_genrt node the planner's fusions write (SiluMul split and not, ArgMaxProb,
+    NormMatMul(NBits) with the residual sum, SiluMulMatMul(NBits)) fits its declaration,
+    input element types included."""
+    from tests.models import decomposed_head, norm_projections, silu_projection
+    from tests.test_norm_matmul_fusion import FusingCPU
+
+    seen = set()
+    models = [decomposed_head(), norm_projections(), silu_projection(down="nbits")]
+    models.append(silu_projection(down="matmul"))
+    for model in models:
+        for providers in (["cpu"], [FusingCPU()]):
+            plan = InferenceSession(model, providers).plan
+            for step in plan.steps:
+                if step.node.domain != GENRT_DOMAIN:
+                    continue
+                types = []
+                for name in step.inputs:
+                    spec = plan.value_types.get(name)
+                    value = plan.constants.get(name)
+                    if value is not None:
+                        types.append(TensorType(value.dtype, value.shape))
+                    else:
+                        types.append(None if spec is None else TensorType(spec.dtype, spec.shape))
+                op = GENRT_OPS[step.node.op_type]
+                assert op.problem(step.node, types) is None, step.node
+                seen.add((step.node.op_type, len(step.inputs), int(step.node.attr("split", 0))))
+    ops = {s[0] for s in seen}
+    assert {"ArgMaxProb", "SiluMul", "NormMatMul", "NormMatMulNBits"} <= ops, seen
+    assert {"SiluMulMatMul", "SiluMulMatMulNBits"} <= ops, seen
