@@ -13,7 +13,8 @@ from onnx import helper
 
 ONNX_DOMAIN = ""
 MS_DOMAIN = "com.microsoft"
-#: Domain of the runtime's own fused ops (SiluMul, ArgMaxProb, NormMatMul, MTPAccept, ...).
+#: Domain of the runtime's own ops (SiluMul, ArgMaxProb, NormMatMul, MTPAccept, ...), each
+#: declared in ``core.genrt_ops``.
 GENRT_DOMAIN = "onnx_genrt"
 
 

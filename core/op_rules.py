@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .genrt_ops import GENRT_OPS, projection_node
 from .kernels import KernelContext, NodeInfo
 
 #: Bit widths MatMulNBits kernels support.
@@ -88,31 +89,15 @@ def matmul_shape(ctx: KernelContext, a: Sequence[int], b: Sequence[int]) -> tupl
 
 
 #: The projection each fused op (domain ``onnx_genrt``) wraps: (domain, op_type, number of
-#: the fused op's own inputs before the projection's weights).
-FUSED_PROJECTIONS = {
-    "NormMatMul": ("", "MatMul", 3),
-    "NormMatMulNBits": ("com.microsoft", "MatMulNBits", 3),
-    "SiluMulMatMul": ("", "MatMul", 2),
-    "SiluMulMatMulNBits": ("com.microsoft", "MatMulNBits", 2),
-}
+#: the fused op's own inputs before the projection's weights); see ``core.genrt_ops``.
+FUSED_PROJECTIONS = {name: op.projection for name, op in GENRT_OPS.items() if op.projection}
 
 
 def fused_projection(node: NodeInfo) -> NodeInfo:
     """The projection inside a ``NormMatMul`` / ``SiluMulMatMul`` (or NBits) node: the node as
     that projection's kernel expects it, reading the prepared activations, with only the
     projection's output."""
-    domain, op, own = FUSED_PROJECTIONS[node.op_type]
-    drop = ("epsilon", "projection_opset", "split")
-    attrs = {k: v for k, v in node.attrs.items() if k not in drop}
-    return NodeInfo(
-        op,
-        node.name,
-        domain,
-        int(node.attrs.get("projection_opset", 1)),
-        attrs,
-        (f"{node.name}/activations", *node.input_names[own:]),
-        tuple(node.output_names[:1]),
-    )
+    return projection_node(node, f"{node.name}/activations")
 
 
 def fused_matmul_nbits_unsupported(node: NodeInfo, types: object = ()) -> str | None:

@@ -163,19 +163,17 @@ def after_verify(
     hidden_input: str = "hidden_states",
     ids_input: str = "input_ids",
     verify_hidden_type: int = TensorProto.FLOAT,
-    fused: bool = False,
 ) -> onnx.ModelProto:
     """``chain`` fed straight from a verify step of width ``k + 1``, on the device.
 
     Inputs: the verify step's ids [1, k+1], its argmax [1, k+1] and hidden states
-    [1, k+1, H], and the number of real drafts [1]. The graph counts the accepted drafts
-    (the leading run of ``argmax[i] == ids[i + 1]`` among the real ones), takes the hidden
-    row and argmax at that count (the state that predicts the new pending token) and runs
-    the chain from there. Outputs: the chain's drafts and confidences, and ``accepted_count``.
-    So one verify replay, one chain replay and one read-back make a speculative step.
-
-    ``fused``: the acceptance is one ``onnx_genrt::MTPAccept`` node (for providers that have
-    it) instead of the dozen standard ops that spell it out.
+    [1, k+1, H], and the number of real drafts [1]. One ``onnx_genrt::MTPAccept`` node counts
+    the accepted drafts (the leading run of ``argmax[i] == ids[i + 1]`` among the real ones)
+    and takes the hidden row and argmax at that count (the state that predicts the new
+    pending token); the chain runs from there. Outputs: the chain's drafts and confidences,
+    and ``accepted_count``. So one verify replay, one chain replay and one read-back make a
+    speculative step. Where no provider has MTPAccept, placement runs its standard-op body
+    (``core.genrt_ops``).
     """
     g = chain.graph
     by_name = {i.name: i for i in g.input}
@@ -183,23 +181,15 @@ def after_verify(
         raise ModelLoadError(f"the chain has no inputs {hidden_input!r} and {ids_input!r}")
     hidden_type = by_name[hidden_input].type.tensor_type.elem_type
     hidden_size = by_name[hidden_input].type.tensor_type.shape.dim[-1]
-    p = "accept/"
     i64 = TensorProto.INT64
-    if fused:
-        inits: list[onnx.TensorProto] = []
-        nodes = [
-            helper.make_node(
-                "MTPAccept",
-                [VERIFY_IDS, VERIFY_ARGMAX, VERIFY_HIDDEN, DRAFT_COUNT],
-                [ACCEPTED, ids_input, hidden_input],
-                domain=GENRT_DOMAIN,
-                to=hidden_type,
-            )
-        ]
-    else:
-        nodes, inits = _accept_nodes(k, ids_input, hidden_input, hidden_type, verify_hidden_type)
-    for i, node in enumerate(nodes):  # errors and profiles name the node
-        node.name = f"{p}{i}_{node.op_type}"
+    accept = helper.make_node(
+        "MTPAccept",
+        [VERIFY_IDS, VERIFY_ARGMAX, VERIFY_HIDDEN, DRAFT_COUNT],
+        [ACCEPTED, ids_input, hidden_input],
+        name="accept/MTPAccept",
+        domain=GENRT_DOMAIN,
+        to=hidden_type,
+    )
     width = k + 1
     dim = hidden_size.dim_value if hidden_size.HasField("dim_value") else "hidden"
     inputs = [
@@ -210,55 +200,11 @@ def after_verify(
     ]
     outputs = [*g.output, helper.make_tensor_value_info(ACCEPTED, i64, [1])]
     graph = helper.make_graph(
-        nodes + list(g.node),
-        f"{g.name}_after_verify",
-        inputs,
-        outputs,
-        list(g.initializer) + inits,
+        [accept, *g.node], f"{g.name}_after_verify", inputs, outputs, list(g.initializer)
     )
-    model = helper.make_model(graph, opset_imports=_with_genrt(chain.opset_import, fused))
+    model = helper.make_model(graph, opset_imports=_with_genrt(chain.opset_import))
     model.ir_version = chain.ir_version
     return model
-
-
-def _accept_nodes(
-    k: int, ids_input: str, hidden_input: str, hidden_type: int, verify_hidden_type: int
-) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """``after_verify``'s acceptance in standard ops: the accepted count, and the argmax and
-    hidden row at that count as the chain's inputs."""
-    p = "accept/"
-
-    def const(name: str, values) -> str:
-        inits.append(numpy_helper.from_array(np.asarray(values, np.int64), p + name))
-        return p + name
-
-    inits: list[onnx.TensorProto] = []
-    one, zero, kk, k1 = const("1", [1]), const("0", [0]), const("k", [k]), const("k1", [k + 1])
-    axis1 = const("axis1", [1])
-    inits.append(numpy_helper.from_array(np.ones((1, 1), np.float32), p + "end"))
-    end = p + "end"
-    # accepted = index of the first draft that is padding or disagrees with the target's
-    # argmax: ArgMax (first maximum) over [rejected_0 .. rejected_k-1, 1].
-    nodes = [
-        helper.make_node("Slice", [VERIFY_IDS, one, k1, axis1], [p + "next_ids"]),
-        helper.make_node("Slice", [VERIFY_ARGMAX, zero, kk, axis1], [p + "picks"]),
-        helper.make_node("Equal", [p + "picks", p + "next_ids"], [p + "eq"]),
-        helper.make_node(
-            "Less", [const("arange", np.arange(k)[None, :]), DRAFT_COUNT], [p + "real"]
-        ),
-        helper.make_node("And", [p + "eq", p + "real"], [p + "ok"]),
-        helper.make_node("Not", [p + "ok"], [p + "rejected"]),
-        # float32, which every provider's ArgMax takes (0 = accepted, 1 = stop)
-        helper.make_node("Cast", [p + "rejected"], [p + "rejected_f"], to=TensorProto.FLOAT),
-        helper.make_node("Concat", [p + "rejected_f", end], [p + "stops"], axis=1),
-        helper.make_node("ArgMax", [p + "stops"], [ACCEPTED], axis=1, keepdims=0),
-    ]
-    nodes.append(helper.make_node("Gather", [VERIFY_ARGMAX, ACCEPTED], [ids_input], axis=1))
-    gathered = p + "hidden" if hidden_type != verify_hidden_type else hidden_input
-    nodes.append(helper.make_node("Gather", [VERIFY_HIDDEN, ACCEPTED], [gathered], axis=1))
-    if gathered != hidden_input:
-        nodes.append(helper.make_node("Cast", [gathered], [hidden_input], to=hidden_type))
-    return nodes, inits
 
 
 #: Input and outputs of an after-verify chain that also writes the next verify's inputs.
@@ -277,21 +223,18 @@ def with_next_inputs(
     mask_length: int | None,
     positions: bool,
     ids_input: str = "input_ids",
-    fused: bool = False,
 ) -> onnx.ModelProto:
     """``after`` (from :func:`after_verify`) that also writes the next verify step's inputs.
 
     New input: ``verify_start`` [1], the cache length the verify step started at. New
-    outputs: the next step's start (``start + accepted + 1``), its ids (the new pending token
-    and the chain's k drafts), its position ids and attention mask (when the decoder takes
-    them) and its real draft count (the leading drafts with confidence >= ``min_confidence``,
-    as ``MTPProposer.confident`` counts them). Bound to the decoder's own input buffers, they
-    let the next verify be queued before the host has read this one back.
-
-    ``fused``: one ``onnx_genrt::MTPNextInputs`` node writes them all.
+    outputs, written by one ``onnx_genrt::MTPNextInputs`` node: the next step's start
+    (``start + accepted + 1``), its ids (the new pending token and the chain's k drafts), its
+    position ids and attention mask (when the decoder takes them) and its real draft count
+    (the leading drafts with confidence >= ``min_confidence``, as ``MTPProposer.confident``
+    counts them). Bound to the decoder's own input buffers, they let the next verify be
+    queued before the host has read this one back.
     """
     g = after.graph
-    p = "next/"
     i64 = TensorProto.INT64
     outputs = [
         helper.make_tensor_value_info(NEXT_START, i64, [1]),
@@ -302,79 +245,33 @@ def with_next_inputs(
         outputs.append(helper.make_tensor_value_info(NEXT_POSITIONS, i64, [1, k + 1]))
     if mask_length is not None:
         outputs.append(helper.make_tensor_value_info(NEXT_MASK, i64, [1, mask_length]))
-    if fused:
-        inits: list[onnx.TensorProto] = []
-        names = [NEXT_START, NEXT_IDS, NEXT_COUNT]
-        names += [NEXT_POSITIONS if positions else "", NEXT_MASK if mask_length is not None else ""]
-        while not names[-1]:
-            names.pop()
-        nodes = [
-            helper.make_node(
-                "MTPNextInputs",
-                [ACCEPTED, VERIFY_START, ids_input, DRAFTS, CONFIDENCES],
-                names,
-                domain=GENRT_DOMAIN,
-                min_confidence=float(min_confidence),
-                mask_length=int(mask_length or 0),
-            )
-        ]
-    else:
-        nodes, inits = _next_nodes(k, min_confidence, mask_length, positions, ids_input)
-    for i, node in enumerate(nodes):
-        node.name = f"{p}{i}_{node.op_type}"
+    names = [NEXT_START, NEXT_IDS, NEXT_COUNT]
+    names += [NEXT_POSITIONS if positions else "", NEXT_MASK if mask_length is not None else ""]
+    while not names[-1]:
+        names.pop()
+    node = helper.make_node(
+        "MTPNextInputs",
+        [ACCEPTED, VERIFY_START, ids_input, DRAFTS, CONFIDENCES],
+        names,
+        name="next/MTPNextInputs",
+        domain=GENRT_DOMAIN,
+        min_confidence=float(min_confidence),
+        mask_length=int(mask_length or 0),
+    )
     graph = helper.make_graph(
-        list(g.node) + nodes,
+        [*g.node, node],
         f"{g.name}_next",
         [*g.input, helper.make_tensor_value_info(VERIFY_START, i64, [1])],
         [*g.output, *outputs],
-        list(g.initializer) + inits,
+        list(g.initializer),
     )
-    model = helper.make_model(graph, opset_imports=_with_genrt(after.opset_import, fused))
+    model = helper.make_model(graph, opset_imports=_with_genrt(after.opset_import))
     model.ir_version = after.ir_version
     return model
 
 
-#: The fused ops ``after_verify`` / ``with_next_inputs`` emit with ``fused=True``.
-FUSED_OPS = ("MTPAccept", "MTPNextInputs")
-
-
-def _next_nodes(
-    k: int, min_confidence: float, mask_length: int | None, positions: bool, ids_input: str
-) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """``with_next_inputs``' next-step inputs in standard ops."""
-    p = "next/"
-    inits = [
-        numpy_helper.from_array(np.array([1], np.int64), p + "1"),
-        numpy_helper.from_array(np.arange(k + 1, dtype=np.int64)[None, :], p + "arange_w"),
-        numpy_helper.from_array(np.array(min_confidence, np.float32), p + "min_conf"),
-        numpy_helper.from_array(np.ones((1, 1), np.float32), p + "end"),
-        numpy_helper.from_array(np.array([k + 1], np.int64), p + "width"),
-    ]
-    nodes = [
-        helper.make_node("Add", [ACCEPTED, p + "1"], [p + "advance"]),
-        helper.make_node("Add", [VERIFY_START, p + "advance"], [NEXT_START]),
-        helper.make_node("Concat", [ids_input, DRAFTS], [NEXT_IDS], axis=1),
-        helper.make_node("Less", [CONFIDENCES, p + "min_conf"], [p + "low"]),
-        helper.make_node("Cast", [p + "low"], [p + "low_f"], to=TensorProto.FLOAT),
-        helper.make_node("Concat", [p + "low_f", p + "end"], [p + "stops"], axis=1),
-        helper.make_node("ArgMax", [p + "stops"], [NEXT_COUNT], axis=1, keepdims=0),
-    ]
-    if positions:
-        nodes.append(helper.make_node("Add", [NEXT_START, p + "arange_w"], [NEXT_POSITIONS]))
-    if mask_length is not None:
-        inits.append(
-            numpy_helper.from_array(np.arange(mask_length, dtype=np.int64)[None, :], p + "arange_l")
-        )
-        nodes += [
-            helper.make_node("Add", [NEXT_START, p + "width"], [p + "end_pos"]),
-            helper.make_node("Less", [p + "arange_l", p + "end_pos"], [p + "mask_b"]),
-            helper.make_node("Cast", [p + "mask_b"], [NEXT_MASK], to=TensorProto.INT64),
-        ]
-    return nodes, inits
-
-
-def _with_genrt(opsets, fused: bool) -> list:
+def _with_genrt(opsets) -> list:
     opsets = list(opsets)
-    if fused and all(o.domain != GENRT_DOMAIN for o in opsets):
+    if all(o.domain != GENRT_DOMAIN for o in opsets):
         opsets.append(helper.make_opsetid(GENRT_DOMAIN, 1))
     return opsets

@@ -20,8 +20,6 @@ from .mtp_chain import (
     CONFIDENCES,
     DRAFT_COUNT,
     DRAFTS,
-    FUSED_OPS,
-    GENRT_DOMAIN,
     NEXT_COUNT,
     NEXT_IDS,
     NEXT_MASK,
@@ -268,20 +266,17 @@ class MTPProposer(Proposer):
         chain = unroll_mtp_head(self.head, k, **names)
         hidden_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(bufs["hidden"].dtype))
         ids_input = names.get("ids_input", "input_ids")
-        provider = runner.provider
-        fused = all(provider.get_kernel(GENRT_DOMAIN, op, 1) for op in FUSED_OPS)
         model = after_verify(
             chain,
             k,
             names.get("hidden_input", "hidden_states"),
             ids_input,
             verify_hidden_type=hidden_type,
-            fused=fused,
         )
         if next_inputs:
             mask_length = int(bufs["mask"].shape[-1]) if "mask" in bufs else None
             model = with_next_inputs(
-                model, k, self.min_confidence, mask_length, "pos" in bufs, ids_input, fused
+                model, k, self.min_confidence, mask_length, "pos" in bufs, ids_input
             )
         session = self.make_session(model, runner.provider)
         b = session.io_binding()

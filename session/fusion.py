@@ -8,6 +8,8 @@ op (say, SiluMul without ``split``) is never handed the others.
 Both run on a plan's steps after constant folding; see :func:`fuse_silu_mul` and
 :func:`fuse_gate_up`.
 
+The fused ops of domain ``onnx_genrt`` are declared in ``core.genrt_ops``.
+
 ``SiluMul`` (domain ``onnx_genrt``): ``Mul(Mul(g, Sigmoid(g)), u)``, the gated MLP of
 Llama/Qwen-style models as exporters write it, becomes one step ``y = g * sigmoid(g) * u``:
 three launches and two intermediate buffers fewer per layer.
@@ -21,6 +23,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from onnx_genrt.core.dtypes import is_float_dtype
+from onnx_genrt.core.genrt_ops import NORM_PROJECTIONS, SILU_PROJECTIONS
 from onnx_genrt.core.kernels import GENRT_DOMAIN, NodeInfo, TensorType
 
 #: The type of a value by name (None when unknown): what ``provider.supports`` is asked with.
@@ -479,7 +482,7 @@ _NORMS = {
     ("com.microsoft", "SkipSimplifiedLayerNormalization"),
 }
 #: Projection op -> its norm-fused op (domain ``onnx_genrt``).
-_NORM_FUSED = {("", "MatMul"): "NormMatMul", ("com.microsoft", "MatMulNBits"): "NormMatMulNBits"}
+_NORM_FUSED = NORM_PROJECTIONS
 
 
 def fuse_norm_matmul(
@@ -572,10 +575,7 @@ def _norm_projections(
 
 
 #: Projection op -> its SiLU-fused op (domain ``onnx_genrt``).
-_SILU_FUSED = {
-    ("", "MatMul"): "SiluMulMatMul",
-    ("com.microsoft", "MatMulNBits"): "SiluMulMatMulNBits",
-}
+_SILU_FUSED = SILU_PROJECTIONS
 
 
 def fuse_silu_matmul(

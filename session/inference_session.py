@@ -116,8 +116,9 @@ class InferenceSession:
 
     def placement(self) -> list[PlacedNode]:
         """Where each step of the plan runs, in order: node, op, provider, kernel, and
-        whether the step is a fusion of several of the model's nodes."""
-        original = {n.name for n in self.model.graph.node}
+        whether the step is a fusion of several of the model's nodes (a node of the body
+        that runs an ``onnx_genrt`` node no provider has is not)."""
+        original = {n.name for n in self.model.graph.node} | set(self.plan.bodies)
         return [
             PlacedNode(
                 node=s.node.name,

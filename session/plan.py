@@ -13,7 +13,9 @@ from onnx import numpy_helper
 
 from onnx_genrt.core.dtypes import numpy_dtype_of_onnx
 from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpError
+from onnx_genrt.core.genrt_ops import check_node, expand
 from onnx_genrt.core.kernels import (
+    GENRT_DOMAIN,
     KernelContext,
     KernelDef,
     NodeInfo,
@@ -78,6 +80,8 @@ class GraphPlan:
     #: Steps that replace several nodes (see ``session.fusion``).
     fused: int = 0
     value_types: dict[str, ValueSpec] = field(default_factory=dict)
+    #: Nodes of ``onnx_genrt`` bodies (``core.genrt_ops``) -> the node each body replaces.
+    bodies: dict[str, str] = field(default_factory=dict)
 
     @property
     def providers(self) -> list[ExecutionProvider]:
@@ -174,7 +178,9 @@ def _infer_value_types(model: onnx.ModelProto) -> dict[str, ValueSpec]:
 
 
 def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -> GraphPlan:
-    """Order, place and constant-fold the model's graph."""
+    """Order, place and constant-fold the model's graph. An ``onnx_genrt`` node that no
+    provider supports is replaced by its standard-op body (``core.genrt_ops``), placed
+    node by node."""
     graph = model.graph
     opsets = opset_map(model)
     constants: dict[str, np.ndarray] = {}
@@ -200,7 +206,43 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
 
     steps: list[Step] = []
     unsupported: list[str] = []
+    bodies: dict[str, str] = {}
     folded = 0
+
+    def place(info: NodeInfo) -> None:
+        """Place one node (an onnx_genrt node no provider has: its body's nodes), or fold it."""
+        nonlocal folded
+        types = tuple(type_of(n) if n else None for n in info.input_names)
+        if info.domain == GENRT_DOMAIN:
+            check_node(info, types)
+        placed = _place(info, providers, types)
+        if isinstance(placed, str) and info.domain == GENRT_DOMAIN:
+            try:
+                body = expand(info, types)
+            except UnsupportedOpError as exc:
+                unsupported.append(f"{placed}; {exc}")
+                return
+            constants.update(body.initializers)
+            inferred = body.value_types(dict(zip(info.input_names, types, strict=True)))
+            for name, t in inferred.items():
+                value_types.setdefault(name, ValueSpec(name, t.dtype, t.shape))
+            for node in body.nodes:
+                bodies[node.name] = bodies.get(info.name, info.name)
+                place(NodeInfo.from_proto(node, body.opset(node)))
+            return
+        if isinstance(placed, str):
+            unsupported.append(placed)
+            return
+        provider, kdef = placed
+        step = Step(info, kdef, provider, info.input_names, info.output_names)
+        if _foldable(step, constants):
+            result = _fold(step, constants)
+            if result is not None:
+                constants.update(result)
+                folded += 1
+                return
+        steps.append(step)
+
     for proto in topological_order(graph, available):
         domain = normalize_domain(proto.domain)
         if domain not in opsets:
@@ -208,20 +250,7 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
                 f"node {proto.name!r} ({proto.op_type}) uses domain {proto.domain!r}, "
                 "which the model does not import"
             )
-        info = NodeInfo.from_proto(proto, opsets[domain])
-        placed = _place(info, providers, tuple(type_of(n) if n else None for n in proto.input))
-        if isinstance(placed, str):
-            unsupported.append(placed)
-            continue
-        provider, kdef = placed
-        step = Step(info, kdef, provider, tuple(proto.input), tuple(o for o in proto.output))
-        if _foldable(step, constants):
-            result = _fold(step, constants)
-            if result is not None:
-                constants.update(result)
-                folded += 1
-                continue
-        steps.append(step)
+        place(NodeInfo.from_proto(proto, opsets[domain]))
     if unsupported:
         listed = "\n  ".join(unsupported[:20])
         more = f"\n  ... and {len(unsupported) - 20} more" if len(unsupported) > 20 else ""
@@ -243,6 +272,7 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
     fused += activated
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)
     plan.value_types = value_types
+    plan.bodies = bodies
     return plan
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from onnx_genrt.core.genrt_ops import NORM_PROJECTIONS
 from onnx_genrt.core.kernels import normalize_domain
 
 #: Elementwise ops: output row i reads row i of each row input (constants broadcast, rank <= 1).
@@ -30,7 +31,7 @@ _FULL_REDUCTIONS = frozenset({"ReduceSum", "ReduceMax", "ReduceMin"})
 
 #: Fused ops (``session.fusion``) that normalize their rows, then project them: inputs
 #: (x, skip, gamma, weight...), outputs (y, residual sum, normalized rows).
-_NORM_PROJECTIONS = frozenset({"NormMatMul", "NormMatMulNBits"})
+_NORM_PROJECTIONS = frozenset(NORM_PROJECTIONS.values())
 
 
 @dataclass(frozen=True)

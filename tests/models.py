@@ -281,3 +281,27 @@ def mtp_chain_case(seed: int, k: int = 4):
     matches = int(rng.integers(0, k + 1))
     feeds[mc.VERIFY_IDS][0, 1 : matches + 1] = feeds[mc.VERIFY_ARGMAX][0, :matches]
     return chain, feeds
+
+
+def standard_ops_cpu():
+    """A CPU provider ("cpu-standard") without any ``onnx_genrt`` kernel: placement runs the
+    bodies of that domain's ops (``core.genrt_ops``) on it, and no fusion applies."""
+    from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelRegistry
+    from onnx_genrt.providers.cpu.kernels import REGISTRY
+    from onnx_genrt.providers.cpu.provider import CPUProvider
+
+    registry = KernelRegistry()
+    for domain, op in REGISTRY.ops():
+        if domain == GENRT_DOMAIN:
+            continue
+        for since in REGISTRY.versions(domain, op):
+            registry.add(REGISTRY.lookup(domain, op, since))
+
+    class StandardOpsCPU(CPUProvider):
+        name = "cpu-standard"
+
+        @property
+        def kernels(self) -> KernelRegistry:
+            return registry
+
+    return StandardOpsCPU()

@@ -28,15 +28,28 @@ def _accepted(ids: np.ndarray, argmax: np.ndarray, n: int) -> int:
     return count
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["standard-ops", "MTPAccept"])
+def _provider(fused: bool):
+    """The CPU provider (fused MTPAccept / MTPNextInputs kernels) or one without them
+    (their standard-op bodies run)."""
+    from tests.models import standard_ops_cpu
+
+    return "cpu" if fused else standard_ops_cpu()
+
+
+def _genrt_ops(session: InferenceSession) -> set[str]:
+    return {p.op for p in session.placement() if p.op.startswith("onnx_genrt::")}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["body", "MTPAccept"])
 def sessions(request):
     head = load_model(default_model_dir() / "mtp" / "model.onnx")
     k = 4
     chain = unroll_mtp_head(head, k)
-    model = after_verify(chain, k, fused=request.param)
-    ops = {n.op_type for n in model.graph.node}
-    assert ("MTPAccept" in ops) == request.param
-    return k, InferenceSession(chain), InferenceSession(model)
+    model = after_verify(chain, k)
+    assert "MTPAccept" in {n.op_type for n in model.graph.node}
+    session = InferenceSession(model, [_provider(request.param)], cpu_fallback=False)
+    assert ("onnx_genrt::MTPAccept" in _genrt_ops(session)) == request.param
+    return k, InferenceSession(chain), session
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -72,7 +85,7 @@ def test_after_verify_counts_the_accepted_run_and_drafts_from_its_row(sessions, 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_next_inputs_fused_and_standard_agree_with_python(seed):
-    """``with_next_inputs`` as one MTPNextInputs node and as standard ops: the next start,
+    """``with_next_inputs``' MTPNextInputs node, fused and as its body: the next start,
     ids, positions, mask and confident-draft count, against a Python reference."""
     from onnx_genrt.engine.mtp_chain import (
         NEXT_COUNT,
@@ -90,15 +103,17 @@ def test_next_inputs_fused_and_standard_agree_with_python(seed):
     names = [ACCEPTED, DRAFTS, CONFIDENCES, NEXT_START, NEXT_IDS, NEXT_COUNT, NEXT_POSITIONS]
     names.append(NEXT_MASK)
     results = []
+    model = with_next_inputs(after_verify(chain, k), k, min_conf, length, True)
     for fused in (False, True):
-        model = with_next_inputs(
-            after_verify(chain, k, fused=fused), k, min_conf, length, True, fused=fused
-        )
-        assert ("MTPNextInputs" in {n.op_type for n in model.graph.node}) == fused
-        results.append(dict(zip(names, InferenceSession(model).run(names, feeds), strict=True)))
+        session = InferenceSession(model, [_provider(fused)], cpu_fallback=False)
+        assert ("onnx_genrt::MTPNextInputs" in _genrt_ops(session)) == fused
+        results.append(dict(zip(names, session.run(names, feeds), strict=True)))
     standard, fused_out = results
     for name in names:
-        np.testing.assert_array_equal(fused_out[name], standard[name], err_msg=name)
+        if name == CONFIDENCES:  # ArgMaxProb against Softmax + ReduceMax (no fusion): an ulp
+            np.testing.assert_allclose(fused_out[name], standard[name], rtol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(fused_out[name], standard[name], err_msg=name)
     accepted = int(standard[ACCEPTED][0])
     begin = int(feeds[VERIFY_START][0]) + accepted + 1
     assert int(standard[NEXT_START][0]) == begin
@@ -151,3 +166,28 @@ def test_draft_vocabulary_cuts_the_head_lm_head_and_keeps_output_identical():
     model.proposers.clear()
     with pytest.raises(ModelLoadError, match=r"mtp\.draft_vocab"):
         make_proposer(model, "mtp", 64)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["host-fed", "pipelined"])
+def test_speculative_mtp_without_the_fused_mtp_ops_equals_greedy(pipeline, monkeypatch):
+    """On a provider without MTPAccept / MTPNextInputs kernels the chain runs their bodies
+    (no CPU fallback needed) and speculative MTP output stays token-identical to greedy,
+    host-fed (MTPAccept) and pipelined (MTPNextInputs writing the next verify's inputs)."""
+    from onnx_genrt.engine import Model, generate
+    from onnx_genrt.engine.speculative import SpeculativeGenerator
+    from tests.models import standard_ops_cpu
+
+    monkeypatch.setattr(SpeculativeGenerator, "pipeline", pipeline)
+    model = Model(default_model_dir(), [standard_ops_cpu()])
+    for prompt in ("class Foo:\n    def __init__(self", "for i in range("):
+        greedy = generate(model, prompt, max_new_tokens=40, ignore_eos=True)
+        fast = generate(model, prompt, max_new_tokens=40, spec="mtp", k=4, ignore_eos=True)
+        assert fast.tokens == greedy.tokens, prompt
+        assert fast.speculation["verify_steps"] > 0
+    after = [s for p in model.proposers.values() for s in getattr(p, "_after_sessions", [])]
+    assert after, "the chain ran on the verify step's outputs"
+    for session in after:
+        assert session.get_providers() == ["cpu-standard"]
+        assert _genrt_ops(session) == set()
+        nodes = {p.node.split("/")[1] for p in session.placement() if "/" in p.node}
+        assert "MTPAccept" in nodes and ("MTPNextInputs" in nodes) == pipeline, nodes

@@ -1,4 +1,4 @@
-"""CPU kernels for the runtime's own fused ops (domain ``onnx_genrt``, see session.fusion)."""
+"""CPU kernels for the runtime's own ops (domain ``onnx_genrt``, declared in core.genrt_ops)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def mtp_accept(
     """After a verify step of width k + 1: (accepted [1], token [1, 1], hidden [1, 1, H]).
     ``accepted`` counts the leading drafts (``ids[1:]``, the first ``count`` of them real)
     equal to the target's argmax; token and hidden are the argmax and hidden row there
-    (hidden cast to the ``to`` attribute's type). See ``engine.mtp_chain.after_verify``."""
+    (hidden cast to the ``to`` attribute's type). See ``core.genrt_ops``."""
     k = ids.shape[-1] - 1
     if argmax.shape[-1] != k + 1 or hidden.ndim != 3 or hidden.shape[1] != k + 1:
         raise ValueError(
@@ -124,7 +124,7 @@ def mtp_accept(
 def mtp_next_inputs(ctx: KernelContext, accepted, start, token, drafts, confidences):
     """The next verify step's inputs after an MTP chain: (start [1], ids [1, k+1], draft
     count [1], positions [1, k+1], attention mask [1, L]); see
-    ``engine.mtp_chain.with_next_inputs``. Outputs may alias inputs (``start``)."""
+    ``core.genrt_ops``. Outputs may alias inputs (``start``)."""
     k = drafts.shape[-1]
     names = ctx.node.output_names
     begin = int(start.reshape(-1)[0]) + int(accepted.reshape(-1)[0]) + 1
