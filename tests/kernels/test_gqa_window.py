@@ -356,7 +356,9 @@ def test_window_cache_replays_one_graph(m: int) -> None:
     stats = sess.graph_stats(DeviceGraphSlot.PRIMARY)
     assert stats.captures == 1 and stats.fallbacks == 0 and stats.invalidations == 0
     assert stats.replays == steps - 2  # a planning run, the capture, then replays
-    assert sess.main_provider.recorded_graph(DeviceGraphSlot.PRIMARY).bound == 1  # the prebuilt step
+    assert (
+        sess.main_provider.recorded_graph(DeviceGraphSlot.PRIMARY).bound == 1
+    )  # the prebuilt step
 
 
 def test_window_cache_refuses_a_cache_smaller_than_the_window() -> None:
