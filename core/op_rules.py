@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -121,3 +122,106 @@ def gqa_attribute_problem(node: NodeInfo) -> str | None:
     if not node.attr("causal", 1) and node.attr("local_window_size", -1) != -1:
         return "GroupQueryAttention local_window_size needs causal=1"
     return None
+
+
+# -- windowed ops (pooling, ConvTranspose) ------------------------------------------------
+
+#: auto_pad values ONNX defines for Conv, ConvTranspose and the pooling ops.
+AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Where a pooling window sits along each spatial axis.
+
+    ``pads`` are the (begin, end) pads the op defines; ``extra_end`` is what ``ceil_mode``
+    adds past the end pad so that the last partial window fits (never counted as padding).
+    """
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads: tuple[tuple[int, int], ...]
+    extra_end: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+    @property
+    def extents(self) -> tuple[int, ...]:
+        """Span of each dilated window."""
+        return tuple(d * (k - 1) + 1 for k, d in zip(self.kernel, self.dilations, strict=True))
+
+
+def _ints(node: NodeInfo, name: str, n: int, default: int) -> tuple[int, ...]:
+    values = node.attr(name)
+    if values is None:
+        return (default,) * n
+    values = tuple(int(v) for v in values)
+    if len(values) != n:
+        raise ValueError(
+            f"{node.describe()}: {name} has {len(values)} values, expected {n} "
+            f"(one per spatial axis)"
+        )
+    return values
+
+
+def pool_attribute_problem(node: NodeInfo, _types: object = ()) -> str | None:
+    """Why a MaxPool / AveragePool / LpPool node's attributes cannot run, or None."""
+    auto = node.attr("auto_pad", "NOTSET")
+    if auto not in AUTO_PADS:
+        return f"{node.op_type} auto_pad={auto!r} is not one of {', '.join(AUTO_PADS)}"
+    if node.attr("kernel_shape") is None:
+        return f"{node.op_type} needs the kernel_shape attribute"
+    if node.op_type == "MaxPool" and node.attr("storage_order", 0) not in (0, 1):
+        return f"MaxPool storage_order={node.attr('storage_order')} must be 0 or 1"
+    if node.op_type == "LpPool" and int(node.attr("p", 2)) < 1:
+        return f"LpPool p={node.attr('p')} must be >= 1"
+    return None
+
+
+def pool_geometry(node: NodeInfo, in_spatial: Sequence[int]) -> PoolGeometry:
+    """Window geometry and output spatial shape of a pooling node over ``in_spatial``."""
+    n = len(in_spatial)
+    kernel = tuple(int(k) for k in node.attr("kernel_shape", ()))
+    if len(kernel) != n:
+        raise ValueError(
+            f"{node.describe()}: kernel_shape {list(kernel)} has {len(kernel)} axes but the "
+            f"input has {n} spatial axes"
+        )
+    strides = _ints(node, "strides", n, 1)
+    dils = _ints(node, "dilations", n, 1)
+    if min(kernel + strides + dils, default=1) < 1:
+        raise ValueError(f"{node.describe()}: kernel_shape, strides and dilations must be >= 1")
+    ext = [d * (k - 1) + 1 for k, d in zip(kernel, dils, strict=True)]
+    auto = node.attr("auto_pad", "NOTSET")
+    ceil_mode = bool(node.attr("ceil_mode", 0))
+    pads: list[tuple[int, int]] = []
+    out: list[int] = []
+    extra: list[int] = []
+    for i, (size, e, s) in enumerate(zip(in_spatial, ext, strides, strict=True)):
+        if auto in ("SAME_UPPER", "SAME_LOWER"):
+            o = -(-size // s)
+            total = max(0, (o - 1) * s + e - size)
+            small = total // 2
+            pads.append((small, total - small) if auto == "SAME_UPPER" else (total - small, small))
+        elif auto == "VALID":
+            o = max(0, -(-(size - e + 1) // s))
+            pads.append((0, 0))
+        else:
+            flat = _ints(node, "pads", 2 * n, 0)
+            b, en = flat[i], flat[n + i]
+            if b < 0 or en < 0:
+                raise ValueError(f"{node.describe()}: negative pads {list(flat)}")
+            pads.append((b, en))
+            span = size + b + en - e
+            if span < 0:
+                raise ValueError(
+                    f"{node.describe()}: window of {e} does not fit axis {i} of size {size} "
+                    f"padded by {(b, en)}"
+                )
+            o = (-(-span // s) if ceil_mode else span // s) + 1
+            if ceil_mode and (o - 1) * s >= size + b:
+                o -= 1  # the last window would start inside the end padding only
+        out.append(o)
+        need = (o - 1) * s + e if o > 0 else 0
+        extra.append(max(0, need - (size + pads[-1][0] + pads[-1][1])))
+    return PoolGeometry(kernel, strides, dils, tuple(pads), tuple(extra), tuple(out))
