@@ -225,3 +225,80 @@ def pool_geometry(node: NodeInfo, in_spatial: Sequence[int]) -> PoolGeometry:
         need = (o - 1) * s + e if o > 0 else 0
         extra.append(max(0, need - (size + pads[-1][0] + pads[-1][1])))
     return PoolGeometry(kernel, strides, dils, tuple(pads), tuple(extra), tuple(out))
+
+
+@dataclass(frozen=True)
+class ConvTransposeGeometry:
+    """ConvTranspose along each spatial axis: the full scatter length before cropping and
+    the (begin, end) crop; a negative crop extends the output with zeros."""
+
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    full: tuple[int, ...]
+    pads: tuple[tuple[int, int], ...]
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(f - b - e for f, (b, e) in zip(self.full, self.pads, strict=True))
+
+
+def conv_transpose_attribute_problem(node: NodeInfo, _types: object = ()) -> str | None:
+    """Why a ConvTranspose node's attributes cannot run, or None."""
+    auto = node.attr("auto_pad", "NOTSET")
+    if auto not in AUTO_PADS:
+        return f"ConvTranspose auto_pad={auto!r} is not one of {', '.join(AUTO_PADS)}"
+    if int(node.attr("group", 1)) < 1:
+        return f"ConvTranspose group={node.attr('group')} must be >= 1"
+    return None
+
+
+def conv_transpose_geometry(
+    node: NodeInfo, in_spatial: Sequence[int], kernel: Sequence[int]
+) -> ConvTransposeGeometry:
+    """Output geometry of ConvTranspose from pads, or from output_shape / auto_pad (whose
+    total padding is split with the odd unit at the end for SAME_UPPER, else at the start)."""
+    n = len(in_spatial)
+    strides = _ints(node, "strides", n, 1)
+    dils = _ints(node, "dilations", n, 1)
+    out_pad = _ints(node, "output_padding", n, 0)
+    if node.attr("kernel_shape") is not None and tuple(node.attr("kernel_shape")) != tuple(kernel):
+        raise ValueError(
+            f"{node.describe()}: kernel_shape {list(node.attr('kernel_shape'))} does not match "
+            f"the weight's spatial shape {list(kernel)}"
+        )
+    for i, (op_, s, d) in enumerate(zip(out_pad, strides, dils, strict=True)):
+        if op_ < 0 or op_ >= max(s, d):
+            raise ValueError(
+                f"{node.describe()}: output_padding[{i}]={op_} must be >= 0 and below the "
+                f"stride or dilation ({max(s, d)})"
+            )
+    full = tuple(
+        s * (size - 1) + op_ + d * (k - 1) + 1
+        for size, k, s, d, op_ in zip(in_spatial, kernel, strides, dils, out_pad, strict=True)
+    )
+    auto = node.attr("auto_pad", "NOTSET")
+    wanted = node.attr("output_shape")
+    if wanted is not None:
+        wanted = tuple(int(v) for v in wanted)[-n:]
+        if len(wanted) != n:
+            raise ValueError(
+                f"{node.describe()}: output_shape {list(node.attr('output_shape'))} needs "
+                f"{n} spatial sizes"
+            )
+    elif auto in ("SAME_UPPER", "SAME_LOWER"):
+        wanted = tuple(size * s for size, s in zip(in_spatial, strides, strict=True))
+    if wanted is not None:
+        pads = []
+        for f, w in zip(full, wanted, strict=True):
+            total = f - w
+            half = total // 2
+            pads.append((half, total - half) if auto == "SAME_UPPER" else (total - half, half))
+    elif auto == "VALID":
+        pads = [(0, 0)] * n
+    else:
+        flat = _ints(node, "pads", 2 * n, 0)
+        pads = list(zip(flat[:n], flat[n:], strict=True))
+    geom = ConvTransposeGeometry(strides, dils, full, tuple(pads))
+    if min(geom.out_shape, default=1) < 0:
+        raise ValueError(f"{node.describe()}: pads {pads} leave a negative output size")
+    return geom

@@ -1,4 +1,5 @@
-"""CPU kernels: Conv (im2col through strided windows + einsum) and global pooling."""
+"""CPU kernels: Conv (im2col through strided windows + einsum), ConvTranspose (one einsum
+per kernel tap, scattered into the output) and global pooling."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import math
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.op_rules import conv_transpose_attribute_problem, conv_transpose_geometry
 
 from ._nn_common import compute_dtype
 from ._registry import REGISTRY
@@ -63,6 +67,57 @@ def conv_kernel(ctx, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) 
     k = _LETTERS[nsp : 2 * nsp]
     eq = f"NGC{o}{k},GMC{k}->NGM{o}"
     y = np.einsum(eq, win, wg, optimize=True).reshape(n, m, *out_sp)
+    if b is not None:
+        y = y + b.astype(cdt).reshape((1, m) + (1,) * nsp)
+    return np.ascontiguousarray(y, dtype=x.dtype)
+
+
+def _crop(y: np.ndarray, pads: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """Remove (begin, end) from each spatial axis of ``y``; negative amounts add zeros."""
+    grow = [(0, 0), (0, 0), *((max(0, -b), max(0, -e)) for b, e in pads)]
+    if any(g != (0, 0) for g in grow):
+        y = np.pad(y, grow)
+    cut = tuple(slice(max(0, b), y.shape[2 + i] - max(0, e)) for i, (b, e) in enumerate(pads))
+    return y[(slice(None), slice(None), *cut)]
+
+
+@REGISTRY.register("ConvTranspose", since=1, check=conv_transpose_attribute_problem)
+def conv_transpose_kernel(
+    ctx: KernelContext, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None
+) -> np.ndarray:
+    """N-D grouped, strided, dilated transposed convolution (the gradient of Conv)."""
+    nsp = x.ndim - 2
+    if nsp < 1 or w.ndim != x.ndim:
+        raise ValueError(f"{ctx.node.describe()}: bad shapes X {x.shape}, W {w.shape}")
+    group = int(ctx.attr("group", 1))
+    n, c = x.shape[:2]
+    if c % group or w.shape[0] != c:
+        raise ValueError(
+            f"{ctx.node.describe()}: W {list(w.shape)} needs {c} input channels divisible by "
+            f"group {group}"
+        )
+    kshape = w.shape[2:]
+    cg, mg = c // group, w.shape[1]
+    m = mg * group
+    if b is not None and b.shape != (m,):
+        raise ValueError(f"{ctx.node.describe()}: B has shape {list(b.shape)}, expected [{m}]")
+    geom = conv_transpose_geometry(ctx.node, x.shape[2:], kshape)
+    cdt = compute_dtype(x.dtype)
+    xg = x.astype(cdt, copy=False).reshape(n, group, cg, *x.shape[2:])
+    wg = w.astype(cdt, copy=False).reshape(group, cg, mg, *kshape)
+    full = np.zeros((n, group, mg, *geom.full), cdt)
+    o = _LETTERS[:nsp]
+    eq = f"NGC{o},GCM->NGM{o}"
+    for tap in np.ndindex(*kshape):
+        start = [k * d for k, d in zip(tap, geom.dilations, strict=True)]
+        dest = tuple(
+            slice(s0, s0 + s * (size - 1) + 1, s)
+            for s0, s, size in zip(start, geom.strides, x.shape[2:], strict=True)
+        )
+        full[(slice(None), slice(None), slice(None), *dest)] += np.einsum(
+            eq, xg, wg[(slice(None), slice(None), slice(None), *tap)]
+        )
+    y = _crop(full.reshape(n, m, *geom.full), geom.pads)
     if b is not None:
         y = y + b.astype(cdt).reshape((1, m) + (1,) * nsp)
     return np.ascontiguousarray(y, dtype=x.dtype)

@@ -1,0 +1,189 @@
+"""Classic ONNX ops (opsets 6-22) on cpu: ONNX's node tests through a whole session, plus
+onnxruntime / ``onnx.reference`` comparisons for forms the node tests do not cover."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+from onnx_genrt import conformance
+from onnx_genrt.conformance import Status
+from onnx_genrt.core.errors import KernelError, UnsupportedOpError
+from onnx_genrt.session import InferenceSession
+
+RNG = np.random.default_rng(1234)
+
+#: Ops whose every ONNX node test (and expanded function body) must pass on cpu.
+CLASSIC_OPS = [
+    "MaxPool",
+    "AveragePool",
+    "LpPool",
+    "GlobalMaxPool",
+    "GlobalAveragePool",
+    "ConvTranspose",
+]
+
+_TYPES = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.float64): TensorProto.DOUBLE,
+    np.dtype(np.float16): TensorProto.FLOAT16,
+    np.dtype(np.int64): TensorProto.INT64,
+    np.dtype(np.int32): TensorProto.INT32,
+    np.dtype(np.uint8): TensorProto.UINT8,
+    np.dtype(np.int8): TensorProto.INT8,
+}
+
+
+def _node_cases() -> list[Any]:
+    cases = conformance.load_cases(ops=CLASSIC_OPS)
+    return [pytest.param(c, id=c.name) for c in cases]
+
+
+@pytest.mark.parametrize("case", _node_cases())
+def test_onnx_node_case_passes_on_cpu(case: conformance.Case) -> None:
+    result = conformance.run_case(case, "cpu")
+    assert result.status is Status.PASSED, f"{case.name} [{case.op}]: {result.reason}"
+
+
+def _model(
+    nodes: list[onnx.NodeProto],
+    inputs: dict[str, np.ndarray],
+    outputs: list[tuple[str, int]],
+    opset: int,
+    initializers: dict[str, np.ndarray] | None = None,
+) -> onnx.ModelProto:
+    inits = initializers or {}
+    graph = helper.make_graph(
+        nodes,
+        "classic",
+        [helper.make_tensor_value_info(n, _TYPES[a.dtype], a.shape) for n, a in inputs.items()],
+        [helper.make_tensor_value_info(n, t, None) for n, t in outputs],
+        [onnx.numpy_helper.from_array(a, n) for n, a in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 7 if opset < 15 else 10
+    return model
+
+
+def _ours(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return InferenceSession(model, providers=["cpu"]).run(None, feeds)
+
+
+def _onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def _reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return ReferenceEvaluator(model).run(None, feeds)
+
+
+def _assert_same(got: list[np.ndarray], want: list[np.ndarray], tol: float = 1e-5) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        w = np.asarray(w)
+        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, g.shape, w.dtype, w.shape)
+        if w.dtype.kind in "iub":
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+# -- pooling -----------------------------------------------------------------------------------
+
+_POOL_CASES = [
+    ("MaxPool", (2, 3, 11), {"kernel_shape": [3], "strides": [2], "pads": [1, 2], "ceil_mode": 1}),
+    ("MaxPool", (1, 2, 9, 8), {"kernel_shape": [3, 2], "dilations": [2, 1], "strides": [2, 3]}),
+    ("MaxPool", (1, 2, 7, 6, 5), {"kernel_shape": [2, 3, 2], "pads": [1, 0, 1, 0, 2, 1]}),
+    ("MaxPool", (1, 3, 10, 7), {"kernel_shape": [3, 3], "strides": [3, 2], "auto_pad": "SAME_LOWER"}),
+    ("AveragePool", (2, 3, 10), {"kernel_shape": [4], "strides": [3], "pads": [2, 1], "ceil_mode": 1}),
+    (
+        "AveragePool",
+        (1, 2, 9, 7),
+        {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1,
+         "count_include_pad": 1},
+    ),
+    ("AveragePool", (1, 2, 6, 5, 7), {"kernel_shape": [2, 2, 3], "auto_pad": "SAME_UPPER", "strides": [2, 1, 2]}),
+    ("AveragePool", (1, 1, 8, 8), {"kernel_shape": [3, 3], "dilations": [2, 2], "pads": [2, 2, 2, 2], "count_include_pad": 1}),
+    ("LpPool", (1, 3, 9, 6), {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 1, 1], "p": 3}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("op", "shape", "attrs"), _POOL_CASES)
+def test_pool_matches_onnxruntime(op: str, shape: tuple[int, ...], attrs: dict) -> None:
+    x = RNG.standard_normal(shape).astype(np.float32)
+    outs = ["y", "idx"] if op == "MaxPool" and "dilations" not in attrs else ["y"]
+    types = [TensorProto.FLOAT, TensorProto.INT64][: len(outs)]
+    model = _model(
+        [helper.make_node(op, ["x"], outs, **attrs)],
+        {"x": x},
+        list(zip(outs, types, strict=True)),
+        19,
+    )
+    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}))
+
+
+def test_max_pool_indices_column_major_and_int8() -> None:
+    x = RNG.integers(-100, 100, (2, 3, 7, 9)).astype(np.int8)
+    attrs = {"kernel_shape": [2, 3], "strides": [2, 2], "pads": [1, 1, 0, 1], "storage_order": 1}
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], **attrs)
+    model = _model([node], {"x": x}, [("y", TensorProto.INT8), ("i", TensorProto.INT64)], 12)
+    got = _ours(model, {"x": x})
+    _assert_same(got, _reference(model, {"x": x}))
+    # each index names an element holding the window's maximum
+    np.testing.assert_array_equal(x.reshape(-1, order="C")[got[1]].shape, got[0].shape)
+
+
+def test_pool_refuses_bad_attributes_when_loading() -> None:
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    node = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2, 2], auto_pad="SAME")
+    with pytest.raises(UnsupportedOpError, match="auto_pad='SAME'"):
+        InferenceSession(
+            _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11), providers=["cpu"]
+        )
+
+
+def test_pool_kernel_rank_mismatch_names_the_node() -> None:
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2], name="pool1")
+    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11)
+    with pytest.raises(KernelError, match="pool1.*kernel_shape"):
+        _ours(model, {"x": x})
+
+
+# -- ConvTranspose ---------------------------------------------------------------------------
+
+_CONV_T_CASES = [
+    ((1, 4, 5, 6), (4, 3, 3, 3), {"group": 2, "strides": [2, 3], "dilations": [1, 2], "pads": [1, 0, 2, 1]}),
+    ((2, 3, 7), (3, 2, 4), {"strides": [3], "output_padding": [2], "pads": [1, 2]}),
+    ((1, 2, 4, 5), (2, 5, 2, 3), {"strides": [2, 2], "output_shape": [9, 12]}),
+    ((1, 2, 3, 4, 3), (2, 2, 2, 2, 3), {"strides": [1, 2, 2], "dilations": [2, 1, 1]}),
+    ((1, 6, 5, 5), (6, 1, 3, 3), {"group": 6, "strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("xshape", "wshape", "attrs"), _CONV_T_CASES)
+def test_conv_transpose_matches_onnxruntime(xshape: tuple, wshape: tuple, attrs: dict) -> None:
+    x = RNG.standard_normal(xshape).astype(np.float32)
+    w = RNG.standard_normal(wshape).astype(np.float32)
+    b = RNG.standard_normal(wshape[1] * attrs.get("group", 1)).astype(np.float32)
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)
+    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 17, {"w": w, "b": b})
+    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}), tol=1e-4)
+
+
+def test_conv_transpose_rejects_output_padding_not_below_stride() -> None:
+    x = np.zeros((1, 1, 3, 3), np.float32)
+    w = np.zeros((1, 1, 2, 2), np.float32)
+    node = helper.make_node(
+        "ConvTranspose", ["x", "w"], ["y"], strides=[2, 2], output_padding=[2, 0]
+    )
+    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11, {"w": w})
+    with pytest.raises(KernelError, match="output_padding"):
+        _ours(model, {"x": x})
