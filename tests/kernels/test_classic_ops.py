@@ -27,6 +27,8 @@ CLASSIC_OPS = [
     "GlobalMaxPool",
     "GlobalAveragePool",
     "ConvTranspose",
+    "NegativeLogLikelihoodLoss",
+    "SoftmaxCrossEntropyLoss",
 ]
 
 _TYPES = {
@@ -187,3 +189,19 @@ def test_conv_transpose_rejects_output_padding_not_below_stride() -> None:
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11, {"w": w})
     with pytest.raises(KernelError, match="output_padding"):
         _ours(model, {"x": x})
+
+
+# -- losses ------------------------------------------------------------------------------------
+
+
+def test_nll_loss_target_outside_classes_is_a_clear_error() -> None:
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
+    target = np.array([0, 4, 1], np.int64)
+    node = helper.make_node(
+        "NegativeLogLikelihoodLoss", ["x", "t"], ["y"], reduction="sum", ignore_index=-1
+    )
+    model = _model([node], {"x": x, "t": target}, [("y", TensorProto.FLOAT)], 13)
+    with pytest.raises(KernelError, match=r"class 4 outside \[0, 4\)"):
+        _ours(model, {"x": x, "t": target})
+    target[1] = -1  # the ignored class may lie outside the range
+    _assert_same(_ours(model, {"x": x, "t": target}), _onnxruntime(model, {"x": x, "t": target}))
