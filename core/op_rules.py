@@ -302,3 +302,62 @@ def conv_transpose_geometry(
     if min(geom.out_shape, default=1) < 0:
         raise ValueError(f"{node.describe()}: pads {pads} leave a negative output size")
     return geom
+
+
+# -- opset 1-6 broadcasting and PRelu slopes -----------------------------------------------
+
+
+def legacy_broadcast_shape(
+    node: NodeInfo, a_shape: Sequence[int], b_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The shape B takes to broadcast against A under the opset 1-6 rules of the binary ops
+    (``broadcast``/``axis`` attributes): B's dims line up with A's from ``axis`` (default:
+    the trailing dims), a one-element B is a scalar; without broadcast=1 the shapes must match.
+    """
+    a, b = tuple(a_shape), tuple(b_shape)
+    if not node.attr("broadcast", 0):
+        if a != b:
+            raise ValueError(
+                f"{node.describe()}: B {list(b)} differs from A {list(a)}; opset "
+                f"{node.opset} broadcasts only with broadcast=1 (or upgrade the model to "
+                f"opset 7+, which broadcasts like numpy)"
+            )
+        return b
+    if math.prod(b) == 1 and len(b) <= 1:
+        return ()
+    axis = node.attr("axis")
+    axis = len(a) - len(b) if axis is None else int(axis)
+    if axis < 0:
+        axis += len(a)
+    if (
+        axis < 0
+        or axis + len(b) > len(a)
+        or any(db not in (1, da) for da, db in zip(a[axis:], b, strict=False))
+    ):
+        raise ValueError(
+            f"{node.describe()}: B {list(b)} does not fit A {list(a)} from axis "
+            f"{node.attr('axis', 'trailing')} (broadcast=1 needs B's dims equal to A's there)"
+        )
+    return (1,) * axis + b + (1,) * (len(a) - axis - len(b))
+
+
+def prelu_slope_shape(
+    node: NodeInfo, x_shape: Sequence[int], slope_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The shape the PRelu slope takes against X. A 1-D slope of X's channel count (axis 1)
+    is per channel: always before opset 7 (its definition then), and from opset 7 on where
+    numpy broadcasting would fail, as older exporters wrote it. Otherwise unchanged."""
+    x, s = tuple(x_shape), tuple(slope_shape)
+    per_channel = len(s) == 1 and len(x) >= 2 and s[0] == x[1] and s[0] != 1
+    if per_channel and (node.opset < 7 or s[0] != x[-1]):
+        return (s[0],) + (1,) * (len(x) - 2)
+    try:
+        if np.broadcast_shapes(x, s) == x:
+            return s
+    except ValueError:
+        pass
+    raise ValueError(
+        f"{node.describe()}: slope {list(s)} does not broadcast to X {list(x)}; give one "
+        f"slope, a per-channel slope of {x[1] if len(x) > 1 else '?'} values, or a shape that "
+        f"broadcasts to X"
+    )

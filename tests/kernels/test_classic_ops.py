@@ -205,3 +205,110 @@ def test_nll_loss_target_outside_classes_is_a_clear_error() -> None:
         _ours(model, {"x": x, "t": target})
     target[1] = -1  # the ignored class may lie outside the range
     _assert_same(_ours(model, {"x": x, "t": target}), _onnxruntime(model, {"x": x, "t": target}))
+
+
+# -- opset 1-6 elementwise forms ---------------------------------------------------------------
+
+_NUMPY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power}
+
+
+@pytest.mark.parametrize("op", sorted(_NUMPY))
+@pytest.mark.parametrize(
+    ("b_shape", "axis", "aligned"),
+    [((3, 4), 1, (1, 3, 4, 1)), ((2,), 0, (2, 1, 1, 1)), ((3,), -3, (1, 3, 1, 1)),
+     ((5,), None, (5,)), ((1,), None, ())],
+)  # fmt: skip
+def test_opset6_broadcast_axis_matches_numpy(
+    op: str, b_shape: tuple, axis: int | None, aligned: tuple
+) -> None:
+    """Old PyTorch wrote e.g. Add(conv_out, bias, broadcast=1, axis=1) with bias [C]."""
+    a = RNG.uniform(0.5, 2.0, (2, 3, 4, 5)).astype(np.float32)
+    b = RNG.uniform(0.5, 2.0, b_shape).astype(np.float32)
+    attrs = {"broadcast": 1} if axis is None else {"broadcast": 1, "axis": axis}
+    node = helper.make_node(op, ["a", "b"], ["y"], **attrs)
+    model = _model([node], {"a": a, "b": b}, [("y", TensorProto.FLOAT)], 6)
+    (got,) = _ours(model, {"a": a, "b": b})
+    want = _NUMPY[op](a.astype(np.float64), b.astype(np.float64).reshape(aligned))
+    assert got.dtype == np.float32 and got.shape == a.shape
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", sorted(_NUMPY))
+def test_opset6_trailing_broadcast_matches_onnxruntime_after_upgrade(op: str) -> None:
+    a = RNG.uniform(0.5, 2.0, (2, 3, 4, 5)).astype(np.float32)
+    b = RNG.uniform(0.5, 2.0, (4, 5)).astype(np.float32)
+    node = helper.make_node(op, ["a", "b"], ["y"], broadcast=1)
+    model = _model([node], {"a": a, "b": b}, [("y", TensorProto.FLOAT)], 6)
+    upgraded = onnx.version_converter.convert_version(model, 13)
+    _assert_same(_ours(model, {"a": a, "b": b}), _onnxruntime(upgraded, {"a": a, "b": b}))
+
+
+def test_opset1_comparison_with_axis() -> None:
+    a = RNG.standard_normal((2, 3, 4)).astype(np.float32)
+    b = RNG.standard_normal((3,)).astype(np.float32)
+    node = helper.make_node("Greater", ["a", "b"], ["y"], broadcast=1, axis=1)
+    model = _model([node], {"a": a, "b": b}, [("y", TensorProto.BOOL)], 1)
+    (got,) = _ours(model, {"a": a, "b": b})
+    np.testing.assert_array_equal(got, a > b.reshape(1, 3, 1))
+
+
+@pytest.mark.parametrize(
+    ("attrs", "b_shape", "fragment"),
+    [({}, (5,), "broadcast=1"), ({"broadcast": 1, "axis": 2}, (3,), "does not fit")],
+)
+def test_opset6_shape_mismatch_says_what_to_change(attrs: dict, b_shape: tuple, fragment: str):
+    a = np.ones((2, 3, 5), np.float32)
+    b = np.ones(b_shape, np.float32)
+    node = helper.make_node("Add", ["a", "b"], ["y"], name="bias_add", **attrs)
+    model = _model([node], {"a": a, "b": b}, [("y", TensorProto.FLOAT)], 6)
+    with pytest.raises(KernelError, match=f"bias_add.*{fragment}"):
+        _ours(model, {"a": a, "b": b})
+
+
+def test_opset6_variadic_needs_equal_shapes_and_opset1_tile() -> None:
+    a, b = np.ones((2, 3), np.float32), np.ones((3,), np.float32)
+    node = helper.make_node("Sum", ["a", "b"], ["y"])
+    model = _model([node], {"a": a, "b": b}, [("y", TensorProto.FLOAT)], 6)
+    with pytest.raises(KernelError, match="before opset 8"):
+        _ours(model, {"a": a, "b": b})
+    x = RNG.standard_normal((2, 3)).astype(np.float32)
+    tiles, axis = np.array([3], np.int64), np.array([1], np.int64)
+    node = helper.make_node("Tile", ["x", "t", "ax"], ["y"])
+    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 1, {"t": tiles, "ax": axis})
+    (got,) = _ours(model, {"x": x})
+    np.testing.assert_array_equal(got, np.concatenate([x, x, x], axis=1))
+
+
+# -- PRelu -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opset", [6, 9, 16])
+def test_prelu_per_channel_slope_on_nchw(opset: int) -> None:
+    """A [C] slope against NCHW, as old PyTorch exported it: per channel."""
+    x = RNG.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    slope = RNG.uniform(0.1, 0.5, (3,)).astype(np.float32)
+    node = helper.make_node("PRelu", ["x", "s"], ["y"])
+    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], opset, {"s": slope})
+    (got,) = _ours(model, {"x": x})
+    x64 = x.astype(np.float64)
+    want = np.where(x64 >= 0, x64, x64 * slope.astype(np.float64).reshape(1, 3, 1, 1))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    if opset >= 7:
+        _assert_same([got], _reference(model, {"x": x}))
+
+
+@pytest.mark.parametrize("slope_shape", [(3, 1, 1), (5,), (1,), (4, 5)])
+def test_prelu_broadcasting_slopes_match_onnxruntime(slope_shape: tuple) -> None:
+    x = RNG.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    slope = RNG.uniform(0.1, 0.5, slope_shape).astype(np.float32)
+    node = helper.make_node("PRelu", ["x", "s"], ["y"])
+    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 16, {"s": slope})
+    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}))
+
+
+def test_prelu_slope_that_fits_nowhere_is_a_clear_error() -> None:
+    x = np.ones((2, 3, 4, 5), np.float32)
+    node = helper.make_node("PRelu", ["x", "s"], ["y"], name="act")
+    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 16, {"s": np.ones(7, np.float32)})
+    with pytest.raises(KernelError, match="act.*slope \\[7\\] does not broadcast"):
+        _ours(model, {"x": x})

@@ -311,6 +311,20 @@ def tile(ctx: KernelContext, x: Array, repeats: Array) -> Array:
     return np.tile(x, reps) if x.ndim else x.copy()
 
 
+@REGISTRY.register("Tile", since=1)
+def tile_opset1(ctx: KernelContext, x: Array, tiles: Array, axis: Array) -> Array:
+    """Tile before opset 6: ``tiles`` copies of ``x`` along the one axis ``axis`` (inputs)."""
+    count, ax = _ints(tiles), _ints(axis)
+    if len(count) != 1 or len(ax) != 1 or count[0] < 0 or not -x.ndim <= ax[0] < x.ndim:
+        raise ValueError(
+            f"{ctx.node.describe()}: tiles {count} and axis {ax} must be one count >= 0 and "
+            f"one axis of the rank-{x.ndim} input"
+        )
+    reps = [1] * x.ndim
+    reps[ax[0]] = count[0]
+    return np.tile(x, reps)
+
+
 _PAD_MODES = {"constant", "reflect", "edge", "wrap"}
 
 
