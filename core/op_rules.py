@@ -312,7 +312,7 @@ def legacy_broadcast_shape(
 ) -> tuple[int, ...]:
     """The shape B takes to broadcast against A under the opset 1-6 rules of the binary ops
     (``broadcast``/``axis`` attributes): B's dims line up with A's from ``axis`` (default:
-    the trailing dims), a one-element B is a scalar; without broadcast=1 the shapes must match.
+    the trailing dims); without broadcast=1 the shapes must match.
     """
     a, b = tuple(a_shape), tuple(b_shape)
     if not node.attr("broadcast", 0):
@@ -323,8 +323,6 @@ def legacy_broadcast_shape(
                 f"opset 7+, which broadcasts like numpy)"
             )
         return b
-    if math.prod(b) == 1 and len(b) <= 1:
-        return ()
     axis = node.attr("axis")
     axis = len(a) - len(b) if axis is None else int(axis)
     if axis < 0:

@@ -312,3 +312,16 @@ def test_prelu_slope_that_fits_nowhere_is_a_clear_error() -> None:
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 16, {"s": np.ones(7, np.float32)})
     with pytest.raises(KernelError, match="act.*slope \\[7\\] does not broadcast"):
         _ours(model, {"x": x})
+
+
+def test_prelu_slope_matching_both_channels_and_width_follows_the_opset() -> None:
+    """Before opset 7 a 1-D slope is per channel; from 7 on it broadcasts like numpy."""
+    x = RNG.standard_normal((2, 3, 4, 3)).astype(np.float32)
+    slope = np.array([0.1, 0.2, 0.3], np.float32)
+    node = helper.make_node("PRelu", ["x", "s"], ["y"])
+    x64 = x.astype(np.float64)
+    for opset, aligned in ((6, (1, 3, 1, 1)), (9, (3,))):
+        model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], opset, {"s": slope})
+        (got,) = _ours(model, {"x": x})
+        want = np.where(x64 >= 0, x64, x64 * slope.astype(np.float64).reshape(aligned))
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"opset {opset}")
