@@ -29,6 +29,11 @@ CLASSIC_OPS = [
     "ConvTranspose",
     "NegativeLogLikelihoodLoss",
     "SoftmaxCrossEntropyLoss",
+    "StringNormalizer",
+    "StringSplit",
+    "StringConcat",
+    "RegexFullMatch",
+    "LabelEncoder",
 ]
 
 _TYPES = {
@@ -39,6 +44,7 @@ _TYPES = {
     np.dtype(np.int32): TensorProto.INT32,
     np.dtype(np.uint8): TensorProto.UINT8,
     np.dtype(np.int8): TensorProto.INT8,
+    np.dtype(object): TensorProto.STRING,
 }
 
 
@@ -90,6 +96,10 @@ def _assert_same(got: list[np.ndarray], want: list[np.ndarray], tol: float = 1e-
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         w = np.asarray(w)
+        if w.dtype.kind in "OSU":
+            assert g.dtype == object and g.shape == w.shape, (g.dtype, g.shape, w.shape)
+            assert g.tolist() == w.astype(object).tolist()
+            continue
         assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, g.shape, w.dtype, w.shape)
         if w.dtype.kind in "iub":
             np.testing.assert_array_equal(g, w)
@@ -325,3 +335,58 @@ def test_prelu_slope_matching_both_channels_and_width_follows_the_opset() -> Non
         (got,) = _ours(model, {"x": x})
         want = np.where(x64 >= 0, x64, x64 * slope.astype(np.float64).reshape(aligned))
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"opset {opset}")
+
+
+# -- strings -----------------------------------------------------------------------------------
+
+_WORDS = np.array(["Monday", "tuesday", "MONDAY", "Friday", "Wednesday"], dtype=object)
+
+
+@pytest.mark.parametrize(
+    ("attrs", "shape"),
+    [
+        ({"stopwords": ["monday"], "case_change_action": "UPPER"}, (5,)),
+        ({"stopwords": ["monday"], "is_case_sensitive": 1, "case_change_action": "LOWER"}, (1, 5)),
+        ({"stopwords": ["Monday", "tuesday", "MONDAY", "friday", "WEDNESDAY"]}, (1, 5)),
+        ({"stopwords": ["TUESDAY", "friday"], "case_change_action": "LOWER"}, (5,)),
+        ({"case_change_action": "NONE"}, (5,)),
+    ],
+)
+def test_string_normalizer_matches_onnxruntime(attrs: dict, shape: tuple) -> None:
+    x = _WORDS.reshape(shape)
+    # onnxruntime's default en_US.UTF-8 locale may not be installed; "C" always is
+    node = helper.make_node("StringNormalizer", ["x"], ["y"], locale="C", **attrs)
+    model = _model([node], {"x": x}, [("y", TensorProto.STRING)], 10)
+    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}))
+
+
+def test_string_normalizer_refuses_unknown_case_action_and_3d_input() -> None:
+    x = _WORDS.reshape(5)
+    node = helper.make_node("StringNormalizer", ["x"], ["y"], case_change_action="TITLE")
+    with pytest.raises(UnsupportedOpError, match="case_change_action='TITLE'"):
+        InferenceSession(_model([node], {"x": x}, [("y", TensorProto.STRING)], 10), ["cpu"])
+    x3 = _WORDS.reshape(1, 1, 5)
+    node = helper.make_node("StringNormalizer", ["x"], ["y"])
+    with pytest.raises(KernelError, match=r"\[C\] or \[1, C\]"):
+        _ours(_model([node], {"x": x3}, [("y", TensorProto.STRING)], 10), {"x": x3})
+
+
+def test_string_split_and_concat_match_the_reference() -> None:
+    x = np.array([["a,b,,c", ""], [",x", "no commas"]], dtype=object)
+    nodes = [
+        helper.make_node("StringSplit", ["x"], ["parts", "counts"], delimiter=",", maxsplit=2),
+        helper.make_node("StringConcat", ["x", "suffix"], ["joined"]),
+    ]
+    suffix = np.array(["!"], dtype=object)
+    model = _model(
+        nodes,
+        {"x": x, "suffix": suffix},
+        [
+            ("parts", TensorProto.STRING),
+            ("counts", TensorProto.INT64),
+            ("joined", TensorProto.STRING),
+        ],
+        20,
+    )
+    feeds = {"x": x, "suffix": suffix}
+    _assert_same(_ours(model, feeds), _reference(model, feeds))
