@@ -116,3 +116,48 @@ def lp_pool(ctx: KernelContext, x: Array) -> Array:
     powered = np.abs(x.astype(cdt, copy=False)) ** p
     sums = _windows(_padded(powered, geom, 0), geom).sum(axis=_window_axes(geom))
     return np.ascontiguousarray(sums ** (1.0 / p), dtype=x.dtype)
+
+
+@REGISTRY.register("MaxUnpool", since=9)
+def max_unpool(
+    ctx: KernelContext, x: Array, indices: Array, output_shape: Array | None = None
+) -> Array:
+    """Scatter X to the positions in ``indices`` (MaxPool's Indices, flat in MaxPool's input
+    shape, found from kernel, strides and pads) of a zero tensor of that shape, or of
+    ``output_shape`` when given (the positions keep their coordinates)."""
+    nsp = x.ndim - 2
+    if indices.shape != x.shape or nsp < 1:
+        raise ValueError(
+            f"{ctx.node.describe()}: I {list(indices.shape)} must have X's shape "
+            f"{list(x.shape)} (rank >= 3)"
+        )
+    kernel = [int(k) for k in ctx.attr("kernel_shape", ())]
+    strides = list(ctx.attr("strides", [1] * nsp))
+    pads = list(ctx.attr("pads", [0] * (2 * nsp)))
+    if len(kernel) != nsp or len(strides) != nsp or len(pads) != 2 * nsp:
+        raise ValueError(
+            f"{ctx.node.describe()}: kernel_shape, strides and pads need {nsp} spatial axes"
+        )
+    spatial = [
+        (size - 1) * s - pads[i] - pads[nsp + i] + k
+        for i, (size, s, k) in enumerate(zip(x.shape[2:], strides, kernel, strict=True))
+    ]
+    shape = (*x.shape[:2], *spatial)
+    flat = indices.astype(np.int64).reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= math.prod(shape)):
+        raise ValueError(
+            f"{ctx.node.describe()}: indices reach {int(flat.max())}, outside MaxPool's input "
+            f"of shape {list(shape)}"
+        )
+    if output_shape is not None:
+        wanted = tuple(int(v) for v in output_shape.reshape(-1))
+        if len(wanted) != x.ndim or any(w < s for w, s in zip(wanted, shape, strict=True)):
+            raise ValueError(
+                f"{ctx.node.describe()}: output_shape {list(wanted)} is smaller than MaxPool's "
+                f"input shape {list(shape)}"
+            )
+        flat = np.ravel_multi_index(np.unravel_index(flat, shape), wanted)
+        shape = wanted
+    y = np.zeros(math.prod(shape), x.dtype)
+    y[flat] = x.reshape(-1)
+    return y.reshape(shape)

@@ -854,3 +854,30 @@ def resize(
             y = np.clip(np.rint(y), info.min, info.max)
         y = y.astype(x.dtype)
     return _contig(y)
+
+
+def _upsample_check(node: NodeInfo, input_types: Sequence[object]) -> str | None:
+    mode = node.attr("mode", "nearest")
+    if mode not in ("nearest", "linear"):
+        return f"Upsample mode={mode!r} is not 'nearest' or 'linear'"
+    return None
+
+
+@REGISTRY.register("Upsample", since=7, check=_upsample_check)
+def upsample(ctx: KernelContext, x: Array, scales: Array | None = None) -> Array:
+    """Upsample (opsets 7-9): Resize-10 with the same mode, scales as an attribute before
+    opset 9 and an input from 9."""
+    if ctx.opset < 9:
+        scales = np.asarray(ctx.attr("scales", []), np.float32)
+    if scales is None or scales.size != x.ndim or np.any(scales < 1):
+        raise ValueError(
+            f"{ctx.node.describe()}: scales must give one factor >= 1 per axis of X (rank {x.ndim})"
+        )
+    node = ctx.node
+    attrs = {
+        "mode": node.attr("mode", "nearest"),
+        "coordinate_transformation_mode": "asymmetric",
+        "nearest_mode": "floor",
+    }
+    as_resize = NodeInfo("Resize", node.name, node.domain, 13, attrs)
+    return resize(KernelContext(as_resize, ctx.provider), x, None, scales.astype(np.float32))
