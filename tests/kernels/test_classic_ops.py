@@ -54,6 +54,9 @@ CLASSIC_OPS = [
     "QLinearConv",
     "MaxUnpool",
     "Upsample",
+    "RNN",
+    "GRU",
+    "LSTM",
 ]
 
 _TYPES = {
@@ -478,3 +481,69 @@ def test_lrn_even_size_window_matches_the_reference() -> None:
     node = helper.make_node("LRN", ["x"], ["y"], size=4, alpha=0.5, beta=0.7, bias=1.0)
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 13)
     _assert_same(_ours(model, {"x": x}), _reference(model, {"x": x}))
+
+
+# -- recurrent layers --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs"),
+    [
+        ("RNN", {"direction": "bidirectional", "activations": ["Relu", "Tanh"]}),
+        ("GRU", {"direction": "reverse", "linear_before_reset": 1, "clip": 0.8}),
+        ("GRU", {"direction": "bidirectional", "layout": 1}),
+        ("LSTM", {"direction": "bidirectional", "clip": 1.5}),
+        ("LSTM", {"direction": "reverse", "layout": 1, "input_forget": 1}),
+    ],
+)
+def test_recurrent_layer_matches_onnxruntime(op: str, attrs: dict) -> None:
+    gates = {"RNN": 1, "GRU": 3, "LSTM": 4}[op]
+    dirs = 2 if attrs["direction"] == "bidirectional" else 1
+    seq, batch, size, hidden = 5, 3, 4, 6
+    layout = attrs.get("layout", 0)
+    x = _f32(batch, seq, size) if layout else _f32(seq, batch, size)
+    state = (batch, dirs, hidden) if layout else (dirs, batch, hidden)
+    inits = {
+        "w": _f32(dirs, gates * hidden, size) * 0.5,
+        "r": _f32(dirs, gates * hidden, hidden) * 0.5,
+        "b": _f32(dirs, 2 * gates * hidden) * 0.5,
+        "lens": np.array([5, 2, 4], np.int32),
+        "h0": _f32(*state),
+    }
+    names = ["x", "w", "r", "b", "lens", "h0"]
+    outs = ["y", "yh"]
+    if op == "LSTM":
+        inits["c0"] = _f32(*state)
+        inits["p"] = _f32(dirs, 3 * hidden) * 0.5
+        names += ["c0", "p"]
+        outs.append("yc")
+    node = helper.make_node(op, names, outs, hidden_size=hidden, **attrs)
+    model = _model([node], {"x": x}, [(o, TensorProto.FLOAT) for o in outs], 14, inits)
+    # onnxruntime refuses layout=1; the batch-major form is checked against its transpose
+    if layout:
+        want = _onnxruntime(_time_major(model), {"x": np.swapaxes(x, 0, 1)})
+        want = [np.transpose(want[0], (2, 0, 1, 3)), *(np.swapaxes(w, 0, 1) for w in want[1:])]
+    else:
+        want = _onnxruntime(model, {"x": x})
+    _assert_same(_ours(model, {"x": x}), want, tol=1e-5)
+
+
+def _time_major(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The layout=1 recurrent model as layout=0, its initial states transposed to match."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    node = out.graph.node[0]
+    for a in node.attribute:
+        if a.name == "layout":
+            a.i = 0
+    dims = out.graph.input[0].type.tensor_type.shape.dim
+    first, second = dims[0].dim_value, dims[1].dim_value
+    dims[0].dim_value, dims[1].dim_value = second, first
+    for init in out.graph.initializer:
+        if init.name in ("h0", "c0"):
+            init.CopyFrom(
+                onnx.numpy_helper.from_array(
+                    np.swapaxes(onnx.numpy_helper.to_array(init), 0, 1).copy(), init.name
+                )
+            )
+    return out
