@@ -57,6 +57,11 @@ CLASSIC_OPS = [
     "RNN",
     "GRU",
     "LSTM",
+    "DFT",
+    "STFT",
+    "Adagrad",
+    "Momentum",
+    "Adam",
 ]
 
 _TYPES = {
@@ -547,3 +552,19 @@ def _time_major(model: onnx.ModelProto) -> onnx.ModelProto:
                 )
             )
     return out
+
+
+# -- spectral ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis", "length", "attrs"),
+    [((2, 9, 3, 1), 1, 12, {"onesided": 1}), ((2, 4, 7, 2), -2, 5, {"inverse": 1}),
+     ((3, 8, 2), 1, 8, {})],
+)  # fmt: skip
+def test_dft_matches_onnxruntime(shape: tuple, axis: int, length: int, attrs: dict) -> None:
+    x = _f32(*shape)
+    inits = {"n": np.array(length, np.int64), "axis": np.array(axis, np.int64)}
+    node = helper.make_node("DFT", ["x", "n", "axis"], ["y"], **attrs)
+    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 20, inits)
+    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}), tol=1e-4)

@@ -7,8 +7,10 @@ from . import (  # noqa: F401  (register on import)
     nn,
     reduce,
     shape_ops,
+    spectral,
     strings,
     tensor_math,
+    training,
 )
 from ._registry import REGISTRY
 
