@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (register on import)
     fused,
     nn,
     reduce,
+    sampling,
     shape_ops,
     spectral,
     strings,
