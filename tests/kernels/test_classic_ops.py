@@ -64,6 +64,8 @@ CLASSIC_OPS = [
     "Adam",
     "GridSample",
     "AffineGrid",
+    "CausalConvWithState",
+    "LinearAttention",
 ]
 
 _TYPES = {
@@ -79,7 +81,7 @@ _TYPES = {
 
 
 #: Function bodies that need an op the cpu provider does not have (If, a subgraph op).
-NOT_YET = {"AffineGrid (expanded)"}
+NOT_YET = {"AffineGrid (expanded)", "LinearAttention (expanded)"}
 
 
 def _node_cases() -> list[Any]:
@@ -591,3 +593,56 @@ def test_grid_sample_matches_onnxruntime(mode: str, padding: str, align: int) ->
     model = _model([node], {"x": x, "g": grid}, [("y", TensorProto.FLOAT)], 16)
     feeds = {"x": x, "g": grid}
     _assert_same(_ours(model, feeds), _onnxruntime(model, feeds), tol=1e-4)
+
+
+# -- sequence mixers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", ["linear", "gated", "delta", "gated_delta"])
+def test_linear_attention_unequal_head_sizes_match_the_reference(rule: str) -> None:
+    """Key and value head sizes differ here (4 and 6), unlike in ONNX's node tests."""
+    b, t, hq, hkv, dk, dv = 2, 5, 4, 2, 4, 6
+    feeds = {
+        "q": _f32(b, t, hq * dk) * 0.5,
+        "k": _f32(b, t, hkv * dk) * 0.5,
+        "v": _f32(b, t, hkv * dv),
+        "past": _f32(b, hkv, dk, dv) * 0.1,
+    }
+    names = ["q", "k", "v", "past", "", ""]
+    if rule in ("gated", "gated_delta"):
+        feeds["decay"] = -RNG.uniform(0.0, 0.5, (b, t, hkv * dk)).astype(np.float32)
+        names[4] = "decay"
+    if rule in ("delta", "gated_delta"):
+        feeds["beta"] = RNG.uniform(0.0, 1.0, (b, t, hkv)).astype(np.float32)
+        names[5] = "beta"
+    while not names[-1]:
+        names.pop()
+    node = helper.make_node(
+        "LinearAttention", names, ["o", "s"], q_num_heads=hq, kv_num_heads=hkv, update_rule=rule
+    )
+    model = _model([node], feeds, [("o", TensorProto.FLOAT), ("s", TensorProto.FLOAT)], 27)
+    _assert_same(_ours(model, feeds), _reference(model, feeds), tol=1e-5)
+
+
+def test_causal_conv_decode_continues_the_prefill() -> None:
+    """Prefill of L tokens, then one decode step from present_state, equals L + 1 at once."""
+    x = _f32(2, 3, 9)
+    w, bias = _f32(3, 1, 4), _f32(3)
+    whole = helper.make_node("CausalConvWithState", ["x", "w", "b"], ["y", "s"], activation="silu")
+    model = _model([whole], {"x": x}, [("y", TensorProto.FLOAT), ("s", TensorProto.FLOAT)], 27,
+                   {"w": w, "b": bias})  # fmt: skip
+    y_all, s_all = _ours(model, {"x": x})
+    prefix = {"x": np.ascontiguousarray(x[:, :, :8])}
+    pre_model = _model([whole], prefix, [("y", TensorProto.FLOAT), ("s", TensorProto.FLOAT)], 27,
+                       {"w": w, "b": bias})  # fmt: skip
+    y_pre, s_pre = _ours(pre_model, prefix)
+    step = helper.make_node(
+        "CausalConvWithState", ["x", "w", "b", "p"], ["y", "s"], activation="silu"
+    )
+    inputs = {"x": np.ascontiguousarray(x[:, :, 8:]), "p": s_pre}
+    step_model = _model([step], inputs, [("y", TensorProto.FLOAT), ("s", TensorProto.FLOAT)],
+                        27, {"w": w, "b": bias})  # fmt: skip
+    y_step, s_step = _ours(step_model, inputs)
+    np.testing.assert_allclose(np.concatenate([y_pre, y_step], axis=2), y_all, rtol=1e-6)
+    np.testing.assert_allclose(s_step, s_all, rtol=1e-6)
+    np.testing.assert_array_equal(s_all, x[:, :, -3:])

@@ -7,6 +7,7 @@ from . import (  # noqa: F401  (register on import)
     nn,
     reduce,
     sampling,
+    sequence_mixers,
     shape_ops,
     spectral,
     strings,
