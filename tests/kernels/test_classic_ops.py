@@ -66,6 +66,8 @@ CLASSIC_OPS = [
     "AffineGrid",
     "CausalConvWithState",
     "LinearAttention",
+    "NonMaxSuppression",
+    "TfIdfVectorizer",
 ]
 
 _TYPES = {
@@ -646,3 +648,38 @@ def test_causal_conv_decode_continues_the_prefill() -> None:
     np.testing.assert_allclose(np.concatenate([y_pre, y_step], axis=2), y_all, rtol=1e-6)
     np.testing.assert_allclose(s_step, s_all, rtol=1e-6)
     np.testing.assert_array_equal(s_all, x[:, :, -3:])
+
+
+# -- detection and text features ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("center", [0, 1])
+def test_non_max_suppression_matches_onnxruntime(center: int) -> None:
+    corner = RNG.uniform(0, 10, (2, 40, 2))
+    size = RNG.uniform(1, 4, (2, 40, 2))
+    boxes = np.concatenate([corner, corner + size], axis=-1).astype(np.float32)
+    if center:
+        boxes = np.concatenate([corner + size / 2, size], axis=-1)[..., [1, 0, 3, 2]]
+        boxes = boxes.astype(np.float32)
+    scores = RNG.uniform(0, 1, (2, 3, 40)).astype(np.float32)
+    inits = {"k": np.array([7], np.int64), "iou": np.array([0.3], np.float32),
+             "min": np.array([0.2], np.float32)}  # fmt: skip
+    node = helper.make_node(
+        "NonMaxSuppression", ["b", "s", "k", "iou", "min"], ["sel"], center_point_box=center
+    )
+    feeds = {"b": boxes, "s": scores}
+    model = _model([node], feeds, [("sel", TensorProto.INT64)], 11, inits)
+    _assert_same(_ours(model, feeds), _onnxruntime(model, feeds))
+
+
+@pytest.mark.parametrize("mode", ["TF", "IDF", "TFIDF"])
+def test_tfidf_trigrams_with_skips_match_onnxruntime(mode: str) -> None:
+    x = RNG.integers(0, 5, (3, 14)).astype(np.int64)
+    pool = [0, 1, 2, 3, 0, 1, 2, 2, 4, 1, 1, 0, 0, 2, 3, 1, 0, 0, 0]
+    node = helper.make_node(
+        "TfIdfVectorizer", ["x"], ["y"], mode=mode, min_gram_length=1, max_gram_length=3,
+        max_skip_count=2, ngram_counts=[0, 4, 10], ngram_indexes=[6, 5, 4, 3, 2, 1, 0, 7, 8, 9],
+        pool_int64s=pool, weights=[0.5, 1.5, 2.0, 1.0, 0.25, 3.0, 1.0, 0.75, 2.5, 1.25],
+    )  # fmt: skip
+    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11)
+    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}))

@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (register on import)
     contrib,
+    detection,
     elementwise,
     fused,
     nn,
@@ -12,6 +13,7 @@ from . import (  # noqa: F401  (register on import)
     spectral,
     strings,
     tensor_math,
+    tfidf,
     training,
 )
 from ._registry import REGISTRY
