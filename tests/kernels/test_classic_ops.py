@@ -68,6 +68,7 @@ CLASSIC_OPS = [
     "LinearAttention",
     "NonMaxSuppression",
     "TfIdfVectorizer",
+    "RoiAlign",
 ]
 
 _TYPES = {
@@ -683,3 +684,24 @@ def test_tfidf_trigrams_with_skips_match_onnxruntime(mode: str) -> None:
     )  # fmt: skip
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11)
     _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}))
+
+
+@pytest.mark.parametrize(
+    ("opset", "attrs"),
+    [(10, {"mode": "avg", "sampling_ratio": 0}), (16, {"mode": "avg", "sampling_ratio": 2}),
+     (16, {"mode": "max", "sampling_ratio": 0, "coordinate_transformation_mode": "output_half_pixel"}),
+     (16, {"mode": "avg", "spatial_scale": 0.5})],
+)  # fmt: skip
+def test_roi_align_matches_onnxruntime(opset: int, attrs: dict) -> None:
+    x = _f32(2, 3, 10, 12)
+    rois = np.array(
+        [[0, 0, 9, 9], [2.5, 1.2, 7.7, 8.1], [-2, -1, 4, 3], [6, 5, 14, 12], [3, 3, 3.5, 4]],
+        np.float32,
+    )
+    batch = np.array([0, 1, 1, 0, 1], np.int64)
+    node = helper.make_node(
+        "RoiAlign", ["x", "rois", "b"], ["y"], output_height=3, output_width=4, **attrs
+    )
+    feeds = {"x": x, "rois": rois, "b": batch}
+    model = _model([node], feeds, [("y", TensorProto.FLOAT)], opset)
+    _assert_same(_ours(model, feeds), _onnxruntime(model, feeds), tol=1e-5)

@@ -1,10 +1,11 @@
-"""CPU kernels for detection models: NonMaxSuppression (greedy, per batch and class)."""
+"""CPU kernels for detection models: NonMaxSuppression (greedy, per batch and class) and
+RoiAlign (bilinear sampling, average or max per bin)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.kernels import KernelContext, NodeInfo
 
 from ._registry import REGISTRY
 
@@ -79,3 +80,76 @@ def non_max_suppression(
                 kept.append(int(i))
             picked += [(b, c, i) for i in kept]
     return np.array(picked, np.int64).reshape(-1, 3)
+
+
+def _roi_align_check(node: NodeInfo, _types: object = ()) -> str | None:
+    mode = node.attr("mode", "avg")
+    if mode not in ("avg", "max"):
+        return f"RoiAlign mode={mode!r} is not 'avg' or 'max'"
+    ctm = node.attr("coordinate_transformation_mode", "half_pixel")
+    if ctm not in ("half_pixel", "output_half_pixel"):
+        return f"RoiAlign coordinate_transformation_mode={ctm!r} is not supported"
+    return None
+
+
+def _roi_samples(start: float, bin_size: float, bins: int, grid: int, limit: int):
+    """Per (bin, sample): low index, high index, low weight, high weight, valid mask."""
+    pos = start + (np.arange(bins)[:, None] + (np.arange(grid)[None, :] + 0.5) / grid) * bin_size
+    valid = (pos >= -1.0) & (pos <= limit)
+    pos = np.clip(pos, 0.0, None)
+    low = np.floor(pos).astype(np.int64)
+    at_edge = low >= limit - 1
+    low = np.where(at_edge, limit - 1, low)
+    high = np.where(at_edge, limit - 1, low + 1)
+    frac = np.where(at_edge, 0.0, pos - low)
+    return low, high, 1.0 - frac, frac, valid
+
+
+@REGISTRY.register("RoiAlign", since=10, check=_roi_align_check)
+def roi_align(ctx: KernelContext, x: Array, rois: Array, batch_indices: Array) -> Array:
+    """Average (or max) of bilinear samples over each bin of each region [x1, y1, x2, y2]
+    (scaled by spatial_scale) of image batch_indices[r]; output [R, C, out_h, out_w]."""
+    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 4:
+        raise ValueError(
+            f"{ctx.node.describe()}: X {list(x.shape)} must be [N, C, H, W] and rois "
+            f"{list(rois.shape)} [R, 4]"
+        )
+    idx = batch_indices.astype(np.int64).reshape(-1)
+    if idx.shape != (rois.shape[0],) or (idx.size and (idx.min() < 0 or idx.max() >= x.shape[0])):
+        raise ValueError(
+            f"{ctx.node.describe()}: batch_indices must be {rois.shape[0]} values in "
+            f"[0, {x.shape[0]})"
+        )
+    out_h, out_w = int(ctx.attr("output_height", 1)), int(ctx.attr("output_width", 1))
+    ratio = int(ctx.attr("sampling_ratio", 0))
+    scale = float(ctx.attr("spatial_scale", 1.0))
+    default_ctm = "half_pixel" if ctx.opset >= 16 else "output_half_pixel"
+    half_pixel = ctx.attr("coordinate_transformation_mode", default_ctm) == "half_pixel"
+    use_max = ctx.attr("mode", "avg") == "max"
+    height, width = x.shape[2:]
+    xf = x.astype(np.float64)
+    out = np.zeros((rois.shape[0], x.shape[1], out_h, out_w))
+    for r, roi in enumerate(rois.astype(np.float64)):
+        offset = 0.5 if half_pixel else 0.0
+        x1, y1, x2, y2 = roi * scale - offset
+        roi_w, roi_h = x2 - x1, y2 - y1
+        if not half_pixel:
+            roi_w, roi_h = max(roi_w, 1.0), max(roi_h, 1.0)
+        grid_h = ratio if ratio > 0 else int(np.ceil(roi_h / out_h))
+        grid_w = ratio if ratio > 0 else int(np.ceil(roi_w / out_w))
+        grid_h, grid_w = max(grid_h, 1), max(grid_w, 1)
+        yl, yh, wyl, wyh, vy = _roi_samples(y1, roi_h / out_h, out_h, grid_h, height)
+        xl, xh, wxl, wxh, vx = _roi_samples(x1, roi_w / out_w, out_w, grid_w, width)
+        img = xf[idx[r]]  # [C, H, W]
+        terms = []
+        for ys, wy in ((yl, wyl), (yh, wyh)):
+            for xs, wx in ((xl, wxl), (xh, wxh)):
+                vals = img[:, ys[:, :, None, None], xs[None, None, :, :]]  # [C, oh, gh, ow, gw]
+                weight = (wy * vy)[:, :, None, None] * (wx * vx)[None, None, :, :]
+                terms.append(vals * weight)
+        stacked = np.stack(terms)  # [4, C, oh, gh, ow, gw]
+        if use_max:
+            out[r] = stacked.max(axis=0).max(axis=(2, 4))
+        else:
+            out[r] = stacked.sum(axis=0).sum(axis=(2, 4)) / (grid_h * grid_w)
+    return out.astype(x.dtype)
