@@ -491,12 +491,19 @@ def test_max_unpool_inverts_max_pool_indices() -> None:
     np.testing.assert_array_equal(got, np.where(is_max, win, 0).reshape(x.shape))
 
 
-def test_lrn_even_size_window_matches_the_reference() -> None:
-    """An even window reaches one channel further after than before (onnxruntime refuses it)."""
-    x = _f32(1, 5, 2, 2)
-    node = helper.make_node("LRN", ["x"], ["y"], size=4, alpha=0.5, beta=0.7, bias=1.0)
-    model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 13)
-    _assert_same(_ours(model, {"x": x}), _reference(model, {"x": x}))
+def test_lrn_even_size_window_follows_the_spec_formula() -> None:
+    """An even window reaches floor((size-1)/2) channels before and ceil((size-1)/2) after
+    (onnxruntime refuses even sizes, so the spec's sum is written out here in float64)."""
+    x = _f32(2, 6, 2, 3)
+    size, alpha, beta, bias = 4, 0.5, 0.7, 1.0
+    node = helper.make_node("LRN", ["x"], ["y"], size=size, alpha=alpha, beta=beta, bias=bias)
+    (got,) = _ours(_model([node], {"x": x}, [("y", TensorProto.FLOAT)], 13), {"x": x})
+    sq = x.astype(np.float64) ** 2
+    want = np.empty_like(sq)
+    for c in range(6):
+        lo, hi = max(0, c - (size - 1) // 2), min(5, c + -(-(size - 1) // 2))
+        want[:, c] = x[:, c] / (bias + alpha / size * sq[:, lo : hi + 1].sum(axis=1)) ** beta
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 # -- recurrent layers --------------------------------------------------------------------------
@@ -705,3 +712,36 @@ def test_roi_align_matches_onnxruntime(opset: int, attrs: dict) -> None:
     feeds = {"x": x, "rois": rois, "b": batch}
     model = _model([node], feeds, [("y", TensorProto.FLOAT)], opset)
     _assert_same(_ours(model, feeds), _onnxruntime(model, feeds), tol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["Adam", "Adagrad", "Momentum"])
+def test_optimizer_step_after_the_first_matches_the_reference(op: str) -> None:
+    """T > 0: Adam's bias correction and Momentum's beta apply (node tests use T = 0)."""
+    groups = {"Adam": 4, "Adagrad": 3, "Momentum": 3}[op]
+    tensors = {
+        f"t{g}_{i}": _f32(*shape) for g in range(groups) for i, shape in enumerate([(3,), (2, 2)])
+    }
+    for name in tensors:
+        if name.startswith(("t3_", "t2_")) and op != "Momentum":
+            tensors[name] = np.abs(tensors[name])  # accumulated squares are >= 0
+    attrs = {
+        "Adam": {"alpha": 0.9, "beta": 0.99, "epsilon": 1e-3, "norm_coefficient": 0.01},
+        "Adagrad": {"decay_factor": 0.1, "epsilon": 1e-3, "norm_coefficient": 0.01},
+        "Momentum": {"alpha": 0.9, "beta": 0.5, "mode": "standard", "norm_coefficient": 0.01},
+    }[op]
+    feeds = {"r": np.array(0.1, np.float32), "t": np.array(3, np.int64), **tensors}
+    outs = [f"o{k}" for k in range((groups - 1) * 2)]
+    node = helper.make_node(op, list(feeds), outs, domain="ai.onnx.preview.training", **attrs)
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info(n, _TYPES[a.dtype], a.shape) for n, a in feeds.items()],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
+    )  # fmt: skip
+    model = helper.make_model(
+        graph,
+        opset_imports=[
+            helper.make_opsetid("", 17),
+            helper.make_opsetid("ai.onnx.preview.training", 1),
+        ],
+    )
+    _assert_same(_ours(model, feeds), _reference(model, feeds), tol=1e-5)

@@ -77,7 +77,7 @@ def _max_indices(ctx: KernelContext, x: Array, win: Array, geom: PoolGeometry) -
     return (channel * math.prod(x.shape[2:]) + spatial).astype(np.int64)
 
 
-@REGISTRY.register(("MaxPool",), since=1, check=pool_attribute_problem)
+@REGISTRY.register("MaxPool", since=1, check=pool_attribute_problem)
 def max_pool(ctx: KernelContext, x: Array) -> Array | tuple[Array, Array]:
     """Max over each window; padding never wins. Optional second output: Indices."""
     geom = _geometry(ctx, x)

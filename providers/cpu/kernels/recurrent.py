@@ -201,14 +201,24 @@ def _outputs(ctx: KernelContext, x: Array, y: Array, finals: list[Array]) -> tup
 
 
 @REGISTRY.register("RNN", since=7, check=_recurrent_check)
-def rnn(ctx, x, w, r, b=None, seq_lens=None, initial_h=None):
+def rnn(
+    ctx: KernelContext,
+    x: Array,
+    w: Array,
+    r: Array,
+    b: Array | None = None,
+    seq_lens: Array | None = None,
+    initial_h: Array | None = None,
+) -> tuple[Array, ...]:
     """Ht = f(Xt W^T + Ht-1 R^T + Wb + Rb)."""
     xs, weights, lens, hidden = _prepare(ctx, x, w, r, b, seq_lens)
     layout = int(ctx.attr("layout", 0))
     h0 = _initial(initial_h, len(weights), xs.shape[1], hidden, layout)
     clip = _clip(ctx)
 
-    def step(xt, state, wd, acts):
+    def step(
+        xt: Array, state: tuple[Array, ...], wd: _Weights, acts: Sequence[Activation]
+    ) -> tuple[Array, ...]:
         (h,) = state
         return (acts[0](clip(xt @ wd.w.T + h @ wd.r.T + wd.wb + wd.rb)),)
 
@@ -217,7 +227,15 @@ def rnn(ctx, x, w, r, b=None, seq_lens=None, initial_h=None):
 
 
 @REGISTRY.register("GRU", since=7, check=_recurrent_check)
-def gru(ctx, x, w, r, b=None, seq_lens=None, initial_h=None):
+def gru(
+    ctx: KernelContext,
+    x: Array,
+    w: Array,
+    r: Array,
+    b: Array | None = None,
+    seq_lens: Array | None = None,
+    initial_h: Array | None = None,
+) -> tuple[Array, ...]:
     """Update gate z, reset gate r, candidate h (reset before or after R's matmul)."""
     xs, weights, lens, hidden = _prepare(ctx, x, w, r, b, seq_lens)
     layout = int(ctx.attr("layout", 0))
@@ -226,7 +244,9 @@ def gru(ctx, x, w, r, b=None, seq_lens=None, initial_h=None):
     before_reset = bool(ctx.attr("linear_before_reset", 0))
     hs = slice(2 * hidden, 3 * hidden)
 
-    def step(xt, state, wd, acts):
+    def step(
+        xt: Array, state: tuple[Array, ...], wd: _Weights, acts: Sequence[Activation]
+    ) -> tuple[Array, ...]:
         (h,) = state
         xw = xt @ wd.w.T + wd.wb
         zr = acts[0](clip(xw[:, : 2 * hidden] + h @ wd.r[: 2 * hidden].T + wd.rb[: 2 * hidden]))
@@ -243,7 +263,17 @@ def gru(ctx, x, w, r, b=None, seq_lens=None, initial_h=None):
 
 
 @REGISTRY.register("LSTM", since=7, check=_recurrent_check)
-def lstm(ctx, x, w, r, b=None, seq_lens=None, initial_h=None, initial_c=None, p=None):
+def lstm(
+    ctx: KernelContext,
+    x: Array,
+    w: Array,
+    r: Array,
+    b: Array | None = None,
+    seq_lens: Array | None = None,
+    initial_h: Array | None = None,
+    initial_c: Array | None = None,
+    p: Array | None = None,
+) -> tuple[Array, ...]:
     """Gates i, o, f, cell c (order iofc), optional peepholes P = [Pi, Po, Pf]."""
     xs, weights, lens, hidden = _prepare(ctx, x, w, r, b, seq_lens, p)
     layout = int(ctx.attr("layout", 0))
@@ -254,7 +284,9 @@ def lstm(ctx, x, w, r, b=None, seq_lens=None, initial_h=None, initial_c=None, p=
     couple = bool(ctx.attr("input_forget", 0))
     zeros = np.zeros(3 * hidden)
 
-    def step(xt, state, wd, acts):
+    def step(
+        xt: Array, state: tuple[Array, ...], wd: _Weights, acts: Sequence[Activation]
+    ) -> tuple[Array, ...]:
         h, c = state
         f_act, g_act, h_act = acts
         pre = xt @ wd.w.T + h @ wd.r.T + wd.wb + wd.rb
