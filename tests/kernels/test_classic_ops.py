@@ -69,6 +69,7 @@ CLASSIC_OPS = [
     "NonMaxSuppression",
     "TfIdfVectorizer",
     "RoiAlign",
+    "DeformConv",
 ]
 
 _TYPES = {
@@ -745,3 +746,18 @@ def test_optimizer_step_after_the_first_matches_the_reference(op: str) -> None:
         ],
     )
     _assert_same(_ours(model, feeds), _reference(model, feeds), tol=1e-5)
+
+
+def test_deform_conv_groups_strides_mask_match_the_reference() -> None:
+    x = _f32(2, 4, 7, 6)
+    w = _f32(6, 2, 3, 2)
+    attrs = {"group": 2, "offset_group": 2, "strides": [2, 1], "dilations": [1, 2],
+             "pads": [1, 2, 0, 1], "kernel_shape": [3, 2]}  # fmt: skip
+    out_h, out_w = (7 + 1 - 3) // 2 + 1, (6 + 3 - 3) // 1 + 1
+    offset = (_f32(2, 2 * 2 * 6, out_h, out_w) * 1.5).astype(np.float32)
+    mask = RNG.uniform(0, 1, (2, 2 * 6, out_h, out_w)).astype(np.float32)
+    bias = _f32(6)
+    node = helper.make_node("DeformConv", ["x", "w", "off", "b", "m"], ["y"], **attrs)
+    feeds = {"x": x, "w": w, "off": offset, "b": bias, "m": mask}
+    model = _model([node], feeds, [("y", TensorProto.FLOAT)], 19)
+    _assert_same(_ours(model, feeds), _reference(model, feeds), tol=1e-4)
