@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -165,3 +166,240 @@ def windowed_cache_length(total: int, capacity: int, window: int) -> int:
         return total
     block = capacity - window + 1
     return total - block * -(-(total - capacity) // block)
+
+
+# -- windowed ops (pooling, ConvTranspose) ------------------------------------------------
+
+#: auto_pad values ONNX defines for Conv, ConvTranspose and the pooling ops.
+AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Where a pooling window sits along each spatial axis.
+
+    ``pads`` are the (begin, end) pads the op defines; ``extra_end`` is what ``ceil_mode``
+    adds past the end pad so that the last partial window fits (never counted as padding).
+    """
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads: tuple[tuple[int, int], ...]
+    extra_end: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+    @property
+    def extents(self) -> tuple[int, ...]:
+        """Span of each dilated window."""
+        return tuple(d * (k - 1) + 1 for k, d in zip(self.kernel, self.dilations, strict=True))
+
+
+def _ints(node: NodeInfo, name: str, n: int, default: int) -> tuple[int, ...]:
+    values = node.attr(name)
+    if values is None:
+        return (default,) * n
+    values = tuple(int(v) for v in values)
+    if len(values) != n:
+        raise ValueError(
+            f"{node.describe()}: {name} has {len(values)} values, expected {n} "
+            f"(one per spatial axis)"
+        )
+    return values
+
+
+def pool_attribute_problem(node: NodeInfo, _types: object = ()) -> str | None:
+    """Why a MaxPool / AveragePool / LpPool node's attributes cannot run, or None."""
+    auto = node.attr("auto_pad", "NOTSET")
+    if auto not in AUTO_PADS:
+        return f"{node.op_type} auto_pad={auto!r} is not one of {', '.join(AUTO_PADS)}"
+    if node.attr("kernel_shape") is None:
+        return f"{node.op_type} needs the kernel_shape attribute"
+    if node.op_type == "MaxPool" and node.attr("storage_order", 0) not in (0, 1):
+        return f"MaxPool storage_order={node.attr('storage_order')} must be 0 or 1"
+    if node.op_type == "LpPool" and int(node.attr("p", 2)) < 1:
+        return f"LpPool p={node.attr('p')} must be >= 1"
+    return None
+
+
+def pool_geometry(node: NodeInfo, in_spatial: Sequence[int]) -> PoolGeometry:
+    """Window geometry and output spatial shape of a pooling node over ``in_spatial``."""
+    n = len(in_spatial)
+    kernel = tuple(int(k) for k in node.attr("kernel_shape", ()))
+    if len(kernel) != n:
+        raise ValueError(
+            f"{node.describe()}: kernel_shape {list(kernel)} has {len(kernel)} axes but the "
+            f"input has {n} spatial axes"
+        )
+    strides = _ints(node, "strides", n, 1)
+    dils = _ints(node, "dilations", n, 1)
+    if min(kernel + strides + dils, default=1) < 1:
+        raise ValueError(f"{node.describe()}: kernel_shape, strides and dilations must be >= 1")
+    ext = [d * (k - 1) + 1 for k, d in zip(kernel, dils, strict=True)]
+    auto = node.attr("auto_pad", "NOTSET")
+    ceil_mode = bool(node.attr("ceil_mode", 0))
+    pads: list[tuple[int, int]] = []
+    out: list[int] = []
+    extra: list[int] = []
+    for i, (size, e, s) in enumerate(zip(in_spatial, ext, strides, strict=True)):
+        if auto in ("SAME_UPPER", "SAME_LOWER"):
+            o = -(-size // s)
+            total = max(0, (o - 1) * s + e - size)
+            small = total // 2
+            pads.append((small, total - small) if auto == "SAME_UPPER" else (total - small, small))
+        elif auto == "VALID":
+            o = max(0, -(-(size - e + 1) // s))
+            pads.append((0, 0))
+        else:
+            flat = _ints(node, "pads", 2 * n, 0)
+            b, en = flat[i], flat[n + i]
+            if b < 0 or en < 0:
+                raise ValueError(f"{node.describe()}: negative pads {list(flat)}")
+            pads.append((b, en))
+            span = size + b + en - e
+            if span < 0:
+                raise ValueError(
+                    f"{node.describe()}: window of {e} does not fit axis {i} of size {size} "
+                    f"padded by {(b, en)}"
+                )
+            o = (-(-span // s) if ceil_mode else span // s) + 1
+            if ceil_mode and (o - 1) * s >= size + b:
+                o -= 1  # the last window would start inside the end padding only
+        out.append(o)
+        need = (o - 1) * s + e if o > 0 else 0
+        extra.append(max(0, need - (size + pads[-1][0] + pads[-1][1])))
+    return PoolGeometry(kernel, strides, dils, tuple(pads), tuple(extra), tuple(out))
+
+
+@dataclass(frozen=True)
+class ConvTransposeGeometry:
+    """ConvTranspose along each spatial axis: the full scatter length before cropping and
+    the (begin, end) crop; a negative crop extends the output with zeros."""
+
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    full: tuple[int, ...]
+    pads: tuple[tuple[int, int], ...]
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(f - b - e for f, (b, e) in zip(self.full, self.pads, strict=True))
+
+
+def conv_transpose_attribute_problem(node: NodeInfo, _types: object = ()) -> str | None:
+    """Why a ConvTranspose node's attributes cannot run, or None."""
+    auto = node.attr("auto_pad", "NOTSET")
+    if auto not in AUTO_PADS:
+        return f"ConvTranspose auto_pad={auto!r} is not one of {', '.join(AUTO_PADS)}"
+    if int(node.attr("group", 1)) < 1:
+        return f"ConvTranspose group={node.attr('group')} must be >= 1"
+    return None
+
+
+def conv_transpose_geometry(
+    node: NodeInfo, in_spatial: Sequence[int], kernel: Sequence[int]
+) -> ConvTransposeGeometry:
+    """Output geometry of ConvTranspose from pads, or from output_shape / auto_pad (whose
+    total padding is split with the odd unit at the end for SAME_UPPER, else at the start)."""
+    n = len(in_spatial)
+    strides = _ints(node, "strides", n, 1)
+    dils = _ints(node, "dilations", n, 1)
+    out_pad = _ints(node, "output_padding", n, 0)
+    if node.attr("kernel_shape") is not None and tuple(node.attr("kernel_shape")) != tuple(kernel):
+        raise ValueError(
+            f"{node.describe()}: kernel_shape {list(node.attr('kernel_shape'))} does not match "
+            f"the weight's spatial shape {list(kernel)}"
+        )
+    for i, (op_, s, d) in enumerate(zip(out_pad, strides, dils, strict=True)):
+        if op_ < 0 or op_ >= max(s, d):
+            raise ValueError(
+                f"{node.describe()}: output_padding[{i}]={op_} must be >= 0 and below the "
+                f"stride or dilation ({max(s, d)})"
+            )
+    full = tuple(
+        s * (size - 1) + op_ + d * (k - 1) + 1
+        for size, k, s, d, op_ in zip(in_spatial, kernel, strides, dils, out_pad, strict=True)
+    )
+    auto = node.attr("auto_pad", "NOTSET")
+    wanted = node.attr("output_shape")
+    if wanted is not None:
+        wanted = tuple(int(v) for v in wanted)[-n:]
+        if len(wanted) != n:
+            raise ValueError(
+                f"{node.describe()}: output_shape {list(node.attr('output_shape'))} needs "
+                f"{n} spatial sizes"
+            )
+    elif auto in ("SAME_UPPER", "SAME_LOWER"):
+        wanted = tuple(size * s for size, s in zip(in_spatial, strides, strict=True))
+    if wanted is not None:
+        pads = []
+        for f, w in zip(full, wanted, strict=True):
+            total = f - w
+            half = total // 2
+            pads.append((half, total - half) if auto == "SAME_UPPER" else (total - half, half))
+    elif auto == "VALID":
+        pads = [(0, 0)] * n
+    else:
+        flat = _ints(node, "pads", 2 * n, 0)
+        pads = list(zip(flat[:n], flat[n:], strict=True))
+    geom = ConvTransposeGeometry(strides, dils, full, tuple(pads))
+    if min(geom.out_shape, default=1) < 0:
+        raise ValueError(f"{node.describe()}: pads {pads} leave a negative output size")
+    return geom
+
+
+# -- opset 1-6 broadcasting and PRelu slopes -----------------------------------------------
+
+
+def legacy_broadcast_shape(
+    node: NodeInfo, a_shape: Sequence[int], b_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The shape B takes to broadcast against A under the opset 1-6 rules of the binary ops
+    (``broadcast``/``axis`` attributes): B's dims line up with A's from ``axis`` (default:
+    the trailing dims); without broadcast=1 the shapes must match.
+    """
+    a, b = tuple(a_shape), tuple(b_shape)
+    if not node.attr("broadcast", 0):
+        if a != b:
+            raise ValueError(
+                f"{node.describe()}: B {list(b)} differs from A {list(a)}; opset "
+                f"{node.opset} broadcasts only with broadcast=1 (or upgrade the model to "
+                f"opset 7+, which broadcasts like numpy)"
+            )
+        return b
+    axis = node.attr("axis")
+    axis = len(a) - len(b) if axis is None else int(axis)
+    if axis < 0:
+        axis += len(a)
+    if (
+        axis < 0
+        or axis + len(b) > len(a)
+        or any(db not in (1, da) for da, db in zip(a[axis:], b, strict=False))
+    ):
+        raise ValueError(
+            f"{node.describe()}: B {list(b)} does not fit A {list(a)} from axis "
+            f"{node.attr('axis', 'trailing')} (broadcast=1 needs B's dims equal to A's there)"
+        )
+    return (1,) * axis + b + (1,) * (len(a) - axis - len(b))
+
+
+def prelu_slope_shape(
+    node: NodeInfo, x_shape: Sequence[int], slope_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """The shape the PRelu slope takes against X. A 1-D slope of X's channel count (axis 1)
+    is per channel: always before opset 7 (its definition then), and from opset 7 on where
+    numpy broadcasting would fail, as older exporters wrote it. Otherwise unchanged."""
+    x, s = tuple(x_shape), tuple(slope_shape)
+    per_channel = len(s) == 1 and len(x) >= 2 and s[0] == x[1] and s[0] != 1
+    if per_channel and (node.opset < 7 or s[0] != x[-1]):
+        return (s[0],) + (1,) * (len(x) - 2)
+    try:
+        if np.broadcast_shapes(x, s) == x:
+            return s
+    except ValueError:
+        pass
+    raise ValueError(
+        f"{node.describe()}: slope {list(s)} does not broadcast to X {list(x)}; give one "
+        f"slope, a per-channel slope of {x[1] if len(x) > 1 else '?'} values, or a shape that "
+        f"broadcasts to X"
+    )

@@ -10,11 +10,13 @@ every data set through it. Outcomes:
 
 * **skipped** -- the op is not claimed: building the session raises ``UnsupportedOpError``
   (some node has no kernel, or the kernel refuses the opset/dtype), or the case feeds or
-  returns something other than a plain numeric tensor (sequence, optional, string).
+  returns something other than a tensor (sequence, optional), or a string tensor on a
+  provider without string tensors (only ``cpu`` has them).
 * **failed** -- anything else going wrong: another exception while building or running,
   a wrong number of outputs, a wrong dtype or shape, or values outside the case's
   ``rtol``/``atol`` (``np.testing.assert_allclose``, NaN == NaN; ints and bools exact;
-  bfloat16 with rtol >= 2**-6 like onnx's own runner; other ml_dtypes compared widened).
+  bfloat16 with rtol >= 2**-6 like onnx's own runner; other ml_dtypes compared widened;
+  strings exact).
 * **passed** -- every output of every data set matches.
 
 Grouping: a case is counted under the op it tests. A single-node case uses its node's
@@ -72,6 +74,8 @@ NAME_ALIASES = {
     "nllloss": "NegativeLogLikelihoodLoss",
     "mvn": "MeanVarianceNormalization",
 }
+#: Providers whose kernels take and return string tensors (numpy object arrays).
+STRING_PROVIDERS = {"cpu"}
 #: Ops that glue function bodies together; never chosen as the op a test is about.
 PLUMBING_OPS = {
     "Constant", "ConstantOfShape", "Identity", "Shape", "Size", "Cast", "CastLike", "Reshape",
@@ -339,41 +343,58 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _value_kind(value: Any) -> str | None:
-    """Why ``value`` is not a plain numeric tensor, or None."""
+def _value_kind(value: Any, strings: bool) -> str | None:
+    """Why ``value`` is not a tensor the provider takes, or None."""
     if value is None:
         return "optional (None)"
     if isinstance(value, list | tuple):
         return "sequence"
     if not isinstance(value, np.ndarray):
         return type(value).__name__
-    if value.dtype.kind in "OSU":
+    if value.dtype.kind in "OSU" and not strings:
         return "string tensor"
     return None
 
 
-def _graph_kind(vi: onnx.ValueInfoProto) -> str | None:
+def _graph_kind(vi: onnx.ValueInfoProto, strings: bool) -> str | None:
     kind = vi.type.WhichOneof("value")
     if kind != "tensor_type":
         return (kind or "untyped").removesuffix("_type")
-    if vi.type.tensor_type.elem_type == onnx.TensorProto.STRING:
+    if vi.type.tensor_type.elem_type == onnx.TensorProto.STRING and not strings:
         return "string tensor"
     return None
 
 
-def non_tensor_reason(case: Case) -> str | None:
-    """Why a case's I/O is not plain numeric tensors (such cases are skipped), or None."""
+def non_tensor_reason(case: Case, provider: str = "") -> str | None:
+    """Why a case's I/O is not tensors that ``provider`` takes (such cases are skipped), or
+    None. String tensors count as tensors only on :data:`STRING_PROVIDERS`."""
+    strings = provider in STRING_PROVIDERS
     graph = case.model.graph
     inits = {i.name for i in graph.initializer}
     for vi in [*(v for v in graph.input if v.name not in inits), *graph.output]:
-        kind = _graph_kind(vi)
+        kind = _graph_kind(vi, strings)
         if kind:
             return f"non-tensor I/O: {vi.name!r} is {kind}"
     for ins, outs in case.data_sets:
         for value in (*ins, *outs):
-            kind = _value_kind(value)
+            kind = _value_kind(value, strings)
             if kind:
                 return f"non-tensor I/O: {kind} data"
+    return None
+
+
+def _as_text(a: np.ndarray) -> list[str]:
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in a.reshape(-1)]
+
+
+def _compare_strings(got: Any, want: np.ndarray) -> str | None:
+    if not isinstance(got, np.ndarray) or got.dtype.kind not in "OSU":
+        return f"returned {getattr(got, 'dtype', type(got).__name__)}, expected strings"
+    if got.shape != want.shape:
+        return f"shape {list(got.shape)}, expected {list(want.shape)}"
+    for i, (g, w) in enumerate(zip(_as_text(got), _as_text(want), strict=True)):
+        if g != w:
+            return f"string {i} is {g!r}, expected {w!r}"
     return None
 
 
@@ -412,6 +433,8 @@ def _mismatch_summary(got: np.ndarray, want: np.ndarray, rtol: float, atol: floa
 def compare_output(got: Any, want: Any, rtol: float, atol: float) -> str | None:
     """Why ``got`` does not match ``want`` (dtype, shape, values), or None."""
     want = np.asarray(want)
+    if want.dtype.kind in "OSU":
+        return _compare_strings(got, want)
     if not isinstance(got, np.ndarray):
         return f"returned {type(got).__name__}, not a numpy array"
     if got.dtype != want.dtype:
@@ -510,7 +533,9 @@ def run_case(
 
     With ``require_on``, a case none of whose nodes lands on that provider is skipped.
     """
-    reason = non_tensor_reason(case)
+    first = provider[0] if isinstance(provider, list) else provider
+    label = first if isinstance(first, str) else str(getattr(first, "name", ""))
+    reason = non_tensor_reason(case, label)
     if reason:
         return CaseResult(case.name, case.op, Status.SKIPPED, reason)
     with warnings.catch_warnings(), np.errstate(all="ignore"):

@@ -18,6 +18,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import legacy_broadcast_shape, prelu_slope_shape
 
 from ._registry import REGISTRY
 
@@ -320,7 +321,8 @@ REGISTRY.register("ThresholdedRelu", since=10)(_thresholded_relu)
 @REGISTRY.register("PRelu", since=1)
 def prelu(ctx: KernelContext, x: Array, slope: Array) -> Array:
     """x if x >= 0 else slope * x (slope broadcasts to x)."""
-    out = np.multiply(x, slope, out=ctx.out(0, _bshape(x, slope), x.dtype), casting="unsafe")
+    slope = slope.reshape(prelu_slope_shape(ctx.node, x.shape, slope.shape))
+    out = np.multiply(x, slope, out=ctx.out(0, x.shape, x.dtype), casting="unsafe")
     np.copyto(out, x, where=x >= 0)
     return out
 
@@ -356,9 +358,9 @@ def gelu(ctx: KernelContext, x: Array) -> Array:
 
 # --------------------------------------------------------------------------- binary arithmetic
 
-REGISTRY.register("Add", since=7)(_binary(np.add))
-REGISTRY.register("Sub", since=7)(_binary(np.subtract))
-REGISTRY.register("Mul", since=7)(_binary(np.multiply))
+_add = REGISTRY.register("Add", since=7)(_binary(np.add))
+_sub = REGISTRY.register("Sub", since=7)(_binary(np.subtract))
+_mul = REGISTRY.register("Mul", since=7)(_binary(np.multiply))
 
 
 @REGISTRY.register("Div", since=7)
@@ -422,13 +424,35 @@ def bit_shift(ctx: KernelContext, x: Array, y: Array) -> Array:
 REGISTRY.register("BitwiseAnd", since=18)(_binary(np.bitwise_and))
 REGISTRY.register("BitwiseOr", since=18)(_binary(np.bitwise_or))
 REGISTRY.register("BitwiseXor", since=18)(_binary(np.bitwise_xor))
-REGISTRY.register("And", since=7)(_binary(np.logical_and, BOOL))
-REGISTRY.register("Or", since=7)(_binary(np.logical_or, BOOL))
-REGISTRY.register("Xor", since=7)(_binary(np.logical_xor, BOOL))
-REGISTRY.register("Equal", since=7)(_binary(np.equal, BOOL))
-REGISTRY.register("Less", since=7)(_binary(np.less, BOOL))
+_and = REGISTRY.register("And", since=7)(_binary(np.logical_and, BOOL))
+_or = REGISTRY.register("Or", since=7)(_binary(np.logical_or, BOOL))
+_xor = REGISTRY.register("Xor", since=7)(_binary(np.logical_xor, BOOL))
+_equal = REGISTRY.register("Equal", since=7)(_binary(np.equal, BOOL))
+_less = REGISTRY.register("Less", since=7)(_binary(np.less, BOOL))
 REGISTRY.register("LessOrEqual", since=12)(_binary(np.less_equal, BOOL))
-REGISTRY.register("Greater", since=7)(_binary(np.greater, BOOL))
+_greater = REGISTRY.register("Greater", since=7)(_binary(np.greater, BOOL))
+
+
+# --------------------------------------------------------------------------- opset 1-6 forms
+
+
+def _legacy_broadcast(kernel: Callable[..., Array]) -> Callable[..., Array]:
+    """The opset 1-6 form of a binary kernel: B broadcast to A by ``broadcast``/``axis``."""
+
+    def legacy(ctx: KernelContext, a: Array, b: Array) -> Array:
+        return kernel(ctx, a, b.reshape(legacy_broadcast_shape(ctx.node, a.shape, b.shape)))
+
+    legacy.__name__ = f"{kernel.__name__}_opset1"
+    legacy.__doc__ = f"{kernel.__name__} before opset 7 (``broadcast``/``axis`` attributes)."
+    return legacy
+
+
+for _name, _kernel in (
+    ("Add", _add), ("Sub", _sub), ("Mul", _mul), ("Div", div), ("Pow", pow_),
+    ("And", _and), ("Or", _or), ("Xor", _xor), ("Equal", _equal), ("Less", _less),
+    ("Greater", _greater),
+):  # fmt: skip
+    REGISTRY.register(_name, since=1)(_legacy_broadcast(_kernel))
 REGISTRY.register("GreaterOrEqual", since=12)(_binary(np.greater_equal, BOOL))
 
 
@@ -440,6 +464,11 @@ def _variadic(ufunc: np.ufunc, ctx: KernelContext, inputs: Sequence[Array]) -> A
     arrays = [a for a in inputs if a is not None]
     if not arrays:
         raise ValueError(f"{ctx.node.describe()}: needs at least one input")
+    if ctx.opset < 8 and len({a.shape for a in arrays}) > 1:
+        raise ValueError(
+            f"{ctx.node.describe()}: inputs have shapes {[list(a.shape) for a in arrays]}; "
+            f"before opset 8 they must all match (opset 8+ broadcasts)"
+        )
     out = ctx.out(0, _bshape(*arrays), arrays[0].dtype)
     if len(arrays) == 1:
         np.copyto(out, arrays[0])
@@ -450,22 +479,22 @@ def _variadic(ufunc: np.ufunc, ctx: KernelContext, inputs: Sequence[Array]) -> A
     return out
 
 
-@REGISTRY.register("Max", since=6)
+@REGISTRY.register("Max", since=1)
 def max_(ctx: KernelContext, *inputs: Array) -> Array:
     return _variadic(np.maximum, ctx, inputs)
 
 
-@REGISTRY.register("Min", since=6)
+@REGISTRY.register("Min", since=1)
 def min_(ctx: KernelContext, *inputs: Array) -> Array:
     return _variadic(np.minimum, ctx, inputs)
 
 
-@REGISTRY.register("Sum", since=6)
+@REGISTRY.register("Sum", since=1)
 def sum_(ctx: KernelContext, *inputs: Array) -> Array:
     return _variadic(np.add, ctx, inputs)
 
 
-@REGISTRY.register("Mean", since=6)
+@REGISTRY.register("Mean", since=1)
 def mean(ctx: KernelContext, *inputs: Array) -> Array:
     out = _variadic(np.add, ctx, inputs)
     n = sum(a is not None for a in inputs)

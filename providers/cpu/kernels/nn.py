@@ -9,7 +9,7 @@ import numpy as np
 from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.op_rules import matmul_shape
 
-from . import attention, conv, normalization, quant  # noqa: F401  (register on import)
+from . import attention, conv, loss, normalization, pool, quant, quant_linear, recurrent  # noqa: F401  (register on import)
 from ._nn_common import (
     as_compute,
     compute_dtype,

@@ -301,6 +301,20 @@ def tile(ctx: KernelContext, x: Array, repeats: Array) -> Array:
     return np.tile(x, reps) if x.ndim else x.copy()
 
 
+@REGISTRY.register("Tile", since=1)
+def tile_opset1(ctx: KernelContext, x: Array, tiles: Array, axis: Array) -> Array:
+    """Tile before opset 6: ``tiles`` copies of ``x`` along the one axis ``axis`` (inputs)."""
+    count, ax = _ints(tiles), _ints(axis)
+    if len(count) != 1 or len(ax) != 1 or count[0] < 0 or not -x.ndim <= ax[0] < x.ndim:
+        raise ValueError(
+            f"{ctx.node.describe()}: tiles {count} and axis {ax} must be one count >= 0 and "
+            f"one axis of the rank-{x.ndim} input"
+        )
+    reps = [1] * x.ndim
+    reps[ax[0]] = count[0]
+    return np.tile(x, reps)
+
+
 _PAD_MODES = {"constant", "reflect", "edge", "wrap"}
 
 
@@ -830,3 +844,30 @@ def resize(
             y = np.clip(np.rint(y), info.min, info.max)
         y = y.astype(x.dtype)
     return _contig(y)
+
+
+def _upsample_check(node: NodeInfo, input_types: Sequence[object]) -> str | None:
+    mode = node.attr("mode", "nearest")
+    if mode not in ("nearest", "linear"):
+        return f"Upsample mode={mode!r} is not 'nearest' or 'linear'"
+    return None
+
+
+@REGISTRY.register("Upsample", since=7, check=_upsample_check)
+def upsample(ctx: KernelContext, x: Array, scales: Array | None = None) -> Array:
+    """Upsample (opsets 7-9): Resize-10 with the same mode, scales as an attribute before
+    opset 9 and an input from 9."""
+    if ctx.opset < 9:
+        scales = np.asarray(ctx.attr("scales", []), np.float32)
+    if scales is None or scales.size != x.ndim or np.any(scales < 1):
+        raise ValueError(
+            f"{ctx.node.describe()}: scales must give one factor >= 1 per axis of X (rank {x.ndim})"
+        )
+    node = ctx.node
+    attrs = {
+        "mode": node.attr("mode", "nearest"),
+        "coordinate_transformation_mode": "asymmetric",
+        "nearest_mode": "floor",
+    }
+    as_resize = NodeInfo("Resize", node.name, node.domain, 13, attrs)
+    return resize(KernelContext(as_resize, ctx.provider), x, None, scales.astype(np.float32))
