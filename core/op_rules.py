@@ -403,3 +403,11 @@ def prelu_slope_shape(
         f"slope, a per-channel slope of {x[1] if len(x) > 1 else '?'} values, or a shape that "
         f"broadcasts to X"
     )
+
+
+def gelu_attribute_problem(node: NodeInfo, _types: object = ()) -> str | None:
+    """Why a Gelu node cannot run: ``approximate`` must be ``none`` (erf) or ``tanh``."""
+    approx = node.attr("approximate", "none")
+    if approx not in ("none", "tanh"):
+        return f"Gelu approximate={approx!r} is not supported (expected 'none' or 'tanh')"
+    return None

@@ -517,13 +517,22 @@ class Executor:
         for view, root in record.alias_of.items():
             last_use[root] = max(last_use.get(root, -1), last_use.get(view, -1))
         groups: dict[int, tuple[ExecutionProvider, list[Lifetime]]] = {}
+        segment_end = {i: seg.stop - 1 for seg in self.segments for i in range(seg.start, seg.stop)}
         for name, (shape, dtype) in record.shapes.items():
-            if name in inputs or name in self._graph_outputs or name in record.alias_of:
+            if name in inputs or name in record.alias_of:
                 continue
             first = record.produced_at[name]
             provider = self.plan.steps[first].provider
+            last = max(first, last_use.get(name, first))
+            if name in self._graph_outputs:
+                bound = outs.get(name) if bind_outputs else None
+                if bound is None or provider.holds(bound):
+                    continue  # written into its bound buffer, or returned as made
+                # Made here, copied to another provider's bound buffer after the segment: a
+                # buffer of its own until then (a captured part may not allocate).
+                last = max(last, segment_end[first])
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            lifetime = Lifetime(name, nbytes, first, max(first, last_use.get(name, first)))
+            lifetime = Lifetime(name, nbytes, first, last)
             groups.setdefault(id(provider), (provider, []))[1].append(lifetime)
         memory = [(provider, plan_memory(lifetimes)) for provider, lifetimes in groups.values()]
         layout = Layout(record.shapes, memory)
@@ -546,9 +555,7 @@ class Executor:
                 bound = outs.get(name)
                 if bound is not None and step.provider.holds(bound):
                     planned.append(bound)
-                elif bound is not None:  # made here, then copied to another provider's buffer
-                    planned.append(None)
-                else:
+                else:  # planned here (when bound elsewhere: copied there after the segment)
                     planned.append(layout.buffers.get(name))
             layout.contexts.append(KernelContext(step.node, step.provider, planned))
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from onnx_genrt.core.dtypes import DType
+from onnx_genrt.core.errors import GraphCaptureError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import KernelRegistry
 from onnx_genrt.core.tensor import Tensor
@@ -49,6 +50,15 @@ class Island(CPUProvider):
 
     def to_numpy(self, array) -> np.ndarray:
         return np.array(array, copy=True).view(np.ndarray)
+
+    def launch(self, kdef, ctx, inputs):
+        """As a GPU's: a kernel may not allocate while its part is captured, so every
+        output then must be a buffer the session planned on this provider."""
+        result = super().launch(kdef, ctx, inputs)
+        results = result if isinstance(result, tuple | list) else (result,)
+        if self.capturing is not None and not all(self.holds(r) for r in results):
+            raise GraphCaptureError(f"{ctx.node.describe()} allocated during a capture")
+        return result
 
 
 class Mainland(CPUProvider):

@@ -217,6 +217,21 @@ def test_unary(cp, prov, rng, op, dtype):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu(cp, prov, rng, approximate, dtype):
+    x = _sample(rng, "normal", (3, 5, 67), dtype)
+    v = x.astype(np.float64)
+    if approximate == "tanh":
+        want = 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
+    else:
+        want = 0.5 * v * (1 + _erf(v / math.sqrt(2)))
+    attrs = {"approximate": approximate}
+    (got,) = run_op(cp, prov, "Gelu", [x], [want.astype(dtype)], attrs=attrs, opset=20)
+    assert got.dtype == dtype
+    assert_close(got, want)
+
+
 BINARY = {
     "Add": np.add,
     "Sub": np.subtract,

@@ -35,7 +35,8 @@ def model():
 def _generate(model, prompt, spec=None, new=48, k=4):
     from onnx_genrt.engine import generate
 
-    return generate(model, prompt, max_new_tokens=new, spec=spec, k=k, ignore_eos=True)
+    drafts = {"k": k} if spec is not None else {}  # k without a proposer is refused
+    return generate(model, prompt, max_new_tokens=new, spec=spec, ignore_eos=True, **drafts)
 
 
 @pytest.mark.parametrize("k", [1, 4])

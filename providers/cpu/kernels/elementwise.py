@@ -18,7 +18,11 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import legacy_broadcast_shape, prelu_slope_shape
+from onnx_genrt.core.op_rules import (
+    gelu_attribute_problem,
+    legacy_broadcast_shape,
+    prelu_slope_shape,
+)
 
 from ._registry import REGISTRY
 
@@ -340,14 +344,7 @@ def _gelu_loop(x: Array, out: Array, tanh_approx: bool) -> None:
             out[i] = 0.5 * v * (1.0 + math.erf(v * 0.7071067811865476))
 
 
-def _gelu_check(node: NodeInfo, input_types: Sequence[Any]) -> str | None:
-    approx = node.attr("approximate", "none")
-    if approx not in ("none", "tanh"):
-        return f"Gelu approximate={approx!r} is not supported (expected 'none' or 'tanh')"
-    return None
-
-
-@REGISTRY.register("Gelu", since=20, check=_gelu_check)
+@REGISTRY.register("Gelu", since=20, check=gelu_attribute_problem)
 def gelu(ctx: KernelContext, x: Array) -> Array:
     """Gelu, exact (erf) or with the tanh approximation (Numba, one pass)."""
     approx = ctx.attr("approximate", "none")

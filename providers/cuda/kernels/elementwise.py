@@ -15,6 +15,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import gelu_attribute_problem
 
 from ._common import BF16, OPTIONS, out
 from ._registry import REGISTRY
@@ -87,6 +88,26 @@ def _unary(kernel: cupy.ElementwiseKernel, op_type: str) -> Callable[..., cupy.n
 
 for _op, (_since, _kernel) in _UNARY.items():
     REGISTRY.register(_op, since=_since)(_unary(_kernel, _op))
+
+_GELU = {
+    "none": _unary_kernel(
+        "gelu", "(A)0.5 * v * ((A)1 + genrt_math_erf(v * (A)0.7071067811865476))"
+    ),
+    "tanh": _unary_kernel(
+        "gelu_tanh",
+        "(A)0.5 * v * ((A)1 + genrt_math_tanh((A)0.7978845608028654 * "
+        "(v + (A)0.044715 * v * v * v)))",
+    ),
+}
+
+
+@REGISTRY.register("Gelu", since=20, check=gelu_attribute_problem)
+def gelu(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
+    """Gelu, exact (erf) or with the tanh approximation, in the input's compute type."""
+    y = out(ctx, 0, x.shape, x.dtype)
+    if x.size:
+        _GELU[ctx.attr("approximate", "none")](x, y)
+    return y
 
 
 # ----------------------------------------------------------------------------- binary
