@@ -266,3 +266,26 @@ def test_sessions_sharing_a_provider_never_replay_each_others_graph():
         assert stats.captures >= 2 and stats.displaced >= 1, stats
         assert stats.invalidations == stats.displaced, stats
     assert provider.graph_owner(PRIMARY) is sessions[1].executor
+
+
+def test_rebinding_an_output_after_capture_writes_the_new_buffer():
+    """An output rebound after a capture changes the binding signature: the stale graph
+    (which writes the old buffer) is dropped, and the new buffer receives the values."""
+    hidden = 8
+    model = mlp(hidden=hidden)
+    sess = InferenceSession(model)
+    binding, x, old_y = _bind(sess, 2, hidden)
+    rng = np.random.default_rng(11)
+    for _ in range(3):  # planning run, capture, replay
+        x[...] = rng.standard_normal(x.shape)
+        sess.run_with_iobinding(binding, PRIMARY)
+    assert sess.main_provider.has_graph(PRIMARY)
+    stale = old_y.copy()
+    new_y = binding.bind_output("y", shape=(2, hidden))
+    new_y[...] = np.nan
+    for _ in range(3):
+        x[...] = rng.standard_normal(x.shape)
+        sess.run_with_iobinding(binding, PRIMARY)
+        np.testing.assert_allclose(new_y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(old_y, stale)  # the old buffer is no longer written
+    assert sess.graph_stats(PRIMARY).invalidations == 1

@@ -205,3 +205,21 @@ def test_pinned_workspace_never_moves_under_a_larger_request():
     assert ws.capacity == 0
     moved = ws.acquire(4096)
     assert moved is not small
+
+
+def test_resetting_one_slot_leaves_another_slots_latch_and_graph():
+    p = CPUProvider()
+    x, out_d = np.ones(3, np.float32), np.zeros(3, np.float32)
+    _record(p, DRAFT, 6.0, x, out_d)
+    for slot in (PRIMARY, VERIFY):
+        p.begin_capture(slot)
+        p.abort_capture(slot, f"{slot.value} kernel not capturable")
+    p.reset_graph(VERIFY)
+    assert p.capture_error(VERIFY) is None
+    assert p.capture_error(PRIMARY) == "primary kernel not capturable"
+    with pytest.raises(GraphCaptureError, match="primary kernel not capturable"):
+        p.begin_capture(PRIMARY)
+    assert p.has_graph(DRAFT)
+    x[:] = 2.0
+    p.replay(DRAFT)
+    np.testing.assert_array_equal(out_d, np.full(3, 12.0))
