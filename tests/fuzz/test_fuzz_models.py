@@ -10,6 +10,7 @@ or a hang (each example runs under a hard time limit).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 
@@ -27,6 +28,8 @@ from .seeds import feeds_for, seed_models
 
 SEEDS = seed_models()
 SERIALIZED = [m.SerializeToString() for m in SEEDS]
+#: Mutated models per run: 2000 in CI; set ONNX_GENRT_FUZZ_EXAMPLES for a longer search.
+EXAMPLES = int(os.environ.get("ONNX_GENRT_FUZZ_EXAMPLES", "2000"))
 #: Seconds one mutated model may take to load, plan and run before it counts as a hang.
 TIME_LIMIT_S = 20
 
@@ -73,7 +76,7 @@ def test_seeds_run_and_match_the_onnx_reference(index):
 
 
 @settings(
-    max_examples=2000,
+    max_examples=EXAMPLES,
     deadline=None,  # a hard SIGALRM limit per example instead (a loaded CI machine varies)
     derandomize=True,
     database=None,
