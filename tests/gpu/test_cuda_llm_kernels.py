@@ -1011,9 +1011,11 @@ def _graph_us(cp, prov, fn, reps=20, iters=10):
     return cp.cuda.get_elapsed_time(start, end) * 1000 / (reps * iters)
 
 
-def test_llm_kernel_timings(cp, fresh, rng):
-    """Prints device time per call (graph replay); no timing asserts."""
-    prov = fresh
+def llm_kernel_timings(cp, prov, rng) -> str:
+    """Device time per call (graph replay) of GQA, the vocab heads and the int4 GEMVs: a
+    benchmark, not a test (pytest does not collect it). Run it on a GPU machine with
+    ``python tests/gpu/test_cuda_llm_kernels.py --timings``; with ``$OUT`` set it also writes
+    ``$OUT/llm_kernel_timings.txt``."""
     lines = []
     for h, kvh, d, s in ((14, 2, 64, 1), (14, 2, 64, 5), (28, 4, 128, 1)):
         step = _DecodeStep(cp, prov, rng, s, h=h, kvh=kvh, d=d, cap=4096)
@@ -1077,8 +1079,16 @@ def test_llm_kernel_timings(cp, fresh, rng):
                 f"MatMulNBits int4 GEMV fp16 M={m} K={k} N={n} block 32 ({kind}): {us:.1f} us "
                 f"({nbytes / us / 1e3:.0f} GB/s of weights+scales)"
             )
-    text = "\n".join(lines)
-    print("\n" + text)
+    return "\n".join(lines)
+
+
+def _print_timings() -> None:
+    import cupy
+
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
+
+    text = llm_kernel_timings(cupy, CUDAProvider(), np.random.default_rng(0))
+    print(text)
     out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir, "llm_kernel_timings.txt").write_text(text + "\n")
@@ -1132,6 +1142,8 @@ def build_fixtures(dest: Path = FIXTURES) -> None:
 if __name__ == "__main__":
     if "--build" in sys.argv:
         build_fixtures()
+    if "--timings" in sys.argv:
+        _print_timings()
 
 
 @pytest.mark.gpu
