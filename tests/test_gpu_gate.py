@@ -43,6 +43,8 @@ def test_cpu():
     pass
 """
 GPU_TESTS = 4
+#: The generated tests need no installed pytest plugin (nor one from another checkout).
+ISOLATED = ("-p", "no:onnx_genrt")
 
 
 @pytest.fixture
@@ -60,7 +62,7 @@ def _no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_without_the_variable_gpu_tests_skip_without_a_gpu(gate, monkeypatch):
     _no_gpu(monkeypatch)
     monkeypatch.delenv("ONNX_GENRT_REQUIRE_GPU", raising=False)
-    result = gate.runpytest("-rs")
+    result = gate.runpytest(*ISOLATED, "-rs")
     result.assert_outcomes(passed=1, skipped=GPU_TESTS)
     result.stdout.fnmatch_lines(["*no GPU: no CUDA here (test)*"])
 
@@ -69,13 +71,13 @@ def test_without_the_variable_gpu_tests_skip_without_a_gpu(gate, monkeypatch):
 def test_other_values_do_not_require_a_gpu(gate, monkeypatch, value):
     _no_gpu(monkeypatch)
     monkeypatch.setenv("ONNX_GENRT_REQUIRE_GPU", value)
-    gate.runpytest().assert_outcomes(passed=1, skipped=GPU_TESTS)
+    gate.runpytest(*ISOLATED).assert_outcomes(passed=1, skipped=GPU_TESTS)
 
 
 def test_with_the_variable_every_gpu_test_fails_without_a_gpu(gate, monkeypatch):
     _no_gpu(monkeypatch)
     monkeypatch.setenv("ONNX_GENRT_REQUIRE_GPU", "1")
-    result = gate.runpytest()
+    result = gate.runpytest(*ISOLATED)
     result.assert_outcomes(passed=1, errors=GPU_TESTS)  # failed at setup: nothing skips
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
@@ -87,7 +89,7 @@ def test_with_the_variable_and_a_gpu_the_tests_run(gate, monkeypatch):
     monkeypatch.setattr(cuda_plugin, "cuda_unavailable_reason", lambda: None)
     monkeypatch.setenv("ONNX_GENRT_REQUIRE_GPU", "1")
     # with a GPU, skips inside the tests are their own business
-    gate.runpytest().assert_outcomes(passed=3, skipped=2)
+    gate.runpytest(*ISOLATED).assert_outcomes(passed=3, skipped=2)
 
 
 def _llm_kernels_module():

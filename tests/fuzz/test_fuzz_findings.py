@@ -3,11 +3,12 @@ fusion pass, the planner or protobuf) before it became a ModelLoadError naming t
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
-from onnx import AttributeProto, TensorProto, helper
+from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
-from onnx_genrt.core.errors import ModelLoadError
+from onnx_genrt.core.errors import ModelLoadError, OnnxGenrtError
 from onnx_genrt.session import InferenceSession
 
 from ..models import decomposed_head, mlp
@@ -79,3 +80,14 @@ def test_tensor_attribute_with_bytes_that_do_not_fit_is_refused():
             _node(model, "constant").attribute.remove(attr)
     with pytest.raises(ModelLoadError, match="'constant' .*unreadable attribute"):
         InferenceSession(model)
+
+
+def test_float_reduction_axes_are_not_fused_and_refused_by_the_kernel():
+    """Axes of ReduceMean turned into a float NaN tensor: a ValueError in the RMS-norm
+    fusion before; now the pattern is left unfused and the kernel names the input."""
+    model = decomposed_head(hidden=8, vocab=16)
+    last = next(i for i in model.graph.initializer if i.name == "last")
+    last.CopyFrom(numpy_helper.from_array(np.array([np.nan]), "last"))
+    feeds = {n: np.ones((1, 2, 8), np.float32) for n in "ab"}
+    with pytest.raises(OnnxGenrtError):
+        InferenceSession(model).run(None, feeds)
