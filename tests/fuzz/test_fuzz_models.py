@@ -4,13 +4,14 @@ Valid seed models are mutated (dims, element types, attributes, edges, initializ
 opsets, op types, serialized bytes) and run through ``InferenceSession``. Each mutated
 model must either give a result or raise one of the project's errors
 (:class:`~onnx_genrt.core.errors.OnnxGenrtError`): never another exception type, a crash
-or a hang (each example runs under a hard time limit).
+or a hang (each example runs under a hard time limit and an address-space cap).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 from collections.abc import Iterator
 
@@ -32,6 +33,9 @@ SERIALIZED = [m.SerializeToString() for m in SEEDS]
 EXAMPLES = int(os.environ.get("ONNX_GENRT_FUZZ_EXAMPLES", "2000"))
 #: Seconds one mutated model may take to load, plan and run before it counts as a hang.
 TIME_LIMIT_S = 20
+#: Address space one mutated model may add to the process: a larger allocation is a
+#: MemoryError (which must surface as the project's error), not the machine's OOM killer.
+MEMORY_LIMIT_BYTES = 4 << 30
 
 
 class Hang(Exception):
@@ -52,9 +56,25 @@ def time_limit(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextlib.contextmanager
+def memory_limit(extra_bytes: int) -> Iterator[None]:
+    """Cap the process's address space at its current size plus ``extra_bytes``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        current = int(f.read().split()[0]) * resource.getpagesize()
+    cap = current + extra_bytes
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def load_plan_run(source: bytes | onnx.ModelProto, feeds: dict[str, np.ndarray]) -> object:
     """The outcome: the outputs, or the project's error. Anything else propagates."""
-    with time_limit(TIME_LIMIT_S):
+    with time_limit(TIME_LIMIT_S), memory_limit(MEMORY_LIMIT_BYTES):
         try:
             session = InferenceSession(source, enable_graphs=False)
             return session.run(None, feeds)
