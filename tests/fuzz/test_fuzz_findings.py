@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
-from onnx_genrt.core.errors import ModelLoadError, OnnxGenrtError
+from onnx_genrt.core.errors import ModelLoadError, OnnxGenrtError, UnsupportedOpError
 from onnx_genrt.session import InferenceSession
 
 from ..models import decomposed_head, mlp
@@ -91,3 +91,17 @@ def test_float_reduction_axes_are_not_fused_and_refused_by_the_kernel():
     feeds = {n: np.ones((1, 2, 8), np.float32) for n in "ab"}
     with pytest.raises(OnnxGenrtError):
         InferenceSession(model).run(None, feeds)
+
+
+def test_wrong_output_count_is_refused():
+    model = mlp(hidden=4)
+    _node(model, "relu").output.append("extra")
+    with pytest.raises(ModelLoadError, match=r"'relu' \(Relu, opset 21\) has 2 outputs; ONNX Relu"):
+        InferenceSession(model)
+
+
+def test_ops_onnx_does_not_define_are_left_to_the_providers():
+    model = mlp(hidden=4)
+    _node(model, "relu").op_type = "NoSuchOp"
+    with pytest.raises(UnsupportedOpError, match="no kernel for ai.onnx::NoSuchOp"):
+        InferenceSession(model)
