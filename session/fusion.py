@@ -351,7 +351,9 @@ def _axes(step, constants: dict) -> list[int] | None:
     """A reduction's constant axes, from its second input (opset 18) or its attribute."""
     if len(step.inputs) > 1 and step.inputs[1]:
         axes = constants.get(step.inputs[1])
-        return None if axes is None else [int(a) for a in axes.reshape(-1)]
+        if axes is None or axes.dtype.kind not in "iu":  # not int64: the kernel refuses it
+            return None
+        return [int(a) for a in axes.reshape(-1)]
     axes = step.node.attrs.get("axes")
     return None if axes is None else [int(a) for a in axes]
 

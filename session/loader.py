@@ -73,6 +73,21 @@ def _parse(data: bytes, label: str) -> onnx.ModelProto:
     return model
 
 
+def _check_text(model: onnx.ModelProto) -> None:
+    """Every name, op type and domain is text (protobuf hands back bytes for invalid UTF-8)."""
+    g = model.graph
+    named = [("opset domain", o.domain) for o in model.opset_import]
+    for kind, values in (("input", g.input), ("output", g.output), ("initializer", g.initializer)):
+        named += [(f"graph {kind} name", v.name) for v in values]
+    for i, node in enumerate(g.node):
+        fields = [("name", node.name), ("op type", node.op_type), ("domain", node.domain)]
+        fields += [("input", n) for n in node.input] + [("output", n) for n in node.output]
+        named += [(f"node {i} {what}", value) for what, value in fields]
+    for what, value in named:
+        if not isinstance(value, str):
+            raise ModelLoadError(f"the model's {what} {value[:40]!r} is not valid UTF-8 text")
+
+
 def supported_opsets() -> dict[str, int]:
     """The newest opset of each domain this runtime knows: ONNX's from the installed onnx
     package, onnxruntime's contrib ops and the runtime's own fused ops at version 1."""
@@ -124,6 +139,7 @@ def _check_initializers(model: onnx.ModelProto) -> None:
 
 
 def _check_structure(model: onnx.ModelProto) -> None:
+    _check_text(model)
     _check_opsets(model)
     _check_initializers(model)
     known = {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}

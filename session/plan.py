@@ -34,6 +34,7 @@ from .fusion import (
     fuse_silu_mul,
     fuse_skip_rms_norm,
 )
+from .schema_check import check_node_schema
 
 #: Ops whose output changes from run to run; never folded.
 NONDETERMINISTIC = {
@@ -116,7 +117,13 @@ def _value_spec(vi: onnx.ValueInfoProto) -> ValueSpec:
     t = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
     if t is None:
         return ValueSpec(vi.name, None, None)
-    dtype = numpy_dtype_of_onnx(t.elem_type) if t.elem_type else None
+    try:
+        dtype = numpy_dtype_of_onnx(t.elem_type) if t.elem_type else None
+    except (KeyError, TypeError, ValueError):
+        raise ModelLoadError(
+            f"value {vi.name!r} declares element type {t.elem_type}, which is no ONNX type "
+            "onnx-genrt knows"
+        ) from None
     shape = None
     if t.HasField("shape"):
         shape = tuple(
@@ -250,7 +257,14 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
                 f"node {proto.name!r} ({proto.op_type}) uses domain {proto.domain!r}, "
                 "which the model does not import"
             )
-        place(NodeInfo.from_proto(proto, opsets[domain]))
+        check_node_schema(proto, domain, opsets[domain])
+        try:
+            info = NodeInfo.from_proto(proto, opsets[domain])
+        except (ValueError, TypeError) as exc:  # a tensor attribute whose bytes do not fit
+            raise ModelLoadError(
+                f"node {proto.name!r} ({proto.op_type}): unreadable attribute: {exc}"
+            ) from None
+        place(info)
     if unsupported:
         listed = "\n  ".join(unsupported[:20])
         more = f"\n  ... and {len(unsupported) - 20} more" if len(unsupported) > 20 else ""

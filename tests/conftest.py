@@ -1,10 +1,24 @@
-"""Shared test configuration: the GPU marker and small model builders."""
+"""Shared test configuration: the GPU marker.
+
+Tests marked ``gpu`` are skipped when no GPU is usable, unless ``ONNX_GENRT_REQUIRE_GPU=1``:
+then each of them fails at setup (before its fixtures or body could skip it), naming why no
+GPU is usable.
+"""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+pytest_plugins = ["pytester"]  # tests/test_gpu_gate.py runs this file on generated tests
+
+REQUIRE_GPU_VARIABLE = "ONNX_GENRT_REQUIRE_GPU"
+
+
+def gpu_required() -> bool:
+    """Whether the run demands a GPU (``ONNX_GENRT_REQUIRE_GPU=1``)."""
+    return os.environ.get(REQUIRE_GPU_VARIABLE) == "1"
 
 
 def _gpu_reason() -> str | None:
@@ -14,20 +28,20 @@ def _gpu_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    gpu_items = [i for i in items if i.get_closest_marker("gpu")]
-    if not gpu_items:
+    if gpu_required() or not any(i.get_closest_marker("gpu") for i in items):
         return
     reason = _gpu_reason()
     if reason is None:
         return
-    required = os.environ.get("ONNX_GENRT_REQUIRE_GPU") == "1"
-    for item in gpu_items:
-        if required:
-            item.add_marker(pytest.mark.usefixtures("_gpu_required_but_missing"))
-        else:
+    for item in items:
+        if item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.skip(reason=f"no GPU: {reason}"))
 
 
-@pytest.fixture
-def _gpu_required_but_missing() -> None:
-    pytest.fail(f"ONNX_GENRT_REQUIRE_GPU=1 but no GPU is usable: {_gpu_reason()}")
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not gpu_required() or item.get_closest_marker("gpu") is None:
+        return
+    reason = _gpu_reason()
+    if reason is not None:
+        pytest.fail(f"{REQUIRE_GPU_VARIABLE}=1 but no GPU is usable: {reason}", pytrace=False)

@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from onnx_genrt.core.dtypes import DType
+from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
@@ -237,3 +239,55 @@ def test_sessions_sharing_a_provider_never_replay_each_others_graph():
         assert stats.captures >= 2 and stats.displaced >= 1, stats
         assert stats.invalidations == stats.displaced, stats
     assert provider.graph_owner(PRIMARY) is sessions[1].executor
+
+
+def test_rebinding_an_output_after_capture_writes_the_new_buffer():
+    """An output rebound after a capture changes the binding signature: the stale graph
+    (which writes the old buffer) is dropped, and the new buffer receives the values."""
+    hidden = 8
+    model = mlp(hidden=hidden)
+    sess = InferenceSession(model)
+    binding, x, old_y = _bind(sess, 2, hidden)
+    rng = np.random.default_rng(11)
+    for _ in range(3):  # planning run, capture, replay
+        x[...] = rng.standard_normal(x.shape)
+        sess.run_with_iobinding(binding, PRIMARY)
+    assert sess.main_provider.has_graph(PRIMARY)
+    stale = old_y.copy()
+    new_y = binding.bind_output("y", shape=(2, hidden))
+    new_y[...] = np.nan
+    for _ in range(3):
+        x[...] = rng.standard_normal(x.shape)
+        sess.run_with_iobinding(binding, PRIMARY)
+        np.testing.assert_allclose(new_y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(old_y, stale)  # the old buffer is no longer written
+    assert sess.graph_stats(PRIMARY).invalidations == 1
+
+
+def test_bindings_refuse_what_the_model_does_not_declare():
+    """Each refusal names the binding and says what is wrong (found by a mutation run:
+    none of these paths was exercised)."""
+    sess = InferenceSession(mlp(hidden=4))
+    binding = sess.io_binding()
+    with pytest.raises(InvalidInputError, match="input 'x' expects float32, bound buffer is"):
+        binding.bind_input("x", np.zeros((1, 4), np.float64))
+    with pytest.raises(InvalidInputError, match="input 'x' dimension 1 is 5, model declares 4"):
+        binding.bind_input("x", np.zeros((1, 5), np.float32))
+    with pytest.raises(InvalidInputError, match="C-contiguous"):
+        binding.bind_input("x", np.zeros((4, 2), np.float32).T)
+    with pytest.raises(InvalidInputError, match=r"bind_output\('y'\) needs a buffer or a shape"):
+        binding.bind_output("y")
+    assert binding.inputs == {} and binding.outputs == {}
+
+
+def test_tensors_and_host_arrays_bind_as_their_own_buffers():
+    model = mlp(hidden=4)
+    sess = InferenceSession(model)
+    binding = sess.io_binding()
+    x = sess.main_provider.allocate((2, 4), DType.FLOAT32)
+    x.buffer[...] = 0.25
+    assert binding.bind_input("x", x) is x.buffer  # a Tensor binds its buffer, not a copy
+    y = np.zeros((2, 4), np.float32)
+    assert binding.bind_output("y", y) is y  # a host array on the CPU provider, as is
+    sess.run_with_iobinding(binding)
+    np.testing.assert_allclose(y, mlp_reference(model, x.buffer), rtol=1e-5, atol=1e-5)

@@ -205,3 +205,84 @@ def test_pinned_workspace_never_moves_under_a_larger_request():
     assert ws.capacity == 0
     moved = ws.acquire(4096)
     assert moved is not small
+
+
+def test_resetting_one_slot_leaves_another_slots_latch_and_graph():
+    p = CPUProvider()
+    x, out_d = np.ones(3, np.float32), np.zeros(3, np.float32)
+    _record(p, DRAFT, 6.0, x, out_d)
+    for slot in (PRIMARY, VERIFY):
+        p.begin_capture(slot)
+        p.abort_capture(slot, f"{slot.value} kernel not capturable")
+    p.reset_graph(VERIFY)
+    assert p.capture_error(VERIFY) is None
+    assert p.capture_error(PRIMARY) == "primary kernel not capturable"
+    with pytest.raises(GraphCaptureError, match="primary kernel not capturable"):
+        p.begin_capture(PRIMARY)
+    assert p.has_graph(DRAFT)
+    x[:] = 2.0
+    p.replay(DRAFT)
+    np.testing.assert_array_equal(out_d, np.full(3, 12.0))
+
+
+class RecordingProvider(SingleGraphProvider):
+    """Records the abort hook; its begin hook can be made to fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted = 0
+        self.fail_next_begin = False
+
+    def graph_begin(self, slot, part):
+        if self.fail_next_begin:
+            raise RuntimeError("stream is busy")
+        super().graph_begin(slot, part)
+
+    def graph_abort(self, slot, part):
+        self.aborted += 1
+        self.graph = None
+
+
+def test_a_failing_begin_latches_the_slot_and_starts_no_capture():
+    p = RecordingProvider()
+    p.fail_next_begin = True
+    with pytest.raises(GraphCaptureError, match="begin capture in slot 'primary': stream is busy"):
+        p.begin_capture(PRIMARY)
+    assert p.capturing is None
+    assert p.capture_error(PRIMARY) == "RuntimeError: stream is busy"
+
+
+def test_reset_while_capturing_aborts_the_capture_and_unpins_the_workspace():
+    p = RecordingProvider()
+    p.begin_capture(PRIMARY, owner="session-a")
+    p.workspace.acquire(64)
+    p.workspace.pin(PRIMARY)
+    p.reset_graph(PRIMARY)
+    assert p.aborted == 1 and p.capturing is None
+    assert not p.workspace.pinned
+    p.begin_capture(PRIMARY, owner="session-b")  # not "while ... is capturing"
+    p.end_capture(PRIMARY)
+    assert p.graph_owner(PRIMARY) == "session-b"
+
+
+def test_graph_owner_is_forgotten_when_the_slot_is_reset_or_recaptured():
+    p = RecordingProvider()
+    p.begin_capture(PRIMARY, owner="session-a")
+    p.end_capture(PRIMARY)
+    assert p.graph_owner(PRIMARY) == "session-a"
+    p.begin_capture(PRIMARY, owner="session-b")  # replacing the graph: no owner until done
+    assert p.graph_owner(PRIMARY) is None
+    p.abort_capture(PRIMARY, "kernel not capturable")
+    assert p.aborted == 1 and p.graph_owner(PRIMARY) is None
+    p.reset_graph(PRIMARY)
+    p.begin_capture(PRIMARY, owner="session-c")
+    p.end_capture(PRIMARY)
+    p.reset_graph(PRIMARY)
+    assert p.graph_owner(PRIMARY) is None
+
+
+def test_abort_capture_refuses_an_undeclared_slot():
+    p = RecordingProvider()
+    with pytest.raises(UnsupportedGraphSlot, match="no graph slot 'verify'"):
+        p.abort_capture(VERIFY, "x")
+    assert p.capture_error(VERIFY) is None

@@ -2,7 +2,8 @@
 onnxruntime loop on the same model files, in one run.
 
 ``pytest tests/bench --benchmark-enable`` times them; the normal test run executes each
-body once and checks that all three runtimes produce the same greedy tokens.
+body once and checks each runtime's greedy tokens against onnxruntime-genai's, computed in a
+fixture (so the check does not depend on which tests ran before).
 """
 
 from __future__ import annotations
@@ -30,21 +31,23 @@ RUNTIMES = {
     "onnxruntime-genai": lambda f: bench_onnxruntime_genai(f, PROMPT, NEW),
     "onnxruntime-loop": lambda f: bench_onnxruntime_loop(f, PROMPT, NEW),
 }
-_tokens: dict[str, list[int]] = {}
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(folder) -> list[int]:
+    """Greedy tokens of onnxruntime-genai, computed once whatever the order of the tests."""
+    return bench_onnxruntime_genai(folder, PROMPT, NEW)()[2]
 
 
 @pytest.mark.benchmark(group="greedy-tiny-qwen2-32-tokens")
 @pytest.mark.parametrize("runtime", list(RUNTIMES))
-def test_greedy_decode(benchmark, folder, runtime):
+def test_greedy_decode(benchmark, folder, runtime, reference_tokens):
     once = RUNTIMES[runtime](folder)
     once()  # warm-up: compile, plan, capture
     _, _, tokens, extra = benchmark(once)
     benchmark.extra_info["new_tokens"] = NEW
-    _tokens[runtime] = tokens
     assert len(tokens) == len(PROMPT) + NEW
-    others = {k: v for k, v in _tokens.items() if k != runtime}
-    for name, seq in others.items():
-        assert seq == tokens, f"{runtime} and {name} disagree"
+    assert tokens == reference_tokens, f"{runtime} and onnxruntime-genai disagree"
 
 
 def test_roofline_counts_each_matmul_weight_once():
@@ -111,7 +114,18 @@ def test_bad_spec_entries_say_what_is_wrong(entry):
 
 EMBEDDED_NEW = 48
 SPECULATIVE = [None, "mtp", "draft", "ngram"]
-_embedded_tokens: dict[str | None, list[int]] = {}
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded model's folder, the bench prompt, and a plain onnxruntime greedy loop's
+    tokens for it (computed once, whatever the order of the tests)."""
+    from onnx_genrt.engine.tokenizer import Tokenizer
+    from onnx_genrt.generate_cli import default_model_dir
+
+    folder = default_model_dir()
+    prompt = list(Tokenizer(folder).encode("    def __init__(self"))
+    return folder, prompt, bench_onnxruntime_loop(folder, prompt, EMBEDDED_NEW)()[2]
 
 
 def test_bench_rows_need_distinct_labels():
@@ -134,23 +148,17 @@ def test_bench_refuses_a_spec_given_twice(capsys):
 
 @pytest.mark.benchmark(group="speculative-embedded-48-tokens")
 @pytest.mark.parametrize("spec", SPECULATIVE, ids=lambda s: s or "greedy")
-def test_speculative_decode_embedded_model(benchmark, spec):
+def test_speculative_decode_embedded_model(benchmark, spec, embedded):
     """Greedy against each proposer on the embedded trained model (its MTP head, its draft
-    model, prompt lookup), k from its speculative.json; all give greedy's tokens."""
-    from onnx_genrt.engine.tokenizer import Tokenizer
-    from onnx_genrt.generate_cli import default_model_dir
-
-    folder = default_model_dir()
-    prompt = list(Tokenizer(folder).encode("    def __init__(self"))
+    model, prompt lookup), k from its speculative.json; all give onnxruntime's greedy tokens."""
+    folder, prompt, reference = embedded
     once = bench_ours(folder, prompt, EMBEDDED_NEW, "cpu", spec, None, True)
     once()  # warm-up: compile, plan, capture
     _, _, tokens, extra = benchmark(once)
     benchmark.extra_info["new_tokens"] = EMBEDDED_NEW
     if extra.get("speculation"):
         benchmark.extra_info["mean_accepted"] = extra["speculation"]["mean_accepted_length"]
-    _embedded_tokens[spec] = tokens
-    for other, seq in _embedded_tokens.items():
-        assert seq == tokens, f"{spec or 'greedy'} and {other or 'greedy'} disagree"
+    assert tokens == reference, f"{spec or 'greedy'} and an onnxruntime greedy loop disagree"
 
 
 def test_host_wait_profile_reports_each_kind(capsys):

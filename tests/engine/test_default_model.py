@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from onnx_genrt.cli import main as cli_main
-from onnx_genrt.engine import Model, generate
+from onnx_genrt.engine import Model, generate, stream
 from onnx_genrt.generate_cli import default_model_dir
 
 PROMPTS = ["class Foo:\n    def __init__(self", "import os\n\ndef main(", "for i in range(", "def "]
@@ -111,3 +111,30 @@ def _with_eos(model, prompt, eos, min_length, k):
         while not gen.is_done():
             gen.generate_next_token()
         return gen.get_sequence()
+
+
+def test_streamed_pieces_are_the_decoded_tokens_and_a_stop_string_cuts_there(model):
+    prompt = model.tokenizer.encode("import os\n\ndef main(")
+    full = generate(model, prompt, max_new_tokens=24, ignore_eos=True)
+    assert full.new_tokens == 24 and full.stop_reason == "max_new_tokens"
+    new_ids = full.tokens[len(prompt) :]
+    assert full.text == model.tokenizer.decode(new_ids)  # decoded at once, not streamed
+    pieces = list(stream(model, prompt, 24, ignore_eos=True))
+    assert len(pieces) > 1 and "".join(pieces) == full.text
+    # A stop string that first appears mid-way: the text ends before it, and generation
+    # stops at the token that completes it.
+    cut = next(
+        c
+        for c in range(len(full.text) // 3, len(full.text) - 4)
+        if full.text.index(full.text[c : c + 4]) == c
+    )
+    stop = full.text[cut : cut + 4]
+    completes = next(
+        j for j in range(1, len(new_ids) + 1) if stop in model.tokenizer.decode(new_ids[:j])
+    )
+    out: list = []
+    pieces = list(stream(model, prompt, 24, ignore_eos=True, stop=(stop,), result=out))
+    (res,) = out
+    assert res.text == "".join(pieces) == full.text[:cut]
+    assert res.stop_reason == f"stop string {stop!r}"
+    assert res.tokens == full.tokens[: len(prompt) + completes]

@@ -174,7 +174,8 @@ def test_repetition_penalty_follows_ctrl():
     np.testing.assert_allclose(out, [1.0, -4.0, 1.0, 0.5])
 
 
-def test_stop_string_and_streaming(qwen2_dir):
+def test_generate_counts_max_new_tokens_and_replays_decode_steps(qwen2_dir):
+    """(Streaming and stop strings: test_default_model.py, with a real tokenizer.)"""
     model = Model(qwen2_dir)
     res = generate(model, [5, 17, 99], max_new_tokens=16, ignore_eos=True)
     assert res.new_tokens == 16 and res.stop_reason == "max_new_tokens"

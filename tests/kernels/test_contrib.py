@@ -918,10 +918,7 @@ def test_gelu_family(op: str, with_bias: bool, attrs: dict, dtype: np.dtype) -> 
         ref = _gelu_ref(h, tanh=op == "FastGelu")
     _close(got, ref.astype(dtype) if dtype != F32 else ref, dtype, scale=2.0)
     if dtype in (F32, F16):
-        try:
-            (want,) = _run_ort(model, inp)
-        except Exception as exc:  # noqa: BLE001
-            pytest.skip(f"onnxruntime: {str(exc)[:100]}")
+        (want,) = _run_ort(model, inp)  # onnxruntime has each of these in float and half
         _close(got, want, dtype, scale=2.0)
 
 

@@ -5,14 +5,18 @@ lanes of a warp, and lane ``sub`` of column n the chunks sub, sub + lpc, ... (``
 Its index math is mirrored below in numpy: every (column, chunk) must be loaded exactly once,
 a column's ``warp_sum<lpc>`` butterfly must stay within its own lanes, one lane must store
 each column. A float64 emulation of the kernel's arithmetic (2^23 trick, zero points, blocks
-of 32 to 128) is then compared with a plainly dequantized matmul.
+of 32 to 128) is then compared with a plainly dequantized matmul, and the project's CPU MatMulNBits kernel runs on the same
+packed weights, tying the emulation's reading of the layout to the project's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx import helper
 
+from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.providers.cuda.gemv_split import (
     SMALL_K_MAX_CHUNKS,
     SMALL_K_MAX_CPL,
@@ -58,8 +62,23 @@ def _butterfly(v: np.ndarray, lpc: int) -> np.ndarray:
     return v
 
 
-@pytest.mark.parametrize("lpc", [2, 4, 8, 16])
-def test_shuffle_sum_stays_within_a_column(lpc):
+#: Every lane count the project's split picks, over the shapes tested below.
+CHOSEN_LPC = sorted(
+    {
+        split[0]
+        for k in KS
+        for n in (1, 7, 4099, 20001, 151936)
+        for sms in (1, H200_SMS)
+        if (split := nbits4_small_k_split(k // 32, n, sms)) is not None
+    }
+)
+
+
+@pytest.mark.parametrize("lpc", CHOSEN_LPC)
+def test_butterfly_model_keeps_each_chosen_lane_count_within_its_column(lpc):
+    """A design check on this file's numpy model of ``warp_sum<lpc>`` (the CUDA code runs
+    only in the GPU lane): for each lane count ``nbits4_small_k_split`` picks, the xor
+    butterfly sums exactly one column's lanes, and one lane per column stores."""
     rng = np.random.default_rng(lpc)
     v = rng.integers(-1000, 1000, 32).astype(np.float64)
     got = _butterfly(v, lpc)
@@ -158,11 +177,34 @@ def _dequant(packed, scales, zp_mode, zp_u8, zp_f, k, n, block):
     return (q - z) * s
 
 
+def _cpu_kernel(a, packed, scales, zp_mode, zp_u8, zp_f, k, n, block):
+    """The project's CPU MatMulNBits on the same packed weights (float32)."""
+    node = helper.make_node(
+        "MatMulNBits",
+        ["A", "B", "scales", "zero_points" if zp_mode else ""],
+        ["Y"],
+        domain=MS_DOMAIN,
+        K=k,
+        N=n,
+        bits=4,
+        block_size=block,
+    )
+    args = [a.astype(np.float32), packed, scales.astype(np.float32).reshape(-1)]
+    if zp_mode:
+        args.append(zp_u8.reshape(-1) if zp_mode == 1 else zp_f.astype(np.float32).reshape(-1))
+    kdef = REGISTRY.lookup(MS_DOMAIN, "MatMulNBits", 1)
+    return np.asarray(kdef.fn(KernelContext(NodeInfo.from_proto(node, 1)), *args), np.float64)
+
+
 @pytest.mark.parametrize(
     "k,block,lpc", [(896, 32, 4), (896, 32, 8), (96, 32, 2), (96, 64, 2), (2048, 128, 8)]
 )
 @pytest.mark.parametrize("zp_mode", [0, 1, 2])
-def test_emulated_kernel_matches_float64(k, block, lpc, zp_mode):
+def test_emulated_cuda_sums_match_float64_and_the_cpu_kernel(k, block, lpc, zp_mode):
+    """The numpy emulation of the CUDA kernel's arithmetic (a model: the CUDA code runs only
+    in the GPU lane) against a plainly dequantized float64 matmul, and the project's CPU
+    MatMulNBits against both on the same packed weights, so the emulation's reading of the
+    layout (nibble order, zero-point packing, blocks) is the one the project implements."""
     rng = np.random.default_rng(k + block + lpc + zp_mode)
     n, m_rows = 37, 3
     nb = -(-k // block)
@@ -170,8 +212,11 @@ def test_emulated_kernel_matches_float64(k, block, lpc, zp_mode):
     scales = rng.uniform(0.5, 1.5, (n, nb)).astype(np.float16)
     zp_u8 = rng.integers(0, 256, (n, -(-nb // 2))).astype(np.uint8)
     zp_f = rng.uniform(0, 15, (n, nb)).astype(np.float16)
-    a = rng.standard_normal((m_rows, k))
+    a = rng.standard_normal((m_rows, k)).astype(np.float32).astype(np.float64)
     cpl = -(-(k // 32) // lpc)
     got = _emulate(a, packed, scales, zp_mode, zp_u8, zp_f, k, n, block, lpc, cpl)
     want = a @ _dequant(packed, scales, zp_mode, zp_u8, zp_f, k, n, block).T
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-9)
+    cpu = _cpu_kernel(a, packed, scales, zp_mode, zp_u8, zp_f, k, n, block)
+    scale = np.abs(a) @ np.abs(_dequant(packed, scales, zp_mode, zp_u8, zp_f, k, n, block)).T
+    assert np.all(np.abs(cpu - want) <= 1e-5 * scale + 1e-6)

@@ -125,7 +125,7 @@ _ORT_TYPES = {
 
 
 def _ort(node, opset: int, inputs: list[np.ndarray | None], out_types: list[np.dtype]):
-    """Run ``node`` in onnxruntime; skip the test when ORT lacks the op or type."""
+    """Run ``node`` in onnxruntime (the test skips only when onnxruntime is not installed)."""
     ort = pytest.importorskip("onnxruntime")
     names = [n for n, a in zip(node.input, inputs, strict=False) if n and a is not None]
     arrays = [a for n, a in zip(node.input, inputs, strict=False) if n and a is not None]
@@ -144,10 +144,8 @@ def _ort(node, opset: int, inputs: list[np.ndarray | None], out_types: list[np.d
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 10
-    try:
-        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"onnxruntime cannot run {node.op_type}-{opset}: {str(exc)[:120]}")
+    # Every case here runs in onnxruntime: an error creating the session is a failure.
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, dict(zip(names, arrays, strict=True)))
 
 

@@ -3,8 +3,8 @@
 Two builds of the same int4 weights: ``int4_dir`` has the CPU default accuracy_level=4,
 under which onnxruntime quantizes MatMulNBits' activations to int8; ``int4_fp32acc_dir``
 has accuracy_level=1 (fp32 activations). We compute in fp32 at every level, so the
-accuracy_level=1 build is held to 1e-4, and the level-4 build to onnxruntime's own
-int8-activation error (see ``test_default_accuracy_logits_within_onnxruntime_int8_error``).
+accuracy_level=1 build is held to 1e-4, and so is the level-4 build, against onnxruntime's
+fp32 path (see ``test_default_accuracy_logits_match_onnxruntime_fp32_path``).
 
 Random weights make int4 greedy text meaningless, and on this fixture (initializer_range
 0.3, a chaotic network) the int4 model's logits are far from the fp32 model's even though
@@ -25,6 +25,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from onnx_genrt.engine import Model
+from onnx_genrt.providers.cpu.kernels.contrib_quant import PACKED_MAX_M
 from onnx_genrt.session import InferenceSession
 
 from .conftest import (
@@ -42,6 +43,10 @@ from .conftest import (
 
 TOL = 1e-4
 QUANTIZED = ("MatMulNBits", "GatherBlockQuantized")
+#: A prompt of more rows than PACKED_MAX_M: its prefill takes MatMulNBits' dequantizing path
+#: (shorter ones and decode steps multiply the packed nibbles).
+LONG_PROMPT = [(7 * i + 3) % 500 for i in range(PACKED_MAX_M + 5)]
+INT4_PROMPTS = [*PROMPTS, LONG_PROMPT]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,7 @@ def int4_runs(int4_models, int4_dir, int4_fp32acc_dir):
     """Per prompt: our greedy logits (accuracy_level 1 and 4 builds) and tokens, and
     onnxruntime's teacher-forced logits on both builds."""
     runs = {}
-    for prompt in PROMPTS:
+    for prompt in INT4_PROMPTS:
         ours1, tokens = engine_greedy(int4_models[1], prompt, DECODE_STEPS)
         ours4, tokens4 = engine_greedy(int4_models[4], prompt, DECODE_STEPS)
         # We compute fp32 at every accuracy_level, so both builds pick the same tokens and
@@ -86,26 +91,30 @@ def test_builds_differ_only_in_accuracy_level(int4_dir, int4_fp32acc_dir):
         np.testing.assert_array_equal(numpy_helper.to_array(init), inits_b[init.name])
 
 
-@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: f"p{len(p)}")
+@pytest.mark.parametrize("prompt", INT4_PROMPTS, ids=lambda p: f"p{len(p)}")
 def test_fp32_accuracy_logits_match_onnxruntime(int4_runs, prompt):
     """accuracy_level=1: prefill rows and 12 decode steps within 1e-4 of onnxruntime."""
     run = int4_runs[tuple(prompt)]
     assert max_diff(run["ours1"], run["ort1"]) <= TOL
 
 
-@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: f"p{len(p)}")
-def test_default_accuracy_logits_within_onnxruntime_int8_error(int4_runs, prompt):
-    """accuracy_level=4: onnxruntime rounds MatMulNBits' input to int8 per block; we don't.
+@pytest.mark.parametrize("prompt", INT4_PROMPTS, ids=lambda p: f"p{len(p)}")
+def test_default_accuracy_logits_match_onnxruntime_fp32_path(int4_runs, prompt):
+    """accuracy_level=4: onnxruntime rounds MatMulNBits' input to int8 per block; we compute
+    in fp32 at every level, so the level-4 build is held to 1e-4 of onnxruntime's fp32
+    path (level 1) on the same weights.
 
-    The tolerance is onnxruntime's own cost of that rounding, measured on the same
-    weights (|ort(level 1) - ort(level 4)|), plus the 1e-4 we allow against level 1: by the
-    triangle inequality, an fp32 implementation within 1e-4 of onnxruntime's fp32 path is
-    within that sum of its int8 path, and anything further off is our error.
+    On this chaotic fixture onnxruntime's own int8 rounding moves logits by 0.45-0.89, so a
+    bound of that size against its level-4 output would pass a real error as large; its
+    level-4 output is only checked to be that far from its level-1 output, as measured
+    (the rounding is onnxruntime's, and the level-4 build does take the int8 path).
     """
     run = int4_runs[tuple(prompt)]
+    assert max_diff(run["ours4"], run["ort1"]) <= TOL
     int8_error = max_diff(run["ort1"], run["ort4"])
-    assert int8_error > TOL, "onnxruntime did not take its int8 path; test the tight bound"
-    assert max_diff(run["ours4"], run["ort4"]) <= int8_error + TOL
+    assert int8_error > 10 * TOL, "onnxruntime did not take its int8 path at level 4"
+    # ours4 ~ ort1, so its distance to ort4 is onnxruntime's int8 error, within TOL
+    assert abs(max_diff(run["ours4"], run["ort4"]) - int8_error) <= TOL
 
 
 # ----------------------------------------------------------------------------- vs fp32 / HF
@@ -225,7 +234,7 @@ def test_logits_match_hf_on_dequantized_weights(int4_weights, int4_models, int4_
         int4_weights["/lm_head/MatMul_Q4"][1],
         next(w for k, (_, w, _) in int4_weights.items() if "embed_tokens" in k),
     )
-    for prompt in PROMPTS:
+    for prompt in INT4_PROMPTS:
         run = int4_runs[tuple(prompt)]
         ids = prompt + run["tokens"][:DECODE_STEPS]
         assert max_diff(run["ours1"], hf_forward(fake, ids)) <= TOL
