@@ -124,6 +124,8 @@ class Executor:
         self._free_after: list[list[str]] = [[] for _ in plan.steps]
         self._row_tails: dict[str, RowTail | None] = {}
         self.segments: list[Segment] = split_segments(plan.steps, plan.constants)
+        #: The providers the plan's steps run on (computed once: every run asks).
+        self.providers: list[ExecutionProvider] = plan.providers
         self._prepare()
 
     # -- setup --------------------------------------------------------------
@@ -185,7 +187,7 @@ class Executor:
         state = self.state(slot)
         if state.captured:
             state.stats.invalidations += 1
-        for provider in self.plan.providers:
+        for provider in self.providers:
             if slot in provider.graph_slots:
                 provider.reset_graph(slot)
         state.captured = False
@@ -197,7 +199,7 @@ class Executor:
     def capture_blocker(self, slot: DeviceGraphSlot) -> str | None:
         """Why ``slot`` cannot be captured, or None when it can: every provider the plan
         runs on must hold the slot, and none may be latched after a failed capture."""
-        for provider in self.plan.providers:
+        for provider in self.providers:
             if slot not in provider.graph_slots:
                 declared = ", ".join(sorted(s.value for s in provider.graph_slots)) or "none"
                 return (
@@ -214,7 +216,7 @@ class Executor:
         """Run with persistent bindings in ``slot`` (default: the current graph slot).
 
         Thread-safe: runs hold the locks of the plan's providers, one run at a time."""
-        with hold(self.plan.providers):
+        with hold(self.providers):
             self._run_bound(binding, self._slot if slot is None else slot)
 
     def _run_bound(self, binding: IOBinding, slot: DeviceGraphSlot) -> None:
@@ -224,7 +226,7 @@ class Executor:
             self.reset_slot(slot, sig)
         env = dict(binding.inputs)
         outs = binding.outputs
-        if state.captured and any(p.graph_owner(slot) is not self for p in self.plan.providers):
+        if state.captured and any(p.graph_owner(slot) is not self for p in self.providers):
             # Another session on a provider captured into the slot since: our graph is
             # gone (and the slot's pinned workspace may have moved). Capture again.
             state.captured = False
@@ -258,7 +260,7 @@ class Executor:
         """Capture every segment as a part of its provider's graph in ``slot`` (running the
         step once), and keep the replay program; on failure latch, drop the parts captured
         so far and run eagerly."""
-        providers = self.plan.providers
+        providers = self.providers
         for provider in providers:
             provider.workspace.pin(slot)
         capture = _Capture(slot, self, state.stats)
@@ -286,7 +288,7 @@ class Executor:
         """Eager run on fresh outputs; memory planned per distinct input-shape set.
 
         Thread-safe (the provider locks are held): results never come from another run."""
-        with hold(self.plan.providers):
+        with hold(self.providers):
             return self._run(feeds, output_names)
 
     def _run(self, feeds: Mapping[str, Any], output_names: Sequence[str]) -> list[Any]:
@@ -330,7 +332,7 @@ class Executor:
                     "(a MatMul on a constant weight, a MatMulNBits or a norm fused into one, "
                     "then row-local ops), so it cannot be computed for the last row alone"
                 )
-        with hold(self.plan.providers):
+        with hold(self.providers):
             self._eager_run(dict(binding.inputs), binding.outputs, tail)
 
     def _eager_run(
@@ -464,14 +466,14 @@ class Executor:
     def _holder(self, value: Any) -> ExecutionProvider | None:
         """The plan's provider that holds ``value``; None for a host array no provider
         claims."""
-        for provider in self.plan.providers:
+        for provider in self.providers:
             if provider.holds(value):
                 return provider
         if isinstance(value, np.ndarray):
             return None
         raise KernelError(
             f"a {type(value).__name__} was fed or bound, but no provider of this session "
-            f"({', '.join(p.name for p in self.plan.providers)}) holds that array type"
+            f"({', '.join(p.name for p in self.providers)}) holds that array type"
         )
 
     def to_host(self, value: Any) -> np.ndarray:

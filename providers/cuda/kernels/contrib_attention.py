@@ -6,10 +6,11 @@ the new keys (rotated) and values are written in place at positions
 Every length comes from ``seqlens_k`` *in device memory* (``total = seqlens_k[b] + 1``,
 ``past = total - S``), read inside the kernels, so one captured graph stays valid while the
 cache grows. ``total_sequence_length`` is checked against the cache's capacity when its
-value is known on the host (a host array or a host-shadowed constant); when it is not, an
-eager run reads the largest ``seqlens_k`` back (one sync) and refuses a length past the
-cache. Inside a captured graph neither check is possible: a length past the capacity then
-attends to the first ``capacity`` keys and writes no key past the buffer.
+value is known on the host (a host array or a host-shadowed constant). When it is not (the
+engine keeps it on the device), a length past the capacity is caught on the device: the
+attention writes NaN rows, which the engine's non-finite probe turns into an error, and no
+key is written past the buffer. (Reading the length back on every eager run instead cost a
+host sync per layer: prefill 12.8 -> 21.6 ms on the 0.5B shape.)
 
 One launch per call for up to ``FUSE_MAX_NEW`` new tokens (decode, verify: the steps that
 are captured), two for longer prompts; all capturable (no cuBLAS, no allocation, no host
@@ -57,7 +58,6 @@ from onnx_genrt.core.op_rules import gqa_attribute_problem, windowed_cache_lengt
 
 from ._common import (
     DEVICE_COMMON,
-    capturing,
     contiguous,
     function,
     out,
@@ -404,6 +404,13 @@ DEVI void gqa_body(GQA_PARAMS) {
       st(kc, dst + d, kv);
       st(vc, dst + d, ld(vx, d));
     }
+  }
+  if (!wcache && total > cap) {
+    // A length past the cache, which the host could not check (the length lives in device
+    // memory): NaN, never attention over a clamped window. Uniform over a cluster (one row).
+    if (split == 0)
+      for (int d = tid; d < D; d += T) st(out, orow * D + d, __int_as_float(0x7fc00000));
+    return;
   }
   if (CL == 0 && wcache && !fuse && t > cap) {
     // More than FUSE_MAX_NEW new tokens that overflow a window-sized cache: gqa_append could
@@ -867,14 +874,6 @@ def group_query_attention(
             f"{desc}: seqlens_k must be int32 [{b}], got {seqlens.dtype}{seqlens.shape}"
         )
     seqlens = contiguous(ctx, seqlens)
-    if total_len is None and not capturing(ctx) and b:
-        # The host does not know the length: an eager run reads the longest one back.
-        longest = int(seqlens.max().get()) + 1
-        if longest > cap:
-            raise ValueError(
-                f"{desc}: seqlens_k gives a total length of {longest}, more than the past "
-                f"buffer of {cap} positions: allocate a longer KV cache"
-            )
 
     rotary = bool(ctx.attr("do_rotary", 0))
     interleaved = int(bool(ctx.attr("rotary_interleaved", 0)))
