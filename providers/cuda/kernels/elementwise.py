@@ -235,6 +235,14 @@ def _cast_check(node: NodeInfo, input_types: Sequence[Any]) -> str | None:
     if code not in _CAST_TYPES:
         name = TensorProto.DataType.Name(code) if code in TensorProto.DataType.values() else code
         return f"Cast to {name} is not supported on CUDA yet"
+    source = input_types[0] if input_types else None
+    if source is not None and source.dtype is not None:
+        try:
+            code_in = helper.np_dtype_to_tensor_dtype(np.dtype(source.dtype))
+        except (KeyError, TypeError, ValueError):
+            return f"Cast from {source.dtype} is not supported on CUDA"
+        if code_in not in _CAST_TYPES:
+            return f"Cast from {TensorProto.DataType.Name(code_in)} is not supported on CUDA yet"
     return None
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import cupy
 import numpy as np
 
-from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.kernels import KernelContext, NodeInfo
 
 from ._common import (
     BF16,
@@ -289,7 +290,16 @@ def reduce_mean(ctx: KernelContext, x, axes=None):
     return y
 
 
-@REGISTRY.register("ReduceMax", since=1)
+def _not_empty(node: NodeInfo, input_types: Sequence[Any]) -> str | None:
+    """An input known to be empty at placement is left to another provider."""
+    first = input_types[0] if input_types else None
+    shape = first.shape if first is not None else None
+    if shape is not None and 0 in shape:
+        return f"{node.op_type} of an empty tensor is not supported on CUDA"
+    return None
+
+
+@REGISTRY.register("ReduceMax", since=1, check=_not_empty)
 def reduce_extreme(ctx: KernelContext, x, axes=None):
     """Max over ``axes`` through CuPy's reduction kernel, written into the output.
 
