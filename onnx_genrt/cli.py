@@ -9,7 +9,8 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
-from .cli_args import POSITIVE, POSITIVE_INT
+from .cli_args import POSITIVE, POSITIVE_INT, Once, provider_list
+from .generate_cli import add_provider_argument
 
 
 def _cmd_providers(args: argparse.Namespace) -> int:
@@ -83,9 +84,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from onnx_genrt import dispatch_bench
 
     results = []
-    for provider in args.provider:
-        print(f"measuring {provider}: {args.nodes} nodes x 50 runs x 5 ...", file=sys.stderr)
-        results.append(dispatch_bench.measure(provider, args.nodes, 50))
+    for providers in args.provider:
+        label = ",".join(providers)
+        print(f"measuring {label}: {args.nodes} nodes x 50 runs x 5 ...", file=sys.stderr)
+        results.append(dispatch_bench.measure(providers, args.nodes, 50))
     print(dispatch_bench.format_table(results))
     return 0
 
@@ -151,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="run the bundled demo model in slots PRIMARY and VERIFY, checked against eager"
     )
-    p.add_argument("--provider", default="cpu", help="provider name (default: cpu)")
+    add_provider_argument(p)
     p.add_argument("--steps", type=POSITIVE_INT, default=24, help="steps per slot (default: 24)")
     p.set_defaults(func=_cmd_demo)
 
@@ -165,7 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("conformance", help="run ONNX's own backend node tests against a provider")
-    p.add_argument("--provider", default="cpu", help="provider name (default: cpu)")
+    p.add_argument(
+        "--provider",
+        type=provider_list,
+        action=Once,
+        default=["cpu"],
+        help="the provider under test, then fallbacks, comma-separated (default: cpu); "
+        "no CPU fallback beyond the list",
+    )
     p.add_argument("--op", action="append", default=[], help="only these op types (repeatable)")
     p.add_argument("-k", dest="pattern", default=None, help="only test names containing this text")
     p.add_argument("--failures", action="store_true", help="list every failure with its reason")
@@ -174,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_conformance)
 
+    from onnx_genrt import inspect_cli
     from onnx_genrt.testing import runner
 
+    inspect_cli.add_parser(sub)
     runner.add_parser(sub)
     for command in sub.choices.values():
         # Accepted after the command too; SUPPRESS keeps a --debug given before it.
@@ -190,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "command", None) == "bench" and not args.provider:
-        args.provider = ["cpu"]
+        args.provider = [["cpu"]]
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

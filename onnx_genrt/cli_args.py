@@ -48,3 +48,31 @@ NON_NEGATIVE_INT = int_at_least(0)
 FINITE = finite_float()
 NON_NEGATIVE = finite_float(0.0)
 POSITIVE = finite_float(0.0, above=True)
+
+
+def provider_list(text: str) -> list[str]:
+    """``--provider a,b``: providers in priority order (the CPU provider is the fallback)."""
+    names = [n.strip() for n in text.split(",")]
+    if not text.strip() or any(not n for n in names):
+        raise argparse.ArgumentTypeError(
+            f"must be a provider name or a comma-separated list such as cuda,cpu, got {text!r}"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"names a provider twice: {text!r}")
+    return names
+
+
+provider_list.__name__ = "provider list"
+
+
+class Once(argparse.Action):
+    """A flag that may be given once: a second one is an error, not a silent override."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        if getattr(namespace, f"_{self.dest}_seen", False):
+            parser.error(
+                f"{option_string} given twice; give several providers once, separated by "
+                "commas (for example --provider cuda,cpu)"
+            )
+        setattr(namespace, f"_{self.dest}_seen", True)
+        setattr(namespace, self.dest, values)

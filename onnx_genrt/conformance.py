@@ -551,7 +551,7 @@ ProgressFn = Callable[[int, int, str], None]
 
 
 def run_conformance(
-    provider: ProviderArg = "cpu",
+    provider: ProviderArg | list[ProviderArg] = "cpu",
     ops: Iterable[str] | None = None,
     pattern: str | None = None,
     progress: ProgressFn | None = None,
@@ -559,13 +559,20 @@ def run_conformance(
     names: Iterable[str] | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
 ) -> Report:
-    """Run the selected cases on ``provider``; ``progress(done, total, name)`` after each."""
+    """Run the selected cases on ``provider`` (or a list: the provider under test, then its
+    fallbacks; a case that places no node on the first is skipped); ``progress(done, total,
+    name)`` after each."""
     cases = load_cases(names=names, ops=ops, pattern=pattern)
-    label = provider if isinstance(provider, str) else getattr(provider, "name", str(provider))
-    report = Report(str(label))
+    listed = provider if isinstance(provider, list) else [provider]
+    names_of = [p if isinstance(p, str) else str(getattr(p, "name", p)) for p in listed]
+    report = Report(",".join(names_of))
+    if len(listed) == 1:
+        provider, require_on = listed[0], None
+    else:
+        provider, require_on = listed, names_of[0]
     start = time.perf_counter()
     for i, case in enumerate(cases, 1):
-        report.results.append(run_case(case, provider, timeout))
+        report.results.append(run_case(case, provider, timeout, require_on=require_on))
         if progress:
             progress(i, len(cases), case.name)
     report.seconds = time.perf_counter() - start
@@ -642,17 +649,22 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     from onnx_genrt.core.errors import OnnxGenrtError
     from onnx_genrt.session.inference_session import resolve_providers
 
+    providers = [ns.provider] if isinstance(ns.provider, str) else list(ns.provider)
     try:
-        resolve_providers([ns.provider])  # fail fast; each case builds its own instance
+        resolve_providers(providers)  # fail fast; each case builds its own instance
     except (OnnxGenrtError, KeyError, ValueError) as exc:
         print(
-            f"onnx-genrt conformance: error: provider {ns.provider!r}: {_one_line(exc)}",
+            f"onnx-genrt conformance: error: provider {','.join(providers)!r}: {_one_line(exc)}",
             file=sys.stderr,
         )
         return 3  # the CLI's code for a model or provider that cannot be used (cli.EXIT_MODEL)
     timeout = getattr(ns, "timeout", None) or DEFAULT_TIMEOUT
     report = run_conformance(
-        ns.provider, ns.op or None, ns.pattern, stderr_progress(), timeout=timeout
+        providers if len(providers) > 1 else providers[0],
+        ns.op or None,
+        ns.pattern,
+        stderr_progress(),
+        timeout=timeout,
     )
     if not report.results:
         print("error: no conformance case matches the selection", file=sys.stderr)

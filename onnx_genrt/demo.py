@@ -117,14 +117,16 @@ def demo_inputs(rows: int, length: int, rng: np.random.Generator) -> dict[str, n
     }
 
 
-def run_demo(provider: str = "cpu", steps: int = 24, verify_rows: int = 4) -> int:
+def run_demo(provider: str | list[str] = "cpu", steps: int = 24, verify_rows: int = 4) -> int:
     """Interleave PRIMARY (M=1) and VERIFY (M=k+1) bound runs; check each against eager."""
     from onnx_genrt.session import InferenceSession
 
     path = bundled_model_path()
-    print(f"model: {path.name} ({path.stat().st_size / 1024:.0f} KiB), provider: {provider}")
-    sess = InferenceSession(path, providers=[provider])
-    eager = InferenceSession(path, providers=[provider], enable_graphs=False)
+    providers = [provider] if isinstance(provider, str) else list(provider)
+    label = ",".join(providers)
+    print(f"model: {path.name} ({path.stat().st_size / 1024:.0f} KiB), provider: {label}")
+    sess = InferenceSession(path, providers=providers)
+    eager = InferenceSession(path, providers=providers, enable_graphs=False)
     rng = np.random.default_rng(0)
     bindings = {}
     for slot, rows in ((DeviceGraphSlot.PRIMARY, 1), (DeviceGraphSlot.VERIFY, verify_rows)):

@@ -44,9 +44,10 @@ class DispatchResult:
         return self.eager_us_per_node / self.replay_us_per_node
 
 
-def bound_session(model: onnx.ModelProto, provider: str, graphs: bool):
+def bound_session(model: onnx.ModelProto, provider: str | list[str], graphs: bool):
     """A session and binding for the chain model, warmed up (captured when graphs=True)."""
-    sess = InferenceSession(model, providers=[provider], enable_graphs=graphs)
+    providers = [provider] if isinstance(provider, str) else list(provider)
+    sess = InferenceSession(model, providers=providers, enable_graphs=graphs)
     binding = sess.io_binding()
     binding.bind_input("x", np.ones((1, 8), np.float32))
     binding.bind_output("y", shape=(1, 8), dtype=np.float32)
@@ -67,7 +68,9 @@ def _time_per_run(sess: InferenceSession, binding, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def measure(provider: str = "cpu", nodes: int = 200, repeats: int = 50) -> DispatchResult:
+def measure(
+    provider: str | list[str] = "cpu", nodes: int = 200, repeats: int = 50
+) -> DispatchResult:
     """Median seconds per run, eager and replayed, divided by the node count (in µs)."""
     model = elementwise_chain(nodes)
     eager, eb = bound_session(model, provider, graphs=False)
@@ -75,7 +78,8 @@ def measure(provider: str = "cpu", nodes: int = 200, repeats: int = 50) -> Dispa
     assert graphed.graph_stats().captures == 1, graphed.graph_stats()
     t_eager = _time_per_run(eager, eb, repeats)
     t_replay = _time_per_run(graphed, gb, repeats)
-    return DispatchResult(provider, nodes, t_eager / nodes * 1e6, t_replay / nodes * 1e6)
+    label = provider if isinstance(provider, str) else ",".join(provider)
+    return DispatchResult(label, nodes, t_eager / nodes * 1e6, t_replay / nodes * 1e6)
 
 
 def format_table(results: list[DispatchResult]) -> str:

@@ -8,7 +8,14 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from .cli_args import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT
+from .cli_args import (
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    Once,
+    provider_list,
+)
 
 
 def default_model_dir() -> Path:
@@ -19,6 +26,23 @@ def default_model_dir() -> Path:
 def provider_arg(name: str, threads: int | None):
     """``name``, or ``(name, {"threads": n})`` for the CPU provider when --threads is given."""
     return (name, {"threads": threads}) if threads is not None and name == "cpu" else name
+
+
+def provider_args(names: list[str], threads: int | None) -> list:
+    """``--provider a,b`` as a session's provider list (``--threads`` goes to the CPU one)."""
+    return [provider_arg(name, threads) for name in names]
+
+
+def add_provider_argument(p: argparse.ArgumentParser, default: str = "cpu") -> None:
+    """``--provider a,b``: once, a comma-separated priority list."""
+    p.add_argument(
+        "--provider",
+        type=provider_list,
+        action=Once,
+        default=[default],
+        help=f"execution providers in priority order, comma-separated (default: {default}); "
+        "nodes none of them runs go to the CPU provider",
+    )
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--model", type=Path, default=None, help="model folder (default: the embedded model)"
     )
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--provider", default="cpu", help="execution provider (default: cpu)")
+    add_provider_argument(p)
     p.add_argument(
         "--spec", choices=["mtp", "draft", "ngram"], default=None, help="speculative decoding"
     )
@@ -86,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     folder = args.model or default_model_dir()
     model = Model(
-        folder, [provider_arg(args.provider, args.threads)], enable_graphs=not args.no_graphs
+        folder, provider_args(args.provider, args.threads), enable_graphs=not args.no_graphs
     )
     results: list = []
     pieces = stream(

@@ -19,7 +19,7 @@ import numpy as np
 
 from onnx_genrt.core.errors import InvalidInputError
 
-from .cli_args import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT
+from .cli_args import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, provider_list
 
 SPEC_KINDS = ("mtp", "draft", "ngram")
 
@@ -107,7 +107,7 @@ def bench_ours(
     folder: Path,
     prompt: list[int],
     new: int,
-    provider: Any,
+    providers: list[Any],
     spec: str | None,
     k: int | None,
     graphs: bool,
@@ -117,7 +117,7 @@ def bench_ours(
     pipelined verify steps off: the host reads each step back before queuing the next."""
     from onnx_genrt.engine import Generator, Model, SpeculativeGenerator, generate
 
-    model = Model(folder, [provider], enable_graphs=graphs)
+    model = Model(folder, providers, enable_graphs=graphs)
 
     def once():
         saved = Generator.look_ahead, SpeculativeGenerator.pipeline
@@ -214,7 +214,7 @@ def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int):
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from onnx_genrt.generate_cli import default_model_dir, provider_arg
+    from onnx_genrt.generate_cli import default_model_dir, provider_args
 
     folder = Path(args.model or default_model_dir())
     rng = np.random.default_rng(0)
@@ -233,21 +233,22 @@ def run_bench(args: argparse.Namespace) -> int:
         "(spread: fastest minus slowest run over the median)"
     )
     cases: list[tuple[str, Callable]] = []
-    for provider in args.provider:
-        tag = f"{provider},{args.threads}t" if args.threads and provider == "cpu" else provider
+    for names in args.provider:
+        tag = ",".join(names)
+        tag = f"{tag},{args.threads}t" if args.threads and "cpu" in names else tag
 
         def ours(
             spec: str | None,
             k: int | None,
             graphs: bool = True,
             overlap: bool = True,
-            provider: str = provider,
+            names: list[str] = names,
         ):
             return bench_ours(
                 folder,
                 prompt,
                 new,
-                provider_arg(provider, args.threads),
+                provider_args(names, args.threads),
                 spec,
                 k,
                 graphs,
@@ -278,12 +279,13 @@ def run_bench(args: argparse.Namespace) -> int:
                 _progress(f"  {label} skipped: {exc}")
     rows = _interleaved(cases, args.repeats, args.cprofile)
     print(format_rows(rows))
-    if "cpu" in args.provider and any(label.startswith("onnxruntime") for label, _ in cases):
+    used = {name for names in args.provider for name in names}
+    if "cpu" in used and any(label.startswith("onnxruntime") for label, _ in cases):
         print(
             f"threads: onnx-genrt[cpu] {args.threads or 1} (--threads); the onnxruntime rows "
             "use onnxruntime's default intra-op threads (one per physical core)"
         )
-    if "cuda" in args.provider:
+    if "cuda" in used:
         nbytes = weight_bytes_per_token(cfg.model_path)
         ceiling = args.bandwidth * 1e9 / nbytes if nbytes else float("nan")
         print(
@@ -360,7 +362,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", type=Path, default=None, help="model folder (default: the embedded model)"
     )
-    p.add_argument("--provider", action="append", default=None, help="provider(s) (default: cpu)")
+    p.add_argument(
+        "--provider",
+        action="append",
+        type=provider_list,
+        default=None,
+        help="one row per flag, each a comma-separated priority list such as cuda,cpu "
+        "(repeatable; default: cpu)",
+    )
     p.add_argument(
         "--spec",
         action="append",
