@@ -117,6 +117,11 @@ SupportCheck = Callable[[NodeInfo, Sequence["TensorType | None"]], str | None]
 #: kernel prefers (a transposed weight, say), made once when the session is built; None
 #: keeps the plain array. The kernel then receives whatever prepack returned.
 Prepack = Callable[[Any, NodeInfo, int, np.ndarray], Any]
+#: ``bind(ctx, inputs, out)``: a prebound zero-argument call that computes the node from
+#: these very ``inputs`` into ``out`` (the output buffer, or the tuple of them), for a
+#: provider that records calls when it captures a graph (the CPU provider); None keeps the
+#: generic call.
+Bind = Callable[[KernelContext, Sequence[Any], Any], Callable[[], Any] | None]
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,6 +154,7 @@ class KernelDef:
     fn: Kernel
     check: SupportCheck | None = None
     prepack: Prepack | None = None
+    bind: Bind | None = None
 
 
 class KernelRegistry:
@@ -164,13 +170,16 @@ class KernelRegistry:
         domain: str = ONNX_DOMAIN,
         check: SupportCheck | None = None,
         prepack: Prepack | None = None,
+        bind: Bind | None = None,
     ) -> Callable[[Kernel], Kernel]:
-        """Decorator: register ``fn`` for ``op_type`` (or several) from opset ``since``."""
+        """Decorator: register ``fn`` for ``op_type`` (or several) from opset ``since``, with
+        its optional ``check``, ``prepack`` and ``bind`` (see their types)."""
         names = [op_type] if isinstance(op_type, str) else list(op_type)
 
         def deco(fn: Kernel) -> Kernel:
             for name in names:
-                self.add(KernelDef(normalize_domain(domain), name, since, fn, check, prepack))
+                kdef = KernelDef(normalize_domain(domain), name, since, fn, check, prepack, bind)
+                self.add(kdef)
             return fn
 
         return deco

@@ -13,7 +13,7 @@ from onnx_genrt.core.device import CPU, Device
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
-from onnx_genrt.core.kernels import KernelContext, KernelDef, KernelRegistry
+from onnx_genrt.core.kernels import Bind, KernelContext, KernelDef, KernelRegistry
 from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 from onnx_genrt.core.tensor import Tensor, buffer_address
 
@@ -34,12 +34,16 @@ class RecordedGraph:
         self.bound = 0  # calls recorded as prebound closures
 
     def record(
-        self, fn: Callable[..., Any], ctx: KernelContext, inputs: Sequence[Any], outputs: Any
+        self,
+        fn: Callable[..., Any],
+        ctx: KernelContext,
+        inputs: Sequence[Any],
+        outputs: Any,
+        bind: Bind | None = None,
     ) -> None:
         outs = outputs if isinstance(outputs, tuple | list) else (outputs,)
         targets = tuple(outs)
         args = tuple(inputs)
-        bind = getattr(fn, "bind", None)
         if bind is not None and targets and all(isinstance(t, np.ndarray) for t in targets):
             # The kernel offers a prebound call (a ufunc with its buffers): no wrapper at all.
             # It gets its one output buffer, or the tuple of them; None keeps the call below.
@@ -70,7 +74,8 @@ def _copy_kernel(ctx: Any, src: np.ndarray) -> np.ndarray:
     return src
 
 
-_copy_kernel.bind = lambda ctx, inputs, out: functools.partial(np.copyto, out, inputs[0])  # type: ignore[attr-defined]
+def _bind_copy(ctx: Any, inputs: Sequence[Any], out: np.ndarray) -> Callable[[], Any]:
+    return functools.partial(np.copyto, out, inputs[0])
 
 
 def _same_memory(a: Any, b: Any) -> bool:
@@ -147,7 +152,7 @@ class CPUProvider(ExecutionProvider):
     def copy(self, src: Tensor, dst: Tensor) -> None:
         np.copyto(dst.buffer, src.buffer)
         if self._recording is not None:
-            self._recording.record(_copy_kernel, None, (src.buffer,), dst.buffer)
+            self._recording.record(_copy_kernel, None, (src.buffer,), dst.buffer, _bind_copy)
 
     def as_array(self, host: np.ndarray) -> Any:
         return host
@@ -155,7 +160,7 @@ class CPUProvider(ExecutionProvider):
     def launch(self, kdef: KernelDef, ctx: KernelContext, inputs: Sequence[Any]) -> Any:
         result = kdef.fn(ctx, *inputs)
         if self._recording is not None:
-            self._recording.record(kdef.fn, ctx, inputs, result)
+            self._recording.record(kdef.fn, ctx, inputs, result, kdef.bind)
         return result
 
     # graph hooks: one recording per (slot, part)

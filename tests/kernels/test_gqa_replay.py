@@ -2,7 +2,7 @@
 
 The engine binds past_key/present_key (and the values) to one cache buffer and replays the
 same graph every step while seqlens_k and total_sequence_length change inside the bound
-buffers. The captured call is the kernel's prebuilt step (``.bind``); every step's output and
+buffers. The captured call is the kernel's prebuilt step (``KernelDef.bind``); every step's output and
 the cache it leaves are compared with onnxruntime's GroupQueryAttention, fed a copy of the
 cache as it was before the step. The prebuilt step is also checked against the kernel's
 general path on the same inputs, feature by feature.

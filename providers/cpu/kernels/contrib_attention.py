@@ -13,7 +13,7 @@ them) past/present are a window-sized cache instead: present is as long as past,
 and the rows are then compacted in place. RoPE keeps absolute positions.
 
 A decode or verify step (batch 1, up to 16 new tokens, float32, shared buffers) runs as a
-_GqaStep built once per node and buffers: the kernel's ``.bind`` hands it to a recorded CPU
+_GqaStep built once per node and buffers: the kernel's ``bind`` (KernelDef.bind) hands it to a recorded CPU
 graph, and eager calls keep one in ``ctx.scratch``. It does the general path's arithmetic
 on the valid prefix, so both give equal results; anything else takes the general path.
 """
@@ -742,7 +742,6 @@ def _bind_gqa(
 # ----------------------------------------------------------------------------- GQA kernel
 
 
-@REGISTRY.register("GroupQueryAttention", since=1, domain=MS_DOMAIN, check=_gqa_check)
 def group_query_attention(
     ctx: KernelContext,
     query: np.ndarray,
@@ -777,7 +776,9 @@ def group_query_attention(
     return _gqa_general(ctx, *args)
 
 
-group_query_attention.bind = _bind_gqa  # type: ignore[attr-defined]
+REGISTRY.register(
+    "GroupQueryAttention", since=1, domain=MS_DOMAIN, check=_gqa_check, bind=_bind_gqa
+)(group_query_attention)
 
 
 def _gqa_general(

@@ -82,7 +82,6 @@ def _skip_norm(
     return tuple(outs[:n])
 
 
-@REGISTRY.register("SkipSimplifiedLayerNormalization", since=1, domain=MS_DOMAIN)
 def skip_simplified_layer_norm(
     ctx: KernelContext,
     x: np.ndarray,
@@ -128,7 +127,9 @@ def _bind_skip_rms(ctx: KernelContext, inputs, out):
     return run
 
 
-skip_simplified_layer_norm.bind = _bind_skip_rms  # type: ignore[attr-defined]
+REGISTRY.register(
+    "SkipSimplifiedLayerNormalization", since=1, domain=MS_DOMAIN, bind=_bind_skip_rms
+)(skip_simplified_layer_norm)
 
 
 @REGISTRY.register("SkipLayerNormalization", since=1, domain=MS_DOMAIN)

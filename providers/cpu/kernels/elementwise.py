@@ -68,8 +68,11 @@ def _float_op(compute: Callable[[KernelContext, Array, Array], None]) -> Callabl
     return kernel
 
 
-def _unary(ufunc: np.ufunc, *, quiet: bool = False) -> Callable[..., Array]:
-    """Kernel applying one numpy ufunc; output has the input's dtype."""
+def _unary(
+    names: str | list[str], since: int, ufunc: np.ufunc, *, quiet: bool = False
+) -> Callable[..., Array]:
+    """Register a kernel applying one numpy ufunc (output has the input's dtype), with its
+    prebound call; returns the kernel."""
 
     def kernel(ctx: KernelContext, x: Array) -> Array:
         out = ctx.out(0, x.shape, x.dtype)
@@ -84,12 +87,14 @@ def _unary(ufunc: np.ufunc, *, quiet: bool = False) -> Callable[..., Array]:
         return functools.partial(ufunc, inputs[0], out=out)
 
     kernel.__name__ = ufunc.__name__
-    kernel.bind = bind  # type: ignore[attr-defined]
-    return kernel
+    return REGISTRY.register(names, since=since, bind=bind)(kernel)
 
 
-def _binary(ufunc: np.ufunc, out_dtype: np.dtype | None = None) -> Callable[..., Array]:
-    """Kernel applying a broadcasting binary ufunc; output dtype = ``out_dtype`` or A's dtype."""
+def _binary(
+    name: str, since: int, ufunc: np.ufunc, out_dtype: np.dtype | None = None
+) -> Callable[..., Array]:
+    """Register a kernel applying a broadcasting binary ufunc (output dtype ``out_dtype`` or
+    A's), with its prebound call; returns the kernel."""
 
     def kernel(ctx: KernelContext, a: Array, b: Array) -> Array:
         dt = a.dtype if out_dtype is None else out_dtype
@@ -99,8 +104,7 @@ def _binary(ufunc: np.ufunc, out_dtype: np.dtype | None = None) -> Callable[...,
         return functools.partial(ufunc, inputs[0], inputs[1], out=out)
 
     kernel.__name__ = ufunc.__name__
-    kernel.bind = bind  # type: ignore[attr-defined]
-    return kernel
+    return REGISTRY.register(name, since=since, bind=bind)(kernel)
 
 
 def _quietly(ufunc: np.ufunc, x: Array, out: Array) -> Array:
@@ -150,7 +154,7 @@ for _names, _ufunc, _since, _q in (
     ("Not", np.logical_not, 1, False),
     ("BitwiseNot", np.invert, 18, False),
 ):
-    REGISTRY.register(_names, since=_since)(_unary(_ufunc, quiet=_q))
+    _unary(_names, _since, _ufunc, quiet=_q)
 
 
 @numba.njit(cache=True)
@@ -355,9 +359,9 @@ def gelu(ctx: KernelContext, x: Array) -> Array:
 
 # --------------------------------------------------------------------------- binary arithmetic
 
-_add = REGISTRY.register("Add", since=7)(_binary(np.add))
-_sub = REGISTRY.register("Sub", since=7)(_binary(np.subtract))
-_mul = REGISTRY.register("Mul", since=7)(_binary(np.multiply))
+_add = _binary("Add", 7, np.add)
+_sub = _binary("Sub", 7, np.subtract)
+_mul = _binary("Mul", 7, np.multiply)
 
 
 @REGISTRY.register("Div", since=7)
@@ -418,16 +422,16 @@ def bit_shift(ctx: KernelContext, x: Array, y: Array) -> Array:
     return out
 
 
-REGISTRY.register("BitwiseAnd", since=18)(_binary(np.bitwise_and))
-REGISTRY.register("BitwiseOr", since=18)(_binary(np.bitwise_or))
-REGISTRY.register("BitwiseXor", since=18)(_binary(np.bitwise_xor))
-_and = REGISTRY.register("And", since=7)(_binary(np.logical_and, BOOL))
-_or = REGISTRY.register("Or", since=7)(_binary(np.logical_or, BOOL))
-_xor = REGISTRY.register("Xor", since=7)(_binary(np.logical_xor, BOOL))
-_equal = REGISTRY.register("Equal", since=7)(_binary(np.equal, BOOL))
-_less = REGISTRY.register("Less", since=7)(_binary(np.less, BOOL))
-REGISTRY.register("LessOrEqual", since=12)(_binary(np.less_equal, BOOL))
-_greater = REGISTRY.register("Greater", since=7)(_binary(np.greater, BOOL))
+_binary("BitwiseAnd", 18, np.bitwise_and)
+_binary("BitwiseOr", 18, np.bitwise_or)
+_binary("BitwiseXor", 18, np.bitwise_xor)
+_and = _binary("And", 7, np.logical_and, BOOL)
+_or = _binary("Or", 7, np.logical_or, BOOL)
+_xor = _binary("Xor", 7, np.logical_xor, BOOL)
+_equal = _binary("Equal", 7, np.equal, BOOL)
+_less = _binary("Less", 7, np.less, BOOL)
+_binary("LessOrEqual", 12, np.less_equal, BOOL)
+_greater = _binary("Greater", 7, np.greater, BOOL)
 
 
 # --------------------------------------------------------------------------- opset 1-6 forms
@@ -450,7 +454,7 @@ for _name, _kernel in (
     ("Greater", _greater),
 ):  # fmt: skip
     REGISTRY.register(_name, since=1)(_legacy_broadcast(_kernel))
-REGISTRY.register("GreaterOrEqual", since=12)(_binary(np.greater_equal, BOOL))
+_binary("GreaterOrEqual", 12, np.greater_equal, BOOL)
 
 
 # --------------------------------------------------------------------------- variadic

@@ -26,7 +26,6 @@ def split_halves(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None):
     return g[..., :half], g[..., half:]
 
 
-@REGISTRY.register("SiluMul", since=1, domain=GENRT_DOMAIN)
 def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> np.ndarray:
     """``g * sigmoid(g) * u``, the gated-MLP activation, in the same order of operations as
     the Sigmoid/Mul/Mul it replaces (float16 computes in float32 and rounds once). With one
@@ -71,7 +70,7 @@ def _bind_silu_mul(ctx: KernelContext, inputs, out):
     return run
 
 
-silu_mul.bind = _bind_silu_mul  # type: ignore[attr-defined]
+REGISTRY.register("SiluMul", since=1, domain=GENRT_DOMAIN, bind=_bind_silu_mul)(silu_mul)
 
 
 @REGISTRY.register("ArgMaxProb", since=1, domain=GENRT_DOMAIN)

@@ -138,7 +138,6 @@ def _matmul_packed(ctx, a: np.ndarray, w: TransposedWeight) -> np.ndarray:
     return out
 
 
-@REGISTRY.register("MatMul", since=1, prepack=prepack_weight)
 def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | TransposedWeight) -> np.ndarray:
     """ONNX MatMul (numpy matmul semantics, batched broadcasting, 1-D operands).
 
@@ -151,7 +150,7 @@ def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | TransposedWeight) -> np.nd
     return matmul(ctx, a, b)
 
 
-matmul_kernel.bind = _bind_matmul  # type: ignore[attr-defined]
+REGISTRY.register("MatMul", since=1, prepack=prepack_weight, bind=_bind_matmul)(matmul_kernel)
 
 
 def _gemm_packed_call(ctx, a: np.ndarray, w: TransposedWeight, c: np.ndarray | None, out):
@@ -183,7 +182,6 @@ def _bind_gemm(ctx, inputs, out: np.ndarray):
     return _gemm_packed_call(ctx, a, b, c, out)
 
 
-@REGISTRY.register("Gemm", since=1, prepack=prepack_weight)
 def gemm_kernel(
     ctx, a: np.ndarray, b: np.ndarray | TransposedWeight, c: np.ndarray | None = None
 ) -> np.ndarray:
@@ -239,7 +237,7 @@ def gemm_kernel(
     return out
 
 
-gemm_kernel.bind = _bind_gemm  # type: ignore[attr-defined]
+REGISTRY.register("Gemm", since=1, prepack=prepack_weight, bind=_bind_gemm)(gemm_kernel)
 
 
 def _zero_point(zp: np.ndarray | None, axis_len: int, axis: int, what: str) -> np.ndarray:
