@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +20,6 @@ from .model import GeneratorParams, Model
 from .mtp_chain import restrict_draft_vocab
 from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
 from .speculative import SpeculativeGenerator
-
-SPEC_KINDS = ("mtp", "draft", "ngram")
 
 
 @dataclass
@@ -83,24 +81,41 @@ def make_proposer(
     MTP proposers and draft models are kept on the model, so later generations reuse their
     sessions and captured graphs instead of building and capturing them again.
     """
+    make = PROPOSERS.get(spec)
+    if make is None:
+        raise InvalidInputError(f"unknown speculation kind {spec!r}; choose one of {SPEC_KINDS}")
     if min_confidence is None:
         min_confidence = MIN_CONFIDENCE.get(spec, 0.0)
-    if spec == "ngram":
-        return PromptLookupProposer()
-    if spec == "mtp":
-        key = ("mtp", min_confidence)
-        with model.session.exclusive():  # one thread builds it; the others then reuse it
-            if key not in model.proposers:
-                model.proposers[key] = _make_mtp(model, min_confidence)
-        return model.proposers[key]
-    if spec == "draft":
-        with model.session.exclusive():
-            if "draft" not in model.proposers:
-                model.proposers["draft"] = _draft_model(model)
-        return DraftModelProposer(
-            model.proposers["draft"], max_length, min_confidence=min_confidence
-        )
-    raise InvalidInputError(f"unknown speculation kind {spec!r}; choose one of {SPEC_KINDS}")
+    return make(model, max_length, min_confidence)
+
+
+def _mtp_proposer(model: Model, _max_length: int, min_confidence: float) -> Proposer:
+    key = ("mtp", min_confidence)
+    with model.session.exclusive():  # one thread builds it; the others then reuse it
+        if key not in model.proposers:
+            model.proposers[key] = _make_mtp(model, min_confidence)
+    return model.proposers[key]
+
+
+def _draft_proposer(model: Model, max_length: int, min_confidence: float) -> Proposer:
+    with model.session.exclusive():
+        if "draft" not in model.proposers:
+            model.proposers["draft"] = _draft_model(model)
+    return DraftModelProposer(model.proposers["draft"], max_length, min_confidence=min_confidence)
+
+
+def _prompt_lookup_proposer(_model: Model, _max_length: int, _min_confidence: float) -> Proposer:
+    return PromptLookupProposer()
+
+
+#: The speculation kinds and how each makes its proposer ``(model, max_length,
+#: min_confidence)``; the one list the API, the CLI and the bench read.
+PROPOSERS: dict[str, Callable[[Model, int, float], Proposer]] = {
+    "mtp": _mtp_proposer,
+    "draft": _draft_proposer,
+    "ngram": _prompt_lookup_proposer,
+}
+SPEC_KINDS = tuple(PROPOSERS)
 
 
 def _make_mtp(model: Model, min_confidence: float) -> MTPProposer:

@@ -58,6 +58,22 @@ class Proposer(ABC):
     def close(self) -> None:
         """Release what this proposer holds for one generation (a draft model's KV cache)."""
 
+    def chain_hook(
+        self,
+        runner: Any,
+        k: int,
+        n_drafts: int | None,
+        start: int | None = None,
+        next_inputs: bool | None = None,
+    ) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+        """A call that drafts on the device right after a verify step of width ``k + 1``
+        (see :meth:`MTPProposer.chain_hook`); None, the default, drafts on the host."""
+        return None
+
+    def confident(self, drafts: np.ndarray, confs: np.ndarray) -> list[int]:
+        """Drafts made by :meth:`chain_hook` that the proposer keeps (default: all)."""
+        return [int(t) for t in drafts.tolist()]
+
 
 class PromptLookupProposer(Proposer):
     """n-gram lookup: continue the longest recent suffix that already occurred in the text."""

@@ -112,9 +112,7 @@ class SpeculativeGenerator(Generator):
     def _verify(self, drafts: list[int], queued: PendingStep | None = None) -> None:
         pending = self.tokens[-1]
         start = self.runner.cache.length
-        chain_hook = getattr(self.proposer, "chain_hook", None)
-        if chain_hook is None or not self._plain_greedy:
-            chain_hook = None
+        chain_hook = self.proposer.chain_hook if self._plain_greedy else None
         if queued is not None:  # fed on the device from [pending, *drafts]
             self.runner.cache.length = start + 1 + len(drafts)
             step = queued

@@ -76,15 +76,15 @@ def search_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from onnx_genrt.engine.api import SPEC_KINDS
+
     p = sub.add_parser("generate", help="generate text from a model folder (streams tokens)")
     p.add_argument(
         "--model", type=Path, default=None, help="model folder (default: the embedded model)"
     )
     p.add_argument("--prompt", required=True, help="prompt text")
     add_provider_argument(p)
-    p.add_argument(
-        "--spec", choices=["mtp", "draft", "ngram"], default=None, help="speculative decoding"
-    )
+    p.add_argument("--spec", choices=SPEC_KINDS, default=None, help="speculative decoding")
     p.add_argument(
         "-k",
         type=POSITIVE_INT,

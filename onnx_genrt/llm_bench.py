@@ -21,8 +21,6 @@ from onnx_genrt.core.errors import InvalidInputError
 
 from .cli_args import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, provider_list
 
-SPEC_KINDS = ("mtp", "draft", "ngram")
-
 
 @dataclass
 class BenchRow:
@@ -297,6 +295,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _spec_entry(entry: str, k: int | None) -> tuple[str, int | None]:
     """``kind`` or ``kind:k`` of ``--spec`` as (kind, k); a bare kind takes ``-k``."""
+    from onnx_genrt.engine.api import SPEC_KINDS
+
     kind, _, drafts = entry.partition(":")
     if kind not in SPEC_KINDS:
         raise InvalidInputError(
