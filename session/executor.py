@@ -20,10 +20,8 @@ with the edge copies between them. Every provider keeps its own memory arena.
 
 from __future__ import annotations
 
-import functools
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,73 +35,16 @@ from onnx_genrt.core.provider import ExecutionProvider
 from onnx_genrt.core.tensor import Tensor
 
 from .binding import IOBinding, Signature
-from .memory import Lifetime, MemoryPlan, plan_memory
+from .layout import Layout, Record, plan_layout
 from .plan import GraphPlan, describe_value
 from .row_tail import RowTail, find_row_tail
 from .segments import Segment, split_segments
+from .slot_state import CaptureProgram, SlotState, SlotStats
+
+__all__ = ["Executor", "Layout", "SlotState", "SlotStats"]
 
 #: Eager (unslotted) runs keep memory plans for this many distinct input shapes.
 EAGER_PLAN_CACHE = 8
-
-
-@dataclass
-class SlotStats:
-    """Counters for one graph slot."""
-
-    captures: int = 0
-    replays: int = 0
-    fallbacks: int = 0
-    invalidations: int = 0
-    #: Invalidations because another session on the same provider captured into the slot.
-    displaced: int = 0
-    eager_runs: int = 0
-    fallback_reasons: Counter[str] = field(default_factory=Counter)
-    #: Graph parts captured and replayed, per provider name (one part per segment).
-    provider_captures: Counter[str] = field(default_factory=Counter)
-    provider_replays: Counter[str] = field(default_factory=Counter)
-    #: Values copied between providers' segments during replays.
-    edge_copies: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "captures": self.captures,
-            "replays": self.replays,
-            "fallbacks": self.fallbacks,
-            "invalidations": self.invalidations,
-            "displaced": self.displaced,
-            "eager_runs": self.eager_runs,
-            "fallback_reasons": dict(self.fallback_reasons),
-            "provider_captures": dict(self.provider_captures),
-            "provider_replays": dict(self.provider_replays),
-            "edge_copies": self.edge_copies,
-        }
-
-
-@dataclass
-class Layout:
-    """Shapes seen in a first run and the memory plans made from them (one arena per
-    provider), with the buffers that receive values crossing between segments."""
-
-    shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
-    memory: list[tuple[ExecutionProvider, MemoryPlan]]
-    arenas: list[Any] = field(default_factory=list)
-    buffers: dict[str, Any] = field(default_factory=dict)
-    contexts: list[KernelContext] = field(default_factory=list)
-    #: (value name, segment index) -> the reading provider's copy of the value.
-    edges: dict[tuple[str, int], Any] = field(default_factory=dict)
-
-
-@dataclass
-class SlotState:
-    """Host capture state of one slot."""
-
-    signature: Signature | None = None
-    warmups: int = 0
-    captured: bool = False
-    layout: Layout | None = None
-    stats: SlotStats = field(default_factory=SlotStats)
-    #: What a replay runs: part replays and the edge copies between them, in order.
-    program: list[Callable[[], None]] = field(default_factory=list)
 
 
 class Executor:
@@ -263,7 +204,7 @@ class Executor:
         providers = self.providers
         for provider in providers:
             provider.workspace.pin(slot)
-        capture = _Capture(slot, self, state.stats)
+        capture = CaptureProgram(slot, self, state.stats)
         try:
             self._execute(dict(env), state.layout, outs, capture=capture)
         except Exception as exc:
@@ -359,9 +300,9 @@ class Executor:
         env: dict[str, Any],
         layout: Layout | None,
         outs: Mapping[str, Any],
-        record: _Record | None = None,
+        record: Record | None = None,
         tail: RowTail | None = None,
-        capture: _Capture | None = None,
+        capture: CaptureProgram | None = None,
     ) -> None:
         """Run every step, segment by segment; ``env`` starts with the inputs and ends with
         every live value. With ``tail``, its first step reads the last row of its row
@@ -438,7 +379,7 @@ class Executor:
         segment: Segment,
         env: Mapping[str, Any],
         layout: Layout | None,
-        capture: _Capture | None,
+        capture: CaptureProgram | None,
     ) -> dict[str, Any]:
         """The segment's copies of values it reads that its provider does not hold (fed
         host arrays, other providers' results), each in a buffer kept in ``layout``."""
@@ -509,57 +450,20 @@ class Executor:
         bind_outputs: bool = True,
         tail: RowTail | None = None,
     ) -> Layout:
-        """Eager run that records every value's shape, then plans memory from them: one
-        arena per provider, for the values its steps make."""
+        """Eager run that records every value's shape, then plans memory from them."""
         inputs = set(env)
-        record = _Record()
+        record = Record()
         self._execute(env, None, outs, record, tail)
-        last_use = dict(self._last_use)
-        # A view keeps its root's bytes alive: extend the root over the view's readers.
-        for view, root in record.alias_of.items():
-            last_use[root] = max(last_use.get(root, -1), last_use.get(view, -1))
-        groups: dict[int, tuple[ExecutionProvider, list[Lifetime]]] = {}
-        segment_end = {i: seg.stop - 1 for seg in self.segments for i in range(seg.start, seg.stop)}
-        for name, (shape, dtype) in record.shapes.items():
-            if name in inputs or name in record.alias_of:
-                continue
-            first = record.produced_at[name]
-            provider = self.plan.steps[first].provider
-            last = max(first, last_use.get(name, first))
-            if name in self._graph_outputs:
-                bound = outs.get(name) if bind_outputs else None
-                if bound is None or provider.holds(bound):
-                    continue  # written into its bound buffer, or returned as made
-                # Made here, copied to another provider's bound buffer after the segment: a
-                # buffer of its own until then (a captured part may not allocate).
-                last = max(last, segment_end[first])
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            lifetime = Lifetime(name, nbytes, first, last)
-            groups.setdefault(id(provider), (provider, []))[1].append(lifetime)
-        memory = [(provider, plan_memory(lifetimes)) for provider, lifetimes in groups.values()]
-        layout = Layout(record.shapes, memory)
-        self._materialize(layout, outs if bind_outputs else {})
-        return layout
-
-    def _materialize(self, layout: Layout, outs: Mapping[str, Any]) -> None:
-        for provider, memory in layout.memory:
-            if not memory.arena_bytes:
-                continue
-            arena = provider.allocate((memory.arena_bytes,), DType.UINT8).buffer
-            layout.arenas.append(arena)
-            for name, offset in memory.offsets.items():
-                shape, dtype = layout.shapes[name]
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                layout.buffers[name] = arena[offset : offset + nbytes].view(dtype).reshape(shape)
-        for step in self.plan.steps:
-            planned = []
-            for name in step.outputs:
-                bound = outs.get(name)
-                if bound is not None and step.provider.holds(bound):
-                    planned.append(bound)
-                else:  # planned here (when bound elsewhere: copied there after the segment)
-                    planned.append(layout.buffers.get(name))
-            layout.contexts.append(KernelContext(step.node, step.provider, planned))
+        bound = outs if bind_outputs else {}
+        return plan_layout(
+            record,
+            self.plan.steps,
+            self.segments,
+            inputs,
+            self._graph_outputs,
+            self._last_use,
+            bound,
+        )
 
     def peak_bytes(self, slot: DeviceGraphSlot | None = None) -> tuple[int, int] | None:
         """(arena bytes, naive bytes) of the slot's memory plans, all providers, once
@@ -571,47 +475,6 @@ class Executor:
             sum(m.arena_bytes for _, m in layout.memory),
             sum(m.naive_bytes for _, m in layout.memory),
         )
-
-
-class _Capture:
-    """One capture of a bound run: begins and ends each segment's part, replays a part
-    right away where capturing only records (its results are needed next), and collects
-    the replay program."""
-
-    def __init__(self, slot: DeviceGraphSlot, owner: Executor, stats: SlotStats) -> None:
-        self.slot, self.owner, self.stats = slot, owner, stats
-        self.program: list[Callable[[], None]] = []
-        #: The provider whose part is being captured (the one to latch if it fails).
-        self.provider: ExecutionProvider | None = None
-
-    def begin(self, segment: Segment) -> None:
-        self.provider = segment.provider
-        segment.provider.begin_capture(self.slot, owner=self.owner, part=segment.part)
-
-    def end(self, segment: Segment) -> None:
-        provider = segment.provider
-        provider.end_capture(self.slot)
-        self.provider = None
-        self.stats.provider_captures[provider.name] += 1
-        replay = functools.partial(provider.replay, self.slot, segment.part)
-        if not provider.CAPTURE_EXECUTES:
-            replay()
-        replays = self.stats.provider_replays
-
-        def counted_replay(name: str = provider.name) -> None:
-            replay()
-            replays[name] += 1
-
-        self.program.append(counted_replay)
-
-    def counted(self, copy: Callable[[], None]) -> Callable[[], None]:
-        stats = self.stats
-
-        def counted_copy() -> None:
-            copy()
-            stats.edge_copies += 1
-
-        return counted_copy
 
 
 def _check_fits(value: Any, target: Any, step: Any, name: str) -> None:
@@ -630,31 +493,6 @@ def _check_fits(value: Any, target: Any, step: Any, name: str) -> None:
 def _copy(provider: ExecutionProvider, value: Any, target: Any) -> None:
     dt = DType.from_numpy(target.dtype)
     provider.copy(Tensor(value, dt, provider.device), Tensor(target, dt, provider.device))
-
-
-class _Record:
-    """Shapes, producers and view aliases seen during a first, unplanned run."""
-
-    def __init__(self) -> None:
-        self.shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-        self.produced_at: dict[str, int] = {}
-        self.alias_of: dict[str, str] = {}
-
-    def step(self, index: int, step: Any, args: Sequence[Any], results: Sequence[Any]) -> None:
-        named = [o for o in step.outputs if o]
-        if len(results) < len(named):
-            raise KernelError(
-                f"{step.node.describe()} returned {len(results)} outputs, expected {len(named)}"
-            )
-        for name, value in zip(step.outputs, results, strict=False):
-            if not name:
-                continue
-            self.shapes[name] = (tuple(int(d) for d in value.shape), np.dtype(value.dtype))
-            self.produced_at[name] = index
-            for in_name, arg in zip(step.inputs, args, strict=False):
-                if in_name and arg is not None and step.provider.may_share_memory(value, arg):
-                    self.alias_of[name] = self.alias_of.get(in_name, in_name)
-                    break
 
 
 def _last_row(value: Any, step: Any) -> Any:
