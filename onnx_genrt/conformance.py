@@ -17,7 +17,10 @@ every data set through it. Outcomes:
   ``rtol``/``atol`` (``np.testing.assert_allclose``, NaN == NaN; ints and bools exact;
   bfloat16 with rtol >= 2**-6 like onnx's own runner; other ml_dtypes compared widened;
   strings exact).
-* **passed** -- every output of every data set matches.
+* **passed** -- every output of every data set matches. A case in
+  :data:`KNOWN_DIFFERENCES` whose outputs miss the tolerance but stay within that entry's
+  bound in units in the last place also passes; its result carries the reason and the run
+  lists it under "known differences", so it is never hidden.
 
 Grouping: a case is counted under the op it tests. A single-node case uses its node's
 ``op_type``. ``*_expanded*`` cases (the op's function body, usually several nodes) are
@@ -81,6 +84,39 @@ PLUMBING_OPS = {
     "Constant", "ConstantOfShape", "Identity", "Shape", "Size", "Cast", "CastLike", "Reshape",
     "Squeeze", "Unsqueeze", "Gather", "Concat", "Slice", "Expand", "Flatten", "Transpose",
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KnownDifference:
+    """A case whose expected data is not a correctly rounded evaluation of its own graph.
+
+    The case passes when every output is within ``max_ulps`` units in the last place of
+    the expected data (non-finite values and NaNs in the same places); ``reason`` says
+    which node differs, why, and how this was established.
+    """
+
+    max_ulps: int
+    reason: str
+
+
+#: Cases the runner accepts within a per-case bound, with the evidence. Per case only: the
+#: case's own rtol/atol still apply to every other case.
+KNOWN_DIFFERENCES: dict[str, KnownDifference] = {
+    "test_attention_4d_causal_fp16_expanded": KnownDifference(
+        max_ulps=2,
+        reason=(
+            "onnx's expected Y comes from a float16 numpy softmax (onnx.reference "
+            "op_attention._softmax, like the reference evaluator's Softmax) that rounds "
+            "x - max, exp, each partial sum and the quotient to float16; the graph's Softmax "
+            "node, correctly rounded once (float64 numpy, onnxruntime's Softmax kernel), "
+            "differs in 14 of 144 probabilities by 1 ulp, which moves 2 of 192 Y values by "
+            "2 float16 ulps (1 on each side of the float64 result). Every other node "
+            "matches float64 rounded once and onnx.reference bit for bit; onnxruntime "
+            "passes only because it keeps the fp16 chain in float32 (no rounding between "
+            "nodes). Checked by tests/test_conformance_known.py"
+        ),
+    ),
+}
 
 
 class Status(StrEnum):
@@ -178,6 +214,10 @@ class Report:
 
     def failures(self) -> list[CaseResult]:
         return [r for r in self.results if r.status is Status.FAILED]
+
+    def known_differences(self) -> list[CaseResult]:
+        """Passed cases accepted only within their :data:`KNOWN_DIFFERENCES` bound."""
+        return [r for r in self.results if r.status is Status.PASSED and r.reason]
 
     def summary_line(self) -> str:
         return f"{self.passed} passed, {self.failed} failed, {self.skipped} skipped"
@@ -454,6 +494,26 @@ def compare_output(got: Any, want: Any, rtol: float, atol: float) -> str | None:
     return None
 
 
+def within_known_difference(got: Any, want: Any, known: KnownDifference) -> str | None:
+    """Why ``got`` is outside ``known``'s bound around ``want``, or None when within it."""
+    want = np.asarray(want)
+    if not isinstance(got, np.ndarray) or got.dtype != want.dtype or want.dtype.kind != "f":
+        return "the bound in ulps applies to float outputs of the expected dtype only"
+    if got.shape != want.shape:
+        return f"shape {list(got.shape)}, expected {list(want.shape)}"
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isfinite(got), finite) or not np.array_equal(
+        got[~finite], want[~finite], equal_nan=True
+    ):
+        return "non-finite values differ"
+    if not got.size:
+        return None
+    worst = int(np.max(np.testing.assert_array_max_ulp(got, want, maxulp=np.inf)))
+    if worst > known.max_ulps:
+        return f"{worst} ulps off, more than the known difference's {known.max_ulps}"
+    return None
+
+
 class CaseTimeout(Exception):
     """A case ran past its time limit."""
 
@@ -505,6 +565,8 @@ def _run_data_sets(
     if require_on is not None and all(p.provider != require_on for p in sess.placement()):
         return result(Status.SKIPPED, f"no node placed on {require_on!r} (its kernels refused)")
     names = [spec.name for spec in sess.get_inputs()]
+    known = KNOWN_DIFFERENCES.get(case.name)
+    accepted = ""
     for inputs, expected in case.data_sets:
         feeds = {n: np.asarray(v) for n, v in zip(names, inputs, strict=False)}
         try:
@@ -517,8 +579,16 @@ def _run_data_sets(
             why = compare_output(g, w, case.rtol, case.atol)
             if why:
                 out_name = case.model.graph.output[i].name
-                return result(Status.FAILED, f"output {i} ({out_name}): {why}")
-    return result(Status.PASSED)
+                if known is None:
+                    return result(Status.FAILED, f"output {i} ({out_name}): {why}")
+                beyond = within_known_difference(g, w, known)
+                if beyond:
+                    return result(
+                        Status.FAILED,
+                        f"output {i} ({out_name}): {why} (known difference: {beyond})",
+                    )
+                accepted = f"known difference, output {i} ({out_name}): {why}; {known.reason}"
+    return result(Status.PASSED, accepted)
 
 
 def run_case(
@@ -673,6 +743,11 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     if getattr(ns, "failures", False) and report.failed:
         print(f"\nfailures ({report.failed}):")
         for r in report.failures():
+            print(f"  {r.name} [{r.op}]: {r.reason}")
+    known = report.known_differences()
+    if known:
+        print(f"\nknown differences ({len(known)}, passed within their documented bound):")
+        for r in known:
             print(f"  {r.name} [{r.op}]: {r.reason}")
     print()
     print("\n".join(format_summary(report)))
