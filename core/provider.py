@@ -149,6 +149,11 @@ class ExecutionProvider(ABC):
     def synchronize(self) -> None:
         """Wait until all work queued on this provider's stream is done."""
 
+    def memory_limit(self) -> int | None:
+        """Bytes this provider can hold at most, for checks made before a large allocation
+        (a KV cache); None when it does not say (its allocator reports what does not fit)."""
+        return None
+
     #: The array types this provider's kernels take as they are (host numpy arrays by
     #: default; a device provider sets its own). Arrays must slice, ``.view(dtype)`` and
     #: ``.reshape(shape)`` like numpy's: the session carves planned buffers out of one arena.

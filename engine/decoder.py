@@ -10,7 +10,6 @@ length.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -100,28 +99,17 @@ class HiddenState:
         return self._out.hidden[self.row]
 
 
-def host_memory_bytes() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def check_cache_fits(provider: Any, layers: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
-    """Refuse a KV cache larger than the host's physical memory before allocating it.
-
-    Only for providers whose buffers live in host memory (device kind ``cpu``); a device
-    provider's own allocator reports what does not fit on the device."""
-    if provider.device.kind != "cpu":
-        return
-    limit = host_memory_bytes()
+    """Refuse a KV cache larger than the provider can hold (``provider.memory_limit()``, the
+    physical memory for the CPU provider) before allocating it; a provider that does not
+    say leaves it to its own allocator."""
+    limit = provider.memory_limit()
     need = 2 * layers * math.prod(shape) * np.dtype(dtype).itemsize
     if limit is not None and need > limit:
         raise InvalidInputError(
             f"the KV cache for max_length {shape[2]} needs {need} bytes ({need / 2**30:.1f} GiB: "
             f"2 x {layers} layers x {list(shape)} {np.dtype(dtype).name}), more than this "
-            f"machine's {limit / 2**30:.1f} GiB of memory; lower max_length "
+            f"provider's {limit / 2**30:.1f} GiB of memory; lower max_length "
             "(set_search_options(max_length=...), or search.max_length in genai_config.json)"
         )
 

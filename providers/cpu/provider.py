@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,6 +134,10 @@ class CPUProvider(ExecutionProvider):
     def kernels(self) -> KernelRegistry:
         return REGISTRY
 
+    def memory_limit(self) -> int | None:
+        """The machine's physical memory."""
+        return host_memory_bytes()
+
     def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
         return Tensor(aligned_empty(tuple(shape), dtype.numpy), dtype, CPU)
 
@@ -211,3 +216,11 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     offset = (-raw.__array_interface__["data"][0]) % ALIGNMENT
     return raw[offset : offset + nbytes].view(dt).reshape(shape)
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None

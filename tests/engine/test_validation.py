@@ -13,10 +13,10 @@ import pytest
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.engine import Generator, GeneratorParams, Model, generate
 from onnx_genrt.engine.config import load_config
-from onnx_genrt.engine.decoder import host_memory_bytes
 from onnx_genrt.engine.speculative import SpeculativeGenerator
 from onnx_genrt.engine.tokenizer import Tokenizer
 from onnx_genrt.generate_cli import default_model_dir
+from onnx_genrt.providers.cpu.provider import host_memory_bytes
 
 
 @pytest.fixture(scope="module")
