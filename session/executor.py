@@ -5,7 +5,7 @@ planned memory, counters), so a decode graph in PRIMARY and a verify graph in VE
 side by side and both replay. The state machine for one bound run in slot ``s``::
 
     signature changed          -> reset s's graph (invalidations += 1), start over
-    graph captured             -> provider.replay(s)                       (replays += 1)
+    graph captured             -> run s's replay program (each provider's parts) (replays += 1)
     first run                  -> eager, record shapes, plan memory
     warm-up not done           -> eager on planned memory
     capture impossible/latched -> eager (fallbacks += 1, reason kept)
