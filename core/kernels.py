@@ -19,6 +19,7 @@ GENRT_DOMAIN = "onnx_genrt"
 
 
 def normalize_domain(domain: str) -> str:
+    """``ai.onnx`` and the empty string are one domain: the empty string."""
     return "" if domain in ("", "ai.onnx") else domain
 
 
@@ -36,6 +37,7 @@ class NodeInfo:
 
     @classmethod
     def from_proto(cls, node: onnx.NodeProto, opset: int) -> NodeInfo:
+        """The node of ``node`` at ``opset``, attributes decoded."""
         attrs = {a.name: _attr_value(a) for a in node.attribute}
         return cls(
             node.op_type,
@@ -48,9 +50,11 @@ class NodeInfo:
         )
 
     def attr(self, name: str, default: Any = None) -> Any:
+        """An attribute's value (``default`` when absent)."""
         return self.attrs.get(name, default)
 
     def describe(self) -> str:
+        """``node 'name' (domain::Op, opset N)``, for error messages."""
         dom = self.domain or "ai.onnx"
         return f"node {self.name or '<unnamed>'!r} ({dom}::{self.op_type}, opset {self.opset})"
 
@@ -84,13 +88,16 @@ class KernelContext:
     scratch: dict[str, Any] = field(default_factory=dict)
 
     def attr(self, name: str, default: Any = None) -> Any:
+        """An attribute's value (``default`` when absent)."""
         return self.node.attrs.get(name, default)
 
     @property
     def opset(self) -> int:
+        """The opset of the node's domain."""
         return self.node.opset
 
     def out(self, index: int, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        """The planned buffer for output ``index`` when it fits, else a new array."""
         shape = tuple(int(s) for s in shape)
         dt = np.dtype(dtype)
         if index < len(self.planned):
@@ -133,14 +140,17 @@ class TransposedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """The weight's logical shape [K, N]."""
         return (int(self.t.shape[1]), int(self.t.shape[0]))
 
     @property
     def dtype(self) -> np.dtype:
+        """The weight's element type."""
         return self.t.dtype
 
     @property
     def ndim(self) -> int:
+        """Always 2."""
         return 2
 
 
@@ -185,6 +195,7 @@ class KernelRegistry:
         return deco
 
     def add(self, kdef: KernelDef) -> None:
+        """Register ``kdef``; one kernel per (domain, op, since)."""
         defs = self._defs.setdefault((kdef.domain, kdef.op_type), [])
         if any(d.since == kdef.since for d in defs):
             raise ValueError(
@@ -204,9 +215,11 @@ class KernelRegistry:
         return best
 
     def ops(self) -> list[tuple[str, str]]:
+        """Every (domain, op_type) with a kernel."""
         return sorted(self._defs)
 
     def versions(self, domain: str, op_type: str) -> list[int]:
+        """The ``since`` opsets registered for an op, ascending."""
         return [d.since for d in self._defs.get((normalize_domain(domain), op_type), [])]
 
     def __contains__(self, key: tuple[str, str]) -> bool:

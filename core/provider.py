@@ -37,6 +37,7 @@ class ProviderOption:
     env: str | None = None
 
     def resolve(self, provider: str, given: Any = None) -> Any:
+        """The option's value: ``given``, else its environment variable, else the default."""
         kind = type(self.default)
         if given is None and self.env and os.environ.get(self.env) is not None:
             raw = os.environ[self.env].strip()
@@ -128,7 +129,8 @@ class ExecutionProvider(ABC):
     # -- device and memory -------------------------------------------------
     @property
     @abstractmethod
-    def device(self) -> Device: ...
+    def device(self) -> Device:
+        """The device this provider's memory lives on."""
 
     @abstractmethod
     def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
@@ -212,9 +214,11 @@ class ExecutionProvider(ABC):
     # -- kernels ------------------------------------------------------------
     @property
     @abstractmethod
-    def kernels(self) -> KernelRegistry: ...
+    def kernels(self) -> KernelRegistry:
+        """This provider's kernel registry."""
 
     def get_kernel(self, domain: str, op_type: str, opset: int) -> KernelDef | None:
+        """The kernel for ``domain::op_type`` at ``opset`` (None when there is none)."""
         return self.kernels.lookup(domain, op_type, opset)
 
     def supports(
@@ -258,6 +262,7 @@ class ExecutionProvider(ABC):
         return frozenset()
 
     def check_slot(self, slot: DeviceGraphSlot) -> None:
+        """Raise :class:`UnsupportedGraphSlot` unless this provider declares ``slot``."""
         if slot not in self.graph_slots:
             declared = ", ".join(sorted(s.value for s in self.graph_slots)) or "none"
             raise UnsupportedGraphSlot(
@@ -270,6 +275,7 @@ class ExecutionProvider(ABC):
 
     @property
     def capturing(self) -> DeviceGraphSlot | None:
+        """The slot being captured now (None when none is)."""
         return self._capturing
 
     def graph_owner(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> object:
@@ -312,6 +318,7 @@ class ExecutionProvider(ABC):
         self._graph_owner.pop(slot, None)
 
     def end_capture(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> None:
+        """Finish the capture in ``slot``; the part becomes replayable, owned by the capture's owner."""
         self._require_capturing(slot)
         self._capturing = None
         part = self._capturing_part
@@ -334,6 +341,7 @@ class ExecutionProvider(ABC):
         self._capture_latch[slot] = reason
 
     def replay(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, part: int = 0) -> None:
+        """Run the graph captured as ``(slot, part)`` again."""
         self.check_slot(slot)
         if not self.graph_exists(slot, part):
             raise GraphCaptureError(
@@ -355,6 +363,7 @@ class ExecutionProvider(ABC):
         self.workspace.unpin(slot)
 
     def has_graph(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, part: int = 0) -> bool:
+        """Whether ``(slot, part)`` holds a captured graph."""
         self.check_slot(slot)
         return self.graph_exists(slot, part)
 

@@ -25,14 +25,17 @@ class Tensor:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The buffer's shape."""
         return tuple(int(d) for d in self.buffer.shape)
 
     @property
     def size(self) -> int:
+        """Number of elements."""
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the elements."""
         return self.size * self.dtype.itemsize
 
     @property
@@ -42,6 +45,7 @@ class Tensor:
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> Tensor:
+        """A host tensor over ``array`` (no copy)."""
         arr = np.asarray(array)
         return cls(arr, DType.from_numpy(arr.dtype), CPU)
 
