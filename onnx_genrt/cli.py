@@ -205,8 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    from onnx_genrt import compile_notice
+
     try:
-        return int(args.func(args) or 0)
+        with compile_notice.install():
+            return int(args.func(args) or 0)
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
