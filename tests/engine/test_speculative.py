@@ -124,6 +124,48 @@ def test_rejected_drafts_are_rewound_not_kept(qwen2_dir):
     assert spec.spec.verify_steps > 0
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculation_stats_account_for_every_token_and_draft(qwen2_dir, k):
+    """Counts checked against the run itself: each token after the prompt comes from the
+    first step, a plain step, or a verify step (its accepted drafts plus one); ``proposed``
+    is what the proposer returned (found by a mutation run: the counters' start values and
+    the rate's formula were unchecked)."""
+    returned: list[int] = []
+
+    class Counting(PromptLookupProposer):
+        def propose(self, tokens, hidden, k):
+            drafts = super().propose(tokens, hidden, k)
+            returned.append(len(drafts[:k]))
+            return drafts
+
+    model = Model(qwen2_dir)
+    accepted = 0
+    for prompt in PROMPTS:
+        returned.clear()
+        params = _params(model, prompt, new=40)
+        spec = SpeculativeGenerator(model, params, Counting(), k=k)
+        out = _run(spec, prompt)
+        stats = spec.spec
+        new_tokens = len(out) - len(prompt)
+        assert new_tokens == 1 + stats.plain_steps + stats.verify_steps + stats.accepted
+        assert stats.accepted == sum(stats.accepted_lengths)
+        assert len(stats.accepted_lengths) == stats.verify_steps
+        assert stats.proposed == sum(returned)
+        # A plain step follows an empty proposal, or ends the run when no draft fits.
+        assert returned.count(0) <= stats.plain_steps <= returned.count(0) + 1
+        assert all(0 <= n <= k for n in stats.accepted_lengths)
+        rate = stats.accepted / stats.proposed if stats.proposed else 0.0
+        summary = stats.as_dict()
+        assert summary["verify_steps"] == stats.verify_steps
+        assert summary["plain_steps"] == stats.plain_steps
+        assert summary["proposed"] == stats.proposed and summary["accepted"] == stats.accepted
+        assert summary["acceptance_rate"] == pytest.approx(rate, abs=1e-4)
+        mean = float(np.mean(stats.accepted_lengths)) if stats.accepted_lengths else 0.0
+        assert summary["mean_accepted_length"] == pytest.approx(mean, abs=1e-3)
+        accepted += stats.accepted
+    assert accepted > 0  # some n-gram drafts were right, so the counts were exercised
+
+
 def test_rejection_rule_preserves_the_target_distribution():
     """Accept a fixed draft with prob p(d), else resample from p without d: the emitted
     token must follow p exactly. Chi-square over 40k draws."""
