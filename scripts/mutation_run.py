@@ -247,6 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("module", type=Path, help="the .py file to mutate, e.g. engine/sampling.py")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant run")
     parser.add_argument("--lines", help="only mutate lines FIRST-LAST (e.g. 80-140)")
+    parser.add_argument("--start", type=int, default=1, help="resume at mutant number N")
     parser.add_argument("--list", action="store_true", help="print the mutants and stop")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs pytest")
     argv = sys.argv[1:] if argv is None else argv
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     survivors: list[str] = []
     with RestoringFile(args.module) as target:
         for number, mutation in enumerate(mutations, 1):
+            if number < args.start:
+                continue
             target.write(mutant_source(source, mutation))
             status, seconds = run_tests(args.python, args.pytest_args, args.timeout)
             target.restore()
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 survivors.append(where)
     minutes = (time.monotonic() - started) / 60
     print(
-        f"\n{len(mutations)} mutants: {counts.get('killed', 0)} killed, "
+        f"\n{len(mutations) - args.start + 1} mutants: {counts.get('killed', 0)} killed, "
         f"{counts.get('survived', 0)} survived ({minutes:.1f} min)"
     )
     if survivors:

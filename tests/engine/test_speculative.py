@@ -75,6 +75,41 @@ def test_speculative_output_is_token_identical_to_greedy(qwen2_dir, kind, k):
         assert spec.spec.verify_steps < 48 / k + 2
 
 
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_pipelining_asked_of_proposers_without_a_device_chain_equals_greedy(
+    qwen2_dir, kind, monkeypatch
+):
+    """A GPU pipelines verify steps by default; n-gram and draft-model proposers have no
+    device chain, so nothing is queued and the text stays greedy (found by a mutation run:
+    ``chain_hook is not None and`` -> ``or`` went unnoticed on the CPU)."""
+    monkeypatch.setattr(SpeculativeGenerator, "pipeline", True)
+    model = Model(qwen2_dir)
+    for prompt in PROMPTS[:3]:
+        greedy = _run(Generator(model, _params(model, prompt)), prompt)
+        params = _params(model, prompt)
+        proposer = _proposer(kind, qwen2_dir, params.search.max_length)
+        spec = SpeculativeGenerator(model, params, proposer, k=3)
+        assert _run(spec, prompt) == greedy, (kind, prompt)
+        assert spec.spec.verify_steps > 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_speculation_with_a_repetition_penalty_equals_greedy(qwen2_dir, kind):
+    """Greedy with a repetition penalty accepts drafts on the host from penalised logits;
+    the text equals plain greedy with the same penalty (found by a mutation run: accepting
+    every draft there went unnoticed)."""
+    model = Model(qwen2_dir)
+    proposed = 0
+    for prompt in PROMPTS:
+        greedy = _run(Generator(model, _params(model, prompt, repetition_penalty=1.3)), prompt)
+        params = _params(model, prompt, repetition_penalty=1.3)
+        proposer = _proposer(kind, qwen2_dir, params.search.max_length)
+        spec = SpeculativeGenerator(model, params, proposer, k=3)
+        assert _run(spec, prompt) == greedy, (kind, prompt)
+        proposed += spec.spec.proposed
+    assert proposed > 0  # drafts were checked on the host
+
+
 def test_both_slots_replay_over_256_tokens_with_bounded_invalidations(qwen2_dir):
     model = Model(qwen2_dir)
     prompt = [5, 17, 99, 3, 250, 7, 5, 17, 99, 3]
@@ -166,6 +201,20 @@ def test_speculation_stats_account_for_every_token_and_draft(qwen2_dir, k):
     assert accepted > 0  # some n-gram drafts were right, so the counts were exercised
 
 
+def test_stepping_before_a_prompt_is_refused(qwen2_dir):
+    """No prompt yet: a clear error, from plain and speculative generators alike (found by a
+    mutation run: removing the speculative check went unnoticed)."""
+    from onnx_genrt.core.errors import InvalidInputError
+
+    model = Model(qwen2_dir)
+    for gen in (
+        Generator(model, _params(model, [1])),
+        SpeculativeGenerator(model, _params(model, [1]), PromptLookupProposer(), k=2),
+    ):
+        with gen, pytest.raises(InvalidInputError, match="append_tokens first"):
+            gen.generate_next_token()
+
+
 def test_rejection_rule_preserves_the_target_distribution():
     """Accept a fixed draft with prob p(d), else resample from p without d: the emitted
     token must follow p exactly. Chi-square over 40k draws."""
@@ -184,12 +233,18 @@ def test_rejection_rule_preserves_the_target_distribution():
     p = distribution(logits, options)
     draft = int(np.argsort(p)[len(p) // 2])  # a middling draft: accepted sometimes
     counts = np.zeros(p.size)
+    accepted = 0
     for _ in range(40_000):
-        token, _ = probe._accept(logits, draft)
+        token, ok = probe._accept(logits, draft)
         counts[token] += 1
+        accepted += ok
+        assert not ok or token == draft
     expected = p * counts.sum()
     chi2, pvalue = scipy_stats.chisquare(counts, expected)
     assert pvalue > 1e-3, (chi2, pvalue)
+    # The draft is accepted with probability p(draft), so speculation saves steps (a rule
+    # that always resampled would keep the distribution too: found by a mutation run).
+    assert scipy_stats.binomtest(accepted, 40_000, p[draft]).pvalue > 1e-3
 
 
 def test_sampled_speculation_is_seeded_and_valid(qwen2_dir):
