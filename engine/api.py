@@ -19,7 +19,7 @@ from .generator import Generator
 from .model import GeneratorParams, Model
 from .mtp_chain import restrict_draft_vocab
 from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
-from .speculative import SpeculativeGenerator
+from .speculative import DEFAULT_K, SpeculativeGenerator
 
 
 @dataclass
@@ -50,10 +50,6 @@ class GenerationResult:
 #: the verify step has a fixed width, so every MTP draft is free to try (measured on the
 #: embedded model, k=4: 3.28 tokens per verify step with all drafts, 2.35 at 0.1).
 MIN_CONFIDENCE = {"mtp": 0.0, "draft": 0.1}
-
-
-#: Drafts per speculative step when neither the caller nor the model's speculative.json says.
-DEFAULT_K = 4
 
 
 def default_k(model: Model, spec: str, k: int | None = None) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnx_genrt.core.checks import check_bool, check_float, check_int
-from onnx_genrt.core.errors import InvalidInputError, NonFiniteError, OnnxGenrtError
+from onnx_genrt.core.errors import InvalidInputError, OnnxGenrtError
 
 if TYPE_CHECKING:
     from .config import SearchOptions
@@ -65,11 +65,6 @@ def validate(
     if checked.min_p >= 1.0:
         raise error(f"{name('min_p')} must be in [0, 1), got {checked.min_p}")
     return checked
-
-
-def check_finite(logits: np.ndarray, where: str = "") -> None:
-    if not np.isfinite(logits).all():
-        raise NonFiniteError(f"non-finite logits{' ' + where if where else ''}")
 
 
 def penalize_repetition(logits: np.ndarray, previous: Sequence[int], penalty: float) -> np.ndarray:

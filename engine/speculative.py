@@ -23,6 +23,9 @@ from .model import GeneratorParams, Model
 from .proposers import Proposer
 from .sampling import distribution
 
+#: Drafts per speculative step when neither the call nor the model's speculative.json says.
+DEFAULT_K = 4
+
 
 @dataclass
 class SpeculationStats:
@@ -54,7 +57,9 @@ class SpeculationStats:
 class SpeculativeGenerator(Generator):
     """A Generator whose ``generate_next_token`` may add several tokens at once."""
 
-    def __init__(self, model: Model, params: GeneratorParams, proposer: Proposer, k: int = 4):
+    def __init__(
+        self, model: Model, params: GeneratorParams, proposer: Proposer, k: int = DEFAULT_K
+    ):
         k = check_int(k, "k (drafts per speculative step)", minimum=1)
         super().__init__(model, params, spare=k)
         self.proposer = proposer

@@ -168,10 +168,44 @@ def test_sampling_filters_match_a_float64_reference(temperature, top_k, top_p, m
     )
 
 
+def test_top_k_at_or_past_the_vocabulary_keeps_every_token():
+    """top_k >= vocabulary size filters nothing (found by a mutation run: ``and`` -> ``or``
+    in the top-k guard went unnoticed)."""
+    logits = np.random.default_rng(6).standard_normal(40).astype(np.float32) * 3
+    for top_k in (40, 41, 1000):
+        options = SearchOptions(do_sample=True, temperature=0.8, top_k=top_k, top_p=0.9)
+        np.testing.assert_allclose(
+            distribution(logits, options),
+            _reference_distribution(logits, 0.8, 0, 0.9, 0.0),
+            atol=1e-12,
+        )
+
+
+def test_top_p_of_one_keeps_even_the_least_likely_tokens():
+    """top_p = 1 is off: tokens whose probability is below float64 rounding of the
+    cumulative sum stay candidates (found by a mutation run: ``<`` -> ``<=``)."""
+    logits = np.array([50.0, 0.0, 0.0, -50.0, 10.0], np.float32)
+    options = SearchOptions(do_sample=True, temperature=1.0, top_p=1.0)
+    got = distribution(logits, options)
+    want = _reference_distribution(logits, 1.0, 0, 1.0, 0.0)
+    assert (want > 0).all()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+
+
 def test_repetition_penalty_follows_ctrl():
     logits = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
     out = penalize_repetition(logits, [0, 1], 2.0)
     np.testing.assert_allclose(out, [1.0, -4.0, 1.0, 0.5])
+
+
+def test_repetition_penalty_on_logits_between_minus_one_and_one():
+    """The sign decides divide or multiply, also for small logits (found by a mutation run:
+    the sign test moved to 1 or -1 went unnoticed with logits of +-2 only)."""
+    logits = np.array([0.5, -0.5, 0.25, -0.75, 0.0, 3.0], np.float32)
+    seen = [0, 1, 2, 3, 4, 2]
+    want = [v / 1.5 if v > 0 else v * 1.5 for v in logits.astype(np.float64)]
+    want[5] = 3.0  # not seen: unchanged
+    np.testing.assert_allclose(penalize_repetition(logits, seen, 1.5), want, rtol=1e-6)
 
 
 def test_generate_counts_max_new_tokens_and_replays_decode_steps(qwen2_dir):

@@ -75,6 +75,41 @@ def test_speculative_output_is_token_identical_to_greedy(qwen2_dir, kind, k):
         assert spec.spec.verify_steps < 48 / k + 2
 
 
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_pipelining_asked_of_proposers_without_a_device_chain_equals_greedy(
+    qwen2_dir, kind, monkeypatch
+):
+    """A GPU pipelines verify steps by default; n-gram and draft-model proposers have no
+    device chain, so nothing is queued and the text stays greedy (found by a mutation run:
+    ``chain_hook is not None and`` -> ``or`` went unnoticed on the CPU)."""
+    monkeypatch.setattr(SpeculativeGenerator, "pipeline", True)
+    model = Model(qwen2_dir)
+    for prompt in PROMPTS[:3]:
+        greedy = _run(Generator(model, _params(model, prompt)), prompt)
+        params = _params(model, prompt)
+        proposer = _proposer(kind, qwen2_dir, params.search.max_length)
+        spec = SpeculativeGenerator(model, params, proposer, k=3)
+        assert _run(spec, prompt) == greedy, (kind, prompt)
+        assert spec.spec.verify_steps > 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_speculation_with_a_repetition_penalty_equals_greedy(qwen2_dir, kind):
+    """Greedy with a repetition penalty accepts drafts on the host from penalised logits;
+    the text equals plain greedy with the same penalty (found by a mutation run: accepting
+    every draft there went unnoticed)."""
+    model = Model(qwen2_dir)
+    proposed = 0
+    for prompt in PROMPTS:
+        greedy = _run(Generator(model, _params(model, prompt, repetition_penalty=1.3)), prompt)
+        params = _params(model, prompt, repetition_penalty=1.3)
+        proposer = _proposer(kind, qwen2_dir, params.search.max_length)
+        spec = SpeculativeGenerator(model, params, proposer, k=3)
+        assert _run(spec, prompt) == greedy, (kind, prompt)
+        proposed += spec.spec.proposed
+    assert proposed > 0  # drafts were checked on the host
+
+
 def test_both_slots_replay_over_256_tokens_with_bounded_invalidations(qwen2_dir):
     model = Model(qwen2_dir)
     prompt = [5, 17, 99, 3, 250, 7, 5, 17, 99, 3]
@@ -124,6 +159,62 @@ def test_rejected_drafts_are_rewound_not_kept(qwen2_dir):
     assert spec.spec.verify_steps > 0
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculation_stats_account_for_every_token_and_draft(qwen2_dir, k):
+    """Counts checked against the run itself: each token after the prompt comes from the
+    first step, a plain step, or a verify step (its accepted drafts plus one); ``proposed``
+    is what the proposer returned (found by a mutation run: the counters' start values and
+    the rate's formula were unchecked)."""
+    returned: list[int] = []
+
+    class Counting(PromptLookupProposer):
+        def propose(self, tokens, hidden, k):
+            drafts = super().propose(tokens, hidden, k)
+            returned.append(len(drafts[:k]))
+            return drafts
+
+    model = Model(qwen2_dir)
+    accepted = 0
+    for prompt in PROMPTS:
+        returned.clear()
+        params = _params(model, prompt, new=40)
+        spec = SpeculativeGenerator(model, params, Counting(), k=k)
+        out = _run(spec, prompt)
+        stats = spec.spec
+        new_tokens = len(out) - len(prompt)
+        assert new_tokens == 1 + stats.plain_steps + stats.verify_steps + stats.accepted
+        assert stats.accepted == sum(stats.accepted_lengths)
+        assert len(stats.accepted_lengths) == stats.verify_steps
+        assert stats.proposed == sum(returned)
+        # A plain step follows an empty proposal, or ends the run when no draft fits.
+        assert returned.count(0) <= stats.plain_steps <= returned.count(0) + 1
+        assert all(0 <= n <= k for n in stats.accepted_lengths)
+        rate = stats.accepted / stats.proposed if stats.proposed else 0.0
+        summary = stats.as_dict()
+        assert summary["verify_steps"] == stats.verify_steps
+        assert summary["plain_steps"] == stats.plain_steps
+        assert summary["proposed"] == stats.proposed and summary["accepted"] == stats.accepted
+        assert summary["acceptance_rate"] == pytest.approx(rate, abs=1e-4)
+        mean = float(np.mean(stats.accepted_lengths)) if stats.accepted_lengths else 0.0
+        assert summary["mean_accepted_length"] == pytest.approx(mean, abs=1e-3)
+        accepted += stats.accepted
+    assert accepted > 0  # some n-gram drafts were right, so the counts were exercised
+
+
+def test_stepping_before_a_prompt_is_refused(qwen2_dir):
+    """No prompt yet: a clear error, from plain and speculative generators alike (found by a
+    mutation run: removing the speculative check went unnoticed)."""
+    from onnx_genrt.core.errors import InvalidInputError
+
+    model = Model(qwen2_dir)
+    for gen in (
+        Generator(model, _params(model, [1])),
+        SpeculativeGenerator(model, _params(model, [1]), PromptLookupProposer(), k=2),
+    ):
+        with gen, pytest.raises(InvalidInputError, match="append_tokens first"):
+            gen.generate_next_token()
+
+
 def test_rejection_rule_preserves_the_target_distribution():
     """Accept a fixed draft with prob p(d), else resample from p without d: the emitted
     token must follow p exactly. Chi-square over 40k draws."""
@@ -142,12 +233,18 @@ def test_rejection_rule_preserves_the_target_distribution():
     p = distribution(logits, options)
     draft = int(np.argsort(p)[len(p) // 2])  # a middling draft: accepted sometimes
     counts = np.zeros(p.size)
+    accepted = 0
     for _ in range(40_000):
-        token, _ = probe._accept(logits, draft)
+        token, ok = probe._accept(logits, draft)
         counts[token] += 1
+        accepted += ok
+        assert not ok or token == draft
     expected = p * counts.sum()
     chi2, pvalue = scipy_stats.chisquare(counts, expected)
     assert pvalue > 1e-3, (chi2, pvalue)
+    # The draft is accepted with probability p(draft), so speculation saves steps (a rule
+    # that always resampled would keep the distribution too: found by a mutation run).
+    assert scipy_stats.binomtest(accepted, 40_000, p[draft]).pvalue > 1e-3
 
 
 def test_sampled_speculation_is_seeded_and_valid(qwen2_dir):
