@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -361,6 +361,15 @@ class ExecutionProvider(ABC):
         self._capture_latch.pop(slot, None)
         self._drop_parts(slot)
         self.workspace.unpin(slot)
+
+    def reset_parts(self, slot: DeviceGraphSlot, parts: Iterable[int]) -> None:
+        """Drop the given parts of the slot's graph; its other parts, owner and latch stay
+        (a session keeps one graph per variant of a slot, and resets one variant)."""
+        self.check_slot(slot)
+        held = self._parts.get(slot, set())
+        for part in sorted(p for p in held if p in parts):
+            held.discard(part)
+            self.graph_reset(slot, part)
 
     def has_graph(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, part: int = 0) -> bool:
         """Whether ``(slot, part)`` holds a captured graph."""

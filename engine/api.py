@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from onnx_genrt.core.checks import check_bool, check_int
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
@@ -20,6 +18,7 @@ from .model import GeneratorParams, Model
 from .mtp_chain import restrict_draft_vocab
 from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
 from .speculative import DEFAULT_K, SpeculativeGenerator
+from .stops import StopScanner, prompt_ids, stop_strings
 
 
 @dataclass
@@ -192,9 +191,9 @@ def stream(
         raise InvalidInputError(
             f"k={k!r} needs a speculation kind (spec='mtp', 'draft' or 'ngram')"
         )
-    stop = _stop_strings(stop)
+    stop = stop_strings(stop)
     ignore_eos = check_bool(ignore_eos, "ignore_eos")
-    ids = _prompt_ids(model, prompt)
+    ids = prompt_ids(model, prompt)
     context = model.config.context_length
     if len(ids) + max_new_tokens > context:
         raise InvalidInputError(
@@ -224,37 +223,6 @@ def _generation(
         gen.close()
 
 
-def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
-    """``stop`` as a tuple of non-empty strings (a lone string is one stop string)."""
-    items = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(items, Sequence):
-        raise InvalidInputError(f"stop must be a string or a sequence of strings, got {stop!r}")
-    for item in items:
-        if not isinstance(item, str) or not item:
-            raise InvalidInputError(f"stop strings must be non-empty strings, got {item!r}")
-    return tuple(items)
-
-
-def _prompt_ids(model: Model, prompt: str | Sequence[int]) -> list[int]:
-    """The prompt's token ids: a string is encoded, a sequence must hold integer ids."""
-    if isinstance(prompt, str):
-        ids = model.tokenizer.encode(prompt)
-        if not ids and prompt:
-            raise InvalidInputError(
-                f"the prompt {prompt[:40]!r} encodes to no tokens with the tokenizer of "
-                f"{model.config.folder}"
-            )
-    elif isinstance(prompt, Sequence | np.ndarray) and not isinstance(prompt, bytes | bytearray):
-        ids = [check_int(t, f"prompt token {i}", minimum=0) for i, t in enumerate(prompt)]
-    else:
-        raise InvalidInputError(
-            f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}"
-        )
-    if not ids:
-        raise InvalidInputError("the prompt is empty")
-    return ids
-
-
 def _drive(
     gen: Generator,
     model: Model,
@@ -266,27 +234,19 @@ def _drive(
     """The token loop of :func:`stream` (timed, stop strings, statistics)."""
     if ignore_eos:
         gen.eos = set()
-    decoder = model.tokenizer.create_stream() if _has_tokenizer(model) else None
+    scanner = StopScanner(model.tokenizer.create_stream() if _has_tokenizer(model) else None, stop)
     t0 = time.perf_counter()
     gen.append_tokens(ids)
     gen.generate_next_token()
     t1 = time.perf_counter()
-    text = ""
     reason = "max_new_tokens"
     while True:
-        piece = "".join(decoder.decode(t) for t in gen.get_next_tokens()) if decoder else ""
-        text += piece
-        hit = next((s for s in stop if s in text), None)
-        if hit is not None:
-            cut = text.index(hit)
-            piece = piece[: max(0, len(piece) - (len(text) - cut))]
-            text = text[:cut]
-            reason = f"stop string {hit!r}"
-            if piece:
-                yield piece
-            break
+        piece, _, hit = scanner.feed(gen.get_next_tokens())
         if piece:
             yield piece
+        if hit is not None:
+            reason = f"stop string {hit!r}"
+            break
         if gen.is_done():
             if gen.tokens and gen.tokens[-1] in gen.eos:
                 reason = "eos"
@@ -302,7 +262,14 @@ def _drive(
             stats["proposer"] = gen.proposer.graph_stats()
         result.append(
             GenerationResult(
-                text, gen.get_sequence(), len(ids), t1 - t0, t2 - t1, reason, spec_stats, stats
+                scanner.text,
+                gen.get_sequence(),
+                len(ids),
+                t1 - t0,
+                t2 - t1,
+                reason,
+                spec_stats,
+                stats,
             )
         )
 

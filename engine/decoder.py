@@ -115,7 +115,11 @@ def check_cache_fits(provider: Any, layers: int, shape: tuple[int, ...], dtype: 
 
 
 class StaticKVCache:
-    """Per-layer key and value buffers of shape ``[1, kv_heads, max_length, head_size]``."""
+    """Per-layer key and value buffers of shape ``[rows, kv_heads, max_length, head_size]``.
+
+    ``rows`` > 1 holds a batch (:mod:`onnx_genrt.engine.batch`); :meth:`row` is one row
+    of it as a cache of its own (views of the same buffers), which a prefill fills.
+    """
 
     def __init__(
         self,
@@ -125,6 +129,7 @@ class StaticKVCache:
         max_length: int,
         kv_heads: int,
         head_size: int,
+        rows: int = 1,
     ):
         spec = session.input_spec(io.past_key % 0)
         if spec.shape is None or len(spec.shape) != 4:
@@ -136,15 +141,29 @@ class StaticKVCache:
                 raise ModelLoadError(
                     f"{io.past_key % 0} dimension {axis} is {spec.shape[axis]}, the config says {want}"
                 )
+        if rows > 1 and isinstance(spec.shape[0], int) and spec.shape[0] != rows:
+            raise ModelLoadError(
+                f"{io.past_key % 0} has a fixed batch dimension {spec.shape[0]}; batching "
+                f"{rows} rows needs a dynamic one"
+            )
         provider = session.main_provider
         dtype = DType.from_numpy(spec.dtype)
-        shape = (1, kv_heads, max_length, head_size)
+        shape = (rows, kv_heads, max_length, head_size)
         check_cache_fits(provider, layers, shape, dtype.numpy)
         zeros = np.zeros(shape, dtype.numpy)  # through the provider: on its stream
         self.keys = [provider.copy_from_host(zeros).buffer for _ in range(layers)]
         self.values = [provider.copy_from_host(zeros).buffer for _ in range(layers)]
         self.max_length = max_length
+        self.rows = rows
         self.length = 0
+
+    def row(self, index: int) -> StaticKVCache:
+        """Row ``index`` as a one-row cache: views of this cache's buffers, length 0."""
+        view = object.__new__(StaticKVCache)
+        view.keys = [k[index : index + 1] for k in self.keys]
+        view.values = [v[index : index + 1] for v in self.values]
+        view.max_length, view.rows, view.length = self.max_length, 1, 0
+        return view
 
     @property
     def nbytes(self) -> int:
@@ -177,7 +196,17 @@ class PendingStep:
 class DecoderRunner:
     """Runs the decoder for M new tokens at the cache's current length."""
 
-    def __init__(self, session: InferenceSession, config: GenAIConfig, max_length: int):
+    def __init__(
+        self,
+        session: InferenceSession,
+        config: GenAIConfig,
+        max_length: int,
+        *,
+        rows: int = 1,
+        cache: StaticKVCache | None = None,
+    ):
+        """A runner over a new cache of ``rows`` x ``max_length`` positions, or over
+        ``cache`` (a row of a batch's cache, :meth:`StaticKVCache.row`)."""
         max_length = min(max_length, config.context_length)
         io, layers = config.io, config.num_layers
         self.session = session
@@ -189,10 +218,10 @@ class DecoderRunner:
         self.hidden_name = io.hidden_states or (
             "hidden_states" if "hidden_states" in outputs else None
         )
-        self.cache = StaticKVCache(
-            session, io, layers, max_length, config.num_kv_heads, config.head_size
+        self.cache = cache or StaticKVCache(
+            session, io, layers, max_length, config.num_kv_heads, config.head_size, rows
         )
-        self._bindings: dict[int, tuple[IOBinding, dict[str, Any]]] = {}
+        self._bindings: dict[tuple[int, int], tuple[IOBinding, dict[str, Any]]] = {}
         tail = session.executor.row_tail(io.logits)
         #: Whether a prefill computes the logits (and device argmax) of its last row only:
         #: the lm_head then skips every other prompt row. Only where the logits come from the
@@ -212,12 +241,15 @@ class DecoderRunner:
         return ARGMAX in self._outputs
 
     def _binding(
-        self, width: int, keep: bool = True, last_row: bool = False
+        self, width: int, keep: bool = True, last_row: bool = False, rows: int = 1
     ) -> tuple[IOBinding, dict[str, Any]]:
-        """The persistent binding for steps of ``width`` tokens (made once per width).
-        ``last_row``: the logits and argmax outputs hold one row (a prefill's last)."""
-        if keep and width in self._bindings:
-            return self._bindings[width]
+        """The persistent binding for steps of ``width`` tokens in each of the cache's first
+        ``rows`` rows (made once per shape). ``last_row``: the logits and argmax outputs
+        hold one row (a prefill's last)."""
+        if keep and (rows, width) in self._bindings:
+            return self._bindings[rows, width]
+        if not 1 <= rows <= self.cache.rows:
+            raise InvalidInputError(f"a step of {rows} rows on a cache of {self.cache.rows}")
         io, b = self.io, self.session.io_binding()
         bufs: dict[str, Any] = {}
         # ids, positions and the mask are views of one int64 buffer: one upload per step.
@@ -226,37 +258,42 @@ class DecoderRunner:
             sizes["pos"] = width
         if io.attention_mask:
             sizes["mask"] = self.max_length
-        packed = self.provider.as_array(np.zeros(sum(sizes.values()), np.int64))
+        packed = self.provider.as_array(np.zeros(rows * sum(sizes.values()), np.int64))
         bufs["inputs"] = packed
         offset = 0
         for key, size in sizes.items():
-            bufs[key] = packed[offset : offset + size].reshape(1, size)
-            offset += size
+            bufs[key] = packed[offset : offset + rows * size].reshape(rows, size)
+            offset += rows * size
         b.bind_input(io.input_ids, bufs["ids"])
         if io.position_ids:
             b.bind_input(io.position_ids, bufs["pos"])
         if io.attention_mask:
             b.bind_input(io.attention_mask, bufs["mask"])
+        keys, values = self.cache.keys, self.cache.values
+        if rows < self.cache.rows:
+            keys, values = [k[:rows] for k in keys], [v[:rows] for v in values]
         for i in range(self.layers):
-            b.bind_input(io.past_key % i, self.cache.keys[i])
-            b.bind_input(io.past_value % i, self.cache.values[i])
-            b.bind_output(io.present_key % i, self.cache.keys[i])
-            b.bind_output(io.present_value % i, self.cache.values[i])
+            b.bind_input(io.past_key % i, keys[i])
+            b.bind_input(io.past_value % i, values[i])
+            b.bind_output(io.present_key % i, keys[i])
+            b.bind_output(io.present_value % i, values[i])
         vocab = self.vocab
         if vocab is None:
             raise ModelLoadError(f"output {io.logits!r} needs a static vocabulary dimension")
-        rows = 1 if last_row else width
-        bufs["logits"] = b.bind_output(io.logits, shape=(1, rows, vocab), dtype=self.logits_dtype)
+        out_rows = 1 if last_row else width
+        bufs["logits"] = b.bind_output(
+            io.logits, shape=(rows, out_rows, vocab), dtype=self.logits_dtype
+        )
         if ARGMAX in self._outputs:
-            bufs["argmax"] = b.bind_output(ARGMAX, shape=(1, rows), dtype=np.int64)
+            bufs["argmax"] = b.bind_output(ARGMAX, shape=(rows, out_rows), dtype=np.int64)
             bufs["nonfinite"] = b.bind_output(NONFINITE, shape=(), dtype=self.logits_dtype)
         if self.hidden_name:
             hspec = self.session.output_spec(self.hidden_name)
             bufs["hidden"] = b.bind_output(
-                self.hidden_name, shape=(1, width, int(hspec.shape[-1])), dtype=hspec.dtype
+                self.hidden_name, shape=(rows, width, int(hspec.shape[-1])), dtype=hspec.dtype
             )
         if keep:
-            self._bindings[width] = (b, bufs)
+            self._bindings[rows, width] = (b, bufs)
         return b, bufs
 
     def step_buffers(self, width: int) -> dict[str, Any]:
@@ -401,6 +438,56 @@ class DecoderRunner:
             )
         extra = {name: read.pop(name) for name in step.queued}
         return StepOutput(self.provider, bufs, n, read, extra)
+
+    def step_rows(
+        self,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        slot: DeviceGraphSlot | None,
+        read_logits: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One decode step of the cache's first ``len(tokens)`` rows: row ``r`` feeds
+        ``tokens[r]`` at position ``lengths[r]`` (its own length, in its attention mask).
+
+        The step replays ``slot``'s graph for this number of rows (one variant per row
+        count). Returns each row's device argmax and, with ``read_logits``, the rows'
+        logits ``[rows, vocab]``; raises :class:`NonFiniteError` on non-finite logits.
+        Row lengths are the caller's: this runner's ``cache.length`` is not used.
+        """
+        rows = len(tokens)
+        if len(lengths) != rows:
+            raise InvalidInputError(f"{rows} tokens for {len(lengths)} row lengths")
+        if rows and int(np.max(lengths)) + 1 > self.max_length:
+            raise InvalidInputError(
+                f"a row of {int(np.max(lengths)) + 1} positions exceeds the KV cache of "
+                f"{self.max_length}"
+            )
+        binding, bufs = self._binding(1, rows=rows)
+        host = np.zeros(bufs["inputs"].shape, np.int64)
+        host[:rows] = tokens
+        offset = rows
+        if "pos" in bufs:
+            host[offset : offset + rows] = lengths
+            offset += rows
+        if "mask" in bufs:
+            mask = host[offset:].reshape(rows, self.max_length)
+            mask[np.arange(self.max_length)[None, :] <= np.asarray(lengths)[:, None]] = 1
+        self.provider.write_from_host(bufs["inputs"], host)
+        self.session.run_with_iobinding(binding, slot, variant=rows)
+        device_argmax = "argmax" in bufs
+        reads = [bufs["nonfinite"], bufs["argmax"]] if device_argmax else []
+        if read_logits or not device_argmax:
+            reads.append(bufs["logits"])
+        values = self.provider.read_later(reads)()
+        logits = values[-1][:, 0] if read_logits or not device_argmax else None
+        finite = np.isfinite(values[0]) if device_argmax else np.isfinite(logits).all()
+        if not finite:
+            raise NonFiniteError(
+                f"non-finite logits in a batched step of {rows} rows "
+                f"(slot {slot.value if slot else 'eager'})"
+            )
+        argmax = values[1][:, 0] if device_argmax else np.argmax(logits, axis=-1)
+        return argmax, logits
 
     def rewind_to(self, length: int) -> None:
         """Forget every position from ``length`` on; later steps overwrite them."""

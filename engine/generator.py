@@ -15,7 +15,7 @@ from onnx_genrt.core.locking import SingleUser
 
 from .decoder import HiddenState, PendingStep, StepOutput
 from .model import GeneratorParams, Model
-from .sampling import penalize_repetition, pick
+from .sampling import choose, masked_logits, plain_greedy
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -180,24 +180,17 @@ class Generator:
 
     @property
     def _plain_greedy(self) -> bool:
-        return not self.search.do_sample and self.search.repetition_penalty == 1.0
+        return plain_greedy(self.search)
 
     def _choose(self, out: StepOutput, row: int, history: Sequence[int]) -> int:
         """Next token from one row: the device argmax when plain greedy, else from logits."""
-        if self._plain_greedy:
-            token = int(out.tokens[row])
-            if not (token in self.eos and len(history) < self.search.min_length):
-                return token
-        return pick(self.row_logits(out, row, history), self.search, self.rng, ())
+        argmax = int(out.tokens[row]) if self._plain_greedy else None
+        return choose(argmax, lambda: out.logits[row], history, self.search, self.eos, self.rng)
 
     def row_logits(self, out: StepOutput, row: int, history: Sequence[int]) -> np.ndarray:
         """One row's logits after the repetition penalty and, before ``min_length``, with
         end-of-sequence tokens ruled out (as onnxruntime-genai does)."""
-        logits = penalize_repetition(out.logits[row], history, self.search.repetition_penalty)
-        if self.eos and len(history) < self.search.min_length:
-            logits = np.array(logits, dtype=np.float32, copy=True)
-            logits[[t for t in self.eos if t < logits.shape[-1]]] = -np.inf
-        return logits
+        return masked_logits(out.logits[row], history, self.search, self.eos)
 
     @property
     def _last_hidden(self) -> HiddenState | None:

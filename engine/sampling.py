@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -115,3 +115,37 @@ def pick(
         return int(np.argmax(logits))  # an all -inf row picks index 0, like np.argmax
     p = distribution(logits, options)
     return int(rng.choice(p.size, p=p))
+
+
+def masked_logits(
+    logits: np.ndarray, history: Sequence[int], options: SearchOptions, eos: set[int]
+) -> np.ndarray:
+    """One row's logits after the repetition penalty and, before ``min_length``, with
+    end-of-sequence tokens ruled out (as onnxruntime-genai does)."""
+    logits = penalize_repetition(logits, history, options.repetition_penalty)
+    if eos and len(history) < options.min_length:
+        logits = np.array(logits, dtype=np.float32, copy=True)
+        logits[[t for t in eos if t < logits.shape[-1]]] = -np.inf
+    return logits
+
+
+def plain_greedy(options: SearchOptions) -> bool:
+    """Whether the next token is the argmax of the raw logits (no sampling, no penalty)."""
+    return not options.do_sample and options.repetition_penalty == 1.0
+
+
+def choose(
+    argmax: int | None,
+    logits: Callable[[], np.ndarray],
+    history: Sequence[int],
+    options: SearchOptions,
+    eos: set[int],
+    rng: np.random.Generator,
+) -> int:
+    """The next token of a row whose device argmax is ``argmax`` (None when not computed):
+    that argmax when plain greedy allows it, else picked from ``logits()`` (read only
+    then) after :func:`masked_logits`."""
+    masked = argmax in eos and len(history) < options.min_length
+    if plain_greedy(options) and argmax is not None and not masked:
+        return argmax
+    return pick(masked_logits(logits(), history, options, eos), options, rng, ())

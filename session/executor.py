@@ -11,6 +11,12 @@ side by side and both replay. The state machine for one bound run in slot ``s``:
     capture impossible/latched -> eager (fallbacks += 1, reason kept)
     otherwise                  -> capture into s                           (captures += 1)
 
+Variants: a slot holds one graph per *variant* (an integer the caller picks, 0 by
+default), each with its own signature, memory plan and program: a batched decode step
+keeps one graph per batch-size bucket in PRIMARY, and switching buckets replays instead
+of recapturing. Variant ``v``'s parts are numbered from ``v * VARIANT_PARTS`` in the
+providers' graphs; the slot's counters are shared by its variants.
+
 Mixed placement: a plan whose steps alternate providers is cut into segments
 (``session.segments``). Each provider captures its segments as parts of its graph in ``s``;
 values that cross between segments are copied into buffers planned on the reading provider
@@ -43,6 +49,10 @@ from .slot_state import CaptureProgram, SlotState, SlotStats
 
 __all__ = ["Executor", "Layout", "SlotState", "SlotStats"]
 
+#: Part numbers reserved for each variant of a slot (segments of one variant count up from
+#: ``variant * VARIANT_PARTS``).
+VARIANT_PARTS = 1 << 16
+
 #: Eager (unslotted) runs keep memory plans for this many distinct input shapes.
 EAGER_PLAN_CACHE = 8
 
@@ -56,7 +66,8 @@ class Executor:
         self.warmup_runs = max(1, warmup_runs)
         self.main_provider = plan.providers[0] if plan.providers else None
         self._slot = DeviceGraphSlot.PRIMARY
-        self._states: dict[DeviceGraphSlot, SlotState] = {}
+        self._states: dict[tuple[DeviceGraphSlot, int], SlotState] = {}
+        self._stats: dict[DeviceGraphSlot, SlotStats] = {}
         self._eager_layouts: OrderedDict[tuple, Layout] = OrderedDict()
         self._graph_outputs = {o.name for o in plan.outputs}
         self._consts: dict[tuple[int, str], Any] = {}
@@ -112,25 +123,53 @@ class Executor:
         """Route later bound runs to ``slot``. Other slots keep their graphs."""
         self._slot = slot
 
-    def state(self, slot: DeviceGraphSlot | None = None) -> SlotState:
+    def state(self, slot: DeviceGraphSlot | None = None, variant: int = 0) -> SlotState:
         slot = self._slot if slot is None else slot
-        return self._states.setdefault(slot, SlotState())
+        state = self._states.get((slot, variant))
+        if state is None:
+            stats = self._stats.setdefault(slot, SlotStats())
+            state = self._states[slot, variant] = SlotState(stats=stats)
+        return state
 
     def stats(self, slot: DeviceGraphSlot | None = None) -> SlotStats:
-        return self.state(slot).stats
+        """The counters of ``slot`` (all its variants together)."""
+        slot = self._slot if slot is None else slot
+        return self._stats.setdefault(slot, SlotStats())
 
     def all_stats(self) -> dict[str, dict[str, Any]]:
-        return {s.value: st.stats.as_dict() for s, st in self._states.items()}
+        return {s.value: st.as_dict() for s, st in self._stats.items()}
 
-    def reset_slot(self, slot: DeviceGraphSlot, signature: Signature | None = None) -> None:
-        """Drop the slot's graph (every provider's parts), latch and planned memory; other
-        slots are untouched. Dropping a captured graph counts as an invalidation."""
-        state = self.state(slot)
-        if state.captured:
-            state.stats.invalidations += 1
+    def variants(self, slot: DeviceGraphSlot) -> list[int]:
+        """The variants of ``slot`` holding a captured graph."""
+        return sorted(v for (s, v), st in self._states.items() if s == slot and st.captured)
+
+    def reset_slot(
+        self, slot: DeviceGraphSlot, signature: Signature | None = None, variant: int | None = None
+    ) -> None:
+        """Drop the slot's graph (every provider's parts), latch and planned memory, for
+        one variant or (``variant=None``) all of them; other slots are untouched. Dropping
+        a captured graph counts as an invalidation."""
+        others = [v for v in self.variants(slot) if v != variant]
+        if variant is not None and others:  # the other variants keep their graphs
+            parts = range(variant * VARIANT_PARTS, (variant + 1) * VARIANT_PARTS)
+            for provider in self.providers:
+                if slot in provider.graph_slots:
+                    provider.reset_parts(slot, parts)
+            self._forget(slot, variant, signature)
+            return
+        # The whole slot: every part, and the latch of a failed capture (the next run
+        # tries again).
         for provider in self.providers:
             if slot in provider.graph_slots:
                 provider.reset_graph(slot)
+        forget = [v for s, v in self._states if s == slot] if variant is None else [variant]
+        for v in forget:
+            self._forget(slot, v, signature)
+
+    def _forget(self, slot: DeviceGraphSlot, variant: int, signature: Signature | None) -> None:
+        state = self.state(slot, variant)
+        if state.captured:
+            state.stats.invalidations += 1
         state.captured = False
         state.signature = signature
         state.warmups = 0
@@ -153,18 +192,21 @@ class Executor:
         return None
 
     # -- bound runs -----------------------------------------------------------
-    def run_bound(self, binding: IOBinding, slot: DeviceGraphSlot | None = None) -> None:
-        """Run with persistent bindings in ``slot`` (default: the current graph slot).
+    def run_bound(
+        self, binding: IOBinding, slot: DeviceGraphSlot | None = None, variant: int = 0
+    ) -> None:
+        """Run with persistent bindings in ``slot`` (default: the current graph slot), as
+        the slot's graph ``variant``.
 
         Thread-safe: runs hold the locks of the plan's providers, one run at a time."""
         with hold(self.providers):
-            self._run_bound(binding, self._slot if slot is None else slot)
+            self._run_bound(binding, self._slot if slot is None else slot, variant)
 
-    def _run_bound(self, binding: IOBinding, slot: DeviceGraphSlot) -> None:
-        state = self.state(slot)
+    def _run_bound(self, binding: IOBinding, slot: DeviceGraphSlot, variant: int) -> None:
+        state = self.state(slot, variant)
         sig = binding.signature()
         if sig != state.signature:
-            self.reset_slot(slot, sig)
+            self.reset_slot(slot, sig, variant)
         env = dict(binding.inputs)
         outs = binding.outputs
         if state.captured and any(p.graph_owner(slot) is not self for p in self.providers):
@@ -195,16 +237,18 @@ class Executor:
             state.stats.eager_runs += 1
             self._execute(env, state.layout, outs)
             return
-        self._capture(slot, state, env, outs)
+        self._capture(slot, variant, state, env, outs)
 
-    def _capture(self, slot: DeviceGraphSlot, state: SlotState, env: dict, outs: Mapping) -> None:
+    def _capture(
+        self, slot: DeviceGraphSlot, variant: int, state: SlotState, env: dict, outs: Mapping
+    ) -> None:
         """Capture every segment as a part of its provider's graph in ``slot`` (running the
         step once), and keep the replay program; on failure latch, drop the parts captured
         so far and run eagerly."""
         providers = self.providers
         for provider in providers:
             provider.workspace.pin(slot)
-        capture = CaptureProgram(slot, self, state.stats)
+        capture = CaptureProgram(slot, self, state.stats, variant * VARIANT_PARTS)
         try:
             self._execute(dict(env), state.layout, outs, capture=capture)
         except Exception as exc:
@@ -212,8 +256,7 @@ class Executor:
             for provider in providers:
                 if provider is capture.provider:
                     provider.abort_capture(slot, reason)
-                else:
-                    provider.reset_graph(slot)
+                provider.reset_parts(slot, capture.parts(provider))
                 provider.workspace.unpin(slot)
             state.stats.fallbacks += 1
             state.stats.fallback_reasons[f"capture failed: {reason}"] += 1

@@ -210,8 +210,13 @@ class InferenceSession:
     def io_binding(self) -> IOBinding:
         return IOBinding(self)
 
-    def run_with_iobinding(self, binding: IOBinding, slot: DeviceGraphSlot | None = None) -> None:
-        """Run on bound buffers, replaying the slot's graph when its signature is unchanged."""
+    def run_with_iobinding(
+        self, binding: IOBinding, slot: DeviceGraphSlot | None = None, variant: int = 0
+    ) -> None:
+        """Run on bound buffers, replaying the slot's graph when its signature is unchanged.
+
+        ``variant`` picks one of several graphs the slot keeps side by side (one per batch
+        bucket of a batched decode step, say); each is captured once and replayed."""
         missing = [n for n in self._inputs if n not in binding.inputs]
         if missing:
             raise InvalidInputError(f"unbound inputs {missing}")
@@ -220,11 +225,16 @@ class InferenceSession:
             raise InvalidInputError(
                 f"unbound outputs {unbound}; bind every output before a bound run"
             )
-        self.executor.run_bound(binding, slot)
+        self.executor.run_bound(binding, slot, variant)
 
     # -- graph slots ---------------------------------------------------------------
     def set_graph_slot(self, slot: DeviceGraphSlot) -> None:
         self.executor.set_graph_slot(slot)
 
     def graph_stats(self, slot: DeviceGraphSlot | None = None) -> SlotStats:
+        """The counters of ``slot`` (default: the current slot), all its variants together."""
         return self.executor.stats(slot)
+
+    def all_graph_stats(self) -> dict[str, dict[str, Any]]:
+        """The counters of every slot used so far, by slot name."""
+        return self.executor.all_stats()

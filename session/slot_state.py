@@ -68,22 +68,29 @@ class CaptureProgram:
     right away where capturing only records (its results are needed next), and collects
     the replay program."""
 
-    def __init__(self, slot: DeviceGraphSlot, owner: object, stats: SlotStats) -> None:
+    def __init__(
+        self, slot: DeviceGraphSlot, owner: object, stats: SlotStats, first_part: int = 0
+    ) -> None:
         self.slot, self.owner, self.stats = slot, owner, stats
+        #: Segment ``n`` of a provider is captured as part ``first_part + n``.
+        self.first_part = first_part
         self.program: list[Callable[[], None]] = []
+        self._parts: dict[int, set[int]] = {}
         #: The provider whose part is being captured (the one to latch if it fails).
         self.provider: ExecutionProvider | None = None
 
     def begin(self, segment: Segment) -> None:
         self.provider = segment.provider
-        segment.provider.begin_capture(self.slot, owner=self.owner, part=segment.part)
+        part = self.first_part + segment.part
+        self._parts.setdefault(id(segment.provider), set()).add(part)
+        segment.provider.begin_capture(self.slot, owner=self.owner, part=part)
 
     def end(self, segment: Segment) -> None:
         provider = segment.provider
         provider.end_capture(self.slot)
         self.provider = None
         self.stats.provider_captures[provider.name] += 1
-        replay = functools.partial(provider.replay, self.slot, segment.part)
+        replay = functools.partial(provider.replay, self.slot, self.first_part + segment.part)
         if not provider.CAPTURE_EXECUTES:
             replay()
         replays = self.stats.provider_replays
@@ -93,6 +100,10 @@ class CaptureProgram:
             replays[name] += 1
 
         self.program.append(counted_replay)
+
+    def parts(self, provider: ExecutionProvider) -> set[int]:
+        """The parts this capture began on ``provider`` (to drop if it fails)."""
+        return self._parts.get(id(provider), set())
 
     def counted(self, copy: Callable[[], None]) -> Callable[[], None]:
         stats = self.stats

@@ -1,0 +1,206 @@
+"""Several sequences decoded together: one KV cache of ``max_batch`` rows, one step for all.
+
+Each row has its own prompt, length, search options, random generator and end of sequence.
+A row is filled by an eager prefill of its prompt into its part of the cache (the other
+rows are untouched), then every decode step feeds all running rows at once, each at its
+own position (the length lives in the row's attention mask). A step of ``n`` rows runs the
+smallest bucket (a power of two, or ``max_batch``) holding the highest running row, and
+replays that bucket's graph in slot PRIMARY: changing the number of rows never recaptures.
+Free rows inside the bucket run a one-token dummy sequence that nothing reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from onnx_genrt.core.checks import check_bool, check_int
+from onnx_genrt.core.errors import InvalidInputError
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.locking import SingleUser
+
+from .config import SearchOptions
+from .decoder import DecoderRunner
+from .model import GeneratorParams, Model
+from .sampling import choose, plain_greedy
+
+
+def buckets(max_batch: int) -> tuple[int, ...]:
+    """The step sizes a batch of up to ``max_batch`` rows runs at: powers of two below it,
+    and ``max_batch`` itself."""
+    sizes = []
+    size = 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_batch)
+
+
+@dataclass
+class _Row:
+    """One sequence: its tokens (the last one pending: chosen, not yet fed), options."""
+
+    tokens: list[int]
+    prompt_length: int
+    search: SearchOptions
+    eos: set[int]
+    rng: np.random.Generator
+    new: list[int] = field(default_factory=list)
+
+
+class BatchGenerator:
+    """Decodes up to ``max_batch`` sequences of up to ``max_length`` tokens together.
+
+    ``add`` prefills a prompt into a free row and picks its first token; ``step`` adds one
+    token to every row; ``remove`` frees a row. Rows are independent: each row's greedy
+    output equals the same prompt generated alone. One thread drives it at a time (the
+    :class:`~onnx_genrt.engine.scheduler.Scheduler`'s does); a second thread entering it
+    meanwhile gets ``ConcurrentUseError``. Its steps take turns with other users of the
+    model's session.
+    """
+
+    def __init__(self, model: Model, max_batch: int, max_length: int | None = None) -> None:
+        self.model = model
+        self.max_batch = check_int(max_batch, "max_batch", minimum=1)
+        context = model.config.context_length
+        length = context if max_length is None else max_length
+        self.max_length = check_int(length, "max_length", minimum=2, maximum=context)
+        self.buckets = buckets(self.max_batch)
+        self.runner = DecoderRunner(
+            model.session, model.config, self.max_length, rows=self.max_batch
+        )
+        self._row_runners: dict[int, DecoderRunner] = {}
+        self.rows: dict[int, _Row] = {}
+        self._user = SingleUser("this BatchGenerator")
+
+    # -- rows ---------------------------------------------------------------------
+    def free_rows(self) -> int:
+        return self.max_batch - len(self.rows)
+
+    def add(
+        self, prompt: Sequence[int], params: GeneratorParams, *, ignore_eos: bool = False
+    ) -> int:
+        """Prefill ``prompt`` into the lowest free row, pick its first token, and return
+        the row. The row ends at ``params``' max_length (at most this batch's)."""
+        if len(self.rows) >= self.max_batch:
+            raise InvalidInputError(f"all {self.max_batch} rows are in use")
+        ids = [check_int(t, f"token id {i}", minimum=0) for i, t in enumerate(prompt)]
+        vocab = self.model.config.vocab_size
+        if not ids or max(ids) >= vocab:
+            raise InvalidInputError(
+                "the prompt is empty"
+                if not ids
+                else f"token ids {[t for t in ids if t >= vocab][:5]} are outside the vocabulary "
+                f"of {vocab}"
+            )
+        search = params.search
+        if search.max_length > self.max_length:
+            raise InvalidInputError(
+                f"max_length {search.max_length} exceeds the batch's max_length {self.max_length}"
+            )
+        if len(ids) >= search.max_length:
+            raise InvalidInputError(
+                f"a prompt of {len(ids)} tokens leaves no room below max_length {search.max_length}"
+            )
+        with self._user:
+            return self._add(ids, search, ignore_eos)
+
+    def _add(self, ids: list[int], search: SearchOptions, ignore_eos: bool) -> int:
+        index = min(set(range(self.max_batch)) - self.rows.keys())
+        eos = (
+            set() if check_bool(ignore_eos, "ignore_eos") else set(self.model.config.eos_token_ids)
+        )
+        row = _Row(list(ids), len(ids), search, eos, np.random.default_rng(search.seed))
+        runner = self._row_runner(index)
+        runner.rewind_to(0)
+        with self.model.session.exclusive():
+            out = runner.forward(ids, None)
+        token = self._pick(row, out.tokens[-1], lambda: out.logits[-1])
+        row.tokens.append(token)
+        row.new = [token]
+        self.rows[index] = row
+        return index
+
+    def remove(self, index: int) -> None:
+        """Free row ``index`` (its cache positions are overwritten by the next prompt)."""
+        with self._user:
+            if index not in self.rows:
+                raise InvalidInputError(f"row {index} is not in use")
+            del self.rows[index]
+
+    def _row_runner(self, index: int) -> DecoderRunner:
+        runner = self._row_runners.get(index)
+        if runner is None:
+            runner = DecoderRunner(
+                self.model.session,
+                self.model.config,
+                self.max_length,
+                cache=self.runner.cache.row(index),
+            )
+            self._row_runners[index] = runner
+        return runner
+
+    # -- stepping -----------------------------------------------------------------
+    def bucket(self) -> int:
+        """The number of rows the next step runs (covers the highest running row)."""
+        top = max(self.rows) + 1
+        return next(size for size in self.buckets if size >= top)
+
+    def step(self) -> dict[int, list[int]]:
+        """One token for every running row that is not done; returns the new token of each
+        row stepped."""
+        with self._user:
+            return self._step()
+
+    def _step(self) -> dict[int, list[int]]:
+        live = {i: r for i, r in self.rows.items() if not self.is_done(i)}
+        if not live:
+            return {}
+        size = self.bucket()
+        tokens = np.zeros(size, np.int64)
+        lengths = np.zeros(size, np.int64)
+        for i, row in live.items():
+            tokens[i] = row.tokens[-1]
+            lengths[i] = len(row.tokens) - 1
+        need_logits = any(not plain_greedy(r.search) or r.search.min_length for r in live.values())
+        with self.model.session.exclusive():
+            argmax, logits = self.runner.step_rows(
+                tokens, lengths, DeviceGraphSlot.PRIMARY, read_logits=need_logits
+            )
+        new = {}
+        for i, row in live.items():
+            token = self._pick(row, int(argmax[i]), lambda i=i, lg=logits: lg[i])
+            row.tokens.append(token)
+            row.new = [token]
+            new[i] = [token]
+        return new
+
+    @staticmethod
+    def _pick(row: _Row, argmax: int, logits) -> int:
+        history = row.tokens
+        return choose(int(argmax), logits, history, row.search, row.eos, row.rng)
+
+    # -- reading ------------------------------------------------------------------
+    def sequence(self, index: int) -> list[int]:
+        """Row ``index``'s tokens: its prompt and what was generated."""
+        return list(self.rows[index].tokens)
+
+    def last_tokens(self, index: int) -> list[int]:
+        """The tokens the last ``add`` or ``step`` gave row ``index``."""
+        return list(self.rows[index].new)
+
+    def ended_by_eos(self, index: int) -> bool:
+        row = self.rows[index]
+        return (
+            bool(row.eos) and row.tokens[-1] in row.eos and len(row.tokens) >= row.search.min_length
+        )
+
+    def is_done(self, index: int) -> bool:
+        """Whether row ``index`` reached end of sequence or its max_length."""
+        row = self.rows[index]
+        return len(row.tokens) >= row.search.max_length or self.ended_by_eos(index)
+
+    def graph_stats(self) -> dict[str, dict]:
+        return self.model.session.all_graph_stats()

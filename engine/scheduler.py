@@ -1,0 +1,472 @@
+"""Continuous batching: requests join free rows between decode steps and leave at once.
+
+A :class:`Scheduler` owns one background thread that runs the model. ``submit`` queues a
+request and returns a :class:`RequestHandle` at once; between two decode steps the thread
+admits queued requests into free rows (prefilling each), steps every running row by one
+token, hands each row's new text to its handle, and retires rows that finished (end of
+sequence, a stop string, ``max_new_tokens``, or a cancel) so their rows take the next
+request. Handles are read from any thread, or from asyncio (:meth:`RequestHandle.stream`).
+
+The rows are stepped by a :class:`~onnx_genrt.engine.batch.BatchGenerator`: one KV cache
+of ``max_batch`` rows, a decode step of all running rows at once, replaying the graph of
+its batch-size bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from onnx_genrt.core.checks import check_bool, check_int
+from onnx_genrt.core.errors import InvalidInputError, OnnxGenrtError
+
+from .batch import BatchGenerator
+from .model import GeneratorParams, Model
+from .stops import StopScanner, prompt_ids, stop_strings
+
+
+class QueueFullError(OnnxGenrtError):
+    """The scheduler's queue holds ``max_queue`` requests already: retry later."""
+
+
+class SchedulerClosedError(OnnxGenrtError):
+    """The scheduler stopped admitting requests (it is shutting down)."""
+
+
+#: Why a request ended, as the OpenAI API names it: ``stop`` (end of sequence or a stop
+#: string), ``length`` (max_new_tokens or the context), ``cancelled``, ``error``.
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New output of one request: its text piece, the token ids behind it, and, on the last
+    event only, why it finished."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """A finished request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    #: Seconds from submission to the first token, None if none came.
+    time_to_first_token: float | None
+    error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class RequestHandle:
+    """One submitted request: its events as they come, its result, and a way to cancel it.
+
+    Read it from one consumer: :meth:`events` (blocking, any thread), :meth:`stream`
+    (asyncio), or :meth:`result` (blocks until it finishes).
+    """
+
+    def __init__(self, request_id: str, prompt_tokens: int, submitted: float) -> None:
+        self.id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.submitted = submitted
+        self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._cancel = threading.Event()
+        self._listeners: list[Callable[[TokenEvent], None]] = []
+        self._lock = threading.Lock()
+        self._text: list[str] = []
+        self._tokens: list[int] = []
+        self._first: float | None = None
+        self._result: RequestResult | None = None
+
+    # -- consumer side ----------------------------------------------------------
+    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Events until the last one (which has ``finish_reason``); ``timeout`` seconds at
+        most between two events (``TimeoutError`` after)."""
+        while True:
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id}: no event for {timeout} s") from None
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def stream(self) -> AsyncIterator[TokenEvent]:
+        """The events in asyncio, without a thread per waiting request."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        with self._lock:  # events so far, then every later one through the listener
+            while not self._events.empty():
+                inbox.put_nowait(self._events.get_nowait())
+            self._listeners.append(lambda e: loop.call_soon_threadsafe(inbox.put_nowait, e))
+        while True:
+            event = await inbox.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        """Wait for the request to finish and return its result."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        assert self._result is not None
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop the request: its row is freed at the next step (a queued one never runs)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    # -- scheduler side ---------------------------------------------------------
+    def _emit(
+        self, text: str, tokens: Sequence[int], finish: str | None = None, error: str | None = None
+    ) -> None:
+        if tokens and self._first is None:
+            self._first = time.perf_counter() - self.submitted
+        self._text.append(text)
+        self._tokens.extend(tokens)
+        event = TokenEvent(text, tuple(tokens), finish)
+        if finish is not None:
+            self._result = RequestResult(
+                "".join(self._text),
+                list(self._tokens),
+                finish,
+                self.prompt_tokens,
+                self._first,
+                error,
+            )
+        with self._lock:
+            if self._listeners:
+                for listener in self._listeners:
+                    listener(event)
+            else:
+                self._events.put(event)
+        if finish is not None:
+            self._done.set()
+
+
+@dataclass
+class SchedulerMetrics:
+    """A snapshot of what the scheduler has done (the server's ``/metrics``)."""
+
+    queue_depth: int
+    running_rows: int
+    max_batch: int
+    requests_finished: int
+    requests_cancelled: int
+    requests_failed: int
+    tokens_generated: int
+    decode_steps: int
+    #: Seconds from submission to first token of the most recent requests (up to 1024).
+    time_to_first_token: list[float] = field(default_factory=list)
+    #: Tokens generated per second over the scheduler's busy time.
+    tokens_per_second: float = 0.0
+    #: Graph statistics of the model's session, per slot (captures, replays, fallbacks).
+    graph_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    handle: RequestHandle
+    ids: list[int]
+    params: GeneratorParams
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+
+
+class _Running:
+    """A request in a row: its scanner for stop strings and its token count."""
+
+    def __init__(self, pending: _Pending, scanner: StopScanner) -> None:
+        self.pending, self.scanner = pending, scanner
+        self.generated = 0
+
+    @property
+    def handle(self) -> RequestHandle:
+        return self.pending.handle
+
+
+class Scheduler:
+    """Serves many requests on one model by continuous batching (see the module docstring).
+
+    ``max_batch`` rows share one KV cache of ``max_length`` positions per row (default: the
+    model's context length); at most ``max_queue`` requests wait for a row, and one more
+    is refused with :class:`QueueFullError`. Start it with ``with Scheduler(...) as s`` or
+    :meth:`start`; :meth:`close` stops admitting and finishes (or cancels) what runs.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 256,
+        max_length: int | None = None,
+    ) -> None:
+        self.model = model
+        self.max_batch = check_int(max_batch, "max_batch", minimum=1)
+        self.max_queue = check_int(max_queue, "max_queue", minimum=0)
+        context = model.config.context_length
+        self.max_length = check_int(
+            context if max_length is None else max_length,
+            "max_length",
+            minimum=2,
+            maximum=context,
+        )
+        self._queue: deque[_Pending] = deque()
+        self._rows: dict[int, _Running] = {}
+        self._cv = threading.Condition()
+        self._admitting = True
+        self._stopping = False
+        self._cancel_on_stop = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count(1)
+        self._batch: BatchGenerator | None = None
+        self._finished = self._cancelled = self._failed = 0
+        self._tokens = self._steps = 0
+        self._busy = 0.0
+        self._ttft: deque[float] = deque(maxlen=1024)
+        self._has_tokenizer = (model.folder / "tokenizer.json").is_file()
+
+    # -- life cycle ---------------------------------------------------------------
+    def start(self) -> Scheduler:
+        """Start the thread that runs the model (idempotent)."""
+        with self._cv:
+            if self._thread is None:
+                self._batch = BatchGenerator(self.model, self.max_batch, self.max_length)
+                self._thread = threading.Thread(
+                    target=self._loop, name="onnx-genrt-scheduler", daemon=True
+                )
+                self._thread.start()
+        return self
+
+    def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop admitting; let running and queued requests finish (``cancel=True``: cancel
+        them, each ending with ``finish_reason='cancelled'``) and stop the thread."""
+        with self._cv:
+            self._admitting = False
+            self._stopping = True
+            self._cancel_on_stop = cancel
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        else:  # never started: nothing ran, cancel what was queued
+            self._cancel_queued()
+
+    def __enter__(self) -> Scheduler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(cancel=exc[0] is not None)
+
+    @property
+    def admitting(self) -> bool:
+        return self._admitting
+
+    # -- requests -----------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = 128,
+        stop: str | Sequence[str] = (),
+        ignore_eos: bool = False,
+        **search: Any,
+    ) -> RequestHandle:
+        """Queue a request and return its handle. ``search``: the search options of
+        :meth:`GeneratorParams.set_search_options` (``temperature``, ``top_p``, ``seed``,
+        ``do_sample``...), checked here, as are the prompt and ``max_new_tokens``."""
+        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
+        stops = stop_strings(stop)
+        ignore_eos = check_bool(ignore_eos, "ignore_eos")
+        ids = prompt_ids(self.model, prompt)
+        if len(ids) + max_new_tokens > self.max_length:
+            raise InvalidInputError(
+                f"prompt of {len(ids)} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                f"the scheduler's max_length of {self.max_length}"
+            )
+        params = GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + max_new_tokens, **search)
+        handle = RequestHandle(f"req-{next(self._ids)}", len(ids), time.perf_counter())
+        with self._cv:
+            if not self._admitting:
+                raise SchedulerClosedError("the scheduler is shutting down; not admitting")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(
+                    f"{len(self._queue)} requests are queued (max_queue={self.max_queue}); "
+                    "retry later"
+                )
+            self._queue.append(_Pending(handle, ids, params, max_new_tokens, stops, ignore_eos))
+            self._cv.notify_all()
+        return handle
+
+    def metrics(self) -> SchedulerMetrics:
+        with self._cv:
+            busy = self._busy
+            return SchedulerMetrics(
+                queue_depth=len(self._queue),
+                running_rows=len(self._rows),
+                max_batch=self.max_batch,
+                requests_finished=self._finished,
+                requests_cancelled=self._cancelled,
+                requests_failed=self._failed,
+                tokens_generated=self._tokens,
+                decode_steps=self._steps,
+                time_to_first_token=list(self._ttft),
+                tokens_per_second=self._tokens / busy if busy > 0 else 0.0,
+                graph_stats=self.model.session.all_graph_stats(),
+            )
+
+    # -- the model thread ---------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._rows and not self._stopping:
+                    self._cv.wait()
+                if self._stopping and self._cancel_on_stop:
+                    self._cancel_queued()
+                    for row in list(self._rows):
+                        self._rows[row].handle.cancel()
+                if self._stopping and not self._queue and not self._rows:
+                    return
+            start = time.perf_counter()
+            try:
+                self._admit()
+                self._step()
+            except Exception as exc:  # a fault of the model run: fail every running row
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+            with self._cv:
+                self._busy += time.perf_counter() - start
+
+    def _admit(self) -> None:
+        """Move queued requests into free rows (prefilling each); drop cancelled ones."""
+        batch = self._batch
+        assert batch is not None
+        while True:
+            with self._cv:
+                if not self._queue or batch.free_rows() == 0:
+                    return
+                pending = self._queue.popleft()
+            handle = pending.handle
+            if handle.cancelled:
+                self._retire_pending(pending, "cancelled")
+                continue
+            try:
+                row = batch.add(pending.ids, pending.params, ignore_eos=pending.ignore_eos)
+            except OnnxGenrtError as exc:
+                with self._cv:
+                    self._failed += 1
+                handle._emit("", (), "error", f"{type(exc).__name__}: {exc}")
+                continue
+            scanner = StopScanner(
+                self.model.tokenizer.create_stream() if self._has_tokenizer else None,
+                pending.stop,
+            )
+            running = _Running(pending, scanner)
+            with self._cv:
+                self._rows[row] = running
+            self._deliver(row, running, batch.last_tokens(row))
+
+    def _step(self) -> None:
+        """One decode step of every running row; retire cancelled rows first."""
+        batch = self._batch
+        assert batch is not None
+        for row, running in list(self._rows.items()):
+            if running.handle.cancelled:
+                self._retire(row, "cancelled")
+        if not self._rows:
+            return
+        new = batch.step()
+        with self._cv:
+            self._steps += 1
+        for row, tokens in new.items():
+            running = self._rows.get(row)
+            if running is not None:
+                self._deliver(row, running, tokens)
+
+    def _deliver(self, row: int, running: _Running, tokens: list[int]) -> None:
+        """Hand a row's new tokens to its handle; retire the row if it finished."""
+        batch = self._batch
+        assert batch is not None
+        pending = running.pending
+        text, tokens, hit = running.scanner.feed(tokens)
+        running.generated += len(tokens)
+        with self._cv:
+            self._tokens += len(tokens)
+            if running.generated == len(tokens) and tokens:
+                self._ttft.append(time.perf_counter() - pending.handle.submitted)
+        finish = None
+        if hit or batch.ended_by_eos(row):
+            finish = "stop"
+        elif running.generated >= pending.max_new_tokens or batch.is_done(row):
+            finish = "length"
+        if finish is None:
+            if text or tokens:
+                pending.handle._emit(text, tokens)
+            return
+        pending.handle._emit(text, tokens, finish)
+        self._release(row, finished=True)
+
+    def _retire(self, row: int, reason: str) -> None:
+        running = self._rows[row]
+        running.handle._emit("", (), reason)
+        self._release(row, finished=reason != "cancelled")
+        if reason == "cancelled":
+            with self._cv:
+                self._cancelled += 1
+
+    def _release(self, row: int, finished: bool) -> None:
+        assert self._batch is not None
+        self._batch.remove(row)
+        with self._cv:
+            del self._rows[row]
+            if finished:
+                self._finished += 1
+
+    def _retire_pending(self, pending: _Pending, reason: str) -> None:
+        pending.handle._emit("", (), reason)
+        with self._cv:
+            self._cancelled += 1
+
+    def _cancel_queued(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    return
+                pending = self._queue.popleft()
+            self._retire_pending(pending, "cancelled")
+
+    def _fail_all(self, message: str) -> None:
+        for row, running in list(self._rows.items()):
+            running.handle._emit("", (), "error", message)
+            try:
+                self._release(row, finished=False)
+            except Exception:  # the batch is broken: forget the row
+                with self._cv:
+                    self._rows.pop(row, None)
+            with self._cv:
+                self._failed += 1
