@@ -1,14 +1,29 @@
 """Generation engine: static KV cache, greedy and sampled decoding, speculative decoding."""
 
-from .api import GenerationResult, generate, make_generator, make_proposer, stream
+from .api import (
+    GenerationResult,
+    generate,
+    generate_batch,
+    make_generator,
+    make_proposer,
+    stream,
+)
+from .batch import BatchGenerator
 from .config import GenAIConfig, SearchOptions, load_config
 from .generator import Generator
 from .model import GeneratorParams, Model
 from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
+from .scheduler import RequestHandle, RequestResult, Scheduler, TokenEvent
 from .speculative import SpeculativeGenerator
 from .tokenizer import Tokenizer
 
 __all__ = [
+    "BatchGenerator",
+    "RequestHandle",
+    "RequestResult",
+    "Scheduler",
+    "TokenEvent",
+    "generate_batch",
     "DraftModelProposer",
     "GenAIConfig",
     "GenerationResult",

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from onnx_genrt.core.checks import check_bool, check_int
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.session import load_model
 
+from .batch import BatchGenerator
 from .config import SPECULATIVE_FILE
 from .generator import Generator
 from .model import GeneratorParams, Model
@@ -275,13 +278,100 @@ def _drive(
 
 
 def generate(
-    model: Model, prompt: str | list[int], max_new_tokens: int = 128, **kwargs: Any
-) -> GenerationResult:
-    """Generate and return the whole result (text, tokens, timings, statistics)."""
+    model: Model,
+    prompt: str | list[int] | Sequence[str] | Sequence[Sequence[int]],
+    max_new_tokens: int = 128,
+    **kwargs: Any,
+) -> GenerationResult | list[GenerationResult]:
+    """Generate and return the whole result (text, tokens, timings, statistics).
+
+    A list of prompts (strings, or lists of token ids) is decoded as one batch
+    (:func:`generate_batch`) and gives a list of results, one per prompt."""
+    if _is_batch(prompt):
+        return generate_batch(model, prompt, max_new_tokens, **kwargs)
     out: list[GenerationResult] = []
     for _ in stream(model, prompt, max_new_tokens, result=out, **kwargs):
         pass
     return out[0]
+
+
+def _is_batch(prompt: object) -> bool:
+    return (
+        isinstance(prompt, list | tuple)
+        and bool(prompt)
+        and all(isinstance(p, str | list | tuple | np.ndarray) for p in prompt)
+    )
+
+
+def generate_batch(
+    model: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    max_new_tokens: int = 128,
+    *,
+    stop: str | Sequence[str] = (),
+    ignore_eos: bool = False,
+    spec: str | None = None,
+    **search: Any,
+) -> list[GenerationResult]:
+    """Decode several prompts together, one row each (:class:`BatchGenerator`): each
+    row's greedy output equals its prompt generated alone. ``stop``, ``ignore_eos`` and
+    the search options apply to every row; each row samples with its own generator
+    seeded from ``seed``. Speculation runs one sequence at a time (``spec`` is refused)."""
+    if spec is not None:
+        raise InvalidInputError(
+            "speculative decoding runs one sequence; generate the prompts one by one with "
+            f"spec={spec!r}, or drop spec to batch them"
+        )
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
+    stops = stop_strings(stop)
+    ignore_eos = check_bool(ignore_eos, "ignore_eos")
+    ids = [prompt_ids(model, p) for p in prompts]
+    longest = max(len(i) for i in ids) + max_new_tokens
+    if longest > model.config.context_length:
+        raise InvalidInputError(
+            f"the longest prompt plus max_new_tokens={max_new_tokens} ({longest} tokens) "
+            f"exceeds the model's context length of {model.config.context_length}"
+        )
+    batch = BatchGenerator(model, len(ids), longest)
+    scanners: list[StopScanner] = []
+    reasons: list[str | None] = []
+    rows: list[int] = []
+    sequences: list[list[int]] = [[] for _ in ids]
+    t0 = time.perf_counter()
+    for prompt in ids:
+        params = GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + max_new_tokens, **search)
+        rows.append(batch.add(prompt, params, ignore_eos=ignore_eos))
+        tokenizer = model.tokenizer.create_stream() if _has_tokenizer(model) else None
+        scanners.append(StopScanner(tokenizer, stops))
+        reasons.append(None)
+    t1 = time.perf_counter()
+    live = set(range(len(rows)))
+    while True:
+        for i in list(live):
+            row = rows[i]
+            _, _, hit = scanners[i].feed(batch.last_tokens(row))
+            if hit is not None:
+                reasons[i] = f"stop string {hit!r}"
+            elif batch.ended_by_eos(row):
+                reasons[i] = "eos"
+            elif batch.is_done(row):
+                reasons[i] = "max_new_tokens"
+            if reasons[i] is not None:
+                live.discard(i)
+                sequences[i] = batch.sequence(row)
+                batch.remove(row)  # later steps skip the row
+        if not live:
+            break
+        batch.step()
+    t2 = time.perf_counter()
+    stats = {"target": model.session.all_graph_stats()}
+    return [
+        GenerationResult(
+            scanners[i].text, sequences[i], len(ids[i]), t1 - t0, t2 - t1, reasons[i], {}, stats
+        )
+        for i in range(len(ids))
+    ]
 
 
 def _has_tokenizer(model: Model) -> bool:

@@ -1,0 +1,216 @@
+"""Batched decoding: every row equals its prompt generated alone, with bucket graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx_genrt.core.errors import ConcurrentUseError, InvalidInputError
+from onnx_genrt.engine import GeneratorParams, Model, generate
+from onnx_genrt.engine.batch import BatchGenerator, buckets
+from onnx_genrt.generate_cli import default_model_dir
+
+from .test_greedy_parity import PROMPTS, _onnxruntime_genai
+
+TEXTS = ["    def __init__(self", "import os\n", "class Foo:", "def fib(n):", "x = [", "return"]
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(default_model_dir())
+
+
+def _params(model: Model, prompt: list[int], new: int, **search) -> GeneratorParams:
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, **search)
+    return params
+
+
+def _run(batch: BatchGenerator, limit: int = 1000) -> None:
+    for _ in range(limit):
+        if all(batch.is_done(r) for r in batch.rows):
+            return
+        batch.step()
+    raise AssertionError("the batch did not finish")
+
+
+def test_buckets():
+    assert buckets(1) == (1,)
+    assert buckets(8) == (1, 2, 4, 8)
+    assert buckets(6) == (1, 2, 4, 6)
+
+
+def test_rows_match_onnxruntime_genai_alone(qwen2_dir):
+    """A builder model with position_ids: each row of one batch equals onnxruntime-genai
+    generating that prompt alone, and the bucket's graph replays."""
+    model = Model(qwen2_dir)
+    batch = BatchGenerator(model, 4, 128)
+    rows = {batch.add(p, _params(model, p, 24), ignore_eos=True): p for p in PROMPTS}
+    _run(batch)
+    for row, prompt in rows.items():
+        assert batch.sequence(row) == _onnxruntime_genai(qwen2_dir, prompt, 24), row
+    primary = batch.graph_stats()["primary"]
+    assert primary["captures"] == 1 and primary["replays"] >= 20
+    assert primary["fallbacks"] == 0 and primary["invalidations"] == 0
+
+
+def test_rows_join_and_leave_between_steps(model):
+    """Continuous batching: a row added after others started, and a row freed and taken by
+    a new prompt, still equal their prompts generated alone; changing buckets (1, 2, 4)
+    captures each bucket once and never invalidates."""
+    alone = {t: generate(model, t, 20, ignore_eos=True).tokens for t in TEXTS}
+    batch = BatchGenerator(model, 4, 128)
+    ids = {t: model.tokenizer.encode(t) for t in TEXTS}
+    owner: dict[int, str] = {}
+
+    def add(text: str) -> None:
+        owner[batch.add(ids[text], _params(model, ids[text], 20), ignore_eos=True)] = text
+
+    add(TEXTS[0])
+    for _ in range(3):
+        batch.step()
+    add(TEXTS[1])
+    add(TEXTS[2])
+    for _ in range(2):
+        batch.step()
+    first = min(owner)
+    assert (
+        batch.sequence(first)[: len(alone[TEXTS[0]])]
+        == alone[TEXTS[0]][: len(batch.sequence(first))]
+    )
+    batch.remove(first)  # row 0 frees; the next prompt takes it
+    del owner[first]
+    add(TEXTS[3])
+    add(TEXTS[4])
+    finished = {}
+    for _ in range(200):
+        for row in [r for r in batch.rows if batch.is_done(r)]:
+            finished[owner.pop(row)] = batch.sequence(row)
+            batch.remove(row)
+            if TEXTS[5] not in finished and TEXTS[5] not in owner.values():
+                add(TEXTS[5])
+        if not batch.rows:
+            break
+        batch.step()
+    assert set(finished) == set(TEXTS[1:])
+    for text, tokens in finished.items():
+        assert tokens == alone[text], text
+    stats = batch.graph_stats()["primary"]
+    assert stats["invalidations"] == 0 and stats["fallbacks"] == 0
+    assert stats["captures"] <= len(buckets(4)) + 1  # one per bucket (+ generate()'s own)
+
+
+def test_sampled_rows_follow_their_own_seeds(model):
+    """Two rows with the same prompt and seed sample the same text; another seed differs;
+    a sampled row equals the same request generated alone."""
+    prompt = model.tokenizer.encode("def ")
+    opts = dict(do_sample=True, temperature=1.5, top_k=40, seed=7)
+    alone = generate(model, prompt, 24, ignore_eos=True, **opts).tokens
+    batch = BatchGenerator(model, 4, 128)
+    a = batch.add(prompt, _params(model, prompt, 24, **opts), ignore_eos=True)
+    b = batch.add(prompt, _params(model, prompt, 24, **{**opts, "seed": 8}), ignore_eos=True)
+    c = batch.add(prompt, _params(model, prompt, 24, **opts), ignore_eos=True)
+    _run(batch)
+    assert batch.sequence(a) == batch.sequence(c) == alone
+    assert batch.sequence(b) != batch.sequence(a)
+
+
+def test_end_of_sequence_ends_one_row(model):
+    """A row that reaches its end-of-sequence token stops; the others go on."""
+    batch = BatchGenerator(model, 2, 256)
+    for text in ("import os\n", "class Foo:"):
+        prompt = model.tokenizer.encode(text)
+        batch.add(prompt, _params(model, prompt, 200))
+    _run(batch)
+    for row, text in zip(sorted(batch.rows), ("import os\n", "class Foo:"), strict=True):
+        ref = generate(model, text, 200)
+        assert batch.sequence(row) == ref.tokens
+        assert batch.ended_by_eos(row) == (ref.stop_reason == "eos")
+
+
+def test_refusals(model):
+    batch = BatchGenerator(model, 1, 64)
+    prompt = model.tokenizer.encode("x")
+    with pytest.raises(InvalidInputError, match="max_length 100 exceeds the batch's max_length 64"):
+        batch.add(prompt, _params(model, prompt, 99))
+    with pytest.raises(InvalidInputError, match="outside the vocabulary"):
+        batch.add([model.config.vocab_size], _params(model, [1], 4))
+    batch.add(prompt, _params(model, prompt, 4))
+    with pytest.raises(InvalidInputError, match="all 1 rows are in use"):
+        batch.add(prompt, _params(model, prompt, 4))
+    with pytest.raises(InvalidInputError, match="row 3 is not in use"):
+        batch.remove(3)
+
+
+def test_second_thread_is_refused(model):
+    batch = BatchGenerator(model, 1, 64)
+    prompt = model.tokenizer.encode("x")
+    batch.add(prompt, _params(model, prompt, 8))
+    with batch._user, pytest.raises(ConcurrentUseError):  # as if another thread were inside
+        import threading
+
+        errors = []
+        thread = threading.Thread(target=lambda: _catch(batch.step, errors))
+        thread.start()
+        thread.join()
+        raise errors[0]
+
+
+def _catch(fn, errors: list) -> None:
+    try:
+        fn()
+    except Exception as exc:
+        errors.append(exc)
+
+
+def test_batched_logits_equal_single_row_logits(model):
+    """The logits a row gets in a batched step equal (to float32 rounding) the logits of the
+    same position computed alone: rows never see each other's cache."""
+    texts = ["def fib(n):", "import sys"]
+    batch = BatchGenerator(model, 2, 64)
+    rows = [
+        batch.add(model.tokenizer.encode(t), _params(model, model.tokenizer.encode(t), 8))
+        for t in texts
+    ]
+    tokens = np.array([batch.sequence(r)[-1] for r in rows])
+    lengths = np.array([len(batch.sequence(r)) - 1 for r in rows])
+    _, logits = batch.runner.step_rows(tokens, lengths, None, read_logits=True)
+    for row in rows:
+        seq = batch.sequence(row)
+        single = model.session.run(
+            ["logits"],
+            {
+                "input_ids": np.array([seq], np.int64),
+                "attention_mask": np.ones((1, len(seq)), np.int64),
+                **_empty_past(model),
+            },
+        )[0][0, -1]
+        np.testing.assert_allclose(logits[row], single, rtol=1e-4, atol=1e-4)
+
+
+def _empty_past(model: Model) -> dict[str, np.ndarray]:
+    cfg = model.config
+    shape = (1, cfg.num_kv_heads, 0, cfg.head_size)
+    feeds = {}
+    for i in range(cfg.num_layers):
+        feeds[cfg.io.past_key % i] = np.zeros(shape, np.float32)
+        feeds[cfg.io.past_value % i] = np.zeros(shape, np.float32)
+    return feeds
+
+
+def test_generate_with_a_list_of_prompts(model):
+    """generate(model, [prompts]) decodes them as one batch; each result equals the prompt
+    generated alone (text, tokens, stop reason), stop strings and end of sequence per row."""
+    texts = ["def fib(n):", "import os\n", "class Foo:"]
+    results = generate(model, texts, 60, stop=("return",))
+    assert isinstance(results, list) and len(results) == len(texts)
+    for text, result in zip(texts, results, strict=True):
+        alone = generate(model, text, 60, stop=("return",))
+        assert (result.text, result.tokens, result.stop_reason) == (
+            alone.text,
+            alone.tokens,
+            alone.stop_reason,
+        ), text
+    assert any("stop string" in r.stop_reason for r in results)
+    with pytest.raises(InvalidInputError, match="speculative decoding runs one sequence"):
+        generate(model, texts, 8, spec="mtp")
