@@ -332,7 +332,23 @@ def generate_batch(
             f"the longest prompt plus max_new_tokens={max_new_tokens} ({longest} tokens) "
             f"exceeds the model's context length of {model.config.context_length}"
         )
-    batch = BatchGenerator(model, len(ids), longest)
+    batch = model.take_batch(len(ids), longest)
+    try:
+        return _decode_batch(model, batch, ids, max_new_tokens, stops, ignore_eos, search)
+    finally:
+        model.give_back_batch(batch)
+
+
+def _decode_batch(
+    model: Model,
+    batch: BatchGenerator,
+    ids: list[list[int]],
+    max_new_tokens: int,
+    stops: tuple[str, ...],
+    ignore_eos: bool,
+    search: dict[str, Any],
+) -> list[GenerationResult]:
+    """The loop of :func:`generate_batch` on a batch taken from the model's pool."""
     scanners: list[StopScanner] = []
     reasons: list[str | None] = []
     rows: list[int] = []

@@ -130,6 +130,11 @@ class BatchGenerator:
                 raise InvalidInputError(f"row {index} is not in use")
             del self.rows[index]
 
+    def clear(self) -> None:
+        """Free every row."""
+        with self._user:
+            self.rows.clear()
+
     def _row_runner(self, index: int) -> DecoderRunner:
         runner = self._row_runners.get(index)
         if runner is None:

@@ -47,6 +47,7 @@ class Model:
         self._tokenizer: Tokenizer | None = None
         self._runners: list[tuple[DecoderRunner, weakref.ref]] = []
         self._pool_lock = threading.Lock()
+        self._batches: list[Any] = []
         #: Proposers and draft models built for this model, reused across generations.
         self.proposers: dict[Any, Any] = {}
 
@@ -63,8 +64,7 @@ class Model:
         length) and handed to one live owner at a time. Reusing one keeps its buffers, and
         so its captured graphs, valid from one generation to the next.
         """
-        context = self.config.context_length
-        capacity = min(max(256, 1 << max(min(length, context) - 1, 1).bit_length()), context)
+        capacity = self.capacity_for(length)
         with self._pool_lock:
             for runner, holder in self._runners:
                 if runner.max_length == capacity and holder() is None:
@@ -75,6 +75,32 @@ class Model:
             runner = DecoderRunner(self.session, self.config, capacity)
             self._runners.append((runner, weakref.ref(owner)))
             return runner
+
+    def capacity_for(self, length: int) -> int:
+        """The cache length a pool hands out for ``length`` positions: a power of two, at
+        least 256, at most the context length (so similar lengths share caches)."""
+        context = self.config.context_length
+        return min(max(256, 1 << max(min(length, context) - 1, 1).bit_length()), context)
+
+    def take_batch(self, rows: int, length: int) -> Any:
+        """A :class:`~onnx_genrt.engine.batch.BatchGenerator` of ``rows`` rows holding at
+        least ``length`` positions each, from the model's pool (or new). Give it back with
+        :meth:`give_back_batch`: the next batch of that size reuses its cache and graphs."""
+        from .batch import BatchGenerator
+
+        capacity = self.capacity_for(length)
+        with self._pool_lock:
+            for batch in self._batches:
+                if batch.max_batch == rows and batch.max_length == capacity:
+                    self._batches.remove(batch)
+                    return batch
+        return BatchGenerator(self, rows, capacity)
+
+    def give_back_batch(self, batch: Any) -> None:
+        """Return a batch taken with :meth:`take_batch` (its rows are freed)."""
+        batch.clear()
+        with self._pool_lock:
+            self._batches.append(batch)
 
     def release_runner(self, owner: object) -> None:
         """Hand ``owner``'s runners back to the pool now, without waiting for the owner to

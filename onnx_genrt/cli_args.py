@@ -50,6 +50,17 @@ NON_NEGATIVE = finite_float(0.0)
 POSITIVE = finite_float(0.0, above=True)
 
 
+def positive_int_list(text: str) -> list[int]:
+    """``--streams 1,4,8``: distinct positive integers, in the order given."""
+    values = [POSITIVE_INT(part.strip()) for part in text.split(",")]
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"names a value twice: {text!r}")
+    return values
+
+
+positive_int_list.__name__ = "list of positive integers"
+
+
 def provider_list(text: str) -> list[str]:
     """``--provider a,b``: providers in priority order (the CPU provider is the fallback)."""
     names = [n.strip() for n in text.split(",")]

@@ -19,7 +19,7 @@ import numpy as np
 
 from onnx_genrt.core.errors import InvalidInputError
 
-from .cli_args import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, provider_list
+from .cli_args import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, positive_int_list, provider_list
 
 
 @dataclass
@@ -211,6 +211,30 @@ def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int):
     return once
 
 
+def bench_batch(
+    folder: Path, prompts: list[list[int]], new: int, providers: list[Any], graphs: bool = True
+):
+    """One timed batched generation per call (``generate_batch``, one row per prompt): the
+    decode rate is every row's tokens after its first, over the decode time (aggregate)."""
+    from onnx_genrt.engine import Model, generate_batch
+
+    model = Model(folder, providers, enable_graphs=graphs)
+    longest = max(len(p) for p in prompts) + new
+
+    def once():
+        results = generate_batch(model, prompts, new, min_length=longest)
+        decoded = sum(r.new_tokens - 1 for r in results)
+        seconds = results[0].decode_seconds
+        return (
+            results[0].prefill_seconds,
+            decoded / seconds if seconds > 0 else 0.0,
+            results[0].tokens,
+            {"graph_stats": results[0].graph_stats, "streams": len(prompts)},
+        )
+
+    return once
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from onnx_genrt.generate_cli import default_model_dir, provider_args
 
@@ -266,6 +290,20 @@ def run_bench(args: argparse.Namespace) -> int:
                 cases.append((label, ours(spec, k, True, overlap)))
         if args.compare_serial:
             cases.append((f"onnx-genrt[{tag},serial]", ours(None, None, True, False)))
+        for streams in args.streams:
+            # Row 0 is the bench prompt; the others random prompts of the same length.
+            others = [
+                prompt
+                if args.prompt is not None
+                else rng.integers(1, cfg.vocab_size, len(prompt)).tolist()
+                for _ in range(streams - 1)
+            ]
+            cases.append(
+                (
+                    f"onnx-genrt[{tag},{streams} streams]",
+                    bench_batch(folder, [prompt, *others], new, provider_args(names, args.threads)),
+                )
+            )
     if not args.no_reference:
         for label, make in (
             ("onnxruntime-genai", bench_onnxruntime_genai),
@@ -391,6 +429,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=None, help="prompt text instead of random ids")
     p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed runs per row (median)")
     p.add_argument("--compare-eager", action="store_true", help="also time with graphs off")
+    p.add_argument(
+        "--streams",
+        type=positive_int_list,
+        default=[],
+        metavar="N[,N...]",
+        help="also time batched decoding of N prompts at once (one row per prompt; decode "
+        "tok/s is the aggregate of all rows), e.g. --streams 4,8",
+    )
     p.add_argument(
         "--compare-serial",
         action="store_true",
