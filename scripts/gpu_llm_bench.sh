@@ -13,6 +13,8 @@ TOKENS="${GPU_BENCH_TOKENS:-128}"
 # GPU_BENCH_PROFILE=0 skips the per-op step profiles (a shorter lane when device time is short).
 COMPARE="${GPU_BENCH_COMPARE---compare-eager --compare-serial}"
 PROFILE="${GPU_BENCH_PROFILE:-1}"
+# GPU_BENCH_STREAMS: batched-decode rows of the 0.5B bench (aggregate tok/s; empty: none).
+STREAMS="${GPU_BENCH_STREAMS-1,4,16,32}"
 mkdir -p "$WORK" "$LOGDIR"
 whl=$(ls .whl/onnxruntime_genai-*.whl 2>/dev/null | head -n 1)
 if [ -z "$whl" ]; then
@@ -48,7 +50,7 @@ for prec in fp16 int4; do
   echo "== bench $prec ($TOKENS tokens, eager vs graphed)"
   # shellcheck disable=SC2086
   "$PY" -m onnx_genrt bench --model "$dst" --provider cuda $COMPARE --no-reference \
-    --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 2>"$LOGDIR/bench-$prec.err" | tee "$LOGDIR/bench-$prec.txt" \
+    ${STREAMS:+--streams "$STREAMS"} --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 2>"$LOGDIR/bench-$prec.err" | tee "$LOGDIR/bench-$prec.txt" \
     || { echo "bench $prec failed"; tail -n 30 "$LOGDIR/bench-$prec.err"; }
   if [ "$PROFILE" != 0 ]; then
     echo "== step profile ($prec, decode M=1, 256 cached positions)"

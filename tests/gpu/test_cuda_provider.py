@@ -424,6 +424,48 @@ def test_gather(cp, prov, rng, axis, index_dtype, dtype):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("bad", [10, -11])
+def test_gather_refuses_device_indices_out_of_range(cp, prov, rng, bad):
+    """Eager runs check device indices (one min/max read-back), like host indices."""
+    x = rng.standard_normal((10, 4)).astype(np.float32)
+    idx = prov.as_array(np.array([0, bad], np.int64))
+    with pytest.raises(IndexError, match=f"{bad} out of range for axis of size 10"):
+        launch(prov, node("Gather", 2, opset=13), [prov.as_array(x), idx])
+
+
+def test_gather_replayed_with_an_index_out_of_range_writes_nan(cp):
+    """A captured Gather cannot read back its indices: a replay with an out-of-range index
+    writes NaN in that row (the rows of valid indices stay exact), never another row."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnx_genrt.session import InferenceSession
+
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "idx"], ["y"], axis=0)],
+        "g",
+        [helper.make_tensor_value_info("idx", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    sess = InferenceSession(proto, providers=["cuda"])
+    provider = sess.main_provider
+    idx = provider.as_array(np.array([1, 2], np.int64))
+    binding = sess.io_binding()
+    binding.bind_input("idx", idx)
+    y = binding.bind_output("y", shape=(2, 4), dtype=np.float32)
+    for _ in range(3):  # eager, warm-up, capture
+        sess.run_with_iobinding(binding, PRIMARY)
+    np.testing.assert_array_equal(provider.to_numpy(y), table[[1, 2]])
+    provider.write_from_host(idx, np.array([3, 10], np.int64))
+    sess.run_with_iobinding(binding, PRIMARY)
+    got = provider.to_numpy(y)
+    assert sess.graph_stats(PRIMARY).replays == 1
+    np.testing.assert_array_equal(got[0], table[3])
+    assert np.isnan(got[1]).all()
+
+
 # ----------------------------------------------------------------------------- nn
 
 

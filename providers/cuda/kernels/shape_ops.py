@@ -16,6 +16,7 @@ from onnx_genrt.core.op_rules import check_index_range, reshape_target
 
 from ._common import (
     OPTIONS,
+    capturing,
     contiguous,
     function,
     host_ints,
@@ -204,14 +205,17 @@ def slice_(ctx: KernelContext, x: cupy.ndarray, starts=None, ends=None, axes=Non
 
 
 _GATHER = cupy.ElementwiseKernel(
-    "raw T data, raw I idx, int64 dim, int64 nidx, int64 inner",
+    "raw T data, raw I idx, int64 dim, int64 nidx, int64 inner, bool poison",
     "T y",
     """
     const long long q = i / inner, r = i - q * inner;
     const long long o = q / nidx, j = q - o * nidx;
     long long k = (long long)idx[j];
     if (k < 0) k += dim;
-    k = k < 0 ? 0 : (k >= dim ? dim - 1 : k);  // out of range: clamp, never fault
+    if (k < 0 || k >= dim) {  // out of range: never read outside the table
+      if (poison) { y = (T)(__int_as_float(0x7fc00000)); return; }  // NaN (float tables)
+      k = k < 0 ? 0 : dim - 1;  // integer tables: clamp
+    }
     y = data[(o * dim + k) * inner + r];
     """,
     "genrt_gather",
@@ -223,15 +227,20 @@ _GATHER = cupy.ElementwiseKernel(
 def gather(ctx: KernelContext, x: cupy.ndarray, indices: cupy.ndarray) -> cupy.ndarray:
     """Take along ``axis`` with device indices; negatives count from the end.
 
-    Host indices are range-checked (IndexError naming the node and the index). Device
-    indices are not (that would need a host sync on every Gather, shape arithmetic
-    included): an out-of-range device index clamps to the nearest end of the axis.
+    Indices outside ``[-dim, dim)`` raise (IndexError naming the node and the index)
+    where they can be checked: always for host indices, and for device indices on eager
+    runs (one min/max read-back). Inside a CUDA graph capture no read-back is possible:
+    a replayed step writes NaN for such an index into a float16/32/64 output (a decoder's
+    non-finite probe then raises) and clamps it for an integer or bfloat16 one.
     """
     axis = normalize_axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
     if not isinstance(indices, cupy.ndarray):
         check_index_range(ctx, np.asarray(indices), int(x.shape[axis]))
         refuse_in_capture(ctx, "uploading host indices")
         indices = cupy.asarray(indices)
+    elif indices.size and not capturing(ctx):
+        ends = cupy.stack([indices.min(), indices.max()]).get()
+        check_index_range(ctx, ends, int(x.shape[axis]))
     shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1 :])
     y = out(ctx, 0, shape, x.dtype)
     if y.size == 0:
@@ -240,5 +249,6 @@ def gather(ctx: KernelContext, x: cupy.ndarray, indices: cupy.ndarray) -> cupy.n
     idx = contiguous(ctx, indices).reshape(-1)
     dim = int(x.shape[axis])
     inner = math.prod(x.shape[axis + 1 :])
-    _GATHER(data, idx, np.int64(dim), np.int64(idx.size), np.int64(inner), y)
+    poison = x.dtype.kind == "f"  # float16/32/64; bfloat16 and integer tables clamp
+    _GATHER(data, idx, np.int64(dim), np.int64(idx.size), np.int64(inner), poison, y)
     return y
