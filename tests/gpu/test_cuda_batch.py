@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from .test_cuda_llm_kernels import _fixture
+from test_cuda_llm_kernels import _fixture  # tests/gpu is on sys.path (no package)
 
 pytestmark = pytest.mark.gpu
 
