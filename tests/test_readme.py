@@ -85,3 +85,23 @@ def test_readme_starts_with_the_two_ci_commands():
     assert "[test]" not in setup
     assert setup.endswith('onnx-genrt generate --prompt "    def __init__(self" --spec mtp --stats')
     assert re.search(r"""pip install -e "\.\[test\]" && python -m pytest$""", tests), tests
+
+
+_PATH = re.compile(r"^[\w.-]+(/[\w.*-]+)*/([\w.-]+\.(py|sh|md|toml|json|onnx)|)$")
+
+
+def cited_paths(path: Path) -> set[str]:
+    """Repository paths a Markdown file cites in backticks (``core/x.py``, ``tests/gpu/``),
+    words of cited commands included."""
+    words = (
+        w for span in re.findall(r"`([^`\n]+)`", path.read_text("utf-8")) for w in span.split()
+    )
+    return {w for w in words if "/" in w and not w.startswith(("/", ".", "~")) and _PATH.match(w)}
+
+
+@pytest.mark.parametrize("doc", ["NOTES.md", "docs/architecture.md", "docs/performance.md"])
+def test_documents_cite_only_files_in_the_repository(doc):
+    cited = cited_paths(REPO / doc)
+    assert len(cited) >= 3, f"the path scan found too little in {doc}: {cited}"
+    missing = sorted(p for p in cited if not any(REPO.glob(p.rstrip("/"))))
+    assert not missing, f"{doc} cites files that are not in the repository: {missing}"
