@@ -103,25 +103,3 @@ def numpy_dtype_of_onnx(code: int) -> np.dtype:
         from onnx import helper
 
         return np.dtype(helper.tensor_dtype_to_np_dtype(code))
-
-
-def pack_4bit(values: np.ndarray) -> np.ndarray:
-    """Pack int4/uint4 elements two per byte, low nibble first, as ONNX stores them."""
-    flat = values.reshape(-1).view(np.uint8) & 0x0F
-    if flat.size % 2:
-        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
-    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
-
-
-def unpack_4bit(packed: np.ndarray, count: int, signed: bool) -> np.ndarray:
-    """Inverse of :func:`pack_4bit`: ``count`` elements as ml_dtypes int4 or uint4."""
-    p = np.asarray(packed, dtype=np.uint8).reshape(-1)
-    nibbles = np.empty(p.size * 2, np.uint8)
-    nibbles[0::2] = p & 0x0F
-    nibbles[1::2] = p >> 4
-    nibbles = nibbles[:count]
-    if signed:
-        vals = nibbles.astype(np.int8)
-        vals[vals >= 8] -= 16
-        return vals.astype(ml_dtypes.int4)
-    return nibbles.astype(ml_dtypes.uint4)

@@ -38,11 +38,6 @@ class Tensor:
         """Bytes of the elements."""
         return self.size * self.dtype.itemsize
 
-    @property
-    def address(self) -> int:
-        """Address of the first element; part of a captured graph's binding signature."""
-        return buffer_address(self.buffer)
-
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> Tensor:
         """A host tensor over ``array`` (no copy)."""

@@ -49,8 +49,8 @@ class GenerationResult:
 
 #: Default confidence below which a proposer stops drafting, per kind. A draft model pays
 #: one step per draft, so it stops early; the MTP chain runs all k heads in one graph and
-#: the verify step has a fixed width, so every MTP draft is free to try (measured on the
-#: embedded model, k=4: 3.28 tokens per verify step with all drafts, 2.35 at 0.1).
+#: the verify step has a fixed width, so every MTP draft is free to try (more tokens per verify
+#: step on the embedded model: docs/performance.md).
 MIN_CONFIDENCE = {"mtp": 0.0, "draft": 0.1}
 
 

@@ -126,6 +126,15 @@ def _debug_flag(parser: argparse.ArgumentParser, default: object) -> None:
     )
 
 
+def version_text() -> str:
+    """``onnx-genrt X.Y.Z (provider API M.m)``: the package and the plugin API it runs."""
+    from onnx_genrt import __version__
+    from onnx_genrt.core import PROVIDER_API_VERSION
+
+    major, minor = PROVIDER_API_VERSION
+    return f"onnx-genrt {__version__} (provider API {major}.{minor})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="onnx-genrt",
@@ -134,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _debug_flag(parser, False)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=version_text(),
+        help="print the onnx-genrt version and the provider API version, then exit",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     from onnx_genrt import generate_cli

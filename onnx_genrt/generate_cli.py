@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 
 from .cli_args import (
@@ -16,11 +15,12 @@ from .cli_args import (
     Once,
     provider_list,
 )
+from .models import default_model_path
 
 
 def default_model_dir() -> Path:
-    """The embedded default model shipped in the package."""
-    return Path(str(resources.files("onnx_genrt") / "models" / "default"))
+    """The embedded default model shipped in the package (:func:`onnx_genrt.models.default_model_path`)."""
+    return default_model_path()
 
 
 def provider_arg(name: str, threads: int | None):

@@ -466,8 +466,8 @@ def export_all(args: argparse.Namespace) -> None:
             "hidden_states": "hidden_states",
             "inputs": {"hidden_states": "hidden_states", "input_ids": "input_ids"},
             "outputs": {"logits": "logits", "hidden_states": "mtp_hidden_states"},
-            # drafts per step: k=3 beat k=4 on CPU (728 vs 660 tok/s) and on the H200
-            # (11901 vs 9935 tok/s) with all drafts verified (session 5 measurements)
+            # drafts per step: k=3 beat k=4 on CPU and on the H200 with all drafts verified
+            # (docs/performance.md)
             "k": 3,
         },
         "draft": {"path": "draft"},

@@ -142,12 +142,9 @@ def _check_structure(model: onnx.ModelProto) -> None:
     _check_text(model)
     _check_opsets(model)
     _check_initializers(model)
+    # Node inputs are checked by the planner: they may come from later nodes (unsorted graph).
     known = {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}
     for node in model.graph.node:
-        for name in node.input:
-            if name and name not in known:
-                # Defer to the planner: inputs may come from later nodes (unsorted graph).
-                pass
         known.update(o for o in node.output if o)
     for out in model.graph.output:
         if out.name not in known:

@@ -116,8 +116,8 @@ class CPUProvider(ExecutionProvider):
         """``threads`` caps BLAS and Numba threads for the process (``None`` leaves them).
 
         The default is 1: decode-sized matmuls gain little from a second thread, and
-        multi-threaded OpenBLAS spin-waits badly when another process holds a core (an
-        11x slower decode was measured on a 2-core machine with one core busy).
+        multi-threaded OpenBLAS spin-waits badly when another process holds a core (a many
+        times slower decode was measured: docs/performance.md).
         """
         super().__init__(**options)
         self._graphs: dict[tuple[DeviceGraphSlot, int], RecordedGraph] = {}

@@ -12,7 +12,8 @@ The tiles hold the packed bytes themselves (plus the padding rows of the last ti
 the per-block scales (and zero points, when given) transposed to (blocks, rows): about
 1.25x the packed bytes for 32-wide blocks, against 8x for a float32 copy of the weight.
 Row-major nibbles cannot be summed this way: Numba (LLVM) vectorizes the per-block dot
-of a single row only with a horizontal sum per block, about 2x slower.
+of a single row only with a horizontal sum per block, which measured slower
+(docs/performance.md).
 """
 
 from __future__ import annotations

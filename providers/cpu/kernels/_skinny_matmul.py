@@ -1,16 +1,17 @@
 """Skinny float32 MatMul: Y[M, N] = X[M, K] @ W[K, N] (+ bias) for a few rows (M <= 16).
 
 Decode (M=1) and speculative verify (M=k+1) read every weight once per step, so they are
-bound by memory bandwidth, and OpenBLAS is a poor fit: its M=1 GEMV reaches about 20 GB/s
-on a 2-core EPYC, and sgemm packs B on every call, so M=5 costs 3-6x M=1. Here a constant
+bound by memory bandwidth, and OpenBLAS is a poor fit: its M=1 GEMV reaches a fraction of the
+bandwidth, and sgemm packs B on every call, so M=5 costs several times M=1 (figures in
+docs/performance.md). Here a constant
 weight is kept transposed, ``wt[N, K]`` (:func:`pack_weight`), and each output column is a
 dot product of one contiguous weight row with the rows of X, so every weight row is read
 from memory once for all M rows.
 
 Columns are taken four at a time, one from each quarter of N (columns ``c``, ``c + d``,
 ``c + 2d``, ``c + 3d`` with ``d = N // 4``): four sequential streams far apart in memory.
-Four *adjacent* rows (2-8 KB apart) were measured 2-3x slower from DRAM (10 GB/s against
-30 GB/s for one stream), and software prefetching did not help. Rows of X go four at a time
+Four *adjacent* rows (2-8 KB apart) were measured slower from DRAM than one stream
+(docs/performance.md), and software prefetching did not help. Rows of X go four at a time
 (then two, then one) against those four columns: 16 dot products share 8 vector loads per
 step, and LLVM keeps the 16 partial sums in vector registers (each ``a += u * v`` is a
 reduction it vectorizes; the sums may be reordered, which stays within fp32 rounding of a

@@ -10,7 +10,7 @@ value is known on the host (a host array or a host-shadowed constant). When it i
 engine keeps it on the device), a length past the capacity is caught on the device: the
 attention writes NaN rows, which the engine's non-finite probe turns into an error, and no
 key is written past the buffer. (Reading the length back on every eager run instead cost a
-host sync per layer: prefill 12.8 -> 21.6 ms on the 0.5B shape.)
+host sync per layer, which nearly doubled the prefill: docs/performance.md.)
 
 One launch per call for up to ``FUSE_MAX_NEW`` new tokens (decode, verify: the steps that
 are captured), two for longer prompts; all capturable (no cuBLAS, no allocation, no host
@@ -772,7 +772,7 @@ def _cc_major() -> int:
 
 
 @REGISTRY.register("GroupQueryAttention", since=1, domain=MS_DOMAIN, check=_gqa_check)
-def group_query_attention(
+def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed QKV, window, softcap); shape checks move to core/op_rules.py
     ctx: KernelContext,
     query,
     key=None,

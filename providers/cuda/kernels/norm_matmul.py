@@ -226,10 +226,9 @@ def _silu_weight_prepack(provider, node: NodeInfo, index: int, host: np.ndarray)
 
 #: The widest K at which a float-weight GEMV makes the SiLU activations itself; above it the
 #: SiluMul kernel runs first (every block of the GEMV re-makes all K activations, and a float
-#: weight row is too short a load to hide that). H200, graphed greedy, separate processes:
-#: K=768 (embedded model, fp32) fused MTP 13549 / 13645 tok/s against 13172 / 13254 not fused;
-#: K=4864 (0.5B shape, fp16) fused 1115 against 1201 not fused. The threshold between the two
-#: is not tuned. 4-bit GEMVs always fuse (int4 0.5B: 1139 -> 1167).
+#: weight row is too short a load to hide that). Fusing won at K=768 and lost at K=4864 on the
+#: H200 (docs/performance.md); the threshold between the two is not tuned. 4-bit GEMVs always
+#: fuse.
 SILU_FLOAT_GEMV_MAX_K = 2048
 
 
