@@ -26,15 +26,24 @@ from .decoder import DecoderRunner
 from .model import GeneratorParams, Model
 from .sampling import choose, plain_greedy
 
+#: The most rows one captured step holds by default. The CUDA provider's capturable
+#: matmuls (skinny GEMV kernels) cover up to 16 rows; a larger step would need cuBLAS,
+#: which CuPy refuses inside a stream capture, so it runs as pieces of 16 rows.
+MAX_GRAPH_ROWS = 16
 
-def buckets(max_batch: int) -> tuple[int, ...]:
-    """The step sizes a batch of up to ``max_batch`` rows runs at: powers of two below it,
-    and ``max_batch`` itself."""
+
+def buckets(max_batch: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> tuple[int, ...]:
+    """The step sizes a batch of up to ``max_batch`` rows runs at: powers of two up to
+    ``max_graph_rows``, then multiples of it (run as pieces), and ``max_batch`` itself."""
     sizes = []
     size = 1
-    while size < max_batch:
+    while size < min(max_batch, max_graph_rows):
         sizes.append(size)
         size *= 2
+    size = max_graph_rows
+    while size < max_batch:
+        sizes.append(size)
+        size += max_graph_rows
     return (*sizes, max_batch)
 
 
@@ -61,17 +70,27 @@ class BatchGenerator:
     model's session.
     """
 
-    def __init__(self, model: Model, max_batch: int, max_length: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Model,
+        max_batch: int,
+        max_length: int | None = None,
+        *,
+        max_graph_rows: int = MAX_GRAPH_ROWS,
+    ) -> None:
         self.model = model
         self.max_batch = check_int(max_batch, "max_batch", minimum=1)
+        self.max_graph_rows = check_int(max_graph_rows, "max_graph_rows", minimum=1)
         context = model.config.context_length
         length = context if max_length is None else max_length
         self.max_length = check_int(length, "max_length", minimum=2, maximum=context)
-        self.buckets = buckets(self.max_batch)
+        self.buckets = buckets(self.max_batch, self.max_graph_rows)
         self.runner = DecoderRunner(
             model.session, model.config, self.max_length, rows=self.max_batch
         )
+        self.runner.variant_base = model.graph_variant_base()
         self._row_runners: dict[int, DecoderRunner] = {}
+        self._pieces: dict[tuple[int, int], DecoderRunner] = {}
         self.rows: dict[int, _Row] = {}
         self._user = SingleUser("this BatchGenerator")
 
@@ -171,9 +190,7 @@ class BatchGenerator:
             lengths[i] = len(row.tokens) - 1
         need_logits = any(not plain_greedy(r.search) or r.search.min_length for r in live.values())
         with self.model.session.exclusive():
-            argmax, logits = self.runner.step_rows(
-                tokens, lengths, DeviceGraphSlot.PRIMARY, read_logits=need_logits
-            )
+            argmax, logits = self._step_pieces(tokens, lengths, need_logits)
         new = {}
         for i, row in live.items():
             token = self._pick(row, int(argmax[i]), lambda i=i, lg=logits: lg[i])
@@ -181,6 +198,38 @@ class BatchGenerator:
             row.new = [token]
             new[i] = [token]
         return new
+
+    def _step_pieces(
+        self, tokens: np.ndarray, lengths: np.ndarray, need_logits: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The step of ``len(tokens)`` rows as graphs of at most ``max_graph_rows`` rows,
+        each replayed on its own rows of the cache."""
+        size, most = len(tokens), self.max_graph_rows
+        if size <= most:
+            return self.runner.step_rows(tokens, lengths, DeviceGraphSlot.PRIMARY, need_logits)
+        argmax, logits = [], []
+        for start in range(0, size, most):
+            stop = min(size, start + most)
+            piece = self.runner if start == 0 else self._piece(start, stop - start)
+            a, lg = piece.step_rows(
+                tokens[start:stop], lengths[start:stop], DeviceGraphSlot.PRIMARY, need_logits
+            )
+            argmax.append(a)
+            logits.append(lg)
+        return np.concatenate(argmax), np.concatenate(logits) if need_logits else None
+
+    def _piece(self, start: int, count: int) -> DecoderRunner:
+        runner = self._pieces.get((start, count))
+        if runner is None:
+            runner = DecoderRunner(
+                self.model.session,
+                self.model.config,
+                self.max_length,
+                cache=self.runner.cache.rows_view(start, count),
+            )
+            runner.variant_base = self.runner.variant_base + start * 1024  # beside row 0's
+            self._pieces[start, count] = runner
+        return runner
 
     @staticmethod
     def _pick(row: _Row, argmax: int, logits) -> int:

@@ -159,10 +159,16 @@ class StaticKVCache:
 
     def row(self, index: int) -> StaticKVCache:
         """Row ``index`` as a one-row cache: views of this cache's buffers, length 0."""
+        return self.rows_view(index, 1)
+
+    def rows_view(self, start: int, count: int) -> StaticKVCache:
+        """Rows ``start .. start + count - 1`` as a cache of their own (views), length 0."""
+        if not (start >= 0 and count >= 1 and start + count <= self.rows):
+            raise InvalidInputError(f"rows {start}..{start + count - 1} of a cache of {self.rows}")
         view = object.__new__(StaticKVCache)
-        view.keys = [k[index : index + 1] for k in self.keys]
-        view.values = [v[index : index + 1] for v in self.values]
-        view.max_length, view.rows, view.length = self.max_length, 1, 0
+        view.keys = [k[start : start + count] for k in self.keys]
+        view.values = [v[start : start + count] for v in self.values]
+        view.max_length, view.rows, view.length = self.max_length, count, 0
         return view
 
     @property
@@ -221,6 +227,9 @@ class DecoderRunner:
         self.cache = cache or StaticKVCache(
             session, io, layers, max_length, config.num_kv_heads, config.head_size, rows
         )
+        #: Graph variants of this runner's batched steps start here (runners over other
+        #: rows of one cache keep their own graphs side by side).
+        self.variant_base = 0
         self._bindings: dict[tuple[int, int], tuple[IOBinding, dict[str, Any]]] = {}
         tail = session.executor.row_tail(io.logits)
         #: Whether a prefill computes the logits (and device argmax) of its last row only:
@@ -473,7 +482,7 @@ class DecoderRunner:
             mask = host[offset:].reshape(rows, self.max_length)
             mask[np.arange(self.max_length)[None, :] <= np.asarray(lengths)[:, None]] = 1
         self.provider.write_from_host(bufs["inputs"], host)
-        self.session.run_with_iobinding(binding, slot, variant=rows)
+        self.session.run_with_iobinding(binding, slot, variant=self.variant_base + rows)
         device_argmax = "argmax" in bufs
         reads = [bufs["nonfinite"], bufs["argmax"]] if device_argmax else []
         if read_logits or not device_argmax:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ class Model:
         self._runners: list[tuple[DecoderRunner, weakref.ref]] = []
         self._pool_lock = threading.Lock()
         self._batches: list[Any] = []
+        self._batch_count = itertools.count(1)
         #: Proposers and draft models built for this model, reused across generations.
         self.proposers: dict[Any, Any] = {}
 
@@ -81,6 +83,11 @@ class Model:
         least 256, at most the context length (so similar lengths share caches)."""
         context = self.config.context_length
         return min(max(256, 1 << max(min(length, context) - 1, 1).bit_length()), context)
+
+    def graph_variant_base(self) -> int:
+        """A range of graph variants of its own for a new batch (``1 << 20`` of them), so
+        the bucket graphs of two batches on this model never displace each other."""
+        return next(self._batch_count) << 20
 
     def take_batch(self, rows: int, length: int) -> Any:
         """A :class:`~onnx_genrt.engine.batch.BatchGenerator` of ``rows`` rows holding at
