@@ -19,6 +19,7 @@ from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError, NonFiniteError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession, IOBinding
+from onnx_genrt.session.device_io import DeviceIO
 
 from .config import DecoderIO, GenAIConfig
 from .decode_heads import ARGMAX, NONFINITE
@@ -36,13 +37,13 @@ class StepOutput:
 
     def __init__(
         self,
-        provider: Any,
+        io: DeviceIO,
         bufs: dict[str, Any],
         n: int,
         read: dict[str, np.ndarray] | None = None,
         extra: dict[str, np.ndarray] | None = None,
     ) -> None:
-        self._provider, self._bufs, self._n = provider, bufs, n
+        self._io, self._bufs, self._n = io, bufs, n
         self._cache: dict[str, np.ndarray | None] = {
             key: value[0, :n] for key, value in (read or {}).items()
         }
@@ -52,7 +53,7 @@ class StepOutput:
     def _get(self, key: str) -> np.ndarray | None:
         if key not in self._cache:
             buf = self._bufs.get(key)
-            self._cache[key] = None if buf is None else self._provider.to_numpy(buf)[0, : self._n]
+            self._cache[key] = None if buf is None else self._io.read([buf])[0][0, : self._n]
         return self._cache[key]
 
     @property
@@ -87,8 +88,9 @@ class HiddenState:
         self._out, self.row = out, row
 
     @property
-    def provider(self) -> Any:
-        return self._out._provider
+    def device_io(self) -> DeviceIO:
+        """The transfers of the session whose step made this row."""
+        return self._out._io
 
     def device_row(self) -> Any:
         """The row as a [1, 1, hidden] view of the step's bound output buffer."""
@@ -99,11 +101,11 @@ class HiddenState:
         return self._out.hidden[self.row]
 
 
-def check_cache_fits(provider: Any, layers: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
-    """Refuse a KV cache larger than the provider can hold (``provider.memory_limit()``, the
-    physical memory for the CPU provider) before allocating it; a provider that does not
-    say leaves it to its own allocator."""
-    limit = provider.memory_limit()
+def check_cache_fits(io: DeviceIO, layers: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Refuse a KV cache larger than the device can hold (``memory_limit()``, the physical
+    memory for the CPU provider) before allocating it; a provider that does not say leaves
+    it to its own allocator."""
+    limit = io.memory_limit()
     need = 2 * layers * math.prod(shape) * np.dtype(dtype).itemsize
     if limit is not None and need > limit:
         raise InvalidInputError(
@@ -146,13 +148,13 @@ class StaticKVCache:
                 f"{io.past_key % 0} has a fixed batch dimension {spec.shape[0]}; batching "
                 f"{rows} rows needs a dynamic one"
             )
-        provider = session.main_provider
+        io = session.device_io
         dtype = DType.from_numpy(spec.dtype)
         shape = (rows, kv_heads, max_length, head_size)
-        check_cache_fits(provider, layers, shape, dtype.numpy)
-        zeros = np.zeros(shape, dtype.numpy)  # through the provider: on its stream
-        self.keys = [provider.copy_from_host(zeros).buffer for _ in range(layers)]
-        self.values = [provider.copy_from_host(zeros).buffer for _ in range(layers)]
+        check_cache_fits(io, layers, shape, dtype.numpy)
+        zeros = np.zeros(shape, dtype.numpy)  # uploaded on the provider's stream
+        self.keys = [io.upload(zeros) for _ in range(layers)]
+        self.values = [io.upload(zeros) for _ in range(layers)]
         self.max_length = max_length
         self.rows = rows
         self.length = 0
@@ -216,9 +218,11 @@ class DecoderRunner:
         max_length = min(max_length, config.context_length)
         io, layers = config.io, config.num_layers
         self.session = session
-        self.io = io
+        #: The decoder's input and output names (genai_config.json).
+        self.names = io
         self.layers = layers
-        self.provider = session.main_provider
+        #: Transfers between the host and the session's device.
+        self.io = session.device_io
         outputs = {o.name for o in session.get_outputs()}
         self._outputs = outputs
         self.hidden_name = io.hidden_states or (
@@ -231,7 +235,7 @@ class DecoderRunner:
         #: rows of one cache keep their own graphs side by side).
         self.variant_base = 0
         self._bindings: dict[tuple[int, int], tuple[IOBinding, dict[str, Any]]] = {}
-        tail = session.executor.row_tail(io.logits)
+        tail = session.row_tail(io.logits)
         #: Whether a prefill computes the logits (and device argmax) of its last row only:
         #: the lm_head then skips every other prompt row. Only where the logits come from the
         #: hidden states through row-local steps (``session.row_tail``).
@@ -259,7 +263,7 @@ class DecoderRunner:
             return self._bindings[rows, width]
         if not 1 <= rows <= self.cache.rows:
             raise InvalidInputError(f"a step of {rows} rows on a cache of {self.cache.rows}")
-        io, b = self.io, self.session.io_binding()
+        io, b = self.names, self.session.io_binding()
         bufs: dict[str, Any] = {}
         # ids, positions and the mask are views of one int64 buffer: one upload per step.
         sizes = {"ids": width}
@@ -267,7 +271,7 @@ class DecoderRunner:
             sizes["pos"] = width
         if io.attention_mask:
             sizes["mask"] = self.max_length
-        packed = self.provider.as_array(np.zeros(rows * sum(sizes.values()), np.int64))
+        packed = self.io.upload(np.zeros(rows * sum(sizes.values()), np.int64))
         bufs["inputs"] = packed
         offset = 0
         for key, size in sizes.items():
@@ -368,13 +372,13 @@ class DecoderRunner:
             host[width : 2 * width] = np.arange(start, start + width)
         if "mask" in bufs:
             host[host.size - self.max_length :][: start + width] = 1
-        self.provider.write_from_host(bufs["inputs"], host)
+        self.io.write(bufs["inputs"], host)
         if feed_argmax_of is not None:  # after the upload, on the same stream
             last = feed_argmax_of.n - 1
-            self.provider.copy_array(feed_argmax_of.bufs["argmax"][:, last : last + 1], bufs["ids"])
+            self.io.copy(feed_argmax_of.bufs["argmax"][:, last : last + 1], bufs["ids"])
         if slot is None:
-            self.session.executor.run_bound_eager(
-                binding, last_row_of=self.io.logits if last_row else None
+            self.session.run_eager_with_iobinding(
+                binding, last_row_of=self.names.logits if last_row else None
             )
         else:
             self.session.run_with_iobinding(binding, slot)
@@ -410,9 +414,9 @@ class DecoderRunner:
     ) -> PendingStep:
         queued = after(bufs) if after is not None else {}
         if "nonfinite" in bufs:  # probe, argmax and the queued arrays in one transfer
-            fetch = self.provider.read_later([bufs["nonfinite"], bufs["argmax"], *queued.values()])
+            fetch = self.io.read_later([bufs["nonfinite"], bufs["argmax"], *queued.values()])
         else:
-            fetch = self.provider.read_later(list(queued.values()))
+            fetch = self.io.read_later(list(queued.values()))
         return PendingStep(self, bufs, start, n, slot, list(queued), fetch)
 
     def _finish(self, step: PendingStep) -> StepOutput:
@@ -433,7 +437,7 @@ class DecoderRunner:
             ok = bool(np.isfinite(probe))
         else:
             read.update(zip(step.queued, values, strict=True))
-            ok = bool(np.isfinite(self.provider.to_numpy(bufs["logits"])[0, :n]).all())
+            ok = bool(np.isfinite(self.io.read([bufs["logits"]])[0][0, :n]).all())
         if not ok:
             slot = step.slot
             if start is None:
@@ -446,7 +450,7 @@ class DecoderRunner:
                 f"non-finite logits at positions {where} (slot {slot.value if slot else 'eager'})"
             )
         extra = {name: read.pop(name) for name in step.queued}
-        return StepOutput(self.provider, bufs, n, read, extra)
+        return StepOutput(self.io, bufs, n, read, extra)
 
     def step_rows(
         self,
@@ -481,13 +485,13 @@ class DecoderRunner:
         if "mask" in bufs:
             mask = host[offset:].reshape(rows, self.max_length)
             mask[np.arange(self.max_length)[None, :] <= np.asarray(lengths)[:, None]] = 1
-        self.provider.write_from_host(bufs["inputs"], host)
+        self.io.write(bufs["inputs"], host)
         self.session.run_with_iobinding(binding, slot, variant=self.variant_base + rows)
         device_argmax = "argmax" in bufs
         reads = [bufs["nonfinite"], bufs["argmax"]] if device_argmax else []
         if read_logits or not device_argmax:
             reads.append(bufs["logits"])
-        values = self.provider.read_later(reads)()
+        values = self.io.read_later(reads)()
         logits = values[-1][:, 0] if read_logits or not device_argmax else None
         finite = np.isfinite(values[0]) if device_argmax else np.isfinite(logits).all()
         if not finite:

@@ -159,7 +159,7 @@ class Generator:
         is fine as only its argmax is read (see ``_masks_argmax`` for the exception)."""
         wanted = self.look_ahead
         if wanted is None:
-            wanted = self.runner.provider.ASYNC_READS
+            wanted = self.runner.io.reads_async
         if not wanted or not self._plain_greedy or not self.runner.device_argmax:
             return False
         room = len(self.tokens) + 2 <= self.search.max_length
@@ -237,4 +237,4 @@ class Generator:
         self._new = []
 
     def graph_stats(self) -> dict[str, dict]:
-        return self.model.session.executor.all_stats()
+        return self.model.session.all_graph_stats()

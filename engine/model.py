@@ -117,15 +117,8 @@ class Model:
                 if holder() is owner:
                     self._runners[i] = (runner, _released)
 
-    def session_from_proto(self, proto, provider: Any = None) -> InferenceSession:
-        """A session for another graph (an MTP chain), on the same providers; on the given
-        provider instance itself (its stream, its graph slots) when one is passed."""
-        providers = [provider] if provider is not None else self.providers
-        return InferenceSession(proto, providers=providers, enable_graphs=self.enable_graphs)
-
-    def session_for(self, relative: str) -> InferenceSession:
-        """A session for another ONNX file in the folder (an MTP head), on the same providers."""
-        proto = load_model(self.config.path_of(relative, "model file"), folder=self.folder)
+    def session_from_proto(self, proto: Any) -> InferenceSession:
+        """A session for another graph (an MTP head's chain) on this model's providers."""
         return InferenceSession(proto, providers=self.providers, enable_graphs=self.enable_graphs)
 
     def __repr__(self) -> str:

@@ -12,6 +12,7 @@ import onnx
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession
+from onnx_genrt.session.device_io import DeviceIO
 
 from .decoder import HiddenState
 from .model import Model
@@ -159,7 +160,7 @@ class DraftModelProposer(Proposer):
         return drafts
 
     def graph_stats(self) -> dict[str, dict]:
-        return self.model.session.executor.all_stats()
+        return self.model.session.all_graph_stats()
 
 
 class MTPProposer(Proposer):
@@ -210,11 +211,11 @@ class MTPProposer(Proposer):
         if hidden is None:
             raise ModelLoadError("the MTP proposer needs the target model's hidden states output")
         session, binding, hidden_buf, ids_buf, (drafts_buf, confs_buf) = self._chain(k)
-        provider = session.main_provider
-        self._feed_hidden(provider, hidden, hidden_buf)
-        provider.write_from_host(ids_buf, np.array([[int(tokens[-1])]], np.int64))
+        io = session.device_io
+        self._feed_hidden(io, hidden, hidden_buf)
+        io.write(ids_buf, np.array([[int(tokens[-1])]], np.int64))
         session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
-        drafts, confs = provider.to_numpy_many([drafts_buf, confs_buf])
+        drafts, confs = io.read([drafts_buf, confs_buf])
         return self.confident(drafts[0, :k], confs[0, :k])
 
     def confident(self, drafts: np.ndarray, confs: np.ndarray) -> list[int]:
@@ -248,7 +249,7 @@ class MTPProposer(Proposer):
         hidden-states or argmax outputs.
         """
         if next_inputs is None:
-            next_inputs = runner.provider.ASYNC_READS
+            next_inputs = runner.io.reads_async
         if n_drafts is None and not next_inputs:
             raise InvalidInputError("a verify step fed on the device needs the chain's next inputs")
         key = (id(runner), k, bool(next_inputs))
@@ -262,7 +263,7 @@ class MTPProposer(Proposer):
         if built is None:
             return None
         session, binding, control, outs = built
-        provider = session.main_provider
+        io = session.device_io
         host = None
         if n_drafts is not None:
             if start is None:
@@ -271,7 +272,7 @@ class MTPProposer(Proposer):
 
         def hook(_bufs: dict[str, Any]) -> dict[str, Any]:
             if host is not None:
-                provider.write_from_host(control, host)
+                io.write(control, host)
             session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
             return outs
 
@@ -294,14 +295,14 @@ class MTPProposer(Proposer):
             model = with_next_inputs(
                 model, k, self.min_confidence, mask_length, "pos" in bufs, ids_input
             )
-        session = self.make_session(model, runner.provider)
+        session = runner.session.sibling(model)
         b = session.io_binding()
         b.bind_input(VERIFY_IDS, bufs["ids"])
         b.bind_input(VERIFY_ARGMAX, bufs["argmax"])
         b.bind_input(VERIFY_HIDDEN, bufs["hidden"])
         # [draft count, verify start]: uploaded together by a host-fed step, advanced in
         # place by the chain (inputs and outputs share the buffers, like a KV cache).
-        control = runner.provider.as_array(np.zeros(2, np.int64))
+        control = runner.io.upload(np.zeros(2, np.int64))
         count, start = control[0:1], control[1:2]
         b.bind_input(DRAFT_COUNT, count)
         if next_inputs:
@@ -322,25 +323,24 @@ class MTPProposer(Proposer):
         return session, b, control, outs
 
     @staticmethod
-    def _feed_hidden(provider: Any, hidden: HiddenState | np.ndarray, dst: Any) -> None:
-        """The target's hidden row into the chain's input: device to device when both live on
-        the same kind of device with the same dtype, else through the host."""
+    def _feed_hidden(io: DeviceIO, hidden: HiddenState | np.ndarray, dst: Any) -> None:
+        """The target's hidden row into the chain's input: device to device when the
+        chain's device holds it and the dtypes match, else through the host."""
         if isinstance(hidden, HiddenState):
             src = hidden.device_row()
-            same_kind = type(src) is type(dst) and hidden.provider.device == provider.device
-            if same_kind and src.dtype == dst.dtype and src.size == dst.size:
+            if io.holds(src) and src.dtype == dst.dtype and src.size == dst.size:
                 # The target's step was read back already, so its output is complete.
-                provider.copy_array(src.reshape(dst.shape), dst)
+                io.copy(src.reshape(dst.shape), dst)
                 return
             hidden = hidden.numpy()
-        provider.write_from_host(dst, np.asarray(hidden, dtype=dst.dtype).reshape(dst.shape))
+        io.write(dst, np.asarray(hidden, dtype=dst.dtype).reshape(dst.shape))
 
     def graph_stats(self) -> dict[str, dict]:
         stats: dict[str, dict] = {}
         for k, (session, *_rest) in self._chains.items():
-            for slot, st in session.executor.all_stats().items():
+            for slot, st in session.all_graph_stats().items():
                 stats[slot if len(self._chains) == 1 else f"{slot}(k={k})"] = st
         for i, session in enumerate(self._after_sessions):
-            for slot, st in session.executor.all_stats().items():
+            for slot, st in session.all_graph_stats().items():
                 stats[f"{slot}(after verify{'' if i == 0 else i})"] = st
         return stats

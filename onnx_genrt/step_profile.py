@@ -80,7 +80,7 @@ def profile_nodes(runner: Any, width: int, repeats: int, then: Any = None) -> li
     """Each node of one eager step of ``width`` tokens, timed alone; median of ``repeats``.
 
     ``then()`` runs more eager work after the step (the MTP chain), timed the same way."""
-    provider = runner.provider
+    provider = runner.session.main_provider
     start, stop, sync = _timer(provider)
     times: dict[int, list[float]] = defaultdict(list)
     names: dict[int, tuple[str, str]] = {}
@@ -133,11 +133,11 @@ def profile_step(
         hook = proposer.chain_hook(runner, width - 1, width - 1, context)
         if hook is None:
             raise SystemExit(f"{folder}: the model has no hidden-states output for MTP")
-        key = (id(runner), width - 1, bool(runner.provider.ASYNC_READS))
+        key = (id(runner), width - 1, bool(runner.io.reads_async))
         chain_session, chain_binding = proposer._after[key][:2]
 
         def then() -> None:
-            chain_session.executor.run_bound_eager(chain_binding)
+            chain_session.run_eager_with_iobinding(chain_binding)
 
     tokens = list(range(7, 7 + width))
     step_times = []
@@ -147,7 +147,7 @@ def profile_step(
         _ = runner.forward(tokens, slot, width, after=hook).tokens
         if i >= 3:
             step_times.append((time.perf_counter() - t0) * 1e3)
-    prov = runner.provider
+    prov = runner.session.main_provider
     replay_ms = float("nan")
     if prov.has_graph(slot):
         prov.synchronize()

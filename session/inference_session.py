@@ -23,9 +23,11 @@ from onnx_genrt.core.provider import ExecutionProvider
 from onnx_genrt.core.registry import get_registry
 
 from .binding import IOBinding
+from .device_io import DeviceIO
 from .executor import Executor, SlotStats
 from .loader import load_model
 from .plan import GraphPlan, ValueSpec, build_plan
+from .row_tail import RowTail
 
 ProviderArg = str | ExecutionProvider | tuple[str, Mapping[str, Any]]
 
@@ -99,6 +101,20 @@ class InferenceSession:
         self.executor = Executor(self.plan, graphs=enable_graphs, warmup_runs=warmup_runs)
         self._inputs = {s.name: s for s in self.plan.inputs}
         self._outputs = {s.name: s for s in self.plan.outputs}
+        #: Host <-> device transfers on this session's main provider (the engine's road).
+        self.device_io = DeviceIO(self.main_provider)
+        self._enable_graphs, self._warmup_runs = enable_graphs, warmup_runs
+
+    def sibling(self, model: str | os.PathLike[str] | bytes | onnx.ModelProto) -> InferenceSession:
+        """A session for another model on this session's provider instances (their streams
+        and graph slots), with the same graph settings: its bound runs may read this
+        session's buffers."""
+        return InferenceSession(
+            model,
+            providers=list(self.providers),
+            enable_graphs=self._enable_graphs,
+            warmup_runs=self._warmup_runs,
+        )
 
     # -- metadata ---------------------------------------------------------------
     @property
@@ -226,6 +242,17 @@ class InferenceSession:
                 f"unbound outputs {unbound}; bind every output before a bound run"
             )
         self.executor.run_bound(binding, slot, variant)
+
+    def run_eager_with_iobinding(self, binding: IOBinding, last_row_of: str | None = None) -> None:
+        """Run on bound buffers without a graph slot (a prefill: shapes vary). With
+        ``last_row_of``, that output and those of its :meth:`row_tail` are computed for the
+        last row only (bind them with one row)."""
+        self.executor.run_bound_eager(binding, last_row_of)
+
+    def row_tail(self, output: str) -> RowTail | None:
+        """The steps that make ``output`` row by row from one projection, and the outputs
+        they make; None where the output is not made so (see :meth:`run_eager_with_iobinding`)."""
+        return self.executor.row_tail(output)
 
     # -- graph slots ---------------------------------------------------------------
     def set_graph_slot(self, slot: DeviceGraphSlot) -> None:

@@ -169,12 +169,6 @@ def _executor_reaches(repo: Path) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15 part 1 (the lead): engine/decoder.py, engine/generator.py and "
-    "engine/proposers.py still call session.executor (run_bound_eager, row_tail, all_stats); "
-    "remove this mark when InferenceSession offers them",
-)
 def test_engine_uses_only_the_public_session_api():
     reaches = _executor_reaches(REPO)
     assert not reaches, "engine code past InferenceSession:\n" + "\n".join(reaches)
