@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ class StepOutput:
     def __init__(
         self,
         io: DeviceIO,
-        bufs: dict[str, Any],
+        bufs: StepBuffers,
         n: int,
         read: dict[str, np.ndarray] | None = None,
         extra: dict[str, np.ndarray] | None = None,
@@ -52,7 +53,7 @@ class StepOutput:
 
     def _get(self, key: str) -> np.ndarray | None:
         if key not in self._cache:
-            buf = self._bufs.get(key)
+            buf = getattr(self._bufs, key)
             self._cache[key] = None if buf is None else self._io.read([buf])[0][0, : self._n]
         return self._cache[key]
 
@@ -72,7 +73,7 @@ class StepOutput:
 
     def hidden_state(self, row: int) -> HiddenState | None:
         """Row ``row``'s hidden state, left on the device until someone asks for it."""
-        if self._bufs.get("hidden") is None:
+        if self._bufs.hidden is None:
             return None
         return HiddenState(self, row if row >= 0 else self._n + row)
 
@@ -94,7 +95,7 @@ class HiddenState:
 
     def device_row(self) -> Any:
         """The row as a [1, 1, hidden] view of the step's bound output buffer."""
-        buf = self._out._bufs["hidden"]
+        buf = self._out._bufs.hidden
         return buf[:, self.row : self.row + 1]
 
     def numpy(self) -> np.ndarray:
@@ -178,13 +179,29 @@ class StaticKVCache:
         return sum(int(b.nbytes) for b in (*self.keys, *self.values))
 
 
+@dataclass(frozen=True)
+class StepBuffers:
+    """The device buffers of one step binding (made once per shape, reused by every step
+    of that shape): what the host writes and what the model writes."""
+
+    #: ids, positions and mask packed in one int64 array: one upload writes them all.
+    inputs: Any
+    ids: Any  # [rows, width]
+    pos: Any | None  # [rows, width], when the model takes position_ids
+    mask: Any | None  # [rows, max_length], when the model takes an attention mask
+    logits: Any  # [rows, width (or 1 for a last-row prefill), vocab]
+    argmax: Any | None  # [rows, width], with the decode heads
+    nonfinite: Any | None  # scalar probe, with the decode heads
+    hidden: Any | None  # [rows, width, hidden], when the model outputs hidden states
+
+
 class PendingStep:
     """A queued decoder step; ``wait()`` gives its :class:`StepOutput` (once)."""
 
     def __init__(
         self,
         runner: DecoderRunner,
-        bufs: dict[str, Any],
+        bufs: StepBuffers,
         start: int | None,
         n: int,
         slot: DeviceGraphSlot | None,
@@ -234,7 +251,7 @@ class DecoderRunner:
         #: Graph variants of this runner's batched steps start here (runners over other
         #: rows of one cache keep their own graphs side by side).
         self.variant_base = 0
-        self._bindings: dict[tuple[int, int], tuple[IOBinding, dict[str, Any]]] = {}
+        self._bindings: dict[tuple[int, int], tuple[IOBinding, StepBuffers]] = {}
         tail = session.row_tail(io.logits)
         #: Whether a prefill computes the logits (and device argmax) of its last row only:
         #: the lm_head then skips every other prompt row. Only where the logits come from the
@@ -255,7 +272,7 @@ class DecoderRunner:
 
     def _binding(
         self, width: int, keep: bool = True, last_row: bool = False, rows: int = 1
-    ) -> tuple[IOBinding, dict[str, Any]]:
+    ) -> tuple[IOBinding, StepBuffers]:
         """The persistent binding for steps of ``width`` tokens in each of the cache's first
         ``rows`` rows (made once per shape). ``last_row``: the logits and argmax outputs
         hold one row (a prefill's last)."""
@@ -264,7 +281,6 @@ class DecoderRunner:
         if not 1 <= rows <= self.cache.rows:
             raise InvalidInputError(f"a step of {rows} rows on a cache of {self.cache.rows}")
         io, b = self.names, self.session.io_binding()
-        bufs: dict[str, Any] = {}
         # ids, positions and the mask are views of one int64 buffer: one upload per step.
         sizes = {"ids": width}
         if io.position_ids:
@@ -272,16 +288,16 @@ class DecoderRunner:
         if io.attention_mask:
             sizes["mask"] = self.max_length
         packed = self.io.upload(np.zeros(rows * sum(sizes.values()), np.int64))
-        bufs["inputs"] = packed
+        views: dict[str, Any] = {}
         offset = 0
         for key, size in sizes.items():
-            bufs[key] = packed[offset : offset + rows * size].reshape(rows, size)
+            views[key] = packed[offset : offset + rows * size].reshape(rows, size)
             offset += rows * size
-        b.bind_input(io.input_ids, bufs["ids"])
+        b.bind_input(io.input_ids, views["ids"])
         if io.position_ids:
-            b.bind_input(io.position_ids, bufs["pos"])
+            b.bind_input(io.position_ids, views["pos"])
         if io.attention_mask:
-            b.bind_input(io.attention_mask, bufs["mask"])
+            b.bind_input(io.attention_mask, views["mask"])
         keys, values = self.cache.keys, self.cache.values
         if rows < self.cache.rows:
             keys, values = [k[:rows] for k in keys], [v[:rows] for v in values]
@@ -294,22 +310,31 @@ class DecoderRunner:
         if vocab is None:
             raise ModelLoadError(f"output {io.logits!r} needs a static vocabulary dimension")
         out_rows = 1 if last_row else width
-        bufs["logits"] = b.bind_output(
-            io.logits, shape=(rows, out_rows, vocab), dtype=self.logits_dtype
-        )
+        logits = b.bind_output(io.logits, shape=(rows, out_rows, vocab), dtype=self.logits_dtype)
+        argmax = nonfinite = hidden = None
         if ARGMAX in self._outputs:
-            bufs["argmax"] = b.bind_output(ARGMAX, shape=(rows, out_rows), dtype=np.int64)
-            bufs["nonfinite"] = b.bind_output(NONFINITE, shape=(), dtype=self.logits_dtype)
+            argmax = b.bind_output(ARGMAX, shape=(rows, out_rows), dtype=np.int64)
+            nonfinite = b.bind_output(NONFINITE, shape=(), dtype=self.logits_dtype)
         if self.hidden_name:
             hspec = self.session.output_spec(self.hidden_name)
-            bufs["hidden"] = b.bind_output(
+            hidden = b.bind_output(
                 self.hidden_name, shape=(rows, width, int(hspec.shape[-1])), dtype=hspec.dtype
             )
+        bufs = StepBuffers(
+            packed,
+            views["ids"],
+            views.get("pos"),
+            views.get("mask"),
+            logits,
+            argmax,
+            nonfinite,
+            hidden,
+        )
         if keep:
             self._bindings[rows, width] = (b, bufs)
         return b, bufs
 
-    def step_buffers(self, width: int) -> dict[str, Any]:
+    def step_buffers(self, width: int) -> StepBuffers:
         """The persistent device buffers of steps of ``width`` tokens (ids, argmax, hidden...)."""
         return self._binding(width)[1]
 
@@ -318,7 +343,7 @@ class DecoderRunner:
         tokens: list[int] | np.ndarray,
         slot: DeviceGraphSlot | None,
         width: int | None = None,
-        after: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        after: Callable[[StepBuffers], dict[str, Any]] | None = None,
     ) -> StepOutput:
         """Feed ``tokens`` at positions ``length ..``; pad to ``width`` rows when given.
 
@@ -334,7 +359,7 @@ class DecoderRunner:
         tokens: list[int] | np.ndarray | None,
         slot: DeviceGraphSlot | None,
         width: int | None = None,
-        after: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        after: Callable[[StepBuffers], dict[str, Any]] | None = None,
         feed_argmax_of: PendingStep | None = None,
     ) -> PendingStep:
         """Queue a step like :meth:`forward` and return before its results are back.
@@ -362,20 +387,20 @@ class DecoderRunner:
         last_row = slot is None and self.prefill_last_row and n == width and n > 1
         binding, bufs = self._binding(width, keep=slot is not None, last_row=last_row)
         if feed_argmax_of is not None and (
-            n != 1 or width != 1 or "argmax" not in feed_argmax_of.bufs
+            n != 1 or width != 1 or feed_argmax_of.bufs.argmax is None
         ):
             raise InvalidInputError("a device-fed step takes one token from a device argmax")
-        host = np.zeros(bufs["inputs"].shape, np.int64)
+        host = np.zeros(bufs.inputs.shape, np.int64)
         if feed_argmax_of is None:
             host[:n] = tokens
-        if "pos" in bufs:
+        if bufs.pos is not None:
             host[width : 2 * width] = np.arange(start, start + width)
-        if "mask" in bufs:
+        if bufs.mask is not None:
             host[host.size - self.max_length :][: start + width] = 1
-        self.io.write(bufs["inputs"], host)
+        self.io.write(bufs.inputs, host)
         if feed_argmax_of is not None:  # after the upload, on the same stream
             last = feed_argmax_of.n - 1
-            self.io.copy(feed_argmax_of.bufs["argmax"][:, last : last + 1], bufs["ids"])
+            self.io.copy(feed_argmax_of.bufs.argmax[:, last : last + 1], bufs.ids)
         if slot is None:
             self.session.run_eager_with_iobinding(
                 binding, last_row_of=self.names.logits if last_row else None
@@ -389,7 +414,7 @@ class DecoderRunner:
         self,
         slot: DeviceGraphSlot | None,
         width: int | None,
-        after: Callable[[dict[str, Any]], dict[str, Any]] | None,
+        after: Callable[[StepBuffers], dict[str, Any]] | None,
     ) -> PendingStep:
         if slot is None or width is None:
             raise InvalidInputError("a step fed on the device needs a graph slot and a width")
@@ -406,15 +431,15 @@ class DecoderRunner:
 
     def _queue_reads(
         self,
-        bufs: dict[str, Any],
+        bufs: StepBuffers,
         start: int | None,
         n: int,
         slot: DeviceGraphSlot | None,
-        after: Callable[[dict[str, Any]], dict[str, Any]] | None,
+        after: Callable[[StepBuffers], dict[str, Any]] | None,
     ) -> PendingStep:
         queued = after(bufs) if after is not None else {}
-        if "nonfinite" in bufs:  # probe, argmax and the queued arrays in one transfer
-            fetch = self.io.read_later([bufs["nonfinite"], bufs["argmax"], *queued.values()])
+        if bufs.nonfinite is not None:  # probe, argmax and the queued arrays in one transfer
+            fetch = self.io.read_later([bufs.nonfinite, bufs.argmax, *queued.values()])
         else:
             fetch = self.io.read_later(list(queued.values()))
         return PendingStep(self, bufs, start, n, slot, list(queued), fetch)
@@ -431,18 +456,18 @@ class DecoderRunner:
         values = step.fetch()
         read: dict[str, np.ndarray] = {}
         bufs, start, n = step.bufs, step.start, step.n
-        if "nonfinite" in bufs:
+        if bufs.nonfinite is not None:
             probe, *values = values
             read.update(zip(["argmax", *step.queued], values, strict=True))
             ok = bool(np.isfinite(probe))
         else:
             read.update(zip(step.queued, values, strict=True))
-            ok = bool(np.isfinite(self.io.read([bufs["logits"]])[0][0, :n]).all())
+            ok = bool(np.isfinite(self.io.read([bufs.logits])[0][0, :n]).all())
         if not ok:
             slot = step.slot
             if start is None:
                 where = f"of a {n}-row step"
-            elif bufs["logits"].shape[1] < n:  # a prefill's last row only
+            elif bufs.logits.shape[1] < n:  # a prefill's last row only
                 where = f"{start + n - 1}"
             else:
                 where = f"{start}..{start + n - 1}"
@@ -476,21 +501,21 @@ class DecoderRunner:
                 f"{self.max_length}"
             )
         binding, bufs = self._binding(1, rows=rows)
-        host = np.zeros(bufs["inputs"].shape, np.int64)
+        host = np.zeros(bufs.inputs.shape, np.int64)
         host[:rows] = tokens
         offset = rows
-        if "pos" in bufs:
+        if bufs.pos is not None:
             host[offset : offset + rows] = lengths
             offset += rows
-        if "mask" in bufs:
+        if bufs.mask is not None:
             mask = host[offset:].reshape(rows, self.max_length)
             mask[np.arange(self.max_length)[None, :] <= np.asarray(lengths)[:, None]] = 1
-        self.io.write(bufs["inputs"], host)
+        self.io.write(bufs.inputs, host)
         self.session.run_with_iobinding(binding, slot, variant=self.variant_base + rows)
-        device_argmax = "argmax" in bufs
-        reads = [bufs["nonfinite"], bufs["argmax"]] if device_argmax else []
+        device_argmax = bufs.argmax is not None
+        reads = [bufs.nonfinite, bufs.argmax] if device_argmax else []
         if read_logits or not device_argmax:
-            reads.append(bufs["logits"])
+            reads.append(bufs.logits)
         values = self.io.read_later(reads)()
         logits = values[-1][:, 0] if read_logits or not device_argmax else None
         finite = np.isfinite(values[0]) if device_argmax else np.isfinite(logits).all()

@@ -14,7 +14,7 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession
 from onnx_genrt.session.device_io import DeviceIO
 
-from .decoder import HiddenState
+from .decoder import HiddenState, StepBuffers
 from .model import Model
 from .mtp_chain import (
     ACCEPTED,
@@ -66,7 +66,7 @@ class Proposer(ABC):
         n_drafts: int | None,
         start: int | None = None,
         next_inputs: bool | None = None,
-    ) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+    ) -> Callable[[StepBuffers], dict[str, Any]] | None:
         """A call that drafts on the device right after a verify step of width ``k + 1``
         (see :meth:`MTPProposer.chain_hook`); None, the default, drafts on the host."""
         return None
@@ -234,7 +234,7 @@ class MTPProposer(Proposer):
         n_drafts: int | None,
         start: int | None = None,
         next_inputs: bool | None = None,
-    ) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+    ) -> Callable[[StepBuffers], dict[str, Any]] | None:
         """For ``runner.forward(..., after=hook)`` on a verify step of width ``k + 1``: runs
         the chain on that step's outputs on the device (``mtp_chain.after_verify``), on the
         target's own provider and stream, so the verify and the next drafts come back in one
@@ -255,7 +255,7 @@ class MTPProposer(Proposer):
         key = (id(runner), k, bool(next_inputs))
         if key not in self._after:
             bufs = runner.step_buffers(k + 1)
-            if "hidden" not in bufs or "argmax" not in bufs:
+            if bufs.hidden is None or bufs.argmax is None:
                 self._after[key] = None
             else:
                 self._after[key] = self._build_after(runner, bufs, k, bool(next_inputs))
@@ -270,7 +270,7 @@ class MTPProposer(Proposer):
                 raise InvalidInputError("a host-fed verify step needs its start position")
             host = np.array([n_drafts, start], np.int64)
 
-        def hook(_bufs: dict[str, Any]) -> dict[str, Any]:
+        def hook(_bufs: StepBuffers) -> dict[str, Any]:
             if host is not None:
                 io.write(control, host)
             session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
@@ -278,10 +278,10 @@ class MTPProposer(Proposer):
 
         return hook
 
-    def _build_after(self, runner: Any, bufs: dict[str, Any], k: int, next_inputs: bool):
+    def _build_after(self, runner: Any, bufs: StepBuffers, k: int, next_inputs: bool):
         names = {n: v for n, v in self.names.items()}
         chain = unroll_mtp_head(self.head, k, **names)
-        hidden_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(bufs["hidden"].dtype))
+        hidden_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(bufs.hidden.dtype))
         ids_input = names.get("ids_input", "input_ids")
         model = after_verify(
             chain,
@@ -291,15 +291,15 @@ class MTPProposer(Proposer):
             verify_hidden_type=hidden_type,
         )
         if next_inputs:
-            mask_length = int(bufs["mask"].shape[-1]) if "mask" in bufs else None
+            mask_length = int(bufs.mask.shape[-1]) if bufs.mask is not None else None
             model = with_next_inputs(
-                model, k, self.min_confidence, mask_length, "pos" in bufs, ids_input
+                model, k, self.min_confidence, mask_length, bufs.pos is not None, ids_input
             )
         session = runner.session.sibling(model)
         b = session.io_binding()
-        b.bind_input(VERIFY_IDS, bufs["ids"])
-        b.bind_input(VERIFY_ARGMAX, bufs["argmax"])
-        b.bind_input(VERIFY_HIDDEN, bufs["hidden"])
+        b.bind_input(VERIFY_IDS, bufs.ids)
+        b.bind_input(VERIFY_ARGMAX, bufs.argmax)
+        b.bind_input(VERIFY_HIDDEN, bufs.hidden)
         # [draft count, verify start]: uploaded together by a host-fed step, advanced in
         # place by the chain (inputs and outputs share the buffers, like a KV cache).
         control = runner.io.upload(np.zeros(2, np.int64))
@@ -309,11 +309,11 @@ class MTPProposer(Proposer):
             b.bind_input(VERIFY_START, start)
             b.bind_output(NEXT_COUNT, count)
             b.bind_output(NEXT_START, start)
-            b.bind_output(NEXT_IDS, bufs["ids"])
-            if "pos" in bufs:
-                b.bind_output(NEXT_POSITIONS, bufs["pos"])
-            if "mask" in bufs:
-                b.bind_output(NEXT_MASK, bufs["mask"])
+            b.bind_output(NEXT_IDS, bufs.ids)
+            if bufs.pos is not None:
+                b.bind_output(NEXT_POSITIONS, bufs.pos)
+            if bufs.mask is not None:
+                b.bind_output(NEXT_MASK, bufs.mask)
         outs = {
             "drafts": b.bind_output(DRAFTS, shape=(1, k), dtype=np.int64),
             "confidences": b.bind_output(CONFIDENCES, shape=(1, k), dtype=np.float32),
