@@ -57,6 +57,13 @@ class _Row:
     eos: set[int]
     rng: np.random.Generator
     new: list[int] = field(default_factory=list)
+    #: Prompt tokens in the cache so far; below ``prompt_length`` the row is still
+    #: prefilling (chunk by chunk) and decode steps skip it.
+    prefilled: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prompt_length
 
 
 class BatchGenerator:
@@ -99,10 +106,20 @@ class BatchGenerator:
         return self.max_batch - len(self.rows)
 
     def add(
-        self, prompt: Sequence[int], params: GeneratorParams, *, ignore_eos: bool = False
+        self,
+        prompt: Sequence[int],
+        params: GeneratorParams,
+        *,
+        ignore_eos: bool = False,
+        chunk: int | None = None,
     ) -> int:
-        """Prefill ``prompt`` into the lowest free row, pick its first token, and return
-        the row. The row ends at ``params``' max_length (at most this batch's)."""
+        """Take the lowest free row for ``prompt`` and return it. The row ends at
+        ``params``' max_length (at most this batch's).
+
+        Without ``chunk`` (or with a prompt of at most ``chunk`` tokens) the prompt is
+        prefilled now and the row's first token picked. Otherwise the row prefills
+        ``chunk`` tokens per :meth:`prefill_step`, between the decode steps of the
+        others, and joins them once its prompt is in (``prefilling(row)`` until then)."""
         if len(self.rows) >= self.max_batch:
             raise InvalidInputError(f"all {self.max_batch} rows are in use")
         ids = [check_int(t, f"token id {i}", minimum=0) for i, t in enumerate(prompt)]
@@ -123,24 +140,47 @@ class BatchGenerator:
             raise InvalidInputError(
                 f"a prompt of {len(ids)} tokens leaves no room below max_length {search.max_length}"
             )
+        if chunk is not None:
+            chunk = check_int(chunk, "prefill chunk", minimum=1)
         with self._user:
-            return self._add(ids, search, ignore_eos)
+            index = min(set(range(self.max_batch)) - self.rows.keys())
+            eos = set(self.model.config.eos_token_ids)
+            if check_bool(ignore_eos, "ignore_eos"):
+                eos = set()
+            row = _Row(list(ids), len(ids), search, eos, np.random.default_rng(search.seed))
+            self._row_runner(index).rewind_to(0)
+            self.rows[index] = row
+            self._prefill(index, len(ids) if chunk is None else chunk)
+            return index
 
-    def _add(self, ids: list[int], search: SearchOptions, ignore_eos: bool) -> int:
-        index = min(set(range(self.max_batch)) - self.rows.keys())
-        eos = (
-            set() if check_bool(ignore_eos, "ignore_eos") else set(self.model.config.eos_token_ids)
-        )
-        row = _Row(list(ids), len(ids), search, eos, np.random.default_rng(search.seed))
-        runner = self._row_runner(index)
-        runner.rewind_to(0)
+    def prefilling(self, index: int) -> bool:
+        """Whether row ``index`` still has prompt tokens to prefill."""
+        return self.rows[index].prefilling
+
+    def prefill_step(self, chunk: int) -> int | None:
+        """Prefill the next ``chunk`` prompt tokens of the first row still prefilling;
+        returns that row when its prompt is now all in (its first token picked), else
+        None."""
+        with self._user:
+            waiting = [i for i, r in self.rows.items() if r.prefilling]
+            if not waiting:
+                return None
+            index = min(waiting, key=lambda i: self.rows[i].prefilled)
+            self._prefill(index, check_int(chunk, "prefill chunk", minimum=1))
+            return None if self.rows[index].prefilling else index
+
+    def _prefill(self, index: int, chunk: int) -> None:
+        """Feed row ``index``'s next ``chunk`` prompt tokens; after the last, pick its first
+        token."""
+        row = self.rows[index]
+        part = row.tokens[row.prefilled : min(row.prompt_length, row.prefilled + chunk)]
         with self.model.session.exclusive():
-            out = runner.forward(ids, None)
-        token = self._pick(row, out.tokens[-1], lambda: out.logits[-1])
-        row.tokens.append(token)
-        row.new = [token]
-        self.rows[index] = row
-        return index
+            out = self._row_runner(index).forward(part, None)
+        row.prefilled += len(part)
+        if not row.prefilling:
+            token = self._pick(row, out.tokens[-1], lambda: out.logits[-1])
+            row.tokens.append(token)
+            row.new = [token]
 
     def remove(self, index: int) -> None:
         """Free row ``index`` (its cache positions are overwritten by the next prompt)."""
@@ -168,8 +208,8 @@ class BatchGenerator:
 
     # -- stepping -----------------------------------------------------------------
     def bucket(self) -> int:
-        """The number of rows the next step runs (covers the highest running row)."""
-        top = max(self.rows) + 1
+        """The number of rows the next step runs (covers the highest decoding row)."""
+        top = max(i for i, r in self.rows.items() if not r.prefilling) + 1
         return next(size for size in self.buckets if size >= top)
 
     def step(self) -> dict[int, list[int]]:
@@ -179,12 +219,17 @@ class BatchGenerator:
             return self._step()
 
     def _step(self) -> dict[int, list[int]]:
-        live = {i: r for i, r in self.rows.items() if not self.is_done(i)}
+        live = {i: r for i, r in self.rows.items() if not r.prefilling and not self.is_done(i)}
         if not live:
             return {}
         size = self.bucket()
         tokens = np.zeros(size, np.int64)
         lengths = np.zeros(size, np.int64)
+        for i, row in self.rows.items():
+            if i < size and row.prefilling:
+                # A row still prefilling runs a dummy token at its next prompt position,
+                # which its next chunk overwrites: its prompt so far stays intact.
+                lengths[i] = row.prefilled
         for i, row in live.items():
             tokens[i] = row.tokens[-1]
             lengths[i] = len(row.tokens) - 1
@@ -247,6 +292,8 @@ class BatchGenerator:
 
     def ended_by_eos(self, index: int) -> bool:
         row = self.rows[index]
+        if row.prefilling:
+            return False
         return (
             bool(row.eos) and row.tokens[-1] in row.eos and len(row.tokens) >= row.search.min_length
         )

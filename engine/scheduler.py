@@ -214,7 +214,8 @@ class Scheduler:
 
     ``max_batch`` rows share one KV cache of ``max_length`` positions per row (default: the
     model's context length); at most ``max_queue`` requests wait for a row, and one more
-    is refused with :class:`QueueFullError`. Start it with ``with Scheduler(...) as s`` or
+    is refused with :class:`QueueFullError`. Prompts longer than ``prefill_chunk`` tokens are
+    prefilled a chunk per step, so running rows keep decoding meanwhile. Start it with ``with Scheduler(...) as s`` or
     :meth:`start`; :meth:`close` stops admitting and finishes (or cancels) what runs.
     """
 
@@ -225,10 +226,16 @@ class Scheduler:
         max_batch: int = 8,
         max_queue: int = 256,
         max_length: int | None = None,
+        prefill_chunk: int | None = 256,
     ) -> None:
         self.model = model
         self.max_batch = check_int(max_batch, "max_batch", minimum=1)
         self.max_queue = check_int(max_queue, "max_queue", minimum=0)
+        #: Prompt tokens prefilled per scheduler step: a long prompt is prefilled in chunks
+        #: between the decode steps of running rows, which go on meanwhile (None: whole).
+        self.prefill_chunk = (
+            None if prefill_chunk is None else check_int(prefill_chunk, "prefill_chunk", minimum=1)
+        )
         context = model.config.context_length
         self.max_length = check_int(
             context if max_length is None else max_length,
@@ -376,7 +383,12 @@ class Scheduler:
                 self._retire_pending(pending, "cancelled")
                 continue
             try:
-                row = batch.add(pending.ids, pending.params, ignore_eos=pending.ignore_eos)
+                row = batch.add(
+                    pending.ids,
+                    pending.params,
+                    ignore_eos=pending.ignore_eos,
+                    chunk=self.prefill_chunk,
+                )
             except OnnxGenrtError as exc:
                 with self._cv:
                     self._failed += 1
@@ -389,7 +401,8 @@ class Scheduler:
             running = _Running(pending, scanner)
             with self._cv:
                 self._rows[row] = running
-            self._deliver(row, running, batch.last_tokens(row))
+            if not batch.prefilling(row):
+                self._deliver(row, running, batch.last_tokens(row))
 
     def _step(self) -> None:
         """One decode step of every running row; retire cancelled rows first."""
@@ -400,6 +413,10 @@ class Scheduler:
                 self._retire(row, "cancelled")
         if not self._rows:
             return
+        if self.prefill_chunk is not None:
+            done = batch.prefill_step(self.prefill_chunk)
+            if done is not None:
+                self._deliver(done, self._rows[done], batch.last_tokens(done))
         new = batch.step()
         with self._cv:
             self._steps += 1

@@ -237,3 +237,27 @@ def test_generate_with_a_list_of_prompts(model):
     assert any("stop string" in r.stop_reason for r in results)
     with pytest.raises(InvalidInputError, match="speculative decoding runs one sequence"):
         generate(model, texts, 8, spec="mtp")
+
+
+def test_chunked_prefill_between_decode_steps(model):
+    """A long prompt prefilled 7 tokens at a time while another row decodes: both equal
+    their prompts generated alone, and the decoding row made progress meanwhile."""
+    long_text = "import os\nimport sys\n\n\nclass Foo(object):\n    def __init__(self, x):\n"
+    texts = ["def fib(n):", long_text]
+    alone = {t: generate(model, t, 16, ignore_eos=True).tokens for t in texts}
+    batch = BatchGenerator(model, 2, 256)
+    ids = {t: model.tokenizer.encode(t) for t in texts}
+    assert len(ids[long_text]) > 21
+    short = batch.add(ids[texts[0]], _params(model, ids[texts[0]], 16), ignore_eos=True)
+    long = batch.add(ids[long_text], _params(model, ids[long_text], 16), ignore_eos=True, chunk=7)
+    assert batch.prefilling(long) and not batch.prefilling(short)
+    steps_while_prefilling = 0
+    while batch.prefilling(long):
+        batch.prefill_step(7)
+        batch.step()
+        steps_while_prefilling += 1
+    assert steps_while_prefilling >= 3
+    assert len(batch.sequence(short)) > len(ids[texts[0]]) + 3  # it decoded meanwhile
+    _run(batch)
+    assert batch.sequence(short) == alone[texts[0]]
+    assert batch.sequence(long) == alone[long_text]
