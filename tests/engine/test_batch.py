@@ -248,8 +248,10 @@ def test_chunked_prefill_between_decode_steps(model):
     batch = BatchGenerator(model, 2, 256)
     ids = {t: model.tokenizer.encode(t) for t in texts}
     assert len(ids[long_text]) > 21
-    short = batch.add(ids[texts[0]], _params(model, ids[texts[0]], 16), ignore_eos=True)
+    # The prefilling row below the decoding one: decode steps run it as a dummy row.
     long = batch.add(ids[long_text], _params(model, ids[long_text], 16), ignore_eos=True, chunk=7)
+    short = batch.add(ids[texts[0]], _params(model, ids[texts[0]], 16), ignore_eos=True)
+    assert long < short
     assert batch.prefilling(long) and not batch.prefilling(short)
     steps_while_prefilling = 0
     while batch.prefilling(long):
@@ -257,6 +259,18 @@ def test_chunked_prefill_between_decode_steps(model):
         batch.step()
         steps_while_prefilling += 1
     assert steps_while_prefilling >= 3
+    # The row's cache holds exactly what a prefill of the whole prompt alone writes.
+    from onnx_genrt.engine.decoder import DecoderRunner
+
+    alone_runner = DecoderRunner(model.session, model.config, 256)
+    alone_runner.forward(ids[long_text], None)
+    n = len(ids[long_text])
+    for mine, ref in zip(
+        batch.runner.cache.keys + batch.runner.cache.values,
+        alone_runner.cache.keys + alone_runner.cache.values,
+        strict=True,
+    ):
+        np.testing.assert_allclose(mine[long, :, :n], ref[0, :, :n], rtol=1e-5, atol=1e-5)
     assert len(batch.sequence(short)) > len(ids[texts[0]]) + 3  # it decoded meanwhile
     _run(batch)
     assert batch.sequence(short) == alone[texts[0]]
