@@ -56,6 +56,12 @@ class Proposer(ABC):
     def graph_stats(self) -> dict[str, dict]:
         return {}
 
+    def prepare(self, runner: Any, k: int, pipelined: bool) -> None:
+        """Build what drafting ``k`` tokens for ``runner``'s model needs (sessions, chained
+        graphs) before the first step, so a generation's decode time holds no set-up.
+        ``pipelined``: verify steps will be queued back to back (the chain that writes the
+        next inputs is the one built). Default: nothing to build."""
+
     def close(self) -> None:
         """Release what this proposer holds for one generation (a draft model's KV cache)."""
 
@@ -217,6 +223,12 @@ class MTPProposer(Proposer):
         session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
         drafts, confs = io.read([drafts_buf, confs_buf])
         return self.confident(drafts[0, :k], confs[0, :k])
+
+    def prepare(self, runner: Any, k: int, pipelined: bool) -> None:
+        """Build the head's chain for ``k`` drafts and the chain that runs after a verify
+        step of ``runner`` (sessions and their bindings; graphs capture on first use)."""
+        self._chain(k)
+        self.chain_hook(runner, k, 0, 0, pipelined)
 
     def confident(self, drafts: np.ndarray, confs: np.ndarray) -> list[int]:
         """The drafts up to the first one below ``min_confidence``."""

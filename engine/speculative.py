@@ -71,6 +71,8 @@ class SpeculativeGenerator(Generator):
         # device by the MTP chain); see _may_pipeline.
         self._queued: PendingStep | None = None
         self._hidden_stale = False
+        if self._plain_greedy:  # the proposer's set-up now, not inside the first steps
+            proposer.prepare(self.runner, k, self._pipelining)
 
     # Plain steps must keep their buffers (the MTP head reads the hidden row).
     look_ahead = False

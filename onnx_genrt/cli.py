@@ -135,6 +135,18 @@ def version_text() -> str:
     return f"onnx-genrt {__version__} (provider API {major}.{minor})"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the text is made when the flag is given (it imports the core, which
+    every other command would otherwise pay for while the parser is built)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="onnx-genrt",
@@ -145,8 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     _debug_flag(parser, False)
     parser.add_argument(
         "--version",
-        action="version",
-        version=version_text(),
+        action=_VersionAction,
         help="print the onnx-genrt version and the provider API version, then exit",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
