@@ -7,6 +7,7 @@ from .api import (
     make_generator,
     make_proposer,
     stream,
+    warm_up,
 )
 from .batch import BatchGenerator
 from .config import GenAIConfig, SearchOptions, load_config
@@ -41,4 +42,5 @@ __all__ = [
     "make_generator",
     "make_proposer",
     "stream",
+    "warm_up",
 ]

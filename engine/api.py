@@ -169,6 +169,28 @@ def make_generator(
     return SpeculativeGenerator(model, params, proposer, k=default_k(model, spec, k))
 
 
+def warm_up(model: Model, max_length: int, spec: str | None = None, k: int | None = None) -> float:
+    """Generate a few tokens from a dummy prompt the way a generation of up to
+    ``max_length`` tokens with ``spec`` would, then hand the KV cache back to the model's
+    pool: kernels compile (or load from their cache), memory is planned and the decode,
+    verify and proposer graphs are captured, on the very cache the next such generation
+    takes, which then replays from its first step. Returns the seconds it took."""
+    start = time.perf_counter()
+    params = GeneratorParams(model)
+    length = min(
+        max(check_int(max_length, "max_length", minimum=2), 8), model.config.context_length
+    )
+    params.set_search_options(max_length=length)
+    with make_generator(model, params, spec, k) as gen:
+        gen.eos = set()
+        gen.append_tokens([0, 0])
+        for _ in range(6):
+            if gen.is_done():
+                break
+            gen.generate_next_token()
+    return time.perf_counter() - start
+
+
 def stream(
     model: Model,
     prompt: str | list[int],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from .cli_args import (
@@ -106,12 +107,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from onnx_genrt.engine import Model, stream
+    from onnx_genrt.engine import Model, stream, warm_up
 
     folder = args.model or default_model_dir()
+    loading = time.perf_counter()
     model = Model(
         folder, provider_args(args.provider, args.threads), enable_graphs=not args.no_graphs
     )
+    loaded = time.perf_counter() - loading
+    # Compile (or load) kernels and capture the decode graph before the prompt is timed.
+    prompt_length = len(model.tokenizer.encode(args.prompt)) if args.prompt else 1
+    warmed = warm_up(model, prompt_length + args.max_new_tokens, args.spec, args.k)
     results: list = []
     pieces = stream(
         model,
@@ -138,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print()
     if args.stats:
+        print(f"model load {loaded * 1e3:.0f} ms, warm-up {warmed * 1e3:.0f} ms", file=sys.stderr)
         print(_stats_text(res), file=sys.stderr)
     return 0
 
