@@ -20,7 +20,7 @@ from .generator import Generator
 from .model import GeneratorParams, Model
 from .mtp_chain import restrict_draft_vocab
 from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
-from .speculative import DEFAULT_K, SpeculativeGenerator
+from .speculative import DEFAULT_K, PayoffPolicy, SpeculativeGenerator
 from .stops import StopScanner, prompt_ids, stop_strings
 
 
@@ -114,6 +114,23 @@ PROPOSERS: dict[str, Callable[[Model, int, float], Proposer]] = {
     "ngram": _prompt_lookup_proposer,
 }
 SPEC_KINDS = tuple(PROPOSERS)
+#: ``spec="auto"``: the model's own proposer (the first of these its speculative.json has,
+#: else prompt lookup), kept only while it measurably pays (:class:`PayoffPolicy`).
+AUTO = "auto"
+AUTO_ORDER = ("mtp", "draft")
+#: What ``spec=`` accepts: a proposer kind, or ``auto``.
+SPEC_CHOICES = (*SPEC_KINDS, AUTO)
+
+
+def resolve_spec(model: Model, spec: str | None) -> str | None:
+    """The proposer kind ``spec`` names for ``model`` (``auto`` picks one; see AUTO_ORDER)."""
+    if spec is None or spec in SPEC_KINDS:
+        return spec
+    if spec != AUTO:
+        raise InvalidInputError(
+            f"unknown speculation kind {spec!r}; choose one of {', '.join(SPEC_CHOICES)}"
+        )
+    return next((kind for kind in AUTO_ORDER if model.config.speculative.get(kind)), "ngram")
 
 
 def _make_mtp(model: Model, min_confidence: float) -> MTPProposer:
@@ -163,10 +180,14 @@ def _draft_model(model: Model) -> Model:
 def make_generator(
     model: Model, params: GeneratorParams, spec: str | None = None, k: int | None = None
 ) -> Generator:
-    if spec is None:
+    """A generator for ``spec`` (None: plain; a proposer kind; ``auto``: the model's own
+    proposer, used only while it measurably pays against plain steps)."""
+    kind = resolve_spec(model, spec)
+    if kind is None:
         return Generator(model, params)
-    proposer = make_proposer(model, spec, params.search.max_length)
-    return SpeculativeGenerator(model, params, proposer, k=default_k(model, spec, k))
+    proposer = make_proposer(model, kind, params.search.max_length)
+    payoff = PayoffPolicy() if spec == AUTO else None
+    return SpeculativeGenerator(model, params, proposer, k=default_k(model, kind, k), payoff=payoff)
 
 
 def warm_up(model: Model, max_length: int, spec: str | None = None, k: int | None = None) -> float:
@@ -208,10 +229,9 @@ def stream(
     ``stop``: strings that end the generation (one string or a sequence of them). Arguments
     are checked when ``stream`` is called; the model runs as the pieces are iterated."""
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
-    if spec is not None and spec not in SPEC_KINDS:
-        raise InvalidInputError(f"unknown speculation kind {spec!r}; choose one of {SPEC_KINDS}")
-    if spec is not None:
-        k = default_k(model, spec, k)
+    kind = resolve_spec(model, spec)
+    if kind is not None:
+        k = default_k(model, kind, k)
     elif k is not None:
         raise InvalidInputError(
             f"k={k!r} needs a speculation kind (spec='mtp', 'draft' or 'ngram')"
@@ -281,7 +301,9 @@ def _drive(
     if result is not None:
         spec_stats = {}
         if isinstance(gen, SpeculativeGenerator):
-            spec_stats = {"k": gen.k, **gen.spec.as_dict()}
+            spec_stats = {"kind": gen.proposer.name, "k": gen.k, **gen.spec.as_dict()}
+            if gen.payoff is not None:
+                spec_stats["auto"] = gen.payoff.as_dict()
         stats = {"target": gen.graph_stats()}
         if isinstance(gen, SpeculativeGenerator):
             stats["proposer"] = gen.proposer.graph_stats()

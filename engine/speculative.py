@@ -9,6 +9,8 @@ lowering the cache length: nothing is copied and no graph is reset.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,17 +56,91 @@ class SpeculationStats:
         }
 
 
+class PayoffPolicy:
+    """Speculate only while it pays: verify steps must add tokens faster than plain steps.
+
+    Both rates come from the measured wall time of the last ``window`` steps of each kind
+    (a verify step's tokens over its time, one token over a plain step's time). While
+    speculating, every ``probe``-th step is a plain one (the plain rate stays fresh); while
+    not, every ``probe``-th step verifies drafts again (acceptance changes with the text).
+    Greedy output is the same either way; only the speed differs.
+    """
+
+    def __init__(self, window: int = 8, probe: int = 16) -> None:
+        self.window, self.probe = window, probe
+        self._plain: deque[float] = deque(maxlen=window)
+        self._verify: deque[tuple[int, float]] = deque(maxlen=window)
+        self._since_switch = 0
+        self.switches = 0
+
+    @property
+    def plain_rate(self) -> float | None:
+        return len(self._plain) / sum(self._plain) if self._plain else None
+
+    @property
+    def verify_rate(self) -> float | None:
+        if not self._verify:
+            return None
+        return sum(n for n, _ in self._verify) / sum(t for _, t in self._verify)
+
+    def pays(self) -> bool | None:
+        """Whether speculation is the faster of the two so far (None: not measured yet)."""
+        plain, verify = self.plain_rate, self.verify_rate
+        return None if plain is None or verify is None else verify >= plain
+
+    def speculate(self) -> bool:
+        """Whether the next step should verify drafts."""
+        pays = self.pays()
+        if pays is None:  # measure the kind with no sample yet (plain first)
+            return self.plain_rate is not None
+        self._since_switch += 1
+        if self._since_switch >= self.probe:
+            self._since_switch = 0
+            return not pays  # a probe of the other kind
+        return pays
+
+    def record(self, verified: bool, tokens: int, seconds: float) -> None:
+        """A step's measured time: a verify step adding ``tokens``, or a plain step."""
+        if seconds <= 0:
+            return
+        before = self.pays()
+        if verified:
+            self._verify.append((tokens, seconds))
+        else:
+            self._plain.append(seconds)
+        if before is not None and self.pays() != before:
+            self.switches += 1
+
+    def as_dict(self) -> dict[str, float | int | bool | None]:
+        plain, verify = self.plain_rate, self.verify_rate
+        return {
+            "plain_tok_s": round(plain, 1) if plain else None,
+            "verify_tok_s": round(verify, 1) if verify else None,
+            "speculation_pays": self.pays(),
+            "switches": self.switches,
+        }
+
+
 class SpeculativeGenerator(Generator):
     """A Generator whose ``generate_next_token`` may add several tokens at once."""
 
     def __init__(
-        self, model: Model, params: GeneratorParams, proposer: Proposer, k: int = DEFAULT_K
+        self,
+        model: Model,
+        params: GeneratorParams,
+        proposer: Proposer,
+        k: int = DEFAULT_K,
+        *,
+        payoff: PayoffPolicy | None = None,
     ):
+        """``payoff``: speculate only while it measurably pays (see :class:`PayoffPolicy`);
+        None always speculates."""
         k = check_int(k, "k (drafts per speculative step)", minimum=1)
         super().__init__(model, params, spare=k)
         self.proposer = proposer
         self.k = k
         self.spec = SpeculationStats()
+        self.payoff = payoff
         # Drafts the proposer already made on the device right after the last verify.
         self._chained: list[int] | None = None
         # The next verify, queued before the last one was read (its inputs written on the
@@ -95,6 +171,13 @@ class SpeculativeGenerator(Generator):
             raise InvalidInputError("append_tokens first: there is no prompt")
         if self._next is not None:  # right after a prompt: its logits are ready
             return super().generate_next_token()
+        started = time.perf_counter()
+        verified = self._step()
+        if self.payoff is not None:
+            self.payoff.record(verified, len(self._new), time.perf_counter() - started)
+
+    def _step(self) -> bool:
+        """One verify step (True) or plain step (False)."""
         room = self.search.max_length - len(self.tokens) - 1
         fits = self.runner.cache.length + self.k + 1 <= self.runner.max_length
         k = min(self.k, room) if fits else 0
@@ -102,9 +185,9 @@ class SpeculativeGenerator(Generator):
         queued, self._queued = self._queued, None
         if queued is not None:  # its inputs are the pending token and ``chained``
             self._verify(chained or [], queued)
-            return
+            return True
         stale, self._hidden_stale = self._hidden_stale, False
-        if k <= 0 or stale:
+        if k <= 0 or stale or (self.payoff is not None and not self.payoff.speculate()):
             drafts = []
         elif chained is not None:
             drafts = chained
@@ -113,8 +196,10 @@ class SpeculativeGenerator(Generator):
         drafts = drafts[:k]
         if not drafts:
             self.spec.plain_steps += 1
-            return super().generate_next_token()
+            super().generate_next_token()
+            return False
         self._verify(drafts)
+        return True
 
     def _verify(self, drafts: list[int], queued: PendingStep | None = None) -> None:
         pending = self.tokens[-1]

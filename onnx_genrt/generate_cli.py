@@ -77,7 +77,7 @@ def search_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from onnx_genrt.engine.api import SPEC_KINDS
+    from onnx_genrt.engine.api import SPEC_CHOICES
 
     p = sub.add_parser("generate", help="generate text from a model folder (streams tokens)")
     p.add_argument(
@@ -85,7 +85,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt", required=True, help="prompt text")
     add_provider_argument(p)
-    p.add_argument("--spec", choices=SPEC_KINDS, default=None, help="speculative decoding")
+    p.add_argument(
+        "--spec",
+        choices=SPEC_CHOICES,
+        default=None,
+        help="speculative decoding with this proposer; auto: the model's own proposer (MTP "
+        "head, else draft model, else prompt lookup), used only while it measurably beats "
+        "plain steps (--stats says what it chose and why)",
+    )
     p.add_argument(
         "-k",
         type=POSITIVE_INT,
@@ -172,10 +179,18 @@ def _stats_text(res) -> str:
     if res.speculation:
         s = res.speculation
         lines.append(
-            f"speculation: k {s.get('k', '?')}, acceptance {s['acceptance_rate']:.1%}, "
-            f"mean accepted {s['mean_accepted_length']:.2f}, "
+            f"speculation: {s.get('kind', '?')}, k {s.get('k', '?')}, acceptance "
+            f"{s['acceptance_rate']:.1%}, mean accepted {s['mean_accepted_length']:.2f}, "
             f"{s['verify_steps']} verify + {s['plain_steps']} plain steps"
         )
+        auto = s.get("auto")
+        if auto:
+            verdict = {True: "pays", False: "does not pay", None: "not measured"}
+            lines.append(
+                f"auto: verify steps {auto['verify_tok_s']} tok/s against plain steps "
+                f"{auto['plain_tok_s']} tok/s (last steps measured): speculation "
+                f"{verdict[auto['speculation_pays']]}; {auto['switches']} switches"
+            )
     for who, slots in res.graph_stats.items():
         for slot, st in slots.items():
             lines.append(
