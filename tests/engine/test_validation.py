@@ -232,6 +232,18 @@ def test_config_accepts_whole_number_floats(folder):
     assert (config.search.max_length, config.search.top_k) == (64, 5)
 
 
+def test_eos_ids_up_to_the_last_vocabulary_entry_load(folder):
+    """Token ids run from 0 to vocab_size - 1: both ends are ids; vocab_size is not."""
+    vocab = load_config(folder).vocab_size
+    _edit_config(folder, lambda c: c["model"].update(eos_token_id=[0, vocab - 1]))
+    assert load_config(folder).eos_token_ids == (0, vocab - 1)
+    _edit_config(folder, lambda c: c["model"].update(eos_token_id=vocab))
+    with pytest.raises(
+        ModelLoadError, match=rf"eos_token_id must be .*<= {vocab - 1}, got {vocab}"
+    ):
+        load_config(folder)
+
+
 def test_corrupt_tokenizer_config_is_a_model_load_error(folder):
     (folder / "tokenizer_config.json").write_text('{"chat_template": ')
     with pytest.raises(ModelLoadError, match="tokenizer_config.json is not valid JSON"):
