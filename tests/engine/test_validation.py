@@ -159,6 +159,21 @@ def test_generator_refuses_fractional_token_ids_and_rewind_lengths(model):
             gen.rewind_to(1.5)
 
 
+def test_generator_refuses_an_empty_append_and_one_past_max_length(model):
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=8)
+    with Generator(model, params) as gen:
+        with pytest.raises(InvalidInputError, match="append_tokens needs at least one token"):
+            gen.append_tokens([])
+        assert gen.get_sequence() == []
+        gen.append_tokens([5, 6, 7, 8, 9])
+        with pytest.raises(InvalidInputError, match="9 tokens exceed max_length 8"):
+            gen.append_tokens([1, 2, 3, 4])
+        assert gen.get_sequence() == [5, 6, 7, 8, 9]
+        gen.append_tokens([1, 2, 3])  # exactly max_length: accepted, and generation is done
+        assert gen.get_sequence() == [5, 6, 7, 8, 9, 1, 2, 3] and gen.is_done()
+
+
 def test_speculative_generator_refuses_k_below_one(model):
     from onnx_genrt.engine.proposers import PromptLookupProposer
 
