@@ -26,6 +26,7 @@ with the edge copies between them. Every provider keeps its own memory arena.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -415,7 +416,10 @@ class Executor:
             if name not in env and name in self.plan.constants:
                 value = self._const_for(name)
                 _check_fits(value, target, None, name)
-                _copy(self.main_provider, value, target)
+                copy = functools.partial(_copy, self.main_provider, value, target)
+                copy()
+                if capture is not None:  # a replay writes the binding too
+                    capture.program.append(copy)
 
     def _bring_in(
         self,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
 
 from onnx_genrt.core.dtypes import DType
-from onnx_genrt.core.errors import InvalidInputError
+from onnx_genrt.core.errors import InvalidInputError, KernelError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
@@ -129,9 +131,16 @@ def test_failed_capture_falls_back_to_eager_with_reason_and_latches():
         np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
     stats = sess.graph_stats()
     assert stats.captures == 0 and stats.replays == 0
-    assert stats.fallbacks == 4
-    reasons = list(stats.fallback_reasons)
-    assert any("not permitted when stream is capturing" in r for r in reasons)
+    # run 1 plans, run 2's capture fails, runs 3-5 find the latch: all five ran eagerly
+    assert stats.fallbacks == 4 and stats.eager_runs == 5
+    failed = (
+        "GraphCaptureError: end capture in slot 'primary': operation not permitted when "
+        "stream is capturing"
+    )
+    assert stats.fallback_reasons == {
+        f"capture failed: {failed}": 1,
+        f"capture failed earlier on 'flaky': {failed}": 3,
+    }
     assert sess.main_provider.capture_error(PRIMARY) is not None
 
 
@@ -291,3 +300,166 @@ def test_tensors_and_host_arrays_bind_as_their_own_buffers():
     assert binding.bind_output("y", y) is y  # a host array on the CPU provider, as is
     sess.run_with_iobinding(binding)
     np.testing.assert_allclose(y, mlp_reference(model, x.buffer), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("warmup_runs", "eager_before_capture"), [(0, 1), (1, 1), (3, 3)])
+def test_warmup_runs_eager_runs_precede_the_capture(warmup_runs, eager_before_capture):
+    """The first run always plans memory (so at least one eager run); ``warmup_runs`` eager
+    runs come before the capture, then every run replays."""
+    model = mlp(hidden=8)
+    sess = InferenceSession(model, warmup_runs=warmup_runs)
+    binding, x, y = _bind(sess, 2, 8)
+    rng = np.random.default_rng(warmup_runs)
+    runs = eager_before_capture + 3
+    for run in range(1, runs + 1):
+        x[...] = rng.standard_normal(x.shape)
+        sess.run_with_iobinding(binding, PRIMARY)
+        np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+        stats = sess.graph_stats(PRIMARY)
+        assert stats.eager_runs == min(run, eager_before_capture), (run, stats)
+        assert stats.captures == (run > eager_before_capture), (run, stats)
+    assert stats.replays == runs - eager_before_capture - 1
+
+
+def test_a_bound_output_of_the_wrong_shape_is_refused_not_broadcast():
+    """A (1, 8) result would broadcast into a (3, 8) buffer without a word."""
+    sess = InferenceSession(mlp(hidden=8))
+    binding = sess.io_binding()
+    binding.bind_input("x", np.ones((1, 8), np.float32))
+    y = binding.bind_output("y", shape=(3, 8))
+    y[...] = -7.0
+    with pytest.raises(
+        KernelError,
+        match=r"output 'y' of node 'residual'.* has shape \[1, 8\], but the bound buffer has "
+        r"shape \[3, 8\]",
+    ):
+        sess.run_with_iobinding(binding)
+    assert (y == -7.0).all()
+
+
+def _relu_with_undeclared_output_type() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.UNDEFINED, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_bound_output_of_another_dtype_is_refused_where_the_model_declares_none():
+    """Where the model declares no output type, bind_output cannot check it: the run does,
+    rather than casting float32 results into a float64 buffer."""
+    sess = InferenceSession(_relu_with_undeclared_output_type())
+    assert sess.get_outputs()[0].dtype is None
+    binding = sess.io_binding()
+    x = binding.bind_input("x", np.array([[-1, 2, -3], [4, -5, 6]], np.float32))
+    wrong = binding.bind_output("y", np.zeros((2, 3), np.float64))
+    with pytest.raises(
+        KernelError, match="output 'y' of node 'relu'.* is float32, but the bound buffer is float64"
+    ):
+        sess.run_with_iobinding(binding)
+    assert not wrong.any()
+    right = binding.bind_output("y", np.zeros((2, 3), np.float32))
+    sess.run_with_iobinding(binding)
+    np.testing.assert_array_equal(right, np.maximum(x.astype(np.float64), 0.0))
+
+
+def test_a_graph_output_that_a_later_node_reads_is_kept_for_the_caller():
+    """``a`` is a graph output and also read by the last node: it is not freed after that
+    node, eager or bound."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["a"], name="relu"),
+            helper.make_node("Mul", ["a", "x"], ["m"], name="mul"),
+            helper.make_node("Add", ["m", "a"], ["b"], name="add"),
+        ],
+        "kept",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3]),
+        ],
+    )
+    sess = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    x = np.array([[-1.5, 2.0, -3.0], [4.0, -0.5, 6.0]], np.float32)
+    want_a = np.maximum(x.astype(np.float64), 0.0)
+    want_b = want_a * x + want_a
+    for _ in range(2):  # planned, then on the plan
+        a, b = sess.run(["a", "b"], {"x": x})
+        np.testing.assert_allclose(a, want_a)
+        np.testing.assert_allclose(b, want_b)
+
+
+def _with_constant_output() -> tuple[onnx.ModelProto, np.ndarray]:
+    table = np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")],
+        "const_out",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("table", TensorProto.FLOAT, [2, 3]),
+        ],
+        [numpy_helper.from_array(table, "table")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), table
+
+
+def test_a_constant_graph_output_is_returned_and_written_into_its_binding():
+    model, table = _with_constant_output()
+    sess = InferenceSession(model)
+    x = np.ones((2, 3), np.float32)
+    y, got = sess.run(["y", "table"], {"x": x})
+    np.testing.assert_array_equal(got, table)
+    binding = sess.io_binding()
+    binding.bind_input("x", x)
+    bound = binding.bind_output("table", shape=(2, 3))
+    binding.bind_output("y", shape=(2, 3))
+    for _ in range(3):  # planned, captured, replayed: the copy is outside the graph
+        bound[...] = np.nan
+        sess.run_with_iobinding(binding)
+        np.testing.assert_array_equal(bound, table)
+    wrong = binding.bind_output("table", shape=(3, 2))
+    with pytest.raises(
+        KernelError,
+        match=r"output 'table' of constant has shape \[2, 3\], but the bound buffer has shape",
+    ):
+        sess.run_with_iobinding(binding)
+    assert wrong.shape == (3, 2)
+
+
+def test_eager_runs_keep_plans_for_the_most_recent_shapes():
+    """Eager runs keep EAGER_PLAN_CACHE memory plans, dropping the least recently used."""
+    from onnx_genrt.session.executor import EAGER_PLAN_CACHE
+
+    model = mlp(hidden=4)
+    sess = InferenceSession(model)
+    rng = np.random.default_rng(5)
+
+    def run(rows: int) -> None:
+        x = rng.standard_normal((rows, 4)).astype(np.float32)
+        (y,) = sess.run(["y"], {"x": x})
+        np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+
+    def kept_rows() -> list[int]:
+        return [
+            dict((n, s) for n, _, s in shapes)["x"][0] for _, shapes in sess.executor._eager_layouts
+        ]
+
+    for rows in range(1, EAGER_PLAN_CACHE + 1):
+        run(rows)
+    assert kept_rows() == list(range(1, EAGER_PLAN_CACHE + 1))
+    run(1)  # used again: now the most recent
+    run(EAGER_PLAN_CACHE + 1)  # a new shape: the least recently used (2 rows) goes
+    assert kept_rows() == [*range(3, EAGER_PLAN_CACHE + 1), 1, EAGER_PLAN_CACHE + 1]
+
+
+def test_an_eager_bound_run_without_its_input_names_the_value_and_the_node():
+    sess = InferenceSession(mlp(hidden=4))
+    binding = sess.io_binding()
+    binding.bind_output("y", shape=(1, 4))
+    with pytest.raises(
+        KernelError, match=r"value 'x' is needed by node 'mm1' .*but was not computed or fed"
+    ):
+        sess.executor.run_bound_eager(binding)

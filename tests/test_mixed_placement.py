@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError
@@ -147,10 +148,11 @@ def test_a_provider_without_the_slot_falls_back_and_names_itself():
         sess.run_with_iobinding(binding, PRIMARY)
         np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
     stats = sess.graph_stats(PRIMARY)
-    assert stats.captures == 0 and stats.fallbacks == 3
-    assert list(stats.fallback_reasons) == [
-        "provider 'no-graphs' has no graph slot 'primary' (declares: none)"
-    ]
+    # the first run plans; each of the three after it is a fallback, and all four are eager
+    assert stats.captures == 0 and stats.fallbacks == 3 and stats.eager_runs == 4
+    assert stats.fallback_reasons == {
+        "provider 'no-graphs' has no graph slot 'primary' (declares: none)": 3
+    }
 
 
 class FailingIsland(Island):
@@ -189,3 +191,25 @@ def test_eager_runs_with_host_feeds_cross_to_the_island_and_back(rows):
         (y,) = sess.run(None, {"x": x})
         assert type(y) is np.ndarray
         np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_data_dependent_shape_crossing_to_the_island_gets_a_buffer_of_its_size():
+    """NonZero's result has a shape of its own each run for one input shape: the edge buffer
+    the island reads it from follows that shape (eager runs on one plan)."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("NonZero", ["x"], ["nz"], name="nonzero"),
+            helper.make_node("Cast", ["nz"], ["f"], to=TensorProto.FLOAT, name="cast"),
+            helper.make_node("Add", ["f", "f"], ["y"], name="double"),
+        ],
+        "nonzero_island",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = InferenceSession(model, providers=[Island(), Mainland()])
+    assert [p.provider for p in sess.placement()] == ["mainland", "mainland", "island"]
+    for values in ([0, 1, 0, 2, 3, 0], [1, 1, 1, 1, 1, 0], [0, 0, 4, 0, 0, 0]):
+        x = np.array(values, np.float32)
+        (y,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(y, 2.0 * np.stack(np.nonzero(x)))

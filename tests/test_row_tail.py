@@ -122,3 +122,44 @@ def test_last_row_of_an_output_without_a_tail_names_it():
     binding.bind_input("x", np.zeros((1, ROWS, HIDDEN), np.float32))
     with pytest.raises(KernelError, match="'logits' is not made row by row"):
         sess.executor.run_bound_eager(binding, last_row_of="logits")
+
+
+def _plain_lm(x_shape: list) -> tuple[onnx.ModelProto, np.ndarray]:
+    """x -> Mul(0.5) -> MatMul(W) -> logits, with an ``x`` of the given rank."""
+    w = np.random.default_rng(2).standard_normal((HIDDEN, VOCAB)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "half"], ["h"], name="scale"),
+            helper.make_node("MatMul", ["h", "w"], ["logits"], name="head"),
+        ],
+        "plain_lm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+            numpy_helper.from_array(w, "w"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w
+
+
+def test_last_row_of_a_two_dimensional_activation_matches_numpy():
+    model, w = _plain_lm([None, HIDDEN])
+    sess = InferenceSession(model, providers=["cpu"])
+    x = np.random.default_rng(3).standard_normal((ROWS, HIDDEN)).astype(np.float32)
+    binding = sess.io_binding()
+    binding.bind_input("x", x)
+    logits = binding.bind_output("logits", shape=(1, VOCAB), dtype=np.float32)
+    sess.executor.run_bound_eager(binding, last_row_of="logits")
+    want = (0.5 * x[-1:].astype(np.float64)) @ w.astype(np.float64)
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_last_row_of_a_one_dimensional_activation_is_refused_with_its_shape():
+    model, _ = _plain_lm([HIDDEN])
+    sess = InferenceSession(model, providers=["cpu"])
+    binding = sess.io_binding()
+    binding.bind_input("x", np.ones(HIDDEN, np.float32))
+    binding.bind_output("logits", shape=(VOCAB,), dtype=np.float32)
+    with pytest.raises(KernelError, match=r"node 'head' .*no rows to take the last of in \[8\]"):
+        sess.executor.run_bound_eager(binding, last_row_of="logits")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import numpy as np
@@ -56,6 +57,38 @@ def test_prompt_longer_than_the_context_is_refused(qwen2_dir):
     params = GeneratorParams(model)
     with pytest.raises(InvalidInputError, match="exceeds the model's context length"):
         params.set_search_options(max_length=ctx + 1)
+    params.set_search_options(max_length=ctx)  # the whole context is usable
+    with Generator(model, params) as gen:
+        gen.eos = set()
+        gen.append_tokens([1] * (ctx - 2))
+        while not gen.is_done():
+            gen.generate_next_token()
+        assert len(gen.get_sequence()) == ctx
+
+
+def test_kv_caches_are_pooled_by_power_of_two_capacity(qwen2_dir):
+    """A request for ``length`` positions gets the next power of two, at least 256 and at
+    most the context length; a cache whose owner is gone is handed to the next request of
+    its capacity, rewound."""
+    model = Model(qwen2_dir)
+    ctx = model.config.context_length
+    assert ctx == 512  # the cases below straddle 256 and the context
+
+    class Owner:
+        pass
+
+    lengths = [1, 2, 200, 256, 257, 500, 10_000]
+    owners = [Owner() for _ in lengths]
+    runners = [model.acquire_runner(o, n) for o, n in zip(owners, lengths, strict=True)]
+    want = [min(ctx, max(256, 2 ** math.ceil(math.log2(n)))) for n in lengths]
+    assert [r.max_length for r in runners] == want == [256] * 4 + [512] * 3
+    assert len({id(r) for r in runners}) == len(lengths)  # every owner alive: a cache each
+    runners[4].cache.length = 7
+    del owners[4]
+    holder = Owner()
+    again = model.acquire_runner(holder, 300)
+    assert again is runners[4] and again.cache.length == 0
+    assert model.acquire_runner(Owner(), 300) not in runners  # the others are held
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ the load would succeed if the containment check were missing.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -142,3 +143,27 @@ def test_proposers_inside_the_folder_still_load(folders):
     loaded = Model(model)
     assert make_proposer(loaded, "mtp", 64).name == "mtp"
     assert make_proposer(loaded, "draft", 64).name == "draft"
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("mtp", "filename", 123),
+        ("mtp", "filename", ""),
+        ("draft", "path", ""),  # would name the model folder itself: the base model as draft
+        ("draft", "path", "   "),
+        ("draft", "path", ["draft"]),
+    ],
+)
+def test_speculative_paths_that_are_not_a_relative_path_are_a_clear_error(
+    folders, section, key, value
+):
+    model, _ = folders
+    _edit_json(model / "speculative.json", lambda d: d[section].update({key: value}))
+    loaded = Model(model)
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"speculative\.json: {section}\.{key} must be a non-empty path relative to the "
+        rf"model folder, got {re.escape(repr(value))}",
+    ):
+        make_proposer(loaded, section, 64)

@@ -115,3 +115,36 @@ def test_a_generator_entered_by_a_second_thread_refuses_it(shared_model):
     gen.generate_next_token()
     assert len(gen.get_sequence()) == before + 1
     gen.close()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_hold_keeps_every_objects_lock_from_other_threads(count):
+    """A run on several providers (mixed placement) holds each one's lock: another thread
+    can take none of them until the run ends."""
+    from onnx_genrt.core.locking import hold, lock_of
+
+    class Provider:
+        pass
+
+    objects = [Provider() for _ in range(count)]
+
+    def others_can_take() -> list[bool]:
+        taken: list[bool] = []
+
+        def probe() -> None:
+            for obj in objects:
+                got = lock_of(obj).acquire(blocking=False)
+                taken.append(got)
+                if got:
+                    lock_of(obj).release()
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join(10)
+        return taken
+
+    with hold([*objects, objects[0]]):  # a repeated object is held once
+        with hold(objects):  # re-entrant within the thread
+            pass
+        assert others_can_take() == [False] * count
+    assert others_can_take() == [True] * count

@@ -159,6 +159,21 @@ def test_generator_refuses_fractional_token_ids_and_rewind_lengths(model):
             gen.rewind_to(1.5)
 
 
+def test_generator_refuses_an_empty_append_and_one_past_max_length(model):
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=8)
+    with Generator(model, params) as gen:
+        with pytest.raises(InvalidInputError, match="append_tokens needs at least one token"):
+            gen.append_tokens([])
+        assert gen.get_sequence() == []
+        gen.append_tokens([5, 6, 7, 8, 9])
+        with pytest.raises(InvalidInputError, match="9 tokens exceed max_length 8"):
+            gen.append_tokens([1, 2, 3, 4])
+        assert gen.get_sequence() == [5, 6, 7, 8, 9]
+        gen.append_tokens([1, 2, 3])  # exactly max_length: accepted, and generation is done
+        assert gen.get_sequence() == [5, 6, 7, 8, 9, 1, 2, 3] and gen.is_done()
+
+
 def test_speculative_generator_refuses_k_below_one(model):
     from onnx_genrt.engine.proposers import PromptLookupProposer
 
@@ -230,6 +245,18 @@ def test_config_accepts_whole_number_floats(folder):
     config = load_config(folder)
     assert config.context_length == 2048 and type(config.context_length) is int
     assert (config.search.max_length, config.search.top_k) == (64, 5)
+
+
+def test_eos_ids_up_to_the_last_vocabulary_entry_load(folder):
+    """Token ids run from 0 to vocab_size - 1: both ends are ids; vocab_size is not."""
+    vocab = load_config(folder).vocab_size
+    _edit_config(folder, lambda c: c["model"].update(eos_token_id=[0, vocab - 1]))
+    assert load_config(folder).eos_token_ids == (0, vocab - 1)
+    _edit_config(folder, lambda c: c["model"].update(eos_token_id=vocab))
+    with pytest.raises(
+        ModelLoadError, match=rf"eos_token_id must be .*<= {vocab - 1}, got {vocab}"
+    ):
+        load_config(folder)
 
 
 def test_corrupt_tokenizer_config_is_a_model_load_error(folder):
