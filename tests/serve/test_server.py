@@ -65,6 +65,49 @@ def test_completion_equals_generate(server, reference, reference_model):
     assert result.usage.total_tokens == result.usage.prompt_tokens + 12
 
 
+def test_a_prompt_of_token_ids(server, reference, reference_model):
+    ids = reference_model.tokenizer.encode("class Foo:")
+    result = client(server).completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0
+    )
+    assert result.choices[0].text == reference("class Foo:", 6)
+    assert result.usage.prompt_tokens == len(ids)
+
+
+def test_a_stop_string_ends_the_answer_before_it(server, reference):
+    full = reference("def add(a, b):", 12)
+    stop = full[6:9]
+    result = client(server).completions.create(
+        model=MODEL_NAME, prompt="def add(a, b):", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert result.choices[0].text == full[: full.index(stop)]
+    assert result.choices[0].finish_reason == "stop"
+    # A stop string whose start ends the answer: held back, then given at the end.
+    result = client(server).completions.create(
+        model=MODEL_NAME,
+        prompt="def add(a, b):",
+        max_tokens=12,
+        temperature=0,
+        stop=[full[-2:] + "QQ"],
+    )
+    assert result.choices[0].text == full
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_a_seeded_sample_repeats(server):
+    def sample() -> str:
+        return (
+            client(server)
+            .completions.create(
+                model=MODEL_NAME, prompt="import", max_tokens=8, temperature=1.3, top_p=0.95, seed=7
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample() == sample()
+
+
 def test_chat_completion_renders_the_template(server, reference, reference_model):
     messages = [
         {"role": "system", "content": "You write Python."},
@@ -253,6 +296,21 @@ def test_a_disconnecting_stream_frees_its_row(server):
     assert after[generated] - before[generated] < 300
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_row(server):
+    before = metrics(server)
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 900, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    wait_for(
+        lambda: metrics(server)[("onnx_genrt_running_rows", ())] == 0, what="running rows back to 0"
+    )
+    after = metrics(server)
+    generated = ("onnx_genrt_generated_tokens_total", ())
+    assert after[generated] - before[generated] < 600
+    cancelled = ("onnx_genrt_requests_total", (("finish_reason", "cancelled"),))
+    assert after[cancelled] - before[cancelled] == 1
+
+
 def test_metrics_are_prometheus_text(server):
     client(server).completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, temperature=0)
     samples = metrics(server)
@@ -273,6 +331,14 @@ def test_metrics_are_prometheus_text(server):
     assert prometheus_text.value(samples, "onnx_genrt_graph_replays_total", slot="primary") > 0
     # Batched decode replays its bucket graphs: no eager fallback.
     assert prometheus_text.value(samples, "onnx_genrt_graph_fallbacks_total", slot="primary") == 0
+    try:  # prometheus_client's own parser too, where it is installed (not a dependency)
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        return
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["onnx_genrt_time_to_first_token_seconds"].type == "histogram"
+    assert families["onnx_genrt_requests"].type == "counter"
 
 
 def test_a_full_queue_gets_429(small_server):
