@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
     from .app import create_app
 
+    # Bound first (a taken port fails before the model loads); uvicorn listens once ready.
+    sock = _bind(args.host, args.port)
     app = create_app(
         args.model,
         provider_args(args.provider, args.threads),
@@ -97,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
         grace_period=args.grace_period,
         warmup=not args.no_warmup,
     )
-    sock = _bind(args.host, args.port)
     config = uvicorn.Config(
         app,
         log_level=args.log_level,
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``, or an error naming the flag."""
+    """A socket bound to ``host:port`` (listening starts when the app is ready), or an
+    error naming the flags."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -127,7 +129,6 @@ def _bind(host: str, port: int) -> socket.socket:
             f"--host {host} --port {port}: cannot listen there ({exc.strerror}); pick another "
             "port or stop the process using it"
         ) from None
-    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
