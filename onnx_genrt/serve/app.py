@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -326,6 +327,21 @@ async def metrics(http: Request) -> Response:
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
+async def _http_error(http: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (unknown path, wrong method) in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException)
+    return error_response(
+        APIError(exc.status_code, f"{http.method} {http.url.path}: {exc.detail}", code=None)
+    )
+
+
+async def _internal_error(http: Request, exc: Exception) -> Response:
+    """A bug: answered in OpenAI's error shape (uvicorn logs the traceback)."""
+    return error_response(
+        APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    )
+
+
 def create_app(
     model_dir: str | Path | None = None,
     provider: str | Sequence[Any] = "cpu",
@@ -376,6 +392,7 @@ def create_app(
             Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.service = service
     return app

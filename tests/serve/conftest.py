@@ -103,6 +103,15 @@ def small_server(tmp_path: Path) -> Iterator[ServerProcess]:
     assert code == 0, f"exit code {code} after SIGTERM:\n{proc.output()}"
 
 
+@pytest.fixture
+def impatient_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    """One row and a grace period of half a second: SIGTERM cancels a long request."""
+    proc = ServerProcess("--max-batch", "1", "--grace-period", "0.5", log=tmp_path / "server.log")
+    yield proc
+    code = proc.stop()
+    assert code == 0, f"exit code {code} after SIGTERM:\n{proc.output()}"
+
+
 @pytest.fixture(scope="module")
 def reference_model() -> Model:
     return Model(default_model_dir())

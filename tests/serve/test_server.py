@@ -275,6 +275,15 @@ def test_unknown_model_and_bad_json(server):
     assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "status"), [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]
+)
+def test_unknown_paths_and_methods_get_openai_error_bodies(server, method, path, status):
+    response = httpx.request(method, f"{server.url}{path}", timeout=10)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_a_disconnecting_stream_frees_its_row(server):
     before = metrics(server)
     body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 900, "temperature": 0}
@@ -398,3 +407,22 @@ def test_sigterm_finishes_the_running_request_and_exits_0(small_server, referenc
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "".join(c["choices"][0]["text"] for c in chunks) == reference(LONG_PROMPT, 200)
     assert small_server.process.wait(60) == 0
+
+
+def test_sigterm_cancels_what_outlives_the_grace_period(impatient_server):
+    """The grace period ends: the stream gets an error event then [DONE], a whole answer a
+    503, and the process exits 0 long before 900 tokens."""
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 900, "temperature": 0}
+    url = f"{impatient_server.url}/v1/completions"
+    started = time.monotonic()
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
+        lines = response.iter_lines()
+        first = next(lines)
+        impatient_server.terminate()
+        rest = [line for line in [first, *lines] if line]
+    assert rest[-1] == "data: [DONE]"
+    last = json.loads(rest[-2][6:])
+    assert last["error"]["code"] == "shutting_down"
+    assert len(rest) < 300
+    assert impatient_server.process.wait(30) == 0
+    assert time.monotonic() - started < 30
