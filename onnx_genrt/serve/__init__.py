@@ -14,10 +14,14 @@ DEFAULT_GRACE_PERIOD = 30.0
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("create_app", "Service"):
-        from . import app
+    if name == "create_app":
+        from .app import create_app
 
-        return getattr(app, name)
+        return create_app
+    if name == "Service":
+        from .service import Service
+
+        return Service
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
