@@ -38,6 +38,11 @@ class ServerCounters:
             self._ttft_counts[bisect.bisect_left(TTFT_BUCKETS, seconds)] += 1
             self._ttft_sum += seconds
 
+    def requests(self) -> tuple[Counter[str], Counter[str]]:
+        """Copies of the finished (by finish reason) and rejected (by reason) counts."""
+        with self._lock:
+            return Counter(self.finished), Counter(self.rejected)
+
     def ttft_histogram(self) -> tuple[list[int], float]:
         """Cumulative counts per bucket (the last is +Inf) and the sum of observations."""
         with self._lock:
@@ -133,8 +138,7 @@ def render(
             _sample("time_to_first_token_seconds_count", cumulative[-1]),
         ],
     )
-    with counters._lock:
-        finished, rejected = Counter(counters.finished), Counter(counters.rejected)
+    finished, rejected = counters.requests()
     lines += _family(
         "requests_total",
         "counter",
