@@ -295,6 +295,9 @@ def _drive(
         if gen.is_done():
             if gen.tokens and gen.tokens[-1] in gen.eos:
                 reason = "eos"
+            rest = scanner.flush()  # text held back as a possible start of a stop string
+            if rest:
+                yield rest
             break
         gen.generate_next_token()
     t2 = time.perf_counter()

@@ -445,6 +445,8 @@ class Scheduler:
             if text or tokens:
                 pending.handle._emit(text, tokens)
             return
+        if not hit:  # text held back as a possible start of a stop string
+            text += running.scanner.flush()
         pending.handle._emit(text, tokens, finish)
         self._release(row, finished=True)
 

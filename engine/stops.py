@@ -54,28 +54,47 @@ def prompt_ids(model: Model, prompt: str | Sequence[int]) -> list[int]:
 class StopScanner:
     """Decodes a row's tokens into text and cuts it at the first stop string.
 
-    ``feed(tokens)`` returns the new text (up to a stop string, which is not included),
-    the tokens fed, and the stop string hit (None if none). Without a tokenizer the text
-    stays empty and stop strings never match.
+    ``feed(tokens)`` returns the new text that is safe to show (up to a stop string, which
+    is not included), the tokens fed, and the stop string hit (None if none). Text that
+    could be the start of a stop string is held back until the next tokens tell; when the
+    generation ends without a stop string, :meth:`flush` returns what was held back.
+    ``text`` is everything decoded so far, cut at a stop string. Without a tokenizer the
+    text stays empty and stop strings never match.
     """
 
     def __init__(self, decoder: TokenizerStream | None, stop: tuple[str, ...]) -> None:
         self.decoder, self.stop = decoder, stop
         self.text = ""
+        self._shown = 0  # length of the text returned so far
 
     def feed(self, tokens: Sequence[int]) -> tuple[str, list[int], str | None]:
         tokens = [int(t) for t in tokens]
         if self.decoder is None:
             return "", tokens, None
-        piece = "".join(self.decoder.decode(t) for t in tokens)
         before = len(self.text)
-        self.text += piece
+        self.text += "".join(self.decoder.decode(t) for t in tokens)
         # A stop string may straddle pieces: search from where one could start.
         start = max(0, before - max((len(s) for s in self.stop), default=0) + 1)
         hits = [(self.text.find(s, start), s) for s in self.stop]
         hits = [(at, s) for at, s in hits if at >= 0]
-        if not hits:
-            return piece, tokens, None
-        cut, hit = min(hits)
-        self.text = self.text[:cut]
-        return self.text[before:] if cut > before else "", tokens, hit
+        if hits:
+            cut, hit = min(hits)
+            self.text = self.text[:cut]
+            return self._show(cut), tokens, hit
+        return self._show(len(self.text) - self._held()), tokens, None
+
+    def flush(self) -> str:
+        """The text held back as a possible start of a stop string (the generation ended)."""
+        return self._show(len(self.text))
+
+    def _held(self) -> int:
+        """Length of the longest end of the text that begins a stop string."""
+        return max(
+            (n for s in self.stop for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])),
+            default=0,
+        )
+
+    def _show(self, end: int) -> str:
+        piece = self.text[self._shown : end] if end > self._shown else ""
+        self._shown = max(self._shown, end)
+        return piece

@@ -9,6 +9,7 @@ from typing import Any
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.core.paths import resolve_inside
 
+from .chat_template import render_chat
 from .config import read_json_object
 
 
@@ -31,6 +32,7 @@ class Tokenizer:
         except Exception as exc:
             raise ModelLoadError(f"{path} cannot be read: {exc}") from None
         self.config: dict[str, Any] = read_json_object(folder, "tokenizer_config.json") or {}
+        self._config_path = folder / "tokenizer_config.json"
 
     @property
     def vocab_size(self) -> int:
@@ -60,25 +62,31 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        return self.config.get("chat_template")
+        """The ``chat_template`` of tokenizer_config.json (None when absent)."""
+        template = self.config.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ModelLoadError(
+                f"{self._config_path}: chat_template must be a string, got "
+                f"{type(template).__name__} (named templates are not supported)"
+            )
+        return template
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        """Render the model's chat template (needs jinja2)."""
+        """Render ``messages`` with the model's chat template in Jinja's sandbox (see
+        :mod:`onnx_genrt.engine.chat_template`); errors name tokenizer_config.json."""
         template = self.chat_template
         if not template:
-            raise ModelLoadError("this model's tokenizer_config.json has no chat_template")
-        try:
-            import jinja2
-        except ImportError as exc:
-            raise ModelLoadError("rendering a chat template needs the 'jinja2' package") from exc
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(
-            messages=messages,
+            raise ModelLoadError(
+                f"{self._config_path} has no chat_template; add one to chat with this model"
+            )
+        return render_chat(
+            template,
+            messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.config.get("bos_token") or "",
-            eos_token=self.config.get("eos_token") or "",
+            config=self.config,
+            source=str(self._config_path),
         )
 
 

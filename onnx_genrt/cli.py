@@ -214,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect_cli.add_parser(sub)
     runner.add_parser(sub)
+
+    from onnx_genrt import chat_cli
+    from onnx_genrt.serve import cli as serve_cli
+
+    chat_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     for command in sub.choices.values():
         # Accepted after the command too; SUPPRESS keeps a --debug given before it.
         _debug_flag(command, argparse.SUPPRESS)

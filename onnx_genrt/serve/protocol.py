@@ -1,0 +1,339 @@
+"""The OpenAI request and response shapes: parse and check request bodies, build responses.
+
+Requests are checked field by field; an unknown field, a value of the wrong type or out
+of range, or a feature this server does not have (``n`` > 1, logprobs, tools) is an
+:class:`APIError` with status 400 naming the field (``param``), never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: Fields both endpoints accept.
+COMMON_FIELDS = (
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+)
+#: Fields OpenAI defines that this server accepts only at their neutral value, which
+#: changes nothing: a request asking for more is refused rather than served without it.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}),
+}
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt")
+CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens")
+#: OpenAI allows at most four stop sequences.
+MAX_STOP = 4
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.type, self.param, self.code = type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_field(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked completion or chat request."""
+
+    chat: bool
+    model: str
+    #: Completions: the prompt text or token ids; chat: the checked messages.
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+    def search_options(self) -> dict[str, Any]:
+        """The engine's search options: temperature 0 is greedy, above 0 samples."""
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+
+
+def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
+    """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+    if not isinstance(body, Mapping):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name in NEUTRAL_VALUES:
+            if not _neutral(body[name], NEUTRAL_VALUES[name]):
+                raise bad_field(
+                    name,
+                    f"is not supported by this server (only {_neutral_text(name)} is accepted)",
+                    "unsupported_parameter",
+                )
+        elif name not in allowed:
+            raise bad_field(name, "unknown field", "unknown_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_field("model", "required: the name of the model (see /v1/models)")
+    n = body.get("n")
+    if n is not None and (_not_int(n) or n != 1):
+        raise bad_field("n", f"only n=1 is supported, got {n!r}", "unsupported_value")
+    if chat:
+        from onnx_genrt.core.errors import InvalidInputError
+        from onnx_genrt.engine.chat_template import check_messages
+
+        try:
+            messages = check_messages(body.get("messages"))
+        except InvalidInputError as exc:
+            raise bad_field("messages", str(exc)) from None
+        prompt = None
+        max_tokens = _optional_int(body, "max_tokens", 1)
+        alias = _optional_int(body, "max_completion_tokens", 1)
+        if max_tokens is not None and alias is not None and max_tokens != alias:
+            raise bad_field("max_completion_tokens", "differs from max_tokens; give one")
+        max_tokens = max_tokens if max_tokens is not None else alias
+    else:
+        messages = None
+        prompt = _prompt(body.get("prompt"))
+        max_tokens = _optional_int(body, "max_tokens", 1)
+        if max_tokens is None:
+            max_tokens = 16  # OpenAI's default for completions
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_field("stream", f"must be true or false, got {stream!r}")
+    return GenerationRequest(
+        chat=chat,
+        model=model,
+        prompt=prompt,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0, low_open=False),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        seed=_optional_int(body, "seed", 0),
+        stop=_stop(body.get("stop")),
+        stream=stream,
+        include_usage=_include_usage(body.get("stream_options"), stream),
+    )
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``neutral``, type included (``False`` is not ``0``)."""
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+def _neutral_text(name: str) -> str:
+    return " or ".join(json.dumps(n) for n in NEUTRAL_VALUES[name])
+
+
+def _not_int(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _optional_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if _not_int(value) or value < minimum:
+        raise bad_field(name, f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _number(
+    body: Mapping[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool
+) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and (value > low if low_open else value >= low)
+        and value <= high
+    )
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise bad_field(name, f"must be a number in {interval}, got {value!r}")
+    return float(value)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise bad_field("prompt", "is empty")
+        return value
+    if isinstance(value, list) and value and all(not _not_int(t) and t >= 0 for t in value):
+        return list(value)
+    raise bad_field(
+        "prompt",
+        "must be a non-empty string or a list of token ids (one prompt per request; "
+        "send several requests for several prompts)",
+    )
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(items, list)
+        or len(items) > MAX_STOP
+        or not all(isinstance(s, str) and s for s in items)
+    ):
+        raise bad_field(
+            "stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them"
+        )
+    return tuple(items)
+
+
+def _include_usage(value: Any, stream: bool) -> bool:
+    if value is None:
+        return False
+    if not stream:
+        raise bad_field("stream_options", "is only allowed with stream=true")
+    if not isinstance(value, Mapping) or set(value) - {"include_usage"}:
+        raise bad_field("stream_options", "must be {'include_usage': true|false}")
+    include = value.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_field("stream_options", "include_usage must be true or false")
+    return include
+
+
+# -- responses ------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    request: GenerationRequest,
+    response_id: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """A whole (non-streamed) response of either endpoint."""
+    if request.chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": response_id,
+        "object": "chat.completion" if request.chat else "text_completion",
+        "created": created,
+        "model": request.model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chunk_body(
+    request: GenerationRequest,
+    response_id: str,
+    created: int,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    usage_counts: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk: a piece of text, the role (chat's first chunk), the finish
+    reason (last chunk), or, with ``usage_counts``, the usage chunk (no choices)."""
+    if usage_counts is not None:
+        choices: list[dict[str, Any]] = []
+    elif request.chat:
+        delta: dict[str, str] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    else:
+        choices = [
+            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        ]
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion.chunk" if request.chat else "text_completion",
+        "created": created,
+        "model": request.model,
+        "choices": choices,
+    }
+    if request.include_usage:
+        body["usage"] = usage_counts
+    return body
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,248 @@
+"""One model served: its scheduler, the server's counters and draining state, and the
+answers of one request, whole or as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
+from onnx_genrt.engine.model import Model
+from onnx_genrt.engine.scheduler import (
+    QueueFullError,
+    RequestHandle,
+    Scheduler,
+    SchedulerClosedError,
+)
+from onnx_genrt.engine.stops import prompt_ids
+
+from . import metrics as prom
+from .protocol import (
+    APIError,
+    GenerationRequest,
+    bad_field,
+    chunk_body,
+    completion_body,
+    new_id,
+    now,
+    usage,
+)
+
+
+class Service:
+    """One model, its scheduler, the server's counters and its draining state."""
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        model_name: str,
+        max_batch: int,
+        max_queue: int,
+        max_length: int | None,
+        grace_period: float,
+        warmup: bool,
+    ) -> None:
+        self.model = model
+        self.model_name = model_name
+        self.scheduler = Scheduler(
+            model, max_batch=max_batch, max_queue=max_queue, max_length=max_length
+        )
+        self.counters = prom.ServerCounters()
+        self.grace_period = grace_period
+        self.warmup = warmup
+        self.created = now()
+        self._draining = threading.Event()
+        self._drained = threading.Event()
+        self._drain_lock = threading.Lock()
+
+    # -- life cycle ---------------------------------------------------------------
+    def start(self) -> None:
+        """Start the scheduler; with ``warmup``, run one short request so that the first
+        client does not pay for loading kernels and capturing the first graph."""
+        self.scheduler.start()
+        if self.warmup:
+            bos = self.model.config.bos_token_id or 0
+            self.scheduler.submit([bos], max_new_tokens=2, ignore_eos=True).result(timeout=600)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def drain(self, grace_period: float | None = None) -> None:
+        """Stop admitting (new requests get 503), give running and queued requests
+        ``grace_period`` seconds to finish, then cancel the rest. Blocking; idempotent."""
+        self._draining.set()
+        with self._drain_lock:
+            if self._drained.is_set():
+                return
+            grace = self.grace_period if grace_period is None else grace_period
+            self.scheduler.close(cancel=False, timeout=grace)
+            left = self.scheduler.metrics()
+            if left.running_rows or left.queue_depth:
+                self.scheduler.close(cancel=True, timeout=60)
+            self._drained.set()
+
+    # -- requests -----------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Tokenize the request, check it fits the context, and queue it."""
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down and admits no new requests; retry on another replica",
+                type="service_unavailable_error",
+                code="shutting_down",
+            )
+        if request.model != self.model_name:
+            raise APIError(
+                404,
+                f"model {request.model!r} is not served here; this server serves "
+                f"{self.model_name!r} (see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        param = "messages" if request.chat else "prompt"
+        try:
+            if request.chat:
+                text = self.model.tokenizer.apply_chat_template(request.messages or [])
+                ids = prompt_ids(self.model, text)
+            else:
+                assert request.prompt is not None
+                ids = prompt_ids(self.model, request.prompt)
+        except InvalidInputError as exc:
+            raise bad_field(param, str(exc)) from None
+        except ModelLoadError as exc:
+            raise APIError(500, str(exc), type="server_error", code="model_error") from None
+        room = self.scheduler.max_length - len(ids)
+        if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens and max_tokens is {request.max_tokens}; "
+                f"together they must fit the context of {self.scheduler.max_length} tokens",
+                param=param if room < 1 else "max_tokens",
+                code="context_length_exceeded",
+            )
+        try:
+            return self.scheduler.submit(
+                ids,
+                max_new_tokens=request.max_tokens or room,
+                stop=request.stop,
+                **request.search_options(),
+            )
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+        except SchedulerClosedError as exc:
+            raise APIError(
+                503, str(exc), type="service_unavailable_error", code="shutting_down"
+            ) from None
+        except InvalidInputError as exc:
+            raise APIError(400, str(exc)) from None
+
+    async def whole(
+        self, request: GenerationRequest, handle: RequestHandle, http: Request, arrival: float
+    ) -> Response:
+        """Wait for the whole answer; a client that disconnects meanwhile cancels it."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(http, handle))
+        pieces: list[str] = []
+        tokens = 0
+        reason = "cancelled"
+        try:
+            async for event in handle.stream():
+                if event.token_ids and tokens == 0:
+                    self.counters.first_token(time.perf_counter() - arrival)
+                tokens += len(event.token_ids)
+                pieces.append(event.text)
+                if event.finish_reason is not None:
+                    reason = event.finish_reason
+        finally:
+            watcher.cancel()
+            if reason == "cancelled":
+                handle.cancel()
+            self.counters.request_finished(reason)
+        if reason in ("stop", "length"):
+            body = completion_body(
+                request,
+                new_id(request.chat),
+                now(),
+                "".join(pieces),
+                reason,
+                handle.prompt_tokens,
+                tokens,
+            )
+            return JSONResponse(body)
+        return error_response(_ended_early(handle, reason))
+
+    async def events(
+        self, request: GenerationRequest, handle: RequestHandle, arrival: float
+    ) -> AsyncIterator[str]:
+        """The answer as server-sent events in OpenAI's chunk format, ending ``[DONE]``.
+        If the client goes away, the generator is closed and the request cancelled."""
+        rid, created = new_id(request.chat), now()
+        finished = False
+        tokens = 0
+        try:
+            if request.chat:
+                yield _sse(chunk_body(request, rid, created, text="", role=True))
+            async for event in handle.stream():
+                if event.token_ids and tokens == 0:
+                    self.counters.first_token(time.perf_counter() - arrival)
+                tokens += len(event.token_ids)
+                reason = event.finish_reason
+                if event.text:
+                    yield _sse(chunk_body(request, rid, created, text=event.text))
+                if reason is None:
+                    continue
+                finished = True
+                self.counters.request_finished(reason)
+                if reason in ("stop", "length"):
+                    yield _sse(chunk_body(request, rid, created, finish_reason=reason))
+                    if request.include_usage:
+                        counts = usage(handle.prompt_tokens, tokens)
+                        yield _sse(chunk_body(request, rid, created, usage_counts=counts))
+                else:
+                    yield _sse(_ended_early(handle, reason).body())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client disconnected (or the server is forced down)
+                handle.cancel()
+                self.counters.request_finished("cancelled")
+
+
+def _ended_early(handle: RequestHandle, reason: str) -> APIError:
+    if reason == "error":
+        result = handle.result(timeout=5)  # set just before the last event is delivered
+        return APIError(
+            500,
+            f"generation failed: {result.error}",
+            type="server_error",
+            code="generation_failed",
+        )
+    return APIError(
+        503,
+        "the request was cancelled: the server is shutting down",
+        type="service_unavailable_error",
+        code="shutting_down",
+    )
+
+
+async def _cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
