@@ -110,15 +110,23 @@ class RequestHandle:
         """The events in asyncio, without a thread per waiting request."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def listener(event: TokenEvent) -> None:
+            loop.call_soon_threadsafe(inbox.put_nowait, event)
+
         with self._lock:  # events so far, then every later one through the listener
             while not self._events.empty():
                 inbox.put_nowait(self._events.get_nowait())
-            self._listeners.append(lambda e: loop.call_soon_threadsafe(inbox.put_nowait, e))
-        while True:
-            event = await inbox.get()
-            yield event
-            if event.finish_reason is not None:
-                return
+            self._listeners.append(listener)
+        try:
+            while True:
+                event = await inbox.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            with self._lock:
+                self._listeners.remove(listener)
 
     def result(self, timeout: float | None = None) -> RequestResult:
         """Wait for the request to finish and return its result."""
@@ -332,6 +340,9 @@ class Scheduler:
         return handle
 
     def metrics(self) -> SchedulerMetrics:
+        """A snapshot (waits for the decode step in flight: its graph counters move)."""
+        with self.model.session.exclusive():
+            graph_stats = self.model.session.all_graph_stats()
         with self._cv:
             busy = self._busy
             return SchedulerMetrics(
@@ -345,7 +356,7 @@ class Scheduler:
                 decode_steps=self._steps,
                 time_to_first_token=list(self._ttft),
                 tokens_per_second=self._tokens / busy if busy > 0 else 0.0,
-                graph_stats=self.model.session.all_graph_stats(),
+                graph_stats=graph_stats,
             )
 
     # -- the model thread ---------------------------------------------------------
