@@ -16,6 +16,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNABLE = "<!-- runnable -->"
+#: A block that talks to ``onnx-genrt serve`` on 127.0.0.1:8000: the test starts one on a free
+#: port and points the block's address there (the only change to its text).
+RUNNABLE_WITH_SERVER = "<!-- runnable with a server -->"
+SERVER_ADDRESS = "127.0.0.1:8000"
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 
 
@@ -28,6 +32,7 @@ class Block:
     language: str
     code: str
     runnable: bool
+    needs_server: bool = False
 
     @property
     def id(self) -> str:
@@ -41,7 +46,9 @@ def code_blocks(path: Path) -> list[Block]:
     for match in _FENCE.finditer(text):
         before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
         line = text.count("\n", 0, match.start()) + 1
-        blocks.append(Block(path, line, match.group(1), match.group(2), before == RUNNABLE))
+        marked = before in (RUNNABLE, RUNNABLE_WITH_SERVER)
+        server = before == RUNNABLE_WITH_SERVER
+        blocks.append(Block(path, line, match.group(1), match.group(2), marked, server))
     return blocks
 
 
@@ -68,8 +75,20 @@ def test_only_python_blocks_are_marked_runnable():
 @pytest.mark.parametrize("block", _runnable(), ids=lambda b: b.id)
 def test_block_runs_verbatim(block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code = compile(block.code, f"{block.id} (```python block)", "exec")
-    exec(code, {"__name__": "__readme__"})  # running the documentation is the test
+    text = block.code
+    server = None
+    if block.needs_server:
+        from tests.serve.conftest import ServerProcess
+
+        assert SERVER_ADDRESS in text, f"{block.id} is marked for a server but names none"
+        server = ServerProcess("--max-batch", "2", log=tmp_path / "server.log")
+        text = text.replace(SERVER_ADDRESS, f"127.0.0.1:{server.port}")
+    try:
+        code = compile(text, f"{block.id} (```python block)", "exec")
+        exec(code, {"__name__": "__readme__"})  # running the documentation is the test
+    finally:
+        if server is not None:
+            assert server.stop() == 0, server.output()
 
 
 def test_readme_starts_with_the_two_ci_commands():
