@@ -7,14 +7,13 @@ import functools
 import numpy as np
 
 from onnx_genrt.core.dtypes import is_float_dtype
-from onnx_genrt.core.op_rules import matmul_shape
+from onnx_genrt.core.op_rules import matmul_shape, normalize_axis
 
 from . import attention, conv, loss, normalization, pool, quant, quant_linear, recurrent  # noqa: F401  (register on import)
 from ._nn_common import (
     as_compute,
     compute_dtype,
     log_softmax_rows,
-    normalize_axis,
     rows_view,
     softmax_rows,
 )
@@ -300,13 +299,13 @@ def _softmax_like(ctx, x: np.ndarray, log: bool) -> np.ndarray:
     if not is_float_dtype(x.dtype):
         raise TypeError(f"{ctx.node.describe()}: unsupported dtype {x.dtype}")
     if ctx.opset >= 13:
-        axis = normalize_axis(int(ctx.attr("axis", -1)), max(x.ndim, 1))
+        axis = normalize_axis(int(ctx.attr("axis", -1)), max(x.ndim, 1), ctx.node)
         moved = x.ndim > 0 and axis != x.ndim - 1
         xm = np.moveaxis(x, axis, -1) if moved else x
         cols = xm.shape[-1] if xm.ndim else 1
         rows = xm.size // cols if cols else 0
     else:
-        axis = normalize_axis(int(ctx.attr("axis", 1)), max(x.ndim, 1))
+        axis = normalize_axis(int(ctx.attr("axis", 1)), max(x.ndim, 1), ctx.node)
         moved = False
         xm = x
         rows, cols = rows_view(x, axis)

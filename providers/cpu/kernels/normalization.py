@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
+from onnx_genrt.core.op_rules import normalize_axis
+
 from ._nn_common import (
     as_compute,
     layer_norm_rows,
-    normalize_axis,
     onnx_float_dtype,
     output_count,
     rms_norm_rows,
@@ -43,7 +44,7 @@ def _normalize(
     ctx, x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, rms: bool
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Shared body of LayerNormalization / RMSNormalization: (Y, mean, inv_std) in cdt."""
-    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim, ctx.node)
     eps = float(ctx.attr("epsilon", 1e-5))
     cdt = _stash_dtype(x, int(ctx.attr("stash_type", TensorProto.FLOAT)))
     rows, cols = rows_view(x, axis)
@@ -81,7 +82,7 @@ def layer_norm_kernel(
     n = output_count(ctx)
     if n == 1:
         return y
-    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim, ctx.node)
     stat_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
     u = onnx_float_dtype(int(ctx.attr("stash_type", TensorProto.FLOAT)))
     stats = (mean.reshape(stat_shape).astype(u), inv.reshape(stat_shape).astype(u))

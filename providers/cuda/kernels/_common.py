@@ -127,12 +127,6 @@ def bf16_unsupported() -> str | None:
     )
 
 
-def normalize_axis(ctx: KernelContext, axis: int, rank: int) -> int:
-    if not -rank <= axis < max(rank, 1):
-        raise ValueError(f"{ctx.node.describe()}: axis {axis} out of range for rank {rank}")
-    return axis + rank if axis < 0 else axis
-
-
 def rows_cols(shape: Sequence[int], axis: int) -> tuple[int, int]:
     """(rows, cols) of ``shape`` flattened to 2-D at ``axis``."""
     return math.prod(shape[:axis]), math.prod(shape[axis:])

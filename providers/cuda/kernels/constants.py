@@ -13,7 +13,8 @@ import weakref
 import cupy
 import numpy as np
 
-from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.op_rules import constant_problem, constant_value
 
 from ._common import CaptureUnsupported, capturing
 from ._registry import REGISTRY
@@ -54,38 +55,10 @@ def shape(ctx: KernelContext, x) -> cupy.ndarray:
     return host_known(ctx, np.array(dims, dtype=np.int64))
 
 
-_CONSTANT_UNSUPPORTED = ("sparse_value", "value_string", "value_strings")
-
-
-def _constant_check(node: NodeInfo, _types: object) -> str | None:
-    for name in _CONSTANT_UNSUPPORTED:
-        if name in node.attrs:
-            return f"Constant attribute {name!r} is not supported (sparse and string tensors)"
-    value = node.attrs.get("value")
-    if isinstance(value, np.ndarray) and value.dtype.kind in "OUS":
-        return "Constant string tensors are not supported"
-    return None
-
-
-@REGISTRY.register("Constant", since=1, check=_constant_check)
+@REGISTRY.register("Constant", since=1, check=constant_problem)
 def constant(ctx: KernelContext):
     """The node's value (value, value_float(s), value_int(s)) on the device."""
-    attrs = ctx.node.attrs
-    if "value" in attrs:
-        value = np.asarray(attrs["value"])
-    elif "value_float" in attrs:
-        value = np.asarray(attrs["value_float"], dtype=np.float32)
-    elif "value_floats" in attrs:
-        value = np.asarray(attrs["value_floats"], dtype=np.float32).reshape(-1)
-    elif "value_int" in attrs:
-        value = np.asarray(attrs["value_int"], dtype=np.int64)
-    elif "value_ints" in attrs:
-        value = np.asarray(attrs["value_ints"], dtype=np.int64).reshape(-1)
-    else:
-        reason = _constant_check(ctx.node, ()) or "Constant has no value attribute"
-        raise NotImplementedError(f"{ctx.node.describe()}: {reason}")
-    if value.dtype.kind in "OUS":
-        raise NotImplementedError(f"{ctx.node.describe()}: string constants are not supported")
+    value = constant_value(ctx.node)
     if capturing(ctx):
         raise CaptureUnsupported(f"{ctx.node.describe()}: Constant runs at load (folded)")
     as_array = getattr(ctx.provider, "as_array", None)

@@ -15,7 +15,12 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import gelu_attribute_problem
+from onnx_genrt.core.op_rules import (
+    cast_problem,
+    cast_target_code,
+    gelu_attribute_problem,
+    silu_mul_half,
+)
 
 from ._common import BF16, OPTIONS, out
 from ._registry import REGISTRY
@@ -218,38 +223,15 @@ _CAST_TYPES = {
 }
 
 
-def _to_code(to: Any) -> int:
-    if isinstance(to, str):
-        return int(TensorProto.DataType.Value(to.upper()))
-    return int(to)
-
-
 def _cast_check(node: NodeInfo, input_types: Sequence[Any]) -> str | None:
-    to = node.attr("to")
-    if to is None:
-        return "Cast needs a 'to' attribute"
-    try:
-        code = _to_code(to)
-    except ValueError:
-        return f"Cast to={to!r}: unknown element type"
-    if code not in _CAST_TYPES:
-        name = TensorProto.DataType.Name(code) if code in TensorProto.DataType.values() else code
-        return f"Cast to {name} is not supported on CUDA yet"
-    source = input_types[0] if input_types else None
-    if source is not None and source.dtype is not None:
-        try:
-            code_in = helper.np_dtype_to_tensor_dtype(np.dtype(source.dtype))
-        except (KeyError, TypeError, ValueError):
-            return f"Cast from {source.dtype} is not supported on CUDA"
-        if code_in not in _CAST_TYPES:
-            return f"Cast from {TensorProto.DataType.Name(code_in)} is not supported on CUDA yet"
-    return None
+    """The shared Cast rule with the element types CUDA handles."""
+    return cast_problem(node, input_types, _CAST_TYPES)
 
 
 @REGISTRY.register("Cast", since=1, check=_cast_check)
 def cast(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
     """Convert to the ``to`` type (C conversions: floats truncate toward zero into ints)."""
-    target = np.dtype(helper.tensor_dtype_to_np_dtype(_to_code(ctx.attr("to"))))
+    target = np.dtype(helper.tensor_dtype_to_np_dtype(cast_target_code(ctx.attr("to"))))
     y = out(ctx, 0, x.shape, target)
     if y.size:
         cupy.copyto(y, x, casting="unsafe")
@@ -283,12 +265,7 @@ def silu_mul(ctx: KernelContext, g: cupy.ndarray, u: cupy.ndarray | None = None)
     """The runtime's fused gated-MLP activation: ``g * sigmoid(g) * u`` in one launch; with
     one input and ``split=1``, g and u are the halves of its last axis."""
     if u is None:
-        half = g.shape[-1] // 2
-        if not ctx.attr("split", 0) or g.shape[-1] % 2:
-            raise ValueError(
-                f"{ctx.node.describe()}: one input needs split=1 and an even last dimension, "
-                f"got {list(g.shape)}"
-            )
+        half = silu_mul_half(ctx.node, g.shape)
         g, u = g[..., :half], g[..., half:]
     if g.dtype != u.dtype or (g.dtype.kind != "f" and g.dtype != BF16):
         raise TypeError(

@@ -13,6 +13,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
+from onnx_genrt.core.op_rules import mtp_accept_drafts
 
 from ._common import DEVICE_COMMON, contiguous, function, out, storage
 from ._registry import REGISTRY
@@ -70,12 +71,7 @@ __global__ void mtp_next_inputs(const long long* accepted, const long long* star
 @REGISTRY.register("MTPAccept", since=1, domain=GENRT_DOMAIN)
 def mtp_accept(ctx: KernelContext, ids, argmax, hidden, count):
     """(accepted [1], token [1, 1], hidden row [1, 1, H] as ``to``); see the CPU kernel."""
-    k = int(ids.shape[-1]) - 1
-    if argmax.shape[-1] != k + 1 or hidden.ndim != 3 or hidden.shape[1] != k + 1:
-        raise ValueError(
-            f"{ctx.node.describe()}: ids {list(ids.shape)}, argmax {list(argmax.shape)} and "
-            f"hidden {list(hidden.shape)} must share a width of k + 1"
-        )
+    k = mtp_accept_drafts(ctx.node, ids.shape, argmax.shape, hidden.shape)
     dtype = helper.tensor_dtype_to_np_dtype(int(ctx.attr("to", TensorProto.FLOAT)))
     size = int(hidden.shape[-1])
     accepted = out(ctx, 0, (1,), np.int64)

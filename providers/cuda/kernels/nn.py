@@ -6,13 +6,13 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
+from onnx_genrt.core.op_rules import normalize_axis
 
 from ._common import (
     DEVICE_COMMON,
     FLOAT_DTYPES,
     contiguous,
     function,
-    normalize_axis,
     out,
     refuse_in_capture,
     row_threads,
@@ -191,12 +191,12 @@ def softmax(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
         y.fill(1)
         return y
     if ctx.opset >= 13:
-        axis = normalize_axis(ctx, int(ctx.attr("axis", -1)), x.ndim)
+        axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim, ctx.node)
         if axis != x.ndim - 1:
             return _softmax_moved(ctx, x, axis, y)
         rows, cols = rows_cols(x.shape, x.ndim - 1)
     else:
-        rows, cols = rows_cols(x.shape, normalize_axis(ctx, int(ctx.attr("axis", 1)), x.ndim))
+        rows, cols = rows_cols(x.shape, normalize_axis(int(ctx.attr("axis", 1)), x.ndim, ctx.node))
     launch_rows("softmax_rows", ctx, contiguous(ctx, x), rows, cols, y, np.int64(cols))
     return y
 
@@ -224,7 +224,7 @@ def argmax(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
     numpy (the CPU provider), a NaN counts as the largest value. Any other axis uses CuPy
     eagerly.
     """
-    axis = normalize_axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
     keep = bool(ctx.attr("keepdims", 1))
     last = int(bool(ctx.attr("select_last_index", 0)))
     shape = list(x.shape)

@@ -22,6 +22,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import normalize_axis
 
 from ._common import (
     BF16,
@@ -30,7 +31,6 @@ from ._common import (
     contiguous,
     function,
     host_ints,
-    normalize_axis,
     out,
     refuse_in_capture,
     scratch,
@@ -212,7 +212,7 @@ def _axes(ctx: KernelContext, x, axes_in, input_from: int = 13) -> list[int] | N
         if ctx.attr("noop_with_empty_axes", 0):
             return None
         return list(range(x.ndim))
-    axes = sorted({normalize_axis(ctx, int(a), x.ndim) for a in raw})
+    axes = sorted({normalize_axis(int(a), x.ndim, ctx.node) for a in raw})
     return axes
 
 
