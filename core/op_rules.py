@@ -797,3 +797,12 @@ def mtp_accept_drafts(
             f"hidden {list(hidden_shape)} must share a width of k + 1"
         )
     return k
+
+
+def shape_value(node: NodeInfo, shape: Sequence[int]) -> np.ndarray:
+    """What a Shape node returns for an input of ``shape``: its dims as int64, sliced by the
+    ``start`` / ``end`` attributes from opset 15 (negatives count from the end, clamped)."""
+    dims = tuple(int(d) for d in shape)
+    if node.opset >= 15:
+        dims = dims[int(node.attr("start", 0)) : node.attr("end", None)]
+    return np.array(dims, dtype=np.int64)

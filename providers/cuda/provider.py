@@ -37,7 +37,7 @@ SHADOW_ENTRIES = 4096
 #: in shared memory after the first weight loads are issued). On by default: H200, 0.5B shape,
 #: graphed greedy (separate bench processes, same machine): int4 1138.5 -> 1166.8 tok/s, fp16
 #: 1142.4 -> 1114.8 (slower; SiluMul into wide float GEMVs now stays a launch of its own, see
-#: ``norm_matmul.SILU_FLOAT_GEMV_MAX_K``), embedded model greedy 7068 -> 8493 and MTP 10363 ->
+#: ``genrt.SILU_FLOAT_GEMV_MAX_K``), embedded model greedy 7068 -> 8493 and MTP 10363 ->
 #: 13721. ``gemv_prologues=False`` or ONNX_GENRT_GEMV_PROLOGUES=0 keeps the norm and SiluMul
 #: launches.
 GEMV_PROLOGUE_OPS = frozenset(

@@ -1,15 +1,35 @@
-"""CPU kernels (numpy, numpy's BLAS and Numba). Importing this package registers them all."""
+"""CPU kernels (numpy, numpy's BLAS and Numba), one module per op family.
 
-from . import (  # noqa: F401  (register on import)
+The registry is built here: each kernel module registers its ops into ``_registry.REGISTRY``
+when imported, and ``KERNEL_MODULES`` lists every one of them. A family present in several
+providers has the same module name in each (``matmul``, ``softmax``, ``reduce``,
+``constants``, ``genrt`` for the runtime's own ops, ...). Modules starting with ``_`` hold
+helpers and register nothing.
+"""
+
+from . import (
+    attention,
+    constants,
     contrib,
+    contrib_attention,
+    contrib_norm,
+    contrib_quant,
+    conv,
     detection,
     elementwise,
-    fused,
-    nn,
+    genrt,
+    loss,
+    matmul,
+    normalization,
+    pool,
+    quant,
+    quant_linear,
+    recurrent,
     reduce,
     sampling,
     sequence_mixers,
     shape_ops,
+    softmax,
     spectral,
     strings,
     tensor_math,
@@ -18,4 +38,35 @@ from . import (  # noqa: F401  (register on import)
 )
 from ._registry import REGISTRY
 
-__all__ = ["REGISTRY"]
+#: Every module that registers CPU kernels (a new one is added here, or it registers nothing).
+KERNEL_MODULES = (
+    attention,
+    constants,
+    contrib,
+    contrib_attention,
+    contrib_norm,
+    contrib_quant,
+    conv,
+    detection,
+    elementwise,
+    genrt,
+    loss,
+    matmul,
+    normalization,
+    pool,
+    quant,
+    quant_linear,
+    recurrent,
+    reduce,
+    sampling,
+    sequence_mixers,
+    shape_ops,
+    softmax,
+    spectral,
+    strings,
+    tensor_math,
+    tfidf,
+    training,
+)
+
+__all__ = ["KERNEL_MODULES", "REGISTRY"]

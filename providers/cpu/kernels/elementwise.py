@@ -22,8 +22,6 @@ from onnx_genrt.core.op_rules import (
     cast_problem,
     cast_target_code,
     cast_type_problem,
-    constant_problem,
-    constant_value,
     gelu_attribute_problem,
     legacy_broadcast_shape,
     prelu_slope_shape,
@@ -639,11 +637,3 @@ def dropout(
     mask = ctx.out(1, x.shape, BOOL if ctx.opset >= 10 else x.dtype)
     mask[...] = 1
     return y, mask
-
-
-@REGISTRY.register("Constant", since=1, check=constant_problem)
-def constant(ctx: KernelContext) -> Array:
-    """The node's constant value (value, value_float(s), value_int(s)); returned read-only."""
-    value = constant_value(ctx.node)
-    value.flags.writeable = False
-    return value

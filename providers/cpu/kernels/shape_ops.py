@@ -139,21 +139,6 @@ def transpose(ctx: KernelContext, x: Array) -> Array:
 # ----------------------------------------------------------------------------- shape queries
 
 
-@REGISTRY.register("Shape", since=1)
-def shape(ctx: KernelContext, x: Array) -> Array:
-    """The input's shape as int64 (start/end slice attributes from opset 15)."""
-    dims = x.shape
-    if ctx.opset >= 15:
-        dims = dims[int(ctx.attr("start", 0)) : ctx.attr("end", None)]
-    return np.array(dims, dtype=np.int64)
-
-
-@REGISTRY.register("Size", since=1)
-def size(ctx: KernelContext, x: Array) -> Array:
-    """Number of elements as a 0-d int64 tensor."""
-    return np.asarray(x.size, dtype=np.int64)
-
-
 @REGISTRY.register("ConstantOfShape", since=9)
 def constant_of_shape(ctx: KernelContext, shape: Array) -> Array:
     """A tensor of ``shape`` filled with the ``value`` attribute (default float32 0)."""

@@ -428,3 +428,36 @@ DEVI float block_max(float v, float* sh) {
   return sh[32];
 }
 """
+
+#: Device helpers of the ArgMax kernels: order keys that make the pick of a row one max.
+ARG_KEYS = r"""
+// Order key of element i of value v: the value's bits made unsigned-comparable (-0 as +0,
+// NaN above everything as in numpy) over the index, so that the lower index wins a tie (the
+// higher with last). The largest key is the pick whatever order keys are met in; 0 is no pick.
+DEVI unsigned long long arg_key(float v, long long i, int last) {
+  unsigned int u = __float_as_uint(v);
+  u = v != v ? 0xffffffffu : (v == 0.f ? 0x80000000u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u)));
+  const unsigned int low = last ? (unsigned int)i : 0xffffffffu - (unsigned int)i;
+  return ((unsigned long long)u << 32) | low;
+}
+DEVI long long arg_index(unsigned long long k, int last) {
+  if (k == 0ull) return 0;
+  const unsigned int low = (unsigned int)k;
+  return last ? (long long)low : (long long)(0xffffffffu - low);
+}
+DEVI unsigned long long kmax(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+// Block-wide largest key; thread 0 gets it. sh holds 32 entries.
+DEVI unsigned long long block_kmax(unsigned long long k, unsigned long long* sh) {
+  for (int o = 16; o > 0; o >>= 1) k = kmax(k, __shfl_xor_sync(0xffffffffu, k, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) sh[warp] = k;
+  __syncthreads();
+  if (warp == 0) {
+    k = lane < warps ? sh[lane] : 0ull;
+    for (int o = 16; o > 0; o >>= 1) k = kmax(k, __shfl_xor_sync(0xffffffffu, k, o));
+  }
+  return k;
+}
+"""

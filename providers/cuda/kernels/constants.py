@@ -14,7 +14,7 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
-from onnx_genrt.core.op_rules import constant_problem, constant_value
+from onnx_genrt.core.op_rules import constant_problem, constant_value, shape_value
 
 from ._common import CaptureUnsupported, capturing
 from ._registry import REGISTRY
@@ -49,10 +49,7 @@ def host_known(ctx: KernelContext, host: np.ndarray) -> cupy.ndarray:
 @REGISTRY.register("Shape", since=1)
 def shape(ctx: KernelContext, x) -> cupy.ndarray:
     """The input's shape as int64 (start/end attributes from opset 15); host-shadowed."""
-    dims = tuple(int(d) for d in x.shape)
-    if ctx.opset >= 15:
-        dims = dims[int(ctx.attr("start", 0)) : ctx.attr("end", None)]
-    return host_known(ctx, np.array(dims, dtype=np.int64))
+    return host_known(ctx, shape_value(ctx.node, x.shape))
 
 
 @REGISTRY.register("Constant", since=1, check=constant_problem)

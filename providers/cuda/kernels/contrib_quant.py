@@ -690,7 +690,7 @@ def matmul_nbits(
 ):
     """Y = A @ dequant(B)^T (+ bias); float32 accumulation; fp32 or fp16 A and scales.
 
-    ``norm`` (a ``norm_matmul.FusedNorm``): A is normalized first, inside the 16-byte-chunk
+    ``norm`` (a ``genrt.FusedNorm``): A is normalized first, inside the 16-byte-chunk
     GEMVs when they apply, else by the norm kernel before any other path."""
     desc = ctx.node.describe()
     reason = _nbits_check(ctx.node, ())
