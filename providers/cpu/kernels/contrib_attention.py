@@ -14,7 +14,7 @@ and the rows are then compacted in place. RoPE keeps absolute positions.
 
 A decode or verify step (batch 1, up to 16 new tokens, float32, shared buffers) runs as a
 _GqaStep built once per node and buffers: the kernel's ``bind`` (KernelDef.bind) hands it to a recorded CPU
-graph, and eager calls keep one in ``ctx.scratch``. It does the general path's arithmetic
+graph, and eager calls keep one in ``ctx.state``. It does the general path's arithmetic
 on the valid prefix, so both give equal results; anything else takes the general path.
 """
 
@@ -404,7 +404,7 @@ def _attend_windowed(
 
 # ----------------------------------------------------------------------------- GQA decode step
 
-_STEP_KEY = "gqa_step"  # ctx.scratch entry: the eager call's prebuilt _GqaStep
+_STEP_KEY = "gqa_step"  # ctx.state entry: the eager call's prebuilt _GqaStep
 _STEP_MAX_ROWS = 16  # new tokens per call the prebuilt step takes (decode and verify widths)
 
 
@@ -716,15 +716,15 @@ def group_query_attention(
 
     ``rest`` holds k_scale, v_scale, q_norm_weight, k_norm_weight (all refused) and
     query_seqlens (right-padded chunks). A decode/verify step on the shared KV buffers runs
-    as a prebuilt _GqaStep (kept in ctx.scratch for the next call on the same buffers).
+    as a prebuilt _GqaStep (kept in ctx.state for the next call on the same buffers).
     """
     args = (query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
             cos_cache, sin_cache, position_ids, attention_bias, head_sink, *rest)  # fmt: skip
-    step = ctx.scratch.get(_STEP_KEY)
+    step = ctx.state.get(_STEP_KEY)
     if step is None or not step.serves(ctx, args):
         step = _GqaStep.build(ctx, args, None)
         if step is not None and ctx.planned and ctx.planned[0] is step.y:
-            ctx.scratch[_STEP_KEY] = step
+            ctx.state[_STEP_KEY] = step
     if step is not None and step.run():
         return step.results
     return _gqa_general(ctx, *args)

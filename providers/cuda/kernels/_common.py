@@ -32,10 +32,10 @@ class CaptureUnsupported(RuntimeError):
 
 
 def capturing(ctx: KernelContext) -> bool:
-    """True while the provider's stream records a graph."""
-    provider = ctx.provider
-    if provider is not None and hasattr(provider, "capturing"):
-        return provider.capturing is not None
+    """True while the provider's stream records a graph (a call without a provider asks
+    CuPy's current stream)."""
+    if ctx.provider is not None:
+        return ctx.capturing
     return bool(cupy.cuda.get_current_stream().is_capturing())
 
 
@@ -46,21 +46,17 @@ def refuse_in_capture(ctx: KernelContext, what: str) -> None:
 
 
 def out(ctx: KernelContext, index: int, shape: Sequence[int], dtype: Any) -> cupy.ndarray:
-    """The planned buffer for output ``index`` when it fits, else a new device array.
-
-    While capturing, a missing planned buffer is an error: memory allocated inside a capture
-    returns to the pool afterwards and a replay would write into someone else's bytes.
-    """
+    """``ctx.out``: the planned buffer for output ``index`` when it fits, else a new device
+    array (refused while capturing). A call without a provider (a test calling a kernel
+    directly) gets a CuPy array the same way."""
+    if ctx.provider is not None:
+        return ctx.out(index, shape, dtype)
     shape = tuple(int(s) for s in shape)
     dt = np.dtype(dtype)
     if index < len(ctx.planned):
         buf = ctx.planned[index]
-        if (
-            isinstance(buf, cupy.ndarray)
-            and buf.shape == shape
-            and buf.dtype == dt
-            and buf.flags.c_contiguous
-        ):
+        fits = isinstance(buf, cupy.ndarray) and buf.shape == shape and buf.dtype == dt
+        if fits and buf.flags.c_contiguous:
             return buf
     refuse_in_capture(ctx, f"output {index} {list(shape)} {dt} has no planned buffer; allocating")
     return cupy.empty(shape, dt)
@@ -77,22 +73,17 @@ def contiguous(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
 def host_ints(ctx: KernelContext, value: Any) -> list[int]:
     """A small integer tensor (shape, axes, slice bounds) as Python ints.
 
-    Host arrays are read directly. Device arrays are looked up in the provider's host
-    shadow (kept for small integer constants by ``as_array``); otherwise they are read with
-    a blocking copy, which is refused while capturing.
+    Host arrays are read directly, device arrays through ``ctx.host_value`` (the copy the
+    provider kept when it uploaded them); otherwise they are read with a blocking copy on
+    the provider's stream, which is refused while capturing.
     """
     if value is None:
         return []
-    if not isinstance(value, cupy.ndarray):
-        return [int(v) for v in np.asarray(value).reshape(-1)]
-    shadow = getattr(ctx.provider, "host_shadow", None)
-    if shadow is not None:
-        host = shadow(value)
-        if host is not None:
-            return [int(v) for v in host.reshape(-1)]
+    host = ctx.host_value(value)
+    if host is not None:
+        return [int(v) for v in np.asarray(host).reshape(-1)]
     refuse_in_capture(ctx, "reading a device tensor on the host")
-    stream = getattr(ctx.provider, "stream", None)
-    return [int(v) for v in value.get(stream=stream).reshape(-1)]
+    return [int(v) for v in value.get(stream=ctx.stream).reshape(-1)]
 
 
 @functools.cache
@@ -166,12 +157,12 @@ def sm_count() -> int:
 
 
 def scratch(ctx: KernelContext, nbytes: int) -> cupy.ndarray:
-    """Scratch bytes that stay at their address while graphs use them (provider-owned)."""
-    get = getattr(ctx.provider, "scratch", None)
-    if get is not None:
-        return get(nbytes)
+    """``ctx.scratch``: bytes of the provider's workspace, which stay at their address while
+    graphs use them. A call without a provider gets fresh CuPy memory (not in a capture)."""
+    if ctx.provider is not None:
+        return ctx.scratch(nbytes)
     refuse_in_capture(ctx, "scratch memory without a CUDA provider")
-    return cupy.empty(nbytes, np.uint8)
+    return cupy.empty(max(int(nbytes), 1), np.uint8)
 
 
 #: Device helpers shared by the RawKernel sources: fp16 <-> fp32 and block reductions.

@@ -40,8 +40,7 @@ def host_known(ctx: KernelContext, host: np.ndarray) -> cupy.ndarray:
                 f"{ctx.node.describe()}: value {host.tolist()} is first needed while capturing; "
                 "run the step eagerly first"
             )
-        as_array = getattr(provider, "as_array", None)
-        dev = as_array(host) if as_array is not None else cupy.asarray(host)
+        dev = provider.upload(host) if provider is not None else cupy.asarray(host)
         table[key] = dev
     return dev
 
@@ -58,5 +57,4 @@ def constant(ctx: KernelContext):
     value = constant_value(ctx.node)
     if capturing(ctx):
         raise CaptureUnsupported(f"{ctx.node.describe()}: Constant runs at load (folded)")
-    as_array = getattr(ctx.provider, "as_array", None)
-    return as_array(value) if as_array is not None else cupy.asarray(value)
+    return ctx.provider.upload(value) if ctx.provider is not None else cupy.asarray(value)

@@ -703,13 +703,7 @@ __global__ void rotary_rows(const S* __restrict__ x, S* __restrict__ y,
 
 def _host_scalar(ctx: KernelContext, value) -> int | None:
     """The value of a small integer tensor when it is known on the host (never syncs)."""
-    if value is None:
-        return None
-    if not isinstance(value, cupy.ndarray):
-        arr = np.asarray(value).reshape(-1)
-        return int(arr[0]) if arr.size else None
-    shadow = getattr(ctx.provider, "host_shadow", None)
-    host = shadow(value) if shadow is not None else None
+    host = ctx.host_value(value)
     if host is None or host.size == 0:
         return None
     return int(host.reshape(-1)[0])

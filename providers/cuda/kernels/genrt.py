@@ -338,7 +338,7 @@ def _activations(ctx: KernelContext, x, fused: FusedNorm):
 
 def _projection_ctx(ctx: KernelContext) -> KernelContext:
     """The context the projection's own kernel expects (its node, output 0's buffer)."""
-    return KernelContext(fused_projection(ctx.node), ctx.provider, ctx.planned[:1], ctx.scratch)
+    return KernelContext(fused_projection(ctx.node), ctx.provider, ctx.planned[:1], ctx.state)
 
 
 def _first(result):

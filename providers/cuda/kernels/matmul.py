@@ -340,7 +340,7 @@ def transpose_weight(provider, node, index: int, host: np.ndarray) -> Transposed
         return None
     if (host.shape[0] * host.dtype.itemsize) % 16:
         return None
-    return TransposedWeight(provider.as_array(np.ascontiguousarray(host.T)))
+    return TransposedWeight(provider.upload(np.ascontiguousarray(host.T)))
 
 
 def gemv_layout(m: int, k_chunks: int, n: int, sms: int) -> tuple[int, int, int]:
