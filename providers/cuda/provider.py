@@ -102,7 +102,7 @@ class CUDAProvider(ExecutionProvider):
         )
         self._graphs: dict[tuple[DeviceGraphSlot, int], Any] = {}
         #: Host <-> device transfers through pinned memory, on ``stream``.
-        self.staging = StagingRing(self.stream)
+        self.staging = StagingRing(self.stream, self._scope)
         #: Host copies of the small integer arrays uploaded (``host_value``).
         self.shadow = HostShadow()
 

@@ -55,8 +55,9 @@ class _PendingRead:
 class StagingRing:
     """The pinned ring of one stream, and the transfers that go through it."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, scope: Any = None) -> None:
         self.stream = stream
+        self._scope = stream if scope is None else scope  # makes the device and stream current
         self._ring: np.ndarray | None = None
         self._memory: Any = None
         self._used = 0
@@ -108,7 +109,7 @@ class StagingRing:
         if src.size == 0:
             return np.empty(src.shape, src.dtype)
         if not src.flags.c_contiguous:
-            with self.stream:
+            with self._scope:
                 src = cupy.ascontiguousarray(src)
         nbytes = int(src.nbytes)
         if nbytes > STAGING_MAX:

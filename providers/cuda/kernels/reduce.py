@@ -1,4 +1,4 @@
-"""CUDA kernels: ReduceSum.
+"""CUDA kernels: ReduceSum, ReduceMean, ReduceMax and ArgMax.
 
 Reduced axes that form one contiguous run (the usual case: the last axes, or all of them)
 view the input as ``(outer, reduced, inner)``, capturable. One block sums each output when
