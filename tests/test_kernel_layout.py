@@ -5,28 +5,16 @@ CuPy replaced by a stub in a child process, so this runs without a GPU."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import onnx_genrt.providers.cpu.kernels as cpu_kernels
+from tests.cuda_stub import run_with_cupy_stub
 
 _LAYOUT = """
-import json, sys
-from unittest import mock
-if sys.argv[1] == "cuda":
-    class Stub(mock.MagicMock):
-        def _get_child_mock(self, **kw):
-            child = Stub(**kw)
-            child.__name__ = str(kw.get("name") or "stub")
-            return child
-    sys.modules["cupy"] = Stub()
-    import onnx_genrt.providers.cuda.kernels as pkg
-else:
-    import onnx_genrt.providers.cpu.kernels as pkg
+import importlib, json
+pkg = importlib.import_module(f"onnx_genrt.providers.{sys.argv[1]}.kernels")
 homes = {}
 for (domain, op), defs in pkg.REGISTRY._defs.items():
     homes[domain + "::" + op] = sorted({d.fn.__module__.rsplit(".", 1)[-1] for d in defs})
@@ -38,11 +26,7 @@ print(json.dumps({
 
 
 def _layout(provider: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", _LAYOUT, provider], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_with_cupy_stub(_LAYOUT, provider)
 
 
 @pytest.fixture(scope="module")

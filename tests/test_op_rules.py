@@ -5,9 +5,6 @@ checks, imported with CuPy stubbed out, give the same answers as the CPU's."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,6 +29,7 @@ from onnx_genrt.core.op_rules import (
     silu_mul_half,
     slice_index,
 )
+from tests.cuda_stub import run_with_cupy_stub
 
 
 def _node(op: str, opset: int = 17, inputs: tuple[str, ...] = (), **attrs) -> NodeInfo:
@@ -340,16 +338,9 @@ def test_genrt_op_rules():
 # -- the CUDA provider's checks are the shared rules (CuPy stubbed) ------------------------
 
 _CUDA_CHECKS = """
-import json, sys
-from unittest import mock
+import json
 import numpy as np
 from onnx import TensorProto
-class Stub(mock.MagicMock):
-    def _get_child_mock(self, **kw):
-        child = Stub(**kw)
-        child.__name__ = str(kw.get("name") or "stub")
-        return child
-sys.modules["cupy"] = Stub()
 from onnx_genrt.core.kernels import NodeInfo, TensorType
 from onnx_genrt.providers.cuda.kernels import REGISTRY
 def check(domain, op, attrs, inputs=(), types=()):
@@ -368,11 +359,7 @@ print(json.dumps([
 
 
 def test_cuda_checks_are_the_shared_rules():
-    done = subprocess.run(
-        [sys.executable, "-c", _CUDA_CHECKS], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_with_cupy_stub(_CUDA_CHECKS)
     f8 = TensorProto.FLOAT8E4M3FN
     assert got == [
         constant_problem(_node("Constant", value_strings=["a"])),

@@ -7,66 +7,43 @@ providers has the same module name in each (``matmul``, ``softmax``, ``reduce``,
 helpers and register nothing.
 """
 
-from . import (
-    attention,
-    constants,
-    contrib,
-    contrib_attention,
-    contrib_norm,
-    contrib_quant,
-    conv,
-    detection,
-    elementwise,
-    genrt,
-    loss,
-    matmul,
-    normalization,
-    pool,
-    quant,
-    quant_linear,
-    recurrent,
-    reduce,
-    sampling,
-    sequence_mixers,
-    shape_ops,
-    softmax,
-    spectral,
-    strings,
-    tensor_math,
-    tfidf,
-    training,
-)
+from importlib import import_module
+
 from ._registry import REGISTRY
 
-#: Every module that registers CPU kernels (a new one is added here, or it registers nothing).
-KERNEL_MODULES = (
-    attention,
-    constants,
-    contrib,
-    contrib_attention,
-    contrib_norm,
-    contrib_quant,
-    conv,
-    detection,
-    elementwise,
-    genrt,
-    loss,
-    matmul,
-    normalization,
-    pool,
-    quant,
-    quant_linear,
-    recurrent,
-    reduce,
-    sampling,
-    sequence_mixers,
-    shape_ops,
-    softmax,
-    spectral,
-    strings,
-    tensor_math,
-    tfidf,
-    training,
+#: Every module that registers CPU kernels, imported (and so registered) here: a new
+#: module is added to this list, or it registers nothing.
+KERNEL_MODULES = tuple(
+    import_module(f"{__name__}.{name}")
+    for name in (
+        "attention",
+        "constants",
+        "contrib",
+        "contrib_attention",
+        "contrib_norm",
+        "contrib_quant",
+        "conv",
+        "detection",
+        "elementwise",
+        "genrt",
+        "loss",
+        "matmul",
+        "normalization",
+        "pool",
+        "quant",
+        "quant_linear",
+        "recurrent",
+        "reduce",
+        "sampling",
+        "sequence_mixers",
+        "shape_ops",
+        "softmax",
+        "spectral",
+        "strings",
+        "tensor_math",
+        "tfidf",
+        "training",
+    )
 )
 
 __all__ = ["KERNEL_MODULES", "REGISTRY"]

@@ -9,34 +9,27 @@ Every kernel is written to be captured into a CUDA graph: no cuBLAS, no host syn
 allocation while the provider's stream is capturing (see ``_common.out``).
 """
 
-from . import (
-    constants,
-    contrib_attention,
-    contrib_norm,
-    contrib_quant,
-    elementwise,
-    genrt,
-    matmul,
-    normalization,
-    reduce,
-    shape_ops,
-    softmax,
-)
+from importlib import import_module
+
 from ._registry import REGISTRY
 
-#: Every module that registers CUDA kernels (a new one is added here, or it registers nothing).
-KERNEL_MODULES = (
-    constants,
-    contrib_attention,
-    contrib_norm,
-    contrib_quant,
-    elementwise,
-    genrt,
-    matmul,
-    normalization,
-    reduce,
-    shape_ops,
-    softmax,
+#: Every module that registers CUDA kernels, imported (and so registered) here: a new
+#: module is added to this list, or it registers nothing.
+KERNEL_MODULES = tuple(
+    import_module(f"{__name__}.{name}")
+    for name in (
+        "constants",
+        "contrib_attention",
+        "contrib_norm",
+        "contrib_quant",
+        "elementwise",
+        "genrt",
+        "matmul",
+        "normalization",
+        "reduce",
+        "shape_ops",
+        "softmax",
+    )
 )
 
 __all__ = ["KERNEL_MODULES", "REGISTRY"]
