@@ -105,6 +105,14 @@ class KernelContext:
         """The opset of the node's domain."""
         return self.node.opset
 
+    def option(self, name: str, default: Any = None) -> Any:
+        """The provider's option ``name`` (a kernel variant switch, see
+        ``ProviderOption``); ``default`` without a provider or when it has no such option."""
+        options = getattr(self.provider, "OPTIONS", ())
+        if any(o.name == name for o in options):
+            return self.provider.option(name)
+        return default
+
     @property
     def capturing(self) -> bool:
         """Whether the provider is recording a graph now."""

@@ -136,3 +136,13 @@ def test_host_value_asks_the_provider_for_its_own_arrays():
     assert ctx.host_value("another") is None
     assert KernelContext(NODE).host_value("device array") is None  # no provider: unknown
     assert ctx.host_value((3, 1)).tolist() == [3, 1]  # host values as they are
+
+
+def test_kernel_context_reads_provider_options():
+    from onnx_genrt.providers.cpu.provider import CPUProvider
+
+    ctx = KernelContext(NODE, CPUProvider(nbits_cache=True))
+    assert ctx.option("nbits_cache", False) is True
+    assert ctx.option("no_such_option", "fallback") == "fallback"
+    assert KernelContext(NODE).option("nbits_cache", False) is False
+    assert KernelContext(NODE, Legacy10()).option("nbits_cache", 3) == 3  # not its option

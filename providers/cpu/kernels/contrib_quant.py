@@ -230,7 +230,7 @@ def matmul_nbits(
             sources,
             params,
             lambda: dequantize_nbits(b, scales, zero_points, *params),
-            keep=ctx.provider is not None and ctx.provider.option("nbits_cache"),
+            keep=ctx.option("nbits_cache", False),
         )
         if direct:
             np.matmul(a2, w.T, out=out2)
