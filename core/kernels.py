@@ -5,11 +5,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
 from onnx import helper
+
+from .errors import GraphCaptureError
 
 ONNX_DOMAIN = ""
 MS_DOMAIN = "com.microsoft"
@@ -74,18 +76,25 @@ def _attr_value(attr: onnx.AttributeProto) -> Any:
     return value
 
 
-@dataclass
+@dataclass(eq=False)
 class KernelContext:
-    """Passed to every kernel call: the node and a way to get its output buffers.
+    """What a kernel is handed with its inputs: the node, its planned output buffers and the
+    provider's services (stream, scratch, host values of small inputs, output allocation).
 
-    ``out(i, shape, dtype)`` returns a buffer planned for output ``i`` when the planner
-    knows its shape, else a fresh one. Kernels may also just return new arrays.
+    The session builds one per kernel instance when it plans a layout, so a launch costs no
+    construction; kernels read these members instead of reaching into their provider.
+    ``state`` is the kernel instance's own cache (a prebuilt step, say), kept between calls.
     """
 
     node: NodeInfo
-    provider: Any = None
-    planned: Sequence[np.ndarray | None] = ()
-    scratch: dict[str, Any] = field(default_factory=dict)
+    provider: ExecutionProviderLike | None = None
+    planned: Sequence[Any | None] = ()
+    state: dict[str, Any] = field(default_factory=dict)
+    #: The provider's stream (the queue its work goes on), or None for a synchronous one.
+    stream: Any = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.stream = getattr(self.provider, "stream", None)
 
     def attr(self, name: str, default: Any = None) -> Any:
         """An attribute's value (``default`` when absent)."""
@@ -96,15 +105,83 @@ class KernelContext:
         """The opset of the node's domain."""
         return self.node.opset
 
-    def out(self, index: int, shape: Sequence[int], dtype: Any) -> np.ndarray:
-        """The planned buffer for output ``index`` when it fits, else a new array."""
+    def option(self, name: str, default: Any = None) -> Any:
+        """The provider's option ``name`` (a kernel variant switch, see
+        ``ProviderOption``); ``default`` without a provider or when it has no such option."""
+        options = getattr(self.provider, "OPTIONS", ())
+        if any(o.name == name for o in options):
+            return self.provider.option(name)
+        return default
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the provider is recording a graph now."""
+        return self.provider is not None and self.provider.capturing is not None
+
+    @property
+    def recording_addresses(self) -> bool:
+        """Whether a device graph is recording, which replays on fixed addresses: no output
+        or scratch may be allocated, and no host read made, until it ends."""
+        return self.capturing and not self.provider.CAPTURE_EXECUTES
+
+    def out(self, index: int, shape: Sequence[int], dtype: Any) -> Any:
+        """The planned buffer for output ``index`` when it fits (shape, dtype, C-contiguous),
+        else a new array of the provider (numpy without one). While a device graph records,
+        a missing planned buffer is an error: memory allocated inside a capture returns to
+        the pool afterwards and a replay would write into someone else's bytes."""
         shape = tuple(int(s) for s in shape)
         dt = np.dtype(dtype)
         if index < len(self.planned):
             buf = self.planned[index]
-            if buf is not None and buf.shape == shape and buf.dtype == dt:
+            if (
+                buf is not None
+                and buf.shape == shape
+                and buf.dtype == dt
+                and getattr(getattr(buf, "flags", None), "c_contiguous", True)
+            ):
                 return buf
-        return np.empty(shape, dt)
+        if self.provider is None:
+            return np.empty(shape, dt)
+        if self.recording_addresses:
+            raise GraphCaptureError(
+                f"{self.node.describe()}: output {index} {list(shape)} {dt} has no planned "
+                "buffer; allocating cannot run inside a device graph"
+            )
+        return self.provider.empty(shape, dt)
+
+    def scratch(self, nbytes: int) -> Any:
+        """``nbytes`` of scratch memory (a 1-D uint8 array of the provider) from its
+        workspace, which stays at its address while captured graphs use it. Contents are
+        undefined; the next kernel may reuse them."""
+        if self.provider is None:
+            return np.empty(max(int(nbytes), 1), np.uint8)
+        return self.provider.workspace.acquire(nbytes, frozen=self.recording_addresses)
+
+    def host_value(self, value: Any) -> np.ndarray | None:
+        """The host copy of a small input (a shape, axes, slice bounds) when one is known
+        without reading the device: a host array as it is, or the copy the provider kept
+        when it uploaded the value; None otherwise (the kernel then reads it back, which a
+        device graph cannot record)."""
+        if value is None:
+            return None
+        if isinstance(value, np.ndarray | np.generic | int | float | list | tuple):
+            return np.asarray(value)
+        if self.provider is None:
+            return None
+        return self.provider.host_value(value)
+
+
+class ExecutionProviderLike(Protocol):
+    """The provider members a :class:`KernelContext` uses (``core.provider.ExecutionProvider``
+    has them all)."""
+
+    CAPTURE_EXECUTES: bool
+    capturing: Any
+    workspace: Any
+
+    def empty(self, shape: Sequence[int], dtype: np.dtype) -> Any: ...
+
+    def host_value(self, array: Any) -> np.ndarray | None: ...
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 
 from .genrt_ops import GENRT_OPS, projection_node
-from .kernels import KernelContext, NodeInfo
+from .kernels import KernelContext, NodeInfo, TensorType
 
 #: Bit widths MatMulNBits kernels support.
 NBITS = (2, 4, 8)
@@ -411,3 +412,397 @@ def gelu_attribute_problem(node: NodeInfo, _types: object = ()) -> str | None:
     if approx not in ("none", "tanh"):
         return f"Gelu approximate={approx!r} is not supported (expected 'none' or 'tanh')"
     return None
+
+
+# -- axes -----------------------------------------------------------------------------------
+
+
+def normalize_axis(axis: int, rank: int, node: NodeInfo | None = None, what: str = "axis") -> int:
+    """``axis`` mapped into ``[0, rank)`` (negatives count from the end); a ValueError naming
+    the node otherwise. A scalar (rank 0) accepts axis 0."""
+    axis = int(axis)
+    if not -rank <= axis < max(rank, 1):
+        where = f"{node.describe()}: " if node is not None else ""
+        raise ValueError(f"{where}{what} {axis} out of range for rank {rank}")
+    return axis + rank if axis < 0 else axis
+
+
+def normalize_axes(axes: Sequence[int], rank: int, node: NodeInfo | None = None) -> list[int]:
+    """Each of ``axes`` normalized (see :func:`normalize_axis`); a repeated axis is an error."""
+    out = [normalize_axis(int(a), rank, node) for a in axes]
+    if len(set(out)) != len(out):
+        where = f"{node.describe()}: " if node is not None else ""
+        raise ValueError(f"{where}repeated axis in {[int(a) for a in axes]}")
+    return out
+
+
+# -- Constant -------------------------------------------------------------------------------
+
+#: Constant attributes no provider supports (sparse and string tensors).
+CONSTANT_UNSUPPORTED = ("sparse_value", "value_string", "value_strings")
+
+
+def constant_problem(node: NodeInfo, _types: object = ()) -> str | None:
+    """Why a Constant node cannot run (a kernel ``check``), or None."""
+    for name in CONSTANT_UNSUPPORTED:
+        if name in node.attrs:
+            return f"Constant attribute {name!r} is not supported (sparse and string tensors)"
+    value = node.attrs.get("value")
+    if isinstance(value, np.ndarray) and value.dtype.kind in "OUS":
+        return "Constant string tensors are not supported"
+    return None
+
+
+def constant_value(node: NodeInfo) -> np.ndarray:
+    """A Constant node's value on the host (value, value_float(s) or value_int(s));
+    NotImplementedError naming the node for the forms :func:`constant_problem` refuses."""
+    attrs = node.attrs
+    if "value" in attrs:
+        value = np.asarray(attrs["value"])
+    elif "value_float" in attrs:
+        value = np.asarray(attrs["value_float"], dtype=np.float32)
+    elif "value_floats" in attrs:
+        value = np.asarray(attrs["value_floats"], dtype=np.float32).reshape(-1)
+    elif "value_int" in attrs:
+        value = np.asarray(attrs["value_int"], dtype=np.int64)
+    elif "value_ints" in attrs:
+        value = np.asarray(attrs["value_ints"], dtype=np.int64).reshape(-1)
+    else:
+        reason = constant_problem(node) or "Constant has no value attribute"
+        raise NotImplementedError(f"{node.describe()}: {reason}")
+    if value.dtype.kind in "OUS":
+        raise NotImplementedError(f"{node.describe()}: string constants are not supported")
+    return value
+
+
+# -- Cast -----------------------------------------------------------------------------------
+
+
+def cast_target_code(to: object) -> int:
+    """ONNX element type code of Cast's ``to`` (an int, or a type name such as 'FLOAT' as
+    opset 1 wrote it); ValueError for an unknown name."""
+    if isinstance(to, str):
+        return int(onnx.TensorProto.DataType.Value(to.upper()))
+    return int(to)  # type: ignore[call-overload]
+
+
+def _element_type_name(code: int) -> str:
+    if code in onnx.TensorProto.DataType.values():
+        return onnx.TensorProto.DataType.Name(code)
+    return str(code)
+
+
+def cast_type_problem(code: int, supported: Collection[int] | None = None) -> str | None:
+    """Why element type ``code`` cannot be a Cast's source or target, or None: strings and
+    complex numbers never; with ``supported`` (a provider's element types), anything else."""
+    if code == onnx.TensorProto.STRING:
+        return "string tensors are not supported"
+    try:
+        dt = onnx.helper.tensor_dtype_to_np_dtype(code)
+    except (KeyError, ValueError):
+        return f"element type code {code} is not supported"
+    if dt.kind in "OUSc" or (supported is not None and code not in supported):
+        return f"element type {_element_type_name(code)} is not supported"
+    return None
+
+
+def cast_problem(
+    node: NodeInfo,
+    input_types: Sequence[TensorType | None] = (),
+    supported: Collection[int] | None = None,
+) -> str | None:
+    """Why a Cast node cannot run (a kernel ``check``), or None: ``to`` must name an element
+    type; with ``supported``, the target and (when known) the source must be among them.
+    CastLike takes its target from an input and is not checked here."""
+    if node.op_type == "CastLike":
+        return None
+    to = node.attr("to")
+    if to is None:
+        return "Cast needs a 'to' attribute"
+    try:
+        code = cast_target_code(to)
+    except ValueError:
+        return f"Cast to={to!r}: unknown element type"
+    reason = cast_type_problem(code, supported)
+    if reason:
+        return f"Cast to {reason}"
+    source = input_types[0] if input_types else None
+    if supported is not None and source is not None and source.dtype is not None:
+        try:
+            code_in = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(source.dtype))
+        except (KeyError, TypeError, ValueError):
+            return f"Cast from {source.dtype} is not supported"
+        reason = cast_type_problem(code_in, supported)
+        if reason:
+            return f"Cast from {reason}"
+    return None
+
+
+# -- Slice ----------------------------------------------------------------------------------
+
+
+def slice_index(
+    node: NodeInfo,
+    rank: int,
+    starts: Sequence[int] | None = None,
+    ends: Sequence[int] | None = None,
+    axes: Sequence[int] | None = None,
+    steps: Sequence[int] | None = None,
+) -> tuple[slice, ...]:
+    """The index a Slice node takes on an input of ``rank``: bounds from the attributes
+    before opset 10, else from the inputs (read on the host; None when absent). Python
+    slicing clamps out-of-range bounds exactly as ONNX specifies."""
+    if node.opset < 10:
+        starts, ends = node.attr("starts", []), node.attr("ends", [])
+        axes, steps = node.attr("axes", None) or None, None
+    st = [int(v) for v in (starts or ())]
+    en = [int(v) for v in (ends or ())]
+    ax = list(range(len(st))) if axes is None else [int(v) for v in axes]
+    sp = [1] * len(st) if steps is None else [int(v) for v in steps]
+    if not len(st) == len(en) == len(ax) == len(sp):
+        raise ValueError(
+            f"{node.describe()}: starts/ends/axes/steps lengths differ "
+            f"({len(st)}, {len(en)}, {len(ax)}, {len(sp)})"
+        )
+    index: list[slice] = [slice(None)] * rank
+    for a, s, e, step in zip(normalize_axes(ax, rank, node), st, en, sp, strict=True):
+        if step == 0:
+            raise ValueError(f"{node.describe()}: step must not be zero")
+        index[a] = slice(s, e, step)
+    return tuple(index)
+
+
+# -- RotaryEmbedding (com.microsoft) --------------------------------------------------------
+
+
+def rotary_problem(node: NodeInfo, _types: object = ()) -> str | None:
+    """Why a com.microsoft RotaryEmbedding node cannot run (a kernel ``check``), or None."""
+    if node.attr("is_packed_batching", 0):
+        return "RotaryEmbedding is_packed_batching=1 is not supported"
+    return None
+
+
+@dataclass(frozen=True)
+class RotaryLayout:
+    """How a com.microsoft RotaryEmbedding input splits into heads: (B, N, S, D) views of a
+    (B, S, N*D) input (``bnsh`` False) or the 4-D (B, N, S, D) input itself."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_size: int
+    rotary_dim: int
+    bnsh: bool
+
+
+def rotary_layout(node: NodeInfo, x_shape: Sequence[int], cos_shape: Sequence[int]) -> RotaryLayout:
+    """The layout of a RotaryEmbedding input of ``x_shape`` with a cos cache of
+    ``cos_shape`` (max positions, rotary_dim / 2); ValueError naming the node when they do
+    not fit."""
+    reason = rotary_problem(node)
+    if reason:
+        raise NotImplementedError(f"{node.describe()}: {reason}")
+    desc = node.describe()
+    if len(cos_shape) != 2:
+        raise ValueError(f"{desc}: cos_cache must be 2-D, got {list(cos_shape)}")
+    half = int(cos_shape[1])
+    if len(x_shape) == 4:
+        b, n, s, d = (int(v) for v in x_shape)
+        bnsh = True
+    elif len(x_shape) == 3:
+        b, s, hidden = (int(v) for v in x_shape)
+        n = int(node.attr("num_heads", 0)) or (hidden // (2 * half) if half else 0)
+        if n <= 0 or hidden % n:
+            raise ValueError(f"{desc}: hidden {hidden} not divisible by {n} heads")
+        d, bnsh = hidden // n, False
+    else:
+        raise ValueError(f"{desc}: input must be 3-D or 4-D, got {list(x_shape)}")
+    rot = int(node.attr("rotary_embedding_dim", 0)) or d
+    if rot != 2 * half or rot > d:
+        raise ValueError(f"{desc}: rotary dim {rot} vs cos cache {list(cos_shape)}")
+    return RotaryLayout(b, n, s, d, rot, bnsh)
+
+
+# -- GroupQueryAttention shapes -------------------------------------------------------------
+
+#: GroupQueryAttention's inputs in order, as onnxruntime's com.microsoft schema names them.
+GQA_INPUTS = (
+    "query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
+    "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale",
+    "v_scale", "q_norm_weight", "k_norm_weight", "query_seqlens",
+)  # fmt: skip
+
+
+def gqa_input_problem(node: NodeInfo, refused: Collection[str], where: str = "") -> str | None:
+    """Why a GroupQueryAttention node cannot run because it feeds an input named in
+    ``refused`` (the optional inputs a provider does not take), or None. ``where`` ends the
+    message (" on CUDA")."""
+    unknown = set(refused) - set(GQA_INPUTS)
+    if unknown:
+        raise ValueError(f"not GroupQueryAttention inputs: {sorted(unknown)}")
+    names = node.input_names
+    for i, what in enumerate(GQA_INPUTS):
+        if what in refused and i < len(names) and names[i]:
+            return f"GroupQueryAttention input {what!r} is not supported{where}"
+    return None
+
+
+@dataclass(frozen=True)
+class GqaShapes:
+    """A GroupQueryAttention call's geometry: batch, new tokens, query and KV heads, head
+    size, whether Q, K and V come packed in ``query``, the KV cache capacity (0 without a
+    past) and the rotary dimension (0 without ``do_rotary``)."""
+
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    packed: bool
+    capacity: int
+    rotary_dim: int
+
+
+class _Shaped:  # anything with a ``shape`` (numpy, CuPy), for the signature below
+    shape: tuple[int, ...]
+
+
+def _shape(value: _Shaped | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(d) for d in value.shape)
+
+
+def gqa_shapes(
+    node: NodeInfo,
+    query: _Shaped,
+    key: _Shaped | None = None,
+    value: _Shaped | None = None,
+    past_key: _Shaped | None = None,
+    past_value: _Shaped | None = None,
+    seqlens_k: _Shaped | None = None,
+    cos_cache: _Shaped | None = None,
+    sin_cache: _Shaped | None = None,
+    head_sink: _Shaped | None = None,
+) -> GqaShapes:
+    """Check the shapes of a GroupQueryAttention call against its attributes (num_heads,
+    kv_num_heads, do_rotary) and each other; ValueError naming the node and the input at
+    fault. Arguments are arrays of any kind (only ``.shape`` is read) or None when absent."""
+    desc = node.describe()
+    heads, kvh = int(node.attr("num_heads", 0)), int(node.attr("kv_num_heads", 0))
+    if heads <= 0 or kvh <= 0 or heads % kvh:
+        raise ValueError(
+            f"{desc}: num_heads {heads} must be a positive multiple of kv_num_heads {kvh}"
+        )
+    q = _shape(query)
+    if q is None or len(q) != 3:
+        raise ValueError(f"{desc}: query must be (batch, seq, width), got {q}")
+    b, s, width = q
+    k, v = _shape(key), _shape(value)
+    if k is None:
+        if v is not None or width % (heads + 2 * kvh):
+            raise ValueError(
+                f"{desc}: packed QKV width {width} does not fit {heads}+2*{kvh} heads "
+                "(or value given without key)"
+            )
+        d = width // (heads + 2 * kvh)
+    else:
+        if v is None or width % heads:
+            raise ValueError(
+                f"{desc}: query width {width} not divisible by {heads} heads (or value missing)"
+            )
+        d = width // heads
+        if k != (b, s, kvh * d) or v != k:
+            raise ValueError(
+                f"{desc}: key/value shapes {list(k)}, {list(v or ())} != {[b, s, kvh * d]}"
+            )
+    capacity = _gqa_capacity(desc, (b, kvh, d), _shape(past_key), _shape(past_value))
+    lens = _shape(seqlens_k)
+    if lens is None:
+        raise ValueError(f"{desc}: seqlens_k is required")
+    if math.prod(lens) != b:
+        raise ValueError(f"{desc}: seqlens_k {list(lens)} must hold one entry per batch ({b})")
+    rot = _gqa_rotary_dim(node, d, _shape(cos_cache), _shape(sin_cache))
+    sink = _shape(head_sink)
+    if sink is not None and math.prod(sink) != heads:
+        raise ValueError(f"{desc}: head_sink {list(sink)} must hold one value per head ({heads})")
+    return GqaShapes(b, s, heads, kvh, d, k is None, capacity, rot)
+
+
+def _gqa_capacity(
+    desc: str,
+    bnd: tuple[int, int, int],
+    past_key: tuple[int, ...] | None,
+    past_value: tuple[int, ...] | None,
+) -> int:
+    """Rows of the past KV cache (0 without one), checked against (batch, kv heads, size)."""
+    if (past_key is None) != (past_value is None):
+        raise ValueError(f"{desc}: past_key and past_value go together")
+    if past_key is None or past_value is None:
+        return 0
+    b, kvh, d = bnd
+    for name, shape in (("past_key", past_key), ("past_value", past_value)):
+        if len(shape) != 4 or shape[:2] != (b, kvh) or shape[3] != d:
+            raise ValueError(f"{desc}: {name} {list(shape)} does not fit [{b}, {kvh}, *, {d}]")
+    if past_key != past_value:
+        raise ValueError(f"{desc}: past_key {list(past_key)} and past_value differ in shape")
+    return past_key[2]
+
+
+def _gqa_rotary_dim(
+    node: NodeInfo, head_size: int, cos: tuple[int, ...] | None, sin: tuple[int, ...] | None
+) -> int:
+    """The rotary dimension of a ``do_rotary=1`` node (0 otherwise), from its caches."""
+    if not node.attr("do_rotary", 0):
+        return 0
+    desc = node.describe()
+    if cos is None or sin is None:
+        raise ValueError(f"{desc}: do_rotary needs cos_cache and sin_cache")
+    if len(cos) != 2 or cos != sin:
+        raise ValueError(f"{desc}: cos/sin caches {list(cos)}, {list(sin)} must be equal 2-D")
+    rot = 2 * cos[1]
+    if rot > head_size or cos[0] < 1:
+        raise ValueError(
+            f"{desc}: rotary dim {rot} (cos cache {list(cos)}) exceeds head size {head_size} "
+            "or the cache has no positions"
+        )
+    return rot
+
+
+# -- the runtime's own ops (domain onnx_genrt, see core.genrt_ops) --------------------------
+
+
+def silu_mul_half(node: NodeInfo, gate_shape: Sequence[int]) -> int:
+    """Width of each half of a one-input SiluMul (gate and up side by side on the last
+    axis); ValueError naming the node unless ``split=1`` and the last axis is even."""
+    width = int(gate_shape[-1]) if len(gate_shape) else 0
+    if not node.attr("split", 0) or width % 2 or not len(gate_shape):
+        raise ValueError(
+            f"{node.describe()}: one input needs split=1 and an even last dimension, "
+            f"got {list(gate_shape)}"
+        )
+    return width // 2
+
+
+def mtp_accept_drafts(
+    node: NodeInfo,
+    ids_shape: Sequence[int],
+    argmax_shape: Sequence[int],
+    hidden_shape: Sequence[int],
+) -> int:
+    """The number of drafts k an MTPAccept node checks: ids, argmax and hidden must share a
+    width of k + 1 (hidden is [1, k + 1, H]); ValueError naming the node otherwise."""
+    k = int(ids_shape[-1]) - 1
+    if int(argmax_shape[-1]) != k + 1 or len(hidden_shape) != 3 or hidden_shape[1] != k + 1:
+        raise ValueError(
+            f"{node.describe()}: ids {list(ids_shape)}, argmax {list(argmax_shape)} and "
+            f"hidden {list(hidden_shape)} must share a width of k + 1"
+        )
+    return k
+
+
+def shape_value(node: NodeInfo, shape: Sequence[int]) -> np.ndarray:
+    """What a Shape node returns for an input of ``shape``: its dims as int64, sliced by the
+    ``start`` / ``end`` attributes from opset 15 (negatives count from the end, clamped)."""
+    dims = tuple(int(d) for d in shape)
+    if node.opset >= 15:
+        dims = dims[int(node.attr("start", 0)) : node.attr("end", None)]
+    return np.array(dims, dtype=np.int64)

@@ -16,13 +16,31 @@ from .errors import GraphCaptureError, InvalidInputError, UnsupportedGraphSlot
 from .graph_slots import DeviceGraphSlot
 from .kernels import KernelContext, KernelDef, KernelRegistry, NodeInfo, TensorType
 from .tensor import Tensor
-from .workspace import StepWorkspace
+from .workspace import Workspace
 
 #: The provider API this runtime implements, as (major, minor). A plugin states the version it
 #: was written for in ``ProviderSpec.api_version``; it loads when the majors are equal and its
 #: minor is not newer (as onnxruntime's plugin EPs report the ``ORT_API_VERSION`` they were
 #: built with). A minor adds members with defaults; a major changes or removes them.
-PROVIDER_API_VERSION: tuple[int, int] = (1, 0)
+#: 1.1: the transfer verbs ``empty``, ``upload``, ``read`` (``copy`` on arrays); a 1.0
+#: provider that implements ``allocate``, ``copy_from_host``, ``copy_to_host`` and
+#: ``copy`` on Tensors keeps working through adapters. ``KernelContext`` gains ``stream``,
+#: ``scratch``, ``host_value``, ``state``; the provider gains ``host_value`` and ``stream``.
+PROVIDER_API_VERSION: tuple[int, int] = (1, 1)
+
+#: The 1.0 transfer methods, each with the 1.1 verb that replaces it.
+_LEGACY_TRANSFERS = {"allocate": "empty", "copy_from_host": "upload", "copy_to_host": "read"}
+#: The verbs 1.1 added (``copy`` and ``read_later`` were in 1.0 already).
+_VERBS = ("empty", "upload", "read")
+#: Every deprecated 1.0 name, with what replaces it.
+_ALIASES = {
+    **_LEGACY_TRANSFERS,
+    "as_array": "upload",
+    "write_from_host": "upload",
+    "to_numpy": "read",
+    "to_numpy_many": "read",
+    "copy_array": "copy",
+}
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,34 @@ class ProviderOption:
         return given
 
 
+def _tensor_copy_adapter(copy: Callable[..., None]) -> Callable[..., None]:
+    """A 1.0 ``copy(src: Tensor, dst: Tensor)`` called with arrays (the 1.1 verb)."""
+
+    def adapted(self: ExecutionProvider, src: Any, dst: Any) -> None:
+        copy(
+            self,
+            src if isinstance(src, Tensor) else self._tensor(src),
+            dst if isinstance(dst, Tensor) else self._tensor(dst),
+        )
+
+    adapted.__doc__ = copy.__doc__
+    return adapted
+
+
+def _array_copy_adapter(copy: Callable[..., None]) -> Callable[..., None]:
+    """A 1.1 ``copy(src, dst)`` on arrays, called by code still passing Tensors."""
+
+    def adapted(self: ExecutionProvider, src: Any, dst: Any) -> None:
+        copy(
+            self,
+            src.buffer if isinstance(src, Tensor) else src,
+            dst.buffer if isinstance(dst, Tensor) else dst,
+        )
+
+    adapted.__doc__ = copy.__doc__
+    return adapted
+
+
 def resolve_options(
     provider: str, declared: Sequence[ProviderOption], given: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -98,8 +144,12 @@ class ExecutionProvider(ABC):
     CAPTURE_EXECUTES: ClassVar[bool] = False
     #: Settings that choose kernel variants, fixed at construction (see :class:`ProviderOption`).
     OPTIONS: ClassVar[tuple[ProviderOption, ...]] = ()
+    #: The queue this provider's work goes on (a CUDA stream), handed to kernels as
+    #: ``KernelContext.stream``; None for a provider that runs each call at once.
+    stream: Any = None
 
     def __init__(self, **options: Any) -> None:
+        self._check_transfers()
         self._options = resolve_options(self.name, self.OPTIONS, options)
         self._capture_latch: dict[DeviceGraphSlot, str] = {}
         # Who captured each slot's graph (an executor); sessions sharing this provider
@@ -109,7 +159,8 @@ class ExecutionProvider(ABC):
         self._capturing: DeviceGraphSlot | None = None
         self._capturing_part = 0
         self._parts: dict[DeviceGraphSlot, set[int]] = {}
-        self.workspace = StepWorkspace(self._allocate_workspace)
+        #: Scratch memory for this provider's kernels (``KernelContext.scratch``).
+        self.workspace = Workspace(self._allocate_workspace)
 
     def option(self, name: str) -> Any:
         """The value of one of this provider's :attr:`OPTIONS`."""
@@ -127,26 +178,108 @@ class ExecutionProvider(ABC):
         return {o.name: self.option(o.name) for o in self.OPTIONS}
 
     # -- device and memory -------------------------------------------------
+    # One currency: arrays of this provider (``ARRAY_TYPES``), which slice, ``.view`` and
+    # ``.reshape`` like numpy's. Five verbs move data: ``empty`` (allocate), ``upload``
+    # (host to device, new or in place), ``read`` (device to host now), ``read_later``
+    # (device to host behind queued work) and ``copy`` (device to device). A provider
+    # implements ``empty``, ``upload``, ``read`` and ``copy``; ``read_later`` has a
+    # synchronous default. Everything runs on the provider's ``stream`` in order.
     @property
     @abstractmethod
     def device(self) -> Device:
         """The device this provider's memory lives on."""
 
-    @abstractmethod
-    def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
-        """Uninitialised device memory for a tensor."""
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        """An uninitialised array of this provider (``dtype``: anything ``np.dtype`` takes)."""
+        self._require_legacy("empty")
+        return type(self).__legacy__["allocate"](self, shape, DType.from_numpy(dtype)).buffer
 
-    @abstractmethod
-    def copy_from_host(self, array: np.ndarray, out: Tensor | None = None) -> Tensor:
-        """Host to device. Writes into ``out`` when given, else allocates."""
+    def upload(self, host: Any, out: Any = None) -> Any:
+        """Host values onto this provider, returning the array that holds them: ``out`` (one
+        of its arrays, written in place; ``host`` is broadcast and cast to it like
+        ``np.copyto``) when given; else a new C-contiguous array, or, on a host provider,
+        ``host`` itself when it already is one (do not write into it afterwards). An array of
+        this provider passes through."""
+        self._require_legacy("upload")
+        legacy = type(self).__legacy__["copy_from_host"]
+        host = np.require(host, requirements="C")
+        return legacy(self, host, None if out is None else self._tensor(out)).buffer
 
-    @abstractmethod
-    def copy_to_host(self, tensor: Tensor, out: np.ndarray | None = None) -> np.ndarray:
-        """Device to host."""
+    def read(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """Host copies of ``arrays`` (this provider's, or host arrays), after the work queued
+        so far; a device provider waits once for all of them."""
+        self._require_legacy("read")
+        legacy = type(self).__legacy__["copy_to_host"]
+        return [
+            legacy(self, self._tensor(a)) if self.holds(a) else np.array(a, copy=True)
+            for a in arrays
+        ]
 
-    @abstractmethod
-    def copy(self, src: Tensor, dst: Tensor) -> None:
-        """Device to device, same shape and dtype."""
+    #: Whether ``read_later`` returns before the values are ready (work queued on a stream).
+    ASYNC_READS = False
+
+    def read_later(self, arrays: Sequence[Any]) -> Callable[[], list[np.ndarray]]:
+        """Queue host copies of ``arrays`` behind the work queued so far; the returned call
+        waits for them and returns what ``read`` would have. Later work may be queued
+        before that call. Synchronous providers read at once."""
+        values = self.read(arrays)
+        return lambda: values
+
+    def copy(self, src: Any, dst: Any) -> None:
+        """Device to device, ``src`` into ``dst`` (arrays of this provider, same shape and
+        dtype), in stream order. Deprecated: :class:`Tensor` arguments are unwrapped."""
+        raise NotImplementedError(f"provider {self.name!r} does not implement copy")
+
+    # A 1.0 provider implements allocate / copy_from_host / copy_to_host and copy(Tensor,
+    # Tensor); ``__init_subclass__`` keeps those as ``__legacy__`` and the verbs call them.
+    __legacy__: ClassVar[dict[str, Callable[..., Any]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = {n: cls.__dict__[n] for n in _LEGACY_TRANSFERS if n in cls.__dict__}
+        aliases = [n for n in _ALIASES if n in cls.__dict__]
+        verbs = [v for v in _VERBS if getattr(cls, v) is not getattr(ExecutionProvider, v)]
+        if (own or aliases) and verbs:
+            name = (list(own) + aliases)[0]
+            raise TypeError(
+                f"provider class {cls.__name__} overrides {name}, a provider API 1.0 name, "
+                f"but implements the 1.1 verbs ({', '.join(verbs)}): override "
+                f"{_ALIASES[name]} instead"
+            )
+        if own:
+            cls.__legacy__ = {**cls.__legacy__, **own}
+            for name in own:  # the 1.0 names become the base class's aliases of the verbs
+                delattr(cls, name)
+        if "copy" in cls.__dict__:  # 1.0 callers pass Tensors, 1.1 callers arrays
+            adapt = _tensor_copy_adapter if cls.__legacy__ else _array_copy_adapter
+            cls.copy = adapt(cls.__dict__["copy"])
+
+    def _check_transfers(self) -> None:
+        """TypeError naming the transfer verbs this provider class lacks (as an abstract
+        method would, but a 1.0 provider's methods count)."""
+        cls = type(self)
+        missing = [
+            f"{verb} (or 1.0 {old})"
+            for old, verb in _LEGACY_TRANSFERS.items()
+            if getattr(cls, verb) is getattr(ExecutionProvider, verb) and old not in cls.__legacy__
+        ]
+        if cls.copy is ExecutionProvider.copy:
+            missing.append("copy")
+        if missing:
+            raise TypeError(
+                f"provider class {cls.__name__} does not implement {', '.join(missing)}"
+            )
+
+    def _require_legacy(self, verb: str) -> None:
+        """Refuse a verb that neither the provider nor its 1.0 method implements."""
+        old = next(n for n, v in _LEGACY_TRANSFERS.items() if v == verb)
+        if old not in type(self).__legacy__:
+            raise NotImplementedError(
+                f"provider {self.name!r} implements neither {verb} (API 1.1) nor {old} (1.0)"
+            )
+
+    def _tensor(self, array: Any) -> Tensor:
+        return Tensor(array, DType.from_numpy(array.dtype), self.device)
 
     def synchronize(self) -> None:
         """Wait until all work queued on this provider's stream is done."""
@@ -172,44 +305,60 @@ class ExecutionProvider(ABC):
             return bool(np.may_share_memory(a, b))
         return False
 
-    def as_array(self, host: np.ndarray) -> Any:
-        """Host array to this provider's array type (used for feeds and constants)."""
-        return self.copy_from_host(np.require(host, requirements="C")).buffer
-
-    def write_from_host(self, buffer: Any, host: np.ndarray) -> None:
-        """Copy ``host`` into an existing buffer of this provider, in place (same shape)."""
-        if isinstance(buffer, np.ndarray):
-            np.copyto(buffer, host, casting="unsafe")
-            return
-        self.copy_from_host(host, Tensor(buffer, DType.from_numpy(buffer.dtype), self.device))
-
-    def to_numpy(self, array: Any) -> np.ndarray:
-        """This provider's array type to a host numpy array."""
-        if isinstance(array, np.ndarray):
-            return array
-        return self.copy_to_host(Tensor(array, DType.from_numpy(array.dtype), self.device))
-
-    def to_numpy_many(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        """Several arrays to the host at once; a device provider waits only once for all."""
-        return [np.array(self.to_numpy(a), copy=True) for a in arrays]
-
-    #: Whether ``read_later`` returns before the values are ready (work queued on a stream).
-    ASYNC_READS = False
-
-    def read_later(self, arrays: Sequence[Any]) -> Callable[[], list[np.ndarray]]:
-        """Queue host copies of ``arrays`` behind the work queued so far; the returned call
-        waits for them. Later work may be queued before that call. Synchronous providers
-        read at once."""
-        values = self.to_numpy_many(arrays)
-        return lambda: values
-
-    def copy_array(self, src: Any, dst: Any) -> None:
-        """Device to device between two of this provider's arrays (same shape and dtype)."""
-        dt = DType.from_numpy(dst.dtype)
-        self.copy(Tensor(src, dt, self.device), Tensor(dst, dt, self.device))
+    def host_value(self, array: Any) -> np.ndarray | None:
+        """The host copy of one of this provider's arrays when it is known without a read
+        (small integer inputs kept at upload: shapes, axes); None when it is not. Host
+        providers return the array itself. Kernels ask through ``KernelContext.host_value``."""
+        return array if isinstance(array, np.ndarray) else None
 
     def _allocate_workspace(self, nbytes: int) -> Any:
-        return self.allocate((nbytes,), DType.UINT8).buffer
+        return self.empty((nbytes,), np.uint8)
+
+    # -- deprecated data movement: thin aliases of the verbs above, kept while the engine
+    # and session move off them (each says which verb replaces it).
+    def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
+        """Deprecated: ``Tensor(empty(shape, dtype.numpy), dtype, device)``."""
+        return Tensor(self.empty(shape, dtype.numpy), dtype, self.device)
+
+    def copy_from_host(self, array: np.ndarray, out: Tensor | None = None) -> Tensor:
+        """Deprecated: ``upload(array, out)``; without ``out`` always a new array (``upload``
+        may hand a host provider's array back as it is)."""
+        if out is not None:
+            self.upload(array, out.buffer)
+            return out
+        host = np.asarray(array)
+        buf = self.upload(host, self.empty(host.shape, host.dtype))
+        return Tensor(buf, DType.from_numpy(buf.dtype), self.device)
+
+    def copy_to_host(self, tensor: Tensor, out: np.ndarray | None = None) -> np.ndarray:
+        """Deprecated: ``read([tensor.buffer])[0]`` (copied into ``out`` when given)."""
+        host = self.read([tensor.buffer])[0]
+        if out is None:
+            return host
+        np.copyto(out, host)
+        return out
+
+    def as_array(self, host: np.ndarray) -> Any:
+        """Deprecated: ``upload(host)``."""
+        return self.upload(host)
+
+    def write_from_host(self, buffer: Any, host: np.ndarray) -> None:
+        """Deprecated: ``upload(host, out=buffer)``."""
+        self.upload(host, buffer)
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        """Deprecated: ``read([array])[0]`` (a host array is returned as it is)."""
+        if isinstance(array, np.ndarray):
+            return array
+        return self.read([array])[0]
+
+    def to_numpy_many(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """Deprecated: ``read(arrays)``."""
+        return self.read(arrays)
+
+    def copy_array(self, src: Any, dst: Any) -> None:
+        """Deprecated: ``copy(src, dst)``."""
+        self.copy(src, dst)
 
     # -- kernels ------------------------------------------------------------
     @property
@@ -316,6 +465,7 @@ class ExecutionProvider(ABC):
         self._capturing_part = part
         self._capture_owner = owner
         self._graph_owner.pop(slot, None)
+        self.workspace.pin(slot)  # until the slot is reset: its graphs may use the scratch
 
     def end_capture(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> None:
         """Finish the capture in ``slot``; the part becomes replayable, owned by the capture's owner."""

@@ -4,9 +4,7 @@ registration fails here, not only in the GPU lane."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from tests.cuda_stub import run_with_cupy_stub
 
 #: Ops the LLM graphs (builder, dynamo export, MTP chain, fusions) need on CUDA.
 REQUIRED = {
@@ -36,23 +34,12 @@ REQUIRED = {
 }
 
 _CHILD = """
-import json, sys
-from unittest import mock
-class Stub(mock.MagicMock):
-    def _get_child_mock(self, **kw):
-        child = Stub(**kw)
-        child.__name__ = str(kw.get("name") or "stub")
-        return child
-sys.modules["cupy"] = Stub()
+import json
 from onnx_genrt.providers.cuda.kernels import REGISTRY  # the package registers every module
 print(json.dumps(REGISTRY.ops()))
 """
 
 
 def test_cuda_kernel_modules_register_the_ops_llms_need():
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    ops = {tuple(op) for op in json.loads(done.stdout.strip().splitlines()[-1])}
+    ops = {tuple(op) for op in run_with_cupy_stub(_CHILD)}
     assert REQUIRED - ops == set()

@@ -14,7 +14,7 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import KernelContext, KernelDef, KernelRegistry, NodeInfo
 from onnx_genrt.core.provider import ExecutionProvider
 from onnx_genrt.core.tensor import Tensor
-from onnx_genrt.core.workspace import StepWorkspace
+from onnx_genrt.core.workspace import Workspace
 from onnx_genrt.providers.cpu.provider import CPUProvider
 
 PRIMARY, VERIFY, DRAFT = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY, DeviceGraphSlot.DRAFT
@@ -185,26 +185,53 @@ def test_cannot_capture_two_slots_at_once():
     p.abort_capture(PRIMARY)
 
 
-def test_pinned_workspace_never_moves_under_a_larger_request():
-    allocations = []
+def _counting_workspace() -> tuple[Workspace, list[np.ndarray]]:
+    allocations: list[np.ndarray] = []
 
     def allocate(n):
         buf = np.zeros(n, np.uint8)
         allocations.append(buf)
         return buf
 
-    ws = StepWorkspace(allocate)
+    return Workspace(allocate), allocations
+
+
+def test_workspace_grows_and_hands_out_views_of_one_buffer():
+    ws, allocations = _counting_workspace()
+    a = ws.acquire(64)
+    b = ws.acquire(32)
+    assert a.size == 64 and b.size == 32 and np.shares_memory(a, b) and len(allocations) == 1
+    c = ws.acquire(100)  # at least doubles: the next few requests fit
+    assert c.size == 100 and ws.capacity == 128 and len(allocations) == 2
+    assert ws.retired == 0  # nothing pinned: the old buffer is simply dropped
+
+
+def test_a_pinned_workspace_retires_a_replaced_buffer_until_unpinned():
+    ws, allocations = _counting_workspace()
     small = ws.acquire(64)
     ws.pin(PRIMARY)
     bigger = ws.acquire(4096)  # an eager larger step while a graph holds the small one
-    assert bigger.size >= 4096 and bigger is not small
-    ws.release()
-    assert ws.acquire(64) is small  # still where the captured graph expects it
+    assert bigger.size == 4096 and not np.shares_memory(bigger, small)
+    assert ws.retired == 1  # kept alive: the captured graph still writes into it
     ws.unpin(PRIMARY)
-    ws.release()
-    assert ws.capacity == 0
-    moved = ws.acquire(4096)
-    assert moved is not small
+    assert ws.retired == 0 and not ws.pinned
+
+
+def test_workspace_does_not_move_while_a_device_graph_records():
+    ws, _ = _counting_workspace()
+    ws.acquire(64)
+    assert ws.acquire(64, frozen=True).size == 64
+    with pytest.raises(GraphCaptureError, match="scratch of 65 bytes needed while capturing"):
+        ws.acquire(65, frozen=True)
+
+
+def test_capture_pins_the_scratch_and_reset_unpins_it():
+    p = CPUProvider()
+    p.begin_capture(PRIMARY)
+    p.end_capture(PRIMARY)
+    assert p.workspace.pinned
+    p.reset_graph(PRIMARY)
+    assert not p.workspace.pinned
 
 
 def test_resetting_one_slot_leaves_another_slots_latch_and_graph():

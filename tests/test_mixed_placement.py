@@ -4,17 +4,13 @@ the parts' replays, and every output equals numpy's float64 reference."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import KernelRegistry
-from onnx_genrt.core.tensor import Tensor
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
@@ -43,14 +39,16 @@ class Island(CPUProvider):
                 self._only.add(REGISTRY.lookup("", op, 21))
         return self._only
 
-    def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
-        return Tensor(super().allocate(shape, dtype).buffer.view(IslandArray), dtype, self.device)
+    def empty(self, shape, dtype) -> IslandArray:
+        return super().empty(shape, dtype).view(IslandArray)
 
-    def as_array(self, host: np.ndarray) -> IslandArray:
-        return np.array(host, copy=True).view(IslandArray)
+    def upload(self, host, out=None) -> IslandArray:
+        if out is None:
+            return np.array(host, copy=True).view(IslandArray)
+        return super().upload(host, out)
 
-    def to_numpy(self, array) -> np.ndarray:
-        return np.array(array, copy=True).view(np.ndarray)
+    def read(self, arrays) -> list[np.ndarray]:
+        return [np.array(a, copy=True).view(np.ndarray) for a in arrays]
 
     def launch(self, kdef, ctx, inputs):
         """As a GPU's: a kernel may not allocate while its part is captured, so every

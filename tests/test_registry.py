@@ -420,14 +420,14 @@ def test_plugin_cannot_take_over_the_cpu_name(installed_plugins, providers_outpu
     )
     assert type(reg.create("cpu")) is CPUProvider
     assert type(get_registry().create("cpu")) is CPUProvider
-    assert re.search(r"^cpu\s+available\s+1\.0\s.*\sonnx-genrt 0\.1\.0\s", providers_output, re.M)
+    assert re.search(r"^cpu\s+available\s+1\.1\s.*\sonnx-genrt 0\.1\.0\s", providers_output, re.M)
 
 
 def test_incompatible_major_api_version_is_refused(installed_plugins, providers_output):
     _check_refused(
         "api_major",
         "provider 'future_major': written for provider API 2.0, but this onnx-genrt implements "
-        "1.0; a different major version is incompatible",
+        "1.1; a different major version is incompatible",
         providers_output,
     )
     with pytest.raises(ProviderUnavailableError, match="'future_major' .* is not used: .* API 2.0"):
@@ -437,7 +437,7 @@ def test_incompatible_major_api_version_is_refused(installed_plugins, providers_
 def test_newer_minor_api_version_is_refused(installed_plugins, providers_output):
     _check_refused(
         "api_minor",
-        "provider 'future_minor': written for provider API 1.7, newer than the 1.0 this "
+        "provider 'future_minor': written for provider API 1.7, newer than the 1.1 this "
         "onnx-genrt implements: upgrade onnx-genrt",
         providers_output,
     )
@@ -446,7 +446,7 @@ def test_newer_minor_api_version_is_refused(installed_plugins, providers_output)
 def test_spec_without_api_version_is_refused(installed_plugins, providers_output):
     _check_refused(
         "no_version",
-        "provider 'unversioned': declares no provider API version; this onnx-genrt implements 1.0",
+        "provider 'unversioned': declares no provider API version; this onnx-genrt implements 1.1",
         providers_output,
     )
 
@@ -458,7 +458,7 @@ def test_broken_plugin_does_not_affect_a_working_one(installed_plugins, provider
     ]
     assert set(reg.names()) == {"cpu", "cuda", "example"}
     assert re.search(
-        r"^example\s+available\s+1\.0\s+primary, verify, draft\s+onnx-genrt-example-provider "
+        r"^example\s+available\s+1\.1\s+primary, verify, draft\s+onnx-genrt-example-provider "
         r"0\.1\.0\s+example",
         providers_output,
         re.MULTILINE,
@@ -513,7 +513,7 @@ def test_providers_command_in_process_lists_broken_plugins(installed_plugins, ca
     assert cli_main(["providers"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^cpu\s+available\s", out, re.MULTILINE)
-    assert re.search(r"^cuda\s+(available|unavailable)\s+1\.0\s", out, re.MULTILINE)
+    assert re.search(r"^cuda\s+(available|unavailable)\s+1\.1\s", out, re.MULTILINE)
     assert "broken plugins (8, not used):" in out
 
 
@@ -540,5 +540,5 @@ def test_providers_command_reports_a_factory_that_raises(monkeypatch, capsys):
         re.MULTILINE,
     )
     assert 'raise RuntimeError("driver said no")' in out  # --verbose: the traceback
-    assert re.search(r"^cpu\s+available\s+1\.0\s+primary, verify, draft\s", out, re.MULTILINE)
+    assert re.search(r"^cpu\s+available\s+1\.1\s+primary, verify, draft\s", out, re.MULTILINE)
     assert "broken plugins" not in out  # a factory that raises is not a broken plugin

@@ -1,6 +1,6 @@
-"""Memory and transfer: allocation, host<->device round trips over the element types the
-provider's kernels take, device copies, in-place writes, batched and deferred reads,
-and ``holds``."""
+"""Memory and transfer: each verb of the contract (``empty``, ``upload`` new and in place,
+``read``, ``read_later``, ``copy``) over the element types the provider's kernels take,
+``holds``, and the deprecated 1.0 names that alias the verbs."""
 
 from __future__ import annotations
 
@@ -66,74 +66,99 @@ def provider(genrt_target: KitTarget) -> Any:
 
 
 def host(provider: Any, array: Any) -> np.ndarray:
-    return np.asarray(provider.to_numpy(array))
+    return provider.read([array])[0]
 
 
-def test_allocate(provider, dtype: DType):
-    t = provider.allocate(SHAPE, dtype)
-    assert t.shape == SHAPE and t.dtype is dtype
-    assert provider.holds(t.buffer), f"{provider.name!r} does not hold its own allocation"
-    assert np.dtype(t.buffer.dtype) == dtype.numpy
+# -- the five verbs: empty, upload, read, read_later, copy ----------------------------------
 
 
-def test_host_device_host_round_trip(provider, dtype: DType):
+def test_empty(provider, dtype: DType):
+    a = provider.empty(SHAPE, dtype.numpy)
+    assert provider.holds(a), f"{provider.name!r} does not hold its own allocation"
+    assert tuple(a.shape) == SHAPE and np.dtype(a.dtype) == dtype.numpy
+
+
+def test_upload_new_and_in_place(provider, dtype: DType):
     values = sample(dtype)
-    t = provider.copy_from_host(values)
-    assert provider.holds(t.buffer) and t.dtype is dtype and t.shape == SHAPE
-    back = provider.copy_to_host(t)
-    assert isinstance(back, np.ndarray) and back.dtype == values.dtype
-    np.testing.assert_array_equal(back, values)
-    into = np.zeros_like(values)
-    provider.copy_to_host(t, out=into)
-    np.testing.assert_array_equal(into, values)
-    dst = provider.allocate(SHAPE, dtype)
-    provider.copy_from_host(sample(dtype, 1), out=dst)
-    np.testing.assert_array_equal(provider.copy_to_host(dst), sample(dtype, 1))
+    dev = provider.upload(values)
+    assert provider.holds(dev) and tuple(dev.shape) == SHAPE and np.dtype(dev.dtype) == dtype.numpy
+    np.testing.assert_array_equal(host(provider, dev), values)
+    dst = provider.empty(SHAPE, dtype.numpy)
+    assert provider.upload(sample(dtype, 1), out=dst) is dst
+    np.testing.assert_array_equal(host(provider, dst), sample(dtype, 1))
+    provider.upload(sample(dtype, 2), out=dst)  # again: the new values, not the old
+    np.testing.assert_array_equal(host(provider, dst), sample(dtype, 2))
+    assert provider.upload(dst) is dst  # its own array passes through
 
 
-def test_device_to_device_copy(provider, dtype: DType):
-    src = provider.copy_from_host(sample(dtype, 2))
-    dst = provider.allocate(SHAPE, dtype)
-    provider.copy(src, dst)
-    provider.synchronize()
-    np.testing.assert_array_equal(host(provider, dst.buffer), sample(dtype, 2))
-    other = provider.allocate(SHAPE, dtype)
-    provider.copy_array(src.buffer, other.buffer)
-    np.testing.assert_array_equal(host(provider, other.buffer), sample(dtype, 2))
+def test_upload_broadcasts_into_a_buffer(provider, dtype: DType):
+    dst = provider.empty(SHAPE, dtype.numpy)
+    row = sample(dtype, 5, (SHAPE[1],))
+    provider.upload(row, out=dst)
+    np.testing.assert_array_equal(host(provider, dst), np.broadcast_to(row, SHAPE))
 
 
-def test_write_from_host_in_place(provider, dtype: DType):
-    buffer = provider.allocate(SHAPE, dtype).buffer
-    provider.write_from_host(buffer, sample(dtype, 3))
-    np.testing.assert_array_equal(host(provider, buffer), sample(dtype, 3))
-    provider.write_from_host(buffer, sample(dtype, 4))
-    np.testing.assert_array_equal(host(provider, buffer), sample(dtype, 4))
-
-
-def test_to_numpy_many_returns_independent_copies(provider, dtype: DType):
-    arrays = [provider.as_array(sample(dtype, s)) for s in range(3)]
-    got = provider.to_numpy_many(arrays)
-    provider.write_from_host(arrays[0], sample(dtype, 9))  # later writes must not show
-    assert len(got) == 3
+def test_read_returns_independent_copies(provider, dtype: DType):
+    arrays = [provider.upload(sample(dtype, s)) for s in range(3)]
+    got = provider.read(arrays + [sample(dtype, 8)])  # a host array among them
+    provider.upload(sample(dtype, 9), out=arrays[0])  # later writes must not show
+    assert len(got) == 4
     for s, g in enumerate(got):
-        assert isinstance(g, np.ndarray)
-        np.testing.assert_array_equal(g, sample(dtype, s))
+        assert type(g) is np.ndarray
+        np.testing.assert_array_equal(g, sample(dtype, 8 if s == 3 else s))
 
 
 def test_read_later_sees_the_values_queued_before_it(provider, dtype: DType):
-    arrays = [provider.as_array(sample(dtype, s)) for s in range(2)]
+    arrays = [provider.upload(sample(dtype, s)) for s in range(2)]
     fetch = provider.read_later(arrays)
-    provider.write_from_host(arrays[0], sample(dtype, 7))  # queued after the read
+    provider.upload(sample(dtype, 7), out=arrays[0])  # queued after the read
     got = fetch()
     for s, g in enumerate(got):
         np.testing.assert_array_equal(g, sample(dtype, s))
     np.testing.assert_array_equal(host(provider, arrays[0]), sample(dtype, 7))
 
 
+def test_device_to_device_copy(provider, dtype: DType):
+    src = provider.upload(sample(dtype, 2))
+    dst = provider.empty(SHAPE, dtype.numpy)
+    provider.copy(src, dst)
+    provider.upload(sample(dtype, 3), out=src)  # the copy is done: src may change
+    provider.synchronize()
+    np.testing.assert_array_equal(host(provider, dst), sample(dtype, 2))
+    view = provider.empty((SHAPE[0], 2 * SHAPE[1]), dtype.numpy)[:, ::2]  # strided target
+    provider.copy(src, view)
+    np.testing.assert_array_equal(host(provider, view), sample(dtype, 3))
+
+
 def test_holds_only_its_own_arrays(provider):
-    own = provider.allocate(SHAPE, DType.FLOAT32).buffer
-    assert provider.holds(own) and provider.holds(provider.as_array(np.ones(3, np.float32)))
+    own = provider.empty(SHAPE, np.float32)
+    assert provider.holds(own) and provider.holds(provider.upload(np.ones(3, np.float32)))
     for foreign in (object(), "text", 1.5, [1.0, 2.0], None):
         assert not provider.holds(foreign), f"{provider.name!r} claims to hold {foreign!r}"
-    second = provider.allocate(SHAPE, DType.FLOAT32).buffer
+    second = provider.empty(SHAPE, np.float32)
     assert not provider.may_share_memory(own, second), "two allocations overlap"
+
+
+# -- the 1.0 names, kept as aliases of the verbs while callers move off them ---------------
+
+
+def test_deprecated_aliases_still_move_data(provider, dtype: DType):
+    t = provider.allocate(SHAPE, dtype)
+    assert t.shape == SHAPE and t.dtype is dtype and provider.holds(t.buffer)
+    u = provider.copy_from_host(sample(dtype))
+    v = provider.copy_from_host(sample(dtype))
+    assert not provider.may_share_memory(u.buffer, v.buffer)  # always a new array
+    np.testing.assert_array_equal(provider.copy_to_host(u), sample(dtype))
+    into = np.zeros_like(sample(dtype))
+    provider.copy_to_host(u, out=into)
+    np.testing.assert_array_equal(into, sample(dtype))
+    provider.copy_from_host(sample(dtype, 1), out=t)
+    provider.write_from_host(u.buffer, sample(dtype, 2))
+    provider.copy_array(u.buffer, v.buffer)
+    provider.copy(t, u)  # Tensors are unwrapped
+    got = provider.to_numpy_many([u.buffer, v.buffer])
+    np.testing.assert_array_equal(got[0], sample(dtype, 1))
+    np.testing.assert_array_equal(got[1], sample(dtype, 2))
+    np.testing.assert_array_equal(
+        provider.to_numpy(provider.as_array(sample(dtype, 3))), sample(dtype, 3)
+    )

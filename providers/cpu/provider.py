@@ -11,12 +11,11 @@ import numpy as np
 
 from onnx_genrt.core.checks import check_int
 from onnx_genrt.core.device import CPU, Device
-from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import Bind, KernelContext, KernelDef, KernelRegistry
 from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
-from onnx_genrt.core.tensor import Tensor, buffer_address
+from onnx_genrt.core.tensor import buffer_address
 
 from .kernels import REGISTRY
 
@@ -138,29 +137,27 @@ class CPUProvider(ExecutionProvider):
         """The machine's physical memory."""
         return host_memory_bytes()
 
-    def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
-        return Tensor(aligned_empty(tuple(shape), dtype.numpy), dtype, CPU)
+    def empty(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        """An uninitialised host array whose data starts on a 64-byte boundary."""
+        return aligned_empty(tuple(int(d) for d in shape), np.dtype(dtype))
 
-    def copy_from_host(self, array: np.ndarray, out: Tensor | None = None) -> Tensor:
+    def upload(self, host: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Into ``out`` in place (np.copyto, unsafe casting); without ``out``, ``host`` itself
+        when it is a C-contiguous array (no copy: host memory is this provider's memory)."""
         if out is None:
-            arr = np.array(array, copy=True)
-            return Tensor(arr, DType.from_numpy(arr.dtype), CPU)
-        np.copyto(out.buffer, array)
+            return np.require(host, requirements="C")
+        np.copyto(out, host, casting="unsafe")
         return out
 
-    def copy_to_host(self, tensor: Tensor, out: np.ndarray | None = None) -> np.ndarray:
-        if out is None:
-            return np.array(tensor.buffer, copy=True)
-        np.copyto(out, tensor.buffer)
-        return out
+    def read(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """Copies of the arrays (the values are there already: nothing is queued)."""
+        return [np.array(a, copy=True) for a in arrays]
 
-    def copy(self, src: Tensor, dst: Tensor) -> None:
-        np.copyto(dst.buffer, src.buffer)
+    def copy(self, src: Any, dst: Any) -> None:
+        """``np.copyto``; while a graph records, the copy is recorded too."""
+        np.copyto(dst, src)
         if self._recording is not None:
-            self._recording.record(_copy_kernel, None, (src.buffer,), dst.buffer, _bind_copy)
-
-    def as_array(self, host: np.ndarray) -> Any:
-        return host
+            self._recording.record(_copy_kernel, None, (src,), dst, _bind_copy)
 
     def launch(self, kdef: KernelDef, ctx: KernelContext, inputs: Sequence[Any]) -> Any:
         result = kdef.fn(ctx, *inputs)

@@ -47,13 +47,6 @@ def rows_view(x: np.ndarray, axis: int) -> tuple[int, int]:
     return rows, cols
 
 
-def normalize_axis(axis: int, rank: int, what: str = "axis") -> int:
-    """Map a possibly negative axis into [0, rank) or raise."""
-    if not -rank <= axis < max(rank, 1):
-        raise ValueError(f"{what} {axis} out of range for rank {rank}")
-    return axis + rank if axis < 0 else axis
-
-
 def output_count(ctx) -> int:
     """Number of outputs the node declares (absent optional ones included)."""
     return max(1, len(ctx.node.output_names))

@@ -14,7 +14,7 @@ and the rows are then compacted in place. RoPE keeps absolute positions.
 
 A decode or verify step (batch 1, up to 16 new tokens, float32, shared buffers) runs as a
 _GqaStep built once per node and buffers: the kernel's ``bind`` (KernelDef.bind) hands it to a recorded CPU
-graph, and eager calls keep one in ``ctx.scratch``. It does the general path's arithmetic
+graph, and eager calls keep one in ``ctx.state``. It does the general path's arithmetic
 on the valid prefix, so both give equal results; anything else takes the general path.
 """
 
@@ -30,7 +30,15 @@ import numba
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import gqa_attribute_problem, windowed_cache_length
+from onnx_genrt.core.op_rules import (
+    GqaShapes,
+    gqa_attribute_problem,
+    gqa_input_problem,
+    gqa_shapes,
+    rotary_layout,
+    rotary_problem,
+    windowed_cache_length,
+)
 
 from ._nn_common import softmax_rows
 from ._registry import REGISTRY
@@ -40,7 +48,7 @@ _F32 = np.dtype(np.float32)
 _SCORE_BUDGET = 1 << 23  # score elements per query chunk (32 MiB of float32)
 
 # Optional GroupQueryAttention inputs past the ones this kernel implements.
-_REFUSED_INPUTS = {12: "k_scale", 13: "v_scale", 14: "q_norm_weight", 15: "k_norm_weight"}
+_REFUSED_INPUTS = ("k_scale", "v_scale", "q_norm_weight", "k_norm_weight")
 
 
 # ----------------------------------------------------------------------------- rotary helpers
@@ -72,12 +80,6 @@ def _gather_cache(cache: np.ndarray, pos: np.ndarray, what: str) -> np.ndarray:
 # ----------------------------------------------------------------------------- RotaryEmbedding
 
 
-def _rotary_check(node: NodeInfo, _types: object) -> str | None:
-    if node.attr("is_packed_batching", 0):
-        return "RotaryEmbedding is_packed_batching=1 is not supported"
-    return None
-
-
 def _rotary_positions(position_ids: np.ndarray, b: int, s: int) -> np.ndarray:
     """(B, S) positions from (B, S) ids or a single start offset."""
     pos = position_ids.astype(np.intp, copy=False)
@@ -86,7 +88,7 @@ def _rotary_positions(position_ids: np.ndarray, b: int, s: int) -> np.ndarray:
     return pos.reshape(b, s)
 
 
-@REGISTRY.register("RotaryEmbedding", since=1, domain=MS_DOMAIN, check=_rotary_check)
+@REGISTRY.register("RotaryEmbedding", since=1, domain=MS_DOMAIN, check=rotary_problem)
 def rotary_embedding_ms(
     ctx: KernelContext,
     x: np.ndarray,
@@ -95,23 +97,9 @@ def rotary_embedding_ms(
     sin_cache: np.ndarray,
 ) -> np.ndarray:
     """com.microsoft RotaryEmbedding on (B, S, hidden) or (B, N, S, H); ``scale`` is unused."""
-    if ctx.attr("is_packed_batching", 0):
-        raise NotImplementedError(f"{ctx.node.describe()}: is_packed_batching=1")
-    half = cos_cache.shape[1]
-    if x.ndim == 4:
-        x4 = x
-    elif x.ndim == 3:
-        b, s, hidden = x.shape
-        heads = int(ctx.attr("num_heads", 0)) or hidden // (2 * half)
-        if heads <= 0 or hidden % heads:
-            raise ValueError(f"{ctx.node.describe()}: hidden {hidden} not divisible by {heads}")
-        x4 = x.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
-    else:
-        raise ValueError(f"{ctx.node.describe()}: input must be 3-D or 4-D, got {x.shape}")
-    b, _, s, d = x4.shape
-    rot = int(ctx.attr("rotary_embedding_dim", 0)) or d
-    if rot != 2 * half or rot > d:
-        raise ValueError(f"{ctx.node.describe()}: rotary dim {rot} vs cos cache {cos_cache.shape}")
+    lay = rotary_layout(ctx.node, x.shape, cos_cache.shape)
+    b, s, d = lay.batch, lay.seq, lay.head_size
+    x4 = x if lay.bnsh else x.reshape(b, s, lay.heads, d).transpose(0, 2, 1, 3)
     pos = _rotary_positions(position_ids, b, s)
     cos = _gather_cache(cos_cache, pos, ctx.node.describe())
     sin = _gather_cache(sin_cache, pos, ctx.node.describe())
@@ -159,35 +147,20 @@ class _GqaConfig:
 
 def _gqa_check(node: NodeInfo, _types: object) -> str | None:
     """Reason this GroupQueryAttention node is not supported, or None."""
-    names = node.input_names
-    for i, what in _REFUSED_INPUTS.items():
-        if i < len(names) and names[i]:
-            return f"GroupQueryAttention input {what!r} is not supported"
-    return gqa_attribute_problem(node)
+    return gqa_input_problem(node, _REFUSED_INPUTS) or gqa_attribute_problem(node)
 
 
 # ----------------------------------------------------------------------------- GQA pieces
 
 
 def _split_qkv(
-    cfg: _GqaConfig, query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None
+    geom: GqaShapes, query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(B, S, heads, H) views of Q, K, V from separate or packed inputs."""
-    b, s, width = query.shape
-    n, kvn = cfg.heads, cfg.kv_heads
-    if n <= 0 or kvn <= 0 or n % kvn:
-        raise ValueError(f"num_heads {n} must be a positive multiple of kv_num_heads {kvn}")
-    if key is None:
-        if value is not None or width % (n + 2 * kvn):
-            raise ValueError(f"packed QKV width {width} does not fit {n}+2*{kvn} heads")
-        h = width // (n + 2 * kvn)
+    """(B, S, heads, H) views of Q, K, V from separate or packed inputs (checked shapes)."""
+    b, s, n, kvn, h = geom.batch, geom.seq, geom.heads, geom.kv_heads, geom.head_size
+    if geom.packed:
         qkv = query.reshape(b, s, n + 2 * kvn, h)
         return qkv[:, :, :n], qkv[:, :, n : n + kvn], qkv[:, :, n + kvn :]
-    if value is None or width % n:
-        raise ValueError(f"query width {width} not divisible by {n} heads (or value missing)")
-    h = width // n
-    if key.shape != (b, s, kvn * h) or value.shape != key.shape:
-        raise ValueError(f"key/value shapes {key.shape}, {value.shape} != {(b, s, kvn * h)}")
     return query.reshape(b, s, n, h), key.reshape(b, s, kvn, h), value.reshape(b, s, kvn, h)
 
 
@@ -232,9 +205,7 @@ def _present(
     """
     b, kvn, h = shape
     cap = 0
-    if past is not None:
-        if past.ndim != 4 or past.shape[:2] != (b, kvn) or past.shape[3] != h:
-            raise ValueError(f"past shape {past.shape} does not fit {(b, kvn, '*', h)}")
+    if past is not None:  # its shape is checked (gqa_shapes)
         if past.dtype != dtype:
             raise NotImplementedError(f"past dtype {past.dtype} differs from query {dtype}")
         cap = past.shape[2]
@@ -387,18 +358,13 @@ def _as_f32(x: np.ndarray) -> np.ndarray:
 def _window_present(
     ctx: KernelContext,
     past: np.ndarray | None,
-    shape: tuple[int, int, int],
     dtype: np.dtype,
     window: int,
 ) -> np.ndarray:
     """The present buffer of a sliding_window_cache=1 node: ``past`` itself (written in place)
     when writeable, else a copy; either way as long as ``past`` (its capacity)."""
-    b, kvn, h = shape
-    if past is None or past.ndim != 4 or past.shape[:2] != (b, kvn) or past.shape[3] != h:
-        got = None if past is None else past.shape
-        raise ValueError(
-            f"sliding_window_cache=1: past shape {got} does not fit {(b, kvn, '*', h)}"
-        )
+    if past is None:  # gqa_attribute_problem refuses this; a direct call is told why
+        raise ValueError("sliding_window_cache=1 needs past_key and past_value")
     if past.dtype != dtype:
         raise NotImplementedError(f"past dtype {past.dtype} differs from query {dtype}")
     windowed_cache_length(0, past.shape[2], window)  # raises when the capacity is too small
@@ -438,7 +404,7 @@ def _attend_windowed(
 
 # ----------------------------------------------------------------------------- GQA decode step
 
-_STEP_KEY = "gqa_step"  # ctx.scratch entry: the eager call's prebuilt _GqaStep
+_STEP_KEY = "gqa_step"  # ctx.state entry: the eager call's prebuilt _GqaStep
 _STEP_MAX_ROWS = 16  # new tokens per call the prebuilt step takes (decode and verify widths)
 
 
@@ -564,21 +530,15 @@ class _GqaStep:
             return None
         cfg = _GqaConfig.from_ctx(ctx)
         try:
-            q, k, v = _split_qkv(cfg, query, key, value)
+            geom = gqa_shapes(ctx.node, query, key, value, past_key, past_value, seqlens_k,
+                              cos_cache, sin_cache, head_sink)  # fmt: skip
         except ValueError:
-            return None
+            return None  # the general path raises the error
+        q, k, v = _split_qkv(geom, query, key, value)
         _, m, n, h = q.shape
         kvn = cfg.kv_heads
         for past in (past_key, past_value):
-            if (
-                not isinstance(past, np.ndarray)
-                or past.dtype != _F32
-                or past.ndim != 4
-                or past.shape[:2] != (1, kvn)
-                or past.shape[3] != h
-                or past.shape != past_key.shape
-                or not past.flags.writeable
-            ):
+            if not isinstance(past, np.ndarray) or past.dtype != _F32 or not past.flags.writeable:
                 return None
         if present is not None and not (
             len(present) == 2
@@ -596,16 +556,10 @@ class _GqaStep:
         if cfg.rotary:
             if cos_cache is None or sin_cache is None:
                 return None
-            if (
-                cos_cache.dtype != _F32
-                or sin_cache.dtype != _F32
-                or cos_cache.ndim != 2
-                or cos_cache.shape != sin_cache.shape
-                or not 0 < 2 * cos_cache.shape[1] <= h
-            ):
+            if cos_cache.dtype != _F32 or sin_cache.dtype != _F32 or geom.rotary_dim == 0:
                 return None
             rot, cos, sin, rope_len = 2 * cos_cache.shape[1], cos_cache, sin_cache, len(cos_cache)
-        if head_sink is not None and (head_sink.dtype != _F32 or head_sink.size != n):
+        if head_sink is not None and head_sink.dtype != _F32:
             return None
         scale = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(h)
         step = cls()
@@ -762,15 +716,15 @@ def group_query_attention(
 
     ``rest`` holds k_scale, v_scale, q_norm_weight, k_norm_weight (all refused) and
     query_seqlens (right-padded chunks). A decode/verify step on the shared KV buffers runs
-    as a prebuilt _GqaStep (kept in ctx.scratch for the next call on the same buffers).
+    as a prebuilt _GqaStep (kept in ctx.state for the next call on the same buffers).
     """
     args = (query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
             cos_cache, sin_cache, position_ids, attention_bias, head_sink, *rest)  # fmt: skip
-    step = ctx.scratch.get(_STEP_KEY)
+    step = ctx.state.get(_STEP_KEY)
     if step is None or not step.serves(ctx, args):
         step = _GqaStep.build(ctx, args, None)
         if step is not None and ctx.planned and ctx.planned[0] is step.y:
-            ctx.scratch[_STEP_KEY] = step
+            ctx.state[_STEP_KEY] = step
     if step is not None and step.run():
         return step.results
     return _gqa_general(ctx, *args)
@@ -801,30 +755,26 @@ def _gqa_general(
     reason = _gqa_check(ctx.node, ())
     if reason or any(r is not None for r in rest[:4]):
         raise NotImplementedError(f"{ctx.node.describe()}: {reason or 'quantized KV / QK norm'}")
-    if seqlens_k is None or total_sequence_length is None:
-        raise ValueError(f"{ctx.node.describe()}: seqlens_k and total_sequence_length needed")
-    if (past_key is None) != (past_value is None):
-        raise ValueError(f"{ctx.node.describe()}: past_key and past_value go together")
+    if total_sequence_length is None:
+        raise ValueError(f"{ctx.node.describe()}: total_sequence_length is required")
+    geom = gqa_shapes(ctx.node, query, key, value, past_key, past_value, seqlens_k,
+                      cos_cache, sin_cache, head_sink)  # fmt: skip
     cfg = _GqaConfig.from_ctx(ctx)
-    q, k, v = _split_qkv(cfg, query, key, value)
+    q, k, v = _split_qkv(geom, query, key, value)
     b, s, _, h = q.shape
     total_len = int(np.asarray(total_sequence_length).reshape(-1)[0])
     lens = _lengths(seqlens_k, total_len, s, rest[4] if len(rest) > 4 else None)
-    if lens.total.shape[0] != b:
-        raise ValueError(f"{ctx.node.describe()}: seqlens_k has {lens.total.shape[0]} entries")
     dtype = query.dtype
     t_max = int(lens.total.max()) if b else 0
     if cfg.window_cache:
-        present_k = _window_present(ctx, past_key, (b, cfg.kv_heads, h), dtype, cfg.window)
-        present_v = _window_present(ctx, past_value, (b, cfg.kv_heads, h), dtype, cfg.window)
+        present_k = _window_present(ctx, past_key, dtype, cfg.window)
+        present_v = _window_present(ctx, past_value, dtype, cfg.window)
     else:
         present_k = _present(ctx, 1, past_key, (b, cfg.kv_heads, h), dtype, lens, total_len)
         present_v = _present(ctx, 2, past_value, (b, cfg.kv_heads, h), dtype, lens, total_len)
 
     q4, k4, v4 = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if cfg.rotary:
-        if cos_cache is None or sin_cache is None:
-            raise ValueError(f"{ctx.node.describe()}: do_rotary needs cos_cache and sin_cache")
         pos = _positions(lens, s, position_ids, cos_cache.shape[0])
         cos, sin = cos_cache[pos], sin_cache[pos]
         q4 = rotate(q4, cos, sin, cfg.interleaved)

@@ -1,4 +1,4 @@
-"""CPU kernels: onnxruntime's RMS / skip layer normalizations (com.microsoft and ai.onnx)."""
+"""CPU kernels: onnxruntime's skip layer normalizations (com.microsoft)."""
 
 from __future__ import annotations
 
@@ -8,27 +8,9 @@ from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 
 from ._nn_common import compute_dtype, layer_norm_rows, output_count, rms_norm_rows
 from ._registry import REGISTRY
-from .normalization import _normalize
 
 _F32 = np.dtype(np.float32)
 _EMPTY = np.empty(0, _F32)
-
-
-def _simplified_layer_norm(
-    ctx: KernelContext, x: np.ndarray, scale: np.ndarray
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """RMS norm over axis.. (attrs axis, epsilon, stash_type); optional inv_std_var output."""
-    y, _, inv = _normalize(ctx, x, scale, None, rms=True)
-    if output_count(ctx) == 1:
-        return y
-    axis = int(ctx.attr("axis", -1)) % x.ndim
-    stat_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
-    return y, inv.reshape(stat_shape).astype(_F32, copy=False)
-
-
-# onnxruntime registers SimplifiedLayerNormalization in the ONNX domain; models use that one.
-REGISTRY.register("SimplifiedLayerNormalization", since=1)(_simplified_layer_norm)
-REGISTRY.register("SimplifiedLayerNormalization", since=1, domain=MS_DOMAIN)(_simplified_layer_norm)
 
 
 def _skip_sum(x: np.ndarray, skip: np.ndarray, bias: np.ndarray | None) -> np.ndarray:

@@ -28,10 +28,14 @@ import numpy as np
 
 from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
-from onnx_genrt.core.op_rules import NBITS, check_index_range, matmul_nbits_unsupported
+from onnx_genrt.core.op_rules import (
+    NBITS,
+    check_index_range,
+    matmul_nbits_unsupported,
+    normalize_axis,
+)
 
 from ._int4_matmul import Int4Tiles, int4_matmul, pack_int4
-from ._nn_common import normalize_axis
 from ._registry import REGISTRY
 
 _F32 = np.dtype(np.float32)
@@ -226,7 +230,7 @@ def matmul_nbits(
             sources,
             params,
             lambda: dequantize_nbits(b, scales, zero_points, *params),
-            keep=ctx.provider is not None and ctx.provider.option("nbits_cache"),
+            keep=ctx.option("nbits_cache", False),
         )
         if direct:
             np.matmul(a2, w.T, out=out2)
@@ -290,8 +294,8 @@ def gather_block_quantized(
     if packed and bits not in _NBITS:
         raise NotImplementedError(f"{ctx.node.describe()}: bits={bits}")
     rank = data.ndim
-    g = normalize_axis(int(ctx.attr("gather_axis", 0)), rank, "gather_axis")
-    qa = normalize_axis(int(ctx.attr("quantize_axis", 1)), rank, "quantize_axis")
+    g = normalize_axis(int(ctx.attr("gather_axis", 0)), rank, ctx.node, "gather_axis")
+    qa = normalize_axis(int(ctx.attr("quantize_axis", 1)), rank, ctx.node, "quantize_axis")
     if packed and g == rank - 1:
         raise ValueError(f"{ctx.node.describe()}: packed uint8 data cannot gather on its last axis")
     dim = data.shape[g]

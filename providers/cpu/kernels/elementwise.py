@@ -17,8 +17,11 @@ import numba
 import numpy as np
 from onnx import TensorProto, helper
 
-from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.kernels import KernelContext
 from onnx_genrt.core.op_rules import (
+    cast_problem,
+    cast_target_code,
+    cast_type_problem,
     gelu_attribute_problem,
     legacy_broadcast_shape,
     prelu_slope_shape,
@@ -515,39 +518,6 @@ _F8_SATURATING = {
 _E8M0 = getattr(TensorProto, "FLOAT8E8M0", None)
 
 
-def _to_code(to: Any) -> int:
-    """ONNX type code from Cast's ``to`` (an int; a type name such as 'FLOAT' in opset 1)."""
-    if isinstance(to, str):
-        return int(TensorProto.DataType.Value(to.upper()))
-    return int(to)
-
-
-def _unsupported_cast_type(code: int) -> str | None:
-    if code == TensorProto.STRING:
-        return "string tensors are not supported"
-    try:
-        dt = helper.tensor_dtype_to_np_dtype(code)
-    except (KeyError, ValueError):
-        return f"element type code {code} is not supported"
-    if dt.kind in "OUSc":
-        return f"element type {TensorProto.DataType.Name(code)} is not supported"
-    return None
-
-
-def _cast_check(node: NodeInfo, input_types: Sequence[Any]) -> str | None:
-    if node.op_type == "CastLike":
-        return None
-    to = node.attr("to")
-    if to is None:
-        return "Cast needs a 'to' attribute"
-    try:
-        code = _to_code(to)
-    except ValueError:
-        return f"Cast to={to!r}: unknown element type"
-    reason = _unsupported_cast_type(code)
-    return f"Cast to {reason}" if reason else None
-
-
 def _to_e8m0(x: Array, saturate: bool, round_mode: str) -> Array:
     """float -> float8e8m0 (a bare power-of-two exponent), rounding per ``round_mode``."""
     bits = np.asarray(x, dtype=F32).view(np.uint32)
@@ -568,7 +538,7 @@ def _to_e8m0(x: Array, saturate: bool, round_mode: str) -> Array:
 
 
 def _cast(ctx: KernelContext, x: Array, code: int) -> Array:
-    reason = _unsupported_cast_type(code)
+    reason = cast_type_problem(code)
     if reason is None and x.dtype.kind in "OUS":
         reason = "string tensors are not supported"
     if reason:
@@ -587,13 +557,13 @@ def _cast(ctx: KernelContext, x: Array, code: int) -> Array:
     return out
 
 
-@REGISTRY.register("Cast", since=1, check=_cast_check)
+@REGISTRY.register("Cast", since=1, check=cast_problem)
 def cast(ctx: KernelContext, x: Array) -> Array:
     """Convert to the ``to`` type; float8 targets saturate unless saturate=0."""
-    return _cast(ctx, x, _to_code(ctx.attr("to")))
+    return _cast(ctx, x, cast_target_code(ctx.attr("to")))
 
 
-@REGISTRY.register("CastLike", since=15, check=_cast_check)
+@REGISTRY.register("CastLike", since=15, check=cast_problem)
 def cast_like(ctx: KernelContext, x: Array, like: Array) -> Array:
     """Convert to the element type of the second input."""
     try:
@@ -667,39 +637,3 @@ def dropout(
     mask = ctx.out(1, x.shape, BOOL if ctx.opset >= 10 else x.dtype)
     mask[...] = 1
     return y, mask
-
-
-_CONSTANT_UNSUPPORTED = ("sparse_value", "value_string", "value_strings")
-
-
-def _constant_check(node: NodeInfo, input_types: Sequence[Any]) -> str | None:
-    for name in _CONSTANT_UNSUPPORTED:
-        if name in node.attrs:
-            return f"Constant attribute {name!r} is not supported (sparse and string tensors)"
-    value = node.attrs.get("value")
-    if isinstance(value, np.ndarray) and value.dtype.kind in "OUS":
-        return "Constant string tensors are not supported"
-    return None
-
-
-@REGISTRY.register("Constant", since=1, check=_constant_check)
-def constant(ctx: KernelContext) -> Array:
-    """The node's constant value (value, value_float(s), value_int(s)); returned read-only."""
-    attrs = ctx.node.attrs
-    if "value" in attrs:
-        value = np.asarray(attrs["value"])
-    elif "value_float" in attrs:
-        value = np.asarray(attrs["value_float"], dtype=F32)
-    elif "value_floats" in attrs:
-        value = np.asarray(attrs["value_floats"], dtype=F32).reshape(-1)
-    elif "value_int" in attrs:
-        value = np.asarray(attrs["value_int"], dtype=np.int64)
-    elif "value_ints" in attrs:
-        value = np.asarray(attrs["value_ints"], dtype=np.int64).reshape(-1)
-    else:
-        reason = _constant_check(ctx.node, ()) or "Constant has no value attribute"
-        raise NotImplementedError(f"{ctx.node.describe()}: {reason}")
-    if value.dtype.kind in "OUS":
-        raise NotImplementedError(f"{ctx.node.describe()}: string constants are not supported")
-    value.flags.writeable = False
-    return value

@@ -1,14 +1,17 @@
-"""CPU kernels: normalizations (Layer, RMS, Group, Instance, Batch)."""
+"""CPU kernels: normalizations (Layer, RMS, Group, Instance, Batch; onnxruntime's
+SimplifiedLayerNormalization in both domains)."""
 
 from __future__ import annotations
 
 import numpy as np
 from onnx import TensorProto
 
+from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
+from onnx_genrt.core.op_rules import normalize_axis
+
 from ._nn_common import (
     as_compute,
     layer_norm_rows,
-    normalize_axis,
     onnx_float_dtype,
     output_count,
     rms_norm_rows,
@@ -43,7 +46,7 @@ def _normalize(
     ctx, x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, rms: bool
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Shared body of LayerNormalization / RMSNormalization: (Y, mean, inv_std) in cdt."""
-    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim, ctx.node)
     eps = float(ctx.attr("epsilon", 1e-5))
     cdt = _stash_dtype(x, int(ctx.attr("stash_type", TensorProto.FLOAT)))
     rows, cols = rows_view(x, axis)
@@ -81,7 +84,7 @@ def layer_norm_kernel(
     n = output_count(ctx)
     if n == 1:
         return y
-    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim, ctx.node)
     stat_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
     u = onnx_float_dtype(int(ctx.attr("stash_type", TensorProto.FLOAT)))
     stats = (mean.reshape(stat_shape).astype(u), inv.reshape(stat_shape).astype(u))
@@ -171,3 +174,20 @@ def batch_norm_kernel(
     run_var = var.astype(cdt) * momentum + use_var * (1 - momentum)
     outs = (y, run_mean.astype(mean.dtype), run_var.astype(var.dtype))
     return outs[: output_count(ctx)] if output_count(ctx) > 1 else y
+
+
+def _simplified_layer_norm(
+    ctx: KernelContext, x: np.ndarray, scale: np.ndarray
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """RMS norm over axis.. (attrs axis, epsilon, stash_type); optional inv_std_var output."""
+    y, _, inv = _normalize(ctx, x, scale, None, rms=True)
+    if output_count(ctx) == 1:
+        return y
+    axis = int(ctx.attr("axis", -1)) % x.ndim
+    stat_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
+    return y, inv.reshape(stat_shape).astype(_F32, copy=False)
+
+
+# onnxruntime registers SimplifiedLayerNormalization in the ONNX domain; models use that one.
+REGISTRY.register("SimplifiedLayerNormalization", since=1)(_simplified_layer_norm)
+REGISTRY.register("SimplifiedLayerNormalization", since=1, domain=MS_DOMAIN)(_simplified_layer_norm)

@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 from onnx import helper
 
-from ._nn_common import normalize_axis
+from onnx_genrt.core.op_rules import normalize_axis
+
 from ._registry import REGISTRY
 
 _F32 = np.dtype(np.float32)
@@ -44,7 +45,7 @@ def _axis(ctx, x: np.ndarray, scale: np.ndarray) -> int:
     """The quantization axis; irrelevant (0) for per-tensor scales."""
     if scale.size == 1 and scale.ndim <= 1:
         return 0
-    return normalize_axis(int(ctx.attr("axis", 1)), x.ndim, "quantization axis")
+    return normalize_axis(int(ctx.attr("axis", 1)), x.ndim, ctx.node, "quantization axis")
 
 
 def _expand(p: np.ndarray, shape: tuple[int, ...], axis: int, block: int, what: str) -> np.ndarray:

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.op_rules import normalize_axis
 
 from ._registry import REGISTRY
 
@@ -39,12 +40,6 @@ def _acc_dtype(dt: np.dtype) -> np.dtype:
     return F32 if dt in _LOW_FLOATS else dt
 
 
-def _norm_axis(ctx: KernelContext, axis: int, ndim: int) -> int:
-    if not -ndim <= axis < max(ndim, 1):
-        raise ValueError(f"{ctx.node.describe()}: axis {axis} out of range for rank {ndim}")
-    return axis + ndim if axis < 0 else axis
-
-
 def _reduce_axes(ctx: KernelContext, x: Array, axes_in: Array | None, input_since: int) -> Axes:
     """Axes to reduce: attribute before ``input_since``, optional input from it on.
 
@@ -59,7 +54,7 @@ def _reduce_axes(ctx: KernelContext, x: Array, axes_in: Array | None, input_sinc
         axes = ctx.attr("axes")
     if not axes:
         return tuple(range(x.ndim))
-    return tuple(sorted({_norm_axis(ctx, int(a), x.ndim) for a in axes}))
+    return tuple(sorted({normalize_axis(int(a), x.ndim, ctx.node) for a in axes}))
 
 
 def _finish(ctx: KernelContext, res: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Array:
@@ -174,7 +169,7 @@ def reduce(ctx: KernelContext, x: Array, axes: Array | None = None) -> Array:
 
 
 def _arg_extreme(ctx: KernelContext, x: Array, fn: Callable[..., Array]) -> Array:
-    axis = _norm_axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
     kd = bool(ctx.attr("keepdims", 1))
     if ctx.attr("select_last_index", 0):
         idx = x.shape[axis] - 1 - fn(np.flip(x, axis), axis=axis, keepdims=kd)
@@ -236,7 +231,7 @@ def _topk_rows(keys: Array, k: int) -> Array:
 def top_k(ctx: KernelContext, x: Array, k_in: Array | None = None) -> tuple[Array, Array]:
     """k largest (or smallest) along axis, sorted; equal values keep the lower index first."""
     k = int(ctx.attr("k")) if ctx.opset < 10 else int(np.asarray(k_in).reshape(-1)[0])
-    axis = _norm_axis(ctx, int(ctx.attr("axis", -1)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim, ctx.node)
     largest = bool(ctx.attr("largest", 1))
     n = x.shape[axis]
     if not 0 <= k <= n:
@@ -284,7 +279,7 @@ def _scan_loop(x: Array, out: Array, reverse: bool, exclusive: bool, prod: bool)
 
 def _scan(ctx: KernelContext, x: Array, axis_in: Array, prod: bool) -> Array:
     """Inclusive/exclusive, forward/reverse running sum or product along the axis input."""
-    axis = _norm_axis(ctx, int(np.asarray(axis_in).reshape(-1)[0]), x.ndim)
+    axis = normalize_axis(int(np.asarray(axis_in).reshape(-1)[0]), x.ndim, ctx.node)
     exclusive, reverse = bool(ctx.attr("exclusive", 0)), bool(ctx.attr("reverse", 0))
     out = ctx.out(0, x.shape, x.dtype)
     if x.size == 0:

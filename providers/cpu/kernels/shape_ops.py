@@ -9,7 +9,13 @@ import numpy as np
 from onnx import helper
 
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import check_index_range, reshape_target
+from onnx_genrt.core.op_rules import (
+    check_index_range,
+    normalize_axes,
+    normalize_axis,
+    reshape_target,
+    slice_index,
+)
 
 from ._registry import REGISTRY
 
@@ -24,21 +30,6 @@ def _ints(values: Array | Sequence[int] | None) -> list[int]:
     if values is None:
         return []
     return [int(v) for v in np.asarray(values).reshape(-1)]
-
-
-def _axis(ctx: KernelContext, axis: int, rank: int) -> int:
-    """Normalize a possibly negative axis, raising a clear error when out of range."""
-    if not -rank <= axis < max(rank, 1):
-        raise ValueError(f"{ctx.node.describe()}: axis {axis} out of range for rank {rank}")
-    return axis + rank if axis < 0 else axis
-
-
-def _axes(ctx: KernelContext, axes: Sequence[int], rank: int) -> list[int]:
-    """Normalize axes; duplicates are an error."""
-    out = [_axis(ctx, int(a), rank) for a in axes]
-    if len(set(out)) != len(out):
-        raise ValueError(f"{ctx.node.describe()}: repeated axis in {list(axes)}")
-    return out
 
 
 def _contig(a: Array) -> Array:
@@ -117,7 +108,7 @@ def squeeze(ctx: KernelContext, x: Array, axes: Array | None = None) -> Array:
     raw = ctx.attr("axes", None) if ctx.opset < 13 else (None if axes is None else _ints(axes))
     if raw is None:
         return x.reshape([d for d in x.shape if d != 1])
-    ax = _axes(ctx, raw, x.ndim)
+    ax = normalize_axes(raw, x.ndim, ctx.node)
     for a in ax:
         if x.shape[a] != 1:
             raise ValueError(f"{ctx.node.describe()}: cannot squeeze axis {a} of size {x.shape[a]}")
@@ -128,7 +119,7 @@ def squeeze(ctx: KernelContext, x: Array, axes: Array | None = None) -> Array:
 def unsqueeze(ctx: KernelContext, x: Array, axes: Array | None = None) -> Array:
     """Insert size-1 dims (axes attribute before opset 13, input after)."""
     raw = _ints(ctx.attr("axes", [])) if ctx.opset < 13 else _ints(axes)
-    ax = set(_axes(ctx, raw, x.ndim + len(raw)))
+    ax = set(normalize_axes(raw, x.ndim + len(raw), ctx.node))
     dims = iter(x.shape)
     return x.reshape([1 if i in ax else next(dims) for i in range(x.ndim + len(ax))])
 
@@ -137,7 +128,7 @@ def unsqueeze(ctx: KernelContext, x: Array, axes: Array | None = None) -> Array:
 def transpose(ctx: KernelContext, x: Array) -> Array:
     """Permute axes (default: reverse) into a contiguous output."""
     perm = ctx.attr("perm", None)
-    perm = list(range(x.ndim))[::-1] if perm is None else _axes(ctx, perm, x.ndim)
+    perm = list(range(x.ndim))[::-1] if perm is None else normalize_axes(perm, x.ndim, ctx.node)
     if len(perm) != x.ndim:
         raise ValueError(f"{ctx.node.describe()}: perm {perm} does not match rank {x.ndim}")
     if perm == sorted(perm):
@@ -146,21 +137,6 @@ def transpose(ctx: KernelContext, x: Array) -> Array:
 
 
 # ----------------------------------------------------------------------------- shape queries
-
-
-@REGISTRY.register("Shape", since=1)
-def shape(ctx: KernelContext, x: Array) -> Array:
-    """The input's shape as int64 (start/end slice attributes from opset 15)."""
-    dims = x.shape
-    if ctx.opset >= 15:
-        dims = dims[int(ctx.attr("start", 0)) : ctx.attr("end", None)]
-    return np.array(dims, dtype=np.int64)
-
-
-@REGISTRY.register("Size", since=1)
-def size(ctx: KernelContext, x: Array) -> Array:
-    """Number of elements as a 0-d int64 tensor."""
-    return np.asarray(x.size, dtype=np.int64)
 
 
 @REGISTRY.register("ConstantOfShape", since=9)
@@ -211,7 +187,7 @@ def eye_like(ctx: KernelContext, x: Array) -> Array:
 def concat(ctx: KernelContext, *inputs: Array) -> Array:
     """Join inputs along ``axis``."""
     rank = inputs[0].ndim
-    axis = _axis(ctx, int(ctx.attr("axis", 1 if ctx.opset < 4 else 0)), rank)
+    axis = normalize_axis(int(ctx.attr("axis", 1 if ctx.opset < 4 else 0)), rank, ctx.node)
     shape = list(inputs[0].shape)
     shape[axis] = sum(t.shape[axis] for t in inputs)
     out = ctx.out(0, shape, inputs[0].dtype)
@@ -239,7 +215,7 @@ def _split_sizes(ctx: KernelContext, dim: int, split: Array | None, n_out: int) 
 @REGISTRY.register("Split", since=1)
 def split(ctx: KernelContext, x: Array, split: Array | None = None) -> Array | tuple[Array, ...]:
     """Split along ``axis`` by sizes (attribute < 13, input >= 13) or into equal parts."""
-    axis = _axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
     n_out = len(ctx.node.output_names) or 1
     sizes = _split_sizes(ctx, x.shape[axis], split, n_out)
     bounds = np.cumsum([0, *sizes])
@@ -261,22 +237,9 @@ def slice_(
     steps: Array | None = None,
 ) -> Array:
     """Strided slice; attributes before opset 10, inputs after (negative steps clamp)."""
-    if ctx.opset < 10:
-        st, en = _ints(ctx.attr("starts", [])), _ints(ctx.attr("ends", []))
-        ax = _ints(ctx.attr("axes", None)) or list(range(len(st)))
-        sp = [1] * len(st)
-    else:
-        st, en = _ints(starts), _ints(ends)
-        ax = _ints(axes) if axes is not None else list(range(len(st)))
-        sp = _ints(steps) if steps is not None else [1] * len(st)
-    if not len(st) == len(en) == len(ax) == len(sp):
-        raise ValueError(f"{ctx.node.describe()}: starts/ends/axes/steps lengths differ")
-    index: list[slice] = [slice(None)] * x.ndim
-    for a, s, e, step in zip(_axes(ctx, ax, x.ndim), st, en, sp, strict=True):
-        if step == 0:
-            raise ValueError(f"{ctx.node.describe()}: step must not be zero")
-        index[a] = slice(s, e, step)  # Python slicing clamps exactly as ONNX specifies
-    return _contig(x[tuple(index)])
+    bounds = (None if v is None else _ints(v) for v in (starts, ends, axes, steps))
+    index = slice_index(ctx.node, x.ndim, *bounds)
+    return _contig(x[index])
 
 
 # ----------------------------------------------------------------------------- expand / tile / pad
@@ -343,7 +306,7 @@ def pad(
     else:
         raw = _ints(pads)
         value = _scalar(constant_value, 0)
-    ax = _axes(ctx, _ints(axes), x.ndim) if axes is not None else list(range(x.ndim))
+    ax = normalize_axes(_ints(axes), x.ndim, ctx.node) if axes is not None else list(range(x.ndim))
     if len(raw) != 2 * len(ax):
         raise ValueError(f"{ctx.node.describe()}: {len(raw)} pads for {len(ax)} axes")
     before, after = [0] * x.ndim, [0] * x.ndim
@@ -370,7 +333,7 @@ def pad(
 def center_crop_pad(ctx: KernelContext, x: Array, shape: Array) -> Array:
     """Center-crop or zero-pad each of ``axes`` to ``shape``."""
     sizes = _ints(shape)
-    ax = _axes(ctx, ctx.attr("axes", list(range(x.ndim))), x.ndim)
+    ax = normalize_axes(ctx.attr("axes", list(range(x.ndim))), x.ndim, ctx.node)
     if len(sizes) != len(ax):
         raise ValueError(f"{ctx.node.describe()}: shape {sizes} does not match axes {ax}")
     out_shape = list(x.shape)
@@ -397,7 +360,7 @@ def center_crop_pad(ctx: KernelContext, x: Array, shape: Array) -> Array:
 @REGISTRY.register("Gather", since=1)
 def gather(ctx: KernelContext, x: Array, indices: Array) -> Array:
     """``np.take`` along ``axis``; negative indices count from the end."""
-    axis = _axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
     idx = np.asarray(indices)
     check_index_range(ctx, idx, x.shape[axis])
     shape = x.shape[:axis] + idx.shape + x.shape[axis + 1 :]
@@ -411,7 +374,7 @@ def gather(ctx: KernelContext, x: Array, indices: Array) -> Array:
 @REGISTRY.register("GatherElements", since=11)
 def gather_elements(ctx: KernelContext, x: Array, indices: Array) -> Array:
     """``np.take_along_axis`` with negative-index support."""
-    axis = _axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
     idx = _normalized_indices(ctx, indices, x.shape[axis])
     return np.take_along_axis(x, idx, axis=axis)
 
@@ -484,7 +447,7 @@ def scatter_nd(ctx: KernelContext, data: Array, indices: Array, updates: Array) 
 @REGISTRY.register(["ScatterElements", "Scatter"], since=9, check=_scatter_check)
 def scatter_elements(ctx: KernelContext, data: Array, indices: Array, updates: Array) -> Array:
     """Copy of ``data`` with ``updates`` written at ``indices`` along ``axis``."""
-    axis = _axis(ctx, int(ctx.attr("axis", 0)), data.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), data.ndim, ctx.node)
     idx = _normalized_indices(ctx, indices, data.shape[axis])
     where = list(np.indices(idx.shape, sparse=True))
     where[axis] = idx
@@ -517,7 +480,7 @@ def one_hot(ctx: KernelContext, indices: Array, depth: Array, values: Array) -> 
     d = int(_scalar(depth))
     if d < 1:
         raise ValueError(f"{ctx.node.describe()}: depth must be positive, got {d}")
-    axis = _axis(ctx, int(ctx.attr("axis", -1)), indices.ndim + 1)
+    axis = normalize_axis(int(ctx.attr("axis", -1)), indices.ndim + 1, ctx.node)
     idx = np.asarray(indices).astype(np.int64)
     idx = np.where(idx < 0, idx + d, idx)
     hot = idx[..., None] == np.arange(d)
@@ -541,7 +504,7 @@ def compress(ctx: KernelContext, x: Array, condition: Array) -> Array:
     axis = ctx.attr("axis", None)
     if axis is None:
         return np.compress(cond, x.reshape(-1))
-    axis = _axis(ctx, int(axis), x.ndim)
+    axis = normalize_axis(int(axis), x.ndim, ctx.node)
     if cond.size > x.shape[axis]:
         raise ValueError(f"{ctx.node.describe()}: condition longer than axis {axis}")
     return np.compress(cond, x, axis=axis)
@@ -551,7 +514,7 @@ def compress(ctx: KernelContext, x: Array, condition: Array) -> Array:
 def unique(ctx: KernelContext, x: Array) -> Array | tuple[Array, ...]:
     """Unique values or slices: (y, first indices, inverse indices, counts)."""
     axis = ctx.attr("axis", None)
-    ax = None if axis is None else _axis(ctx, int(axis), x.ndim)
+    ax = None if axis is None else normalize_axis(int(axis), x.ndim, ctx.node)
     y, first, inverse, counts = np.unique(
         x, return_index=True, return_inverse=True, return_counts=True, axis=ax
     )
@@ -575,8 +538,8 @@ def unique(ctx: KernelContext, x: Array) -> Array | tuple[Array, ...]:
 @REGISTRY.register("ReverseSequence", since=10)
 def reverse_sequence(ctx: KernelContext, x: Array, sequence_lens: Array) -> Array:
     """Reverse the first ``sequence_lens[b]`` steps along ``time_axis`` for each batch."""
-    b_ax = _axis(ctx, int(ctx.attr("batch_axis", 1)), x.ndim)
-    t_ax = _axis(ctx, int(ctx.attr("time_axis", 0)), x.ndim)
+    b_ax = normalize_axis(int(ctx.attr("batch_axis", 1)), x.ndim, ctx.node)
+    t_ax = normalize_axis(int(ctx.attr("time_axis", 0)), x.ndim, ctx.node)
     lens = np.asarray(sequence_lens).astype(np.int64).reshape(-1)
     n_t = x.shape[t_ax]
     if lens.size != x.shape[b_ax] or (lens.size and (lens.min() < 0 or lens.max() > n_t)):
@@ -786,7 +749,11 @@ def _resize_plan(
 ) -> tuple[list[int], list[int], list[float], list[tuple[float, float]]]:
     """Per resized axis: (axes, output sizes, scales, roi ranges)."""
     r = x.ndim
-    axes = _axes(ctx, ctx.attr("axes", list(range(r))), r) if ctx.opset >= 18 else list(range(r))
+    axes = (
+        normalize_axes(ctx.attr("axes", list(range(r))), r, ctx.node)
+        if ctx.opset >= 18
+        else list(range(r))
+    )
     if sizes is not None and np.asarray(sizes).size:
         out = _ints(sizes)
         scl = [o / x.shape[a] for o, a in zip(out, axes, strict=True)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.op_rules import normalize_axis
 
-from ._nn_common import normalize_axis
 from ._registry import REGISTRY
 
 Array = np.ndarray
@@ -40,7 +40,7 @@ def dft(ctx: KernelContext, x: Array, dft_length: Array | None = None, axis: Arr
         raw = -2 if axis is None else int(np.asarray(axis).reshape(-1)[0])
     else:
         raw = int(ctx.attr("axis", 1))
-    ax = normalize_axis(raw, x.ndim)
+    ax = normalize_axis(raw, x.ndim, ctx.node)
     if ax == x.ndim - 1:
         raise ValueError(f"{ctx.node.describe()}: axis {raw} is the component axis")
     n = None if dft_length is None else int(np.asarray(dft_length).reshape(-1)[0])

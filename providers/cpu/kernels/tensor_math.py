@@ -10,8 +10,9 @@ import numpy as np
 
 from onnx_genrt.core.dtypes import numpy_dtype_of_onnx
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import normalize_axis
 
-from ._nn_common import compute_dtype, normalize_axis
+from ._nn_common import compute_dtype
 from ._registry import REGISTRY
 
 Array = np.ndarray
@@ -19,7 +20,7 @@ Array = np.ndarray
 
 def _axis(ctx: KernelContext, x: Array, default: int) -> int:
     try:
-        return normalize_axis(int(ctx.attr("axis", default)), x.ndim)
+        return normalize_axis(int(ctx.attr("axis", default)), x.ndim, ctx.node)
     except ValueError as exc:
         raise ValueError(f"{ctx.node.describe()}: {exc}") from None
 
@@ -123,7 +124,7 @@ def lrn(ctx: KernelContext, x: Array) -> Array:
 @REGISTRY.register("MeanVarianceNormalization", since=9)
 def mean_variance_normalization(ctx: KernelContext, x: Array) -> Array:
     """(x - mean) / (std + 1e-9) over ``axes`` (default [0, 2, 3]), as the op's function."""
-    axes = tuple(normalize_axis(int(a), x.ndim) for a in ctx.attr("axes", [0, 2, 3]))
+    axes = tuple(normalize_axis(int(a), x.ndim, ctx.node) for a in ctx.attr("axes", [0, 2, 3]))
     xf = x.astype(np.float64)
     mean = xf.mean(axis=axes, keepdims=True)
     std = np.sqrt(np.maximum((xf * xf).mean(axis=axes, keepdims=True) - mean * mean, 0.0))

@@ -32,10 +32,10 @@ class CaptureUnsupported(RuntimeError):
 
 
 def capturing(ctx: KernelContext) -> bool:
-    """True while the provider's stream records a graph."""
-    provider = ctx.provider
-    if provider is not None and hasattr(provider, "capturing"):
-        return provider.capturing is not None
+    """True while the provider's stream records a graph (a call without a provider asks
+    CuPy's current stream)."""
+    if ctx.provider is not None:
+        return ctx.capturing
     return bool(cupy.cuda.get_current_stream().is_capturing())
 
 
@@ -46,21 +46,17 @@ def refuse_in_capture(ctx: KernelContext, what: str) -> None:
 
 
 def out(ctx: KernelContext, index: int, shape: Sequence[int], dtype: Any) -> cupy.ndarray:
-    """The planned buffer for output ``index`` when it fits, else a new device array.
-
-    While capturing, a missing planned buffer is an error: memory allocated inside a capture
-    returns to the pool afterwards and a replay would write into someone else's bytes.
-    """
+    """``ctx.out``: the planned buffer for output ``index`` when it fits, else a new device
+    array (refused while capturing). A call without a provider (a test calling a kernel
+    directly) gets a CuPy array the same way."""
+    if ctx.provider is not None:
+        return ctx.out(index, shape, dtype)
     shape = tuple(int(s) for s in shape)
     dt = np.dtype(dtype)
     if index < len(ctx.planned):
         buf = ctx.planned[index]
-        if (
-            isinstance(buf, cupy.ndarray)
-            and buf.shape == shape
-            and buf.dtype == dt
-            and buf.flags.c_contiguous
-        ):
+        fits = isinstance(buf, cupy.ndarray) and buf.shape == shape and buf.dtype == dt
+        if fits and buf.flags.c_contiguous:
             return buf
     refuse_in_capture(ctx, f"output {index} {list(shape)} {dt} has no planned buffer; allocating")
     return cupy.empty(shape, dt)
@@ -77,22 +73,17 @@ def contiguous(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
 def host_ints(ctx: KernelContext, value: Any) -> list[int]:
     """A small integer tensor (shape, axes, slice bounds) as Python ints.
 
-    Host arrays are read directly. Device arrays are looked up in the provider's host
-    shadow (kept for small integer constants by ``as_array``); otherwise they are read with
-    a blocking copy, which is refused while capturing.
+    Host arrays are read directly, device arrays through ``ctx.host_value`` (the copy the
+    provider kept when it uploaded them); otherwise they are read with a blocking copy on
+    the provider's stream, which is refused while capturing.
     """
     if value is None:
         return []
-    if not isinstance(value, cupy.ndarray):
-        return [int(v) for v in np.asarray(value).reshape(-1)]
-    shadow = getattr(ctx.provider, "host_shadow", None)
-    if shadow is not None:
-        host = shadow(value)
-        if host is not None:
-            return [int(v) for v in host.reshape(-1)]
+    host = ctx.host_value(value)
+    if host is not None:
+        return [int(v) for v in np.asarray(host).reshape(-1)]
     refuse_in_capture(ctx, "reading a device tensor on the host")
-    stream = getattr(ctx.provider, "stream", None)
-    return [int(v) for v in value.get(stream=stream).reshape(-1)]
+    return [int(v) for v in value.get(stream=ctx.stream).reshape(-1)]
 
 
 @functools.cache
@@ -125,12 +116,6 @@ def bf16_unsupported() -> str | None:
         f"bfloat16 on CUDA needs CuPy >= 14 with NumPy >= 2.1.2 (found CuPy {cupy.__version__}, "
         f"NumPy {np.__version__})"
     )
-
-
-def normalize_axis(ctx: KernelContext, axis: int, rank: int) -> int:
-    if not -rank <= axis < max(rank, 1):
-        raise ValueError(f"{ctx.node.describe()}: axis {axis} out of range for rank {rank}")
-    return axis + rank if axis < 0 else axis
 
 
 def rows_cols(shape: Sequence[int], axis: int) -> tuple[int, int]:
@@ -172,12 +157,12 @@ def sm_count() -> int:
 
 
 def scratch(ctx: KernelContext, nbytes: int) -> cupy.ndarray:
-    """Scratch bytes that stay at their address while graphs use them (provider-owned)."""
-    get = getattr(ctx.provider, "scratch", None)
-    if get is not None:
-        return get(nbytes)
+    """``ctx.scratch``: bytes of the provider's workspace, which stay at their address while
+    graphs use them. A call without a provider gets fresh CuPy memory (not in a capture)."""
+    if ctx.provider is not None:
+        return ctx.scratch(nbytes)
     refuse_in_capture(ctx, "scratch memory without a CUDA provider")
-    return cupy.empty(nbytes, np.uint8)
+    return cupy.empty(max(int(nbytes), 1), np.uint8)
 
 
 #: Device helpers shared by the RawKernel sources: fp16 <-> fp32 and block reductions.
@@ -432,5 +417,38 @@ DEVI float block_max(float v, float* sh) {
   }
   __syncthreads();
   return sh[32];
+}
+"""
+
+#: Device helpers of the ArgMax kernels: order keys that make the pick of a row one max.
+ARG_KEYS = r"""
+// Order key of element i of value v: the value's bits made unsigned-comparable (-0 as +0,
+// NaN above everything as in numpy) over the index, so that the lower index wins a tie (the
+// higher with last). The largest key is the pick whatever order keys are met in; 0 is no pick.
+DEVI unsigned long long arg_key(float v, long long i, int last) {
+  unsigned int u = __float_as_uint(v);
+  u = v != v ? 0xffffffffu : (v == 0.f ? 0x80000000u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u)));
+  const unsigned int low = last ? (unsigned int)i : 0xffffffffu - (unsigned int)i;
+  return ((unsigned long long)u << 32) | low;
+}
+DEVI long long arg_index(unsigned long long k, int last) {
+  if (k == 0ull) return 0;
+  const unsigned int low = (unsigned int)k;
+  return last ? (long long)low : (long long)(0xffffffffu - low);
+}
+DEVI unsigned long long kmax(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+// Block-wide largest key; thread 0 gets it. sh holds 32 entries.
+DEVI unsigned long long block_kmax(unsigned long long k, unsigned long long* sh) {
+  for (int o = 16; o > 0; o >>= 1) k = kmax(k, __shfl_xor_sync(0xffffffffu, k, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) sh[warp] = k;
+  __syncthreads();
+  if (warp == 0) {
+    k = lane < warps ? sh[lane] : 0ull;
+    for (int o = 16; o > 0; o >>= 1) k = kmax(k, __shfl_xor_sync(0xffffffffu, k, o));
+  }
+  return k;
 }
 """

@@ -13,7 +13,8 @@ import weakref
 import cupy
 import numpy as np
 
-from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.op_rules import constant_problem, constant_value, shape_value
 
 from ._common import CaptureUnsupported, capturing
 from ._registry import REGISTRY
@@ -39,8 +40,7 @@ def host_known(ctx: KernelContext, host: np.ndarray) -> cupy.ndarray:
                 f"{ctx.node.describe()}: value {host.tolist()} is first needed while capturing; "
                 "run the step eagerly first"
             )
-        as_array = getattr(provider, "as_array", None)
-        dev = as_array(host) if as_array is not None else cupy.asarray(host)
+        dev = provider.upload(host) if provider is not None else cupy.asarray(host)
         table[key] = dev
     return dev
 
@@ -48,45 +48,13 @@ def host_known(ctx: KernelContext, host: np.ndarray) -> cupy.ndarray:
 @REGISTRY.register("Shape", since=1)
 def shape(ctx: KernelContext, x) -> cupy.ndarray:
     """The input's shape as int64 (start/end attributes from opset 15); host-shadowed."""
-    dims = tuple(int(d) for d in x.shape)
-    if ctx.opset >= 15:
-        dims = dims[int(ctx.attr("start", 0)) : ctx.attr("end", None)]
-    return host_known(ctx, np.array(dims, dtype=np.int64))
+    return host_known(ctx, shape_value(ctx.node, x.shape))
 
 
-_CONSTANT_UNSUPPORTED = ("sparse_value", "value_string", "value_strings")
-
-
-def _constant_check(node: NodeInfo, _types: object) -> str | None:
-    for name in _CONSTANT_UNSUPPORTED:
-        if name in node.attrs:
-            return f"Constant attribute {name!r} is not supported (sparse and string tensors)"
-    value = node.attrs.get("value")
-    if isinstance(value, np.ndarray) and value.dtype.kind in "OUS":
-        return "Constant string tensors are not supported"
-    return None
-
-
-@REGISTRY.register("Constant", since=1, check=_constant_check)
+@REGISTRY.register("Constant", since=1, check=constant_problem)
 def constant(ctx: KernelContext):
     """The node's value (value, value_float(s), value_int(s)) on the device."""
-    attrs = ctx.node.attrs
-    if "value" in attrs:
-        value = np.asarray(attrs["value"])
-    elif "value_float" in attrs:
-        value = np.asarray(attrs["value_float"], dtype=np.float32)
-    elif "value_floats" in attrs:
-        value = np.asarray(attrs["value_floats"], dtype=np.float32).reshape(-1)
-    elif "value_int" in attrs:
-        value = np.asarray(attrs["value_int"], dtype=np.int64)
-    elif "value_ints" in attrs:
-        value = np.asarray(attrs["value_ints"], dtype=np.int64).reshape(-1)
-    else:
-        reason = _constant_check(ctx.node, ()) or "Constant has no value attribute"
-        raise NotImplementedError(f"{ctx.node.describe()}: {reason}")
-    if value.dtype.kind in "OUS":
-        raise NotImplementedError(f"{ctx.node.describe()}: string constants are not supported")
+    value = constant_value(ctx.node)
     if capturing(ctx):
         raise CaptureUnsupported(f"{ctx.node.describe()}: Constant runs at load (folded)")
-    as_array = getattr(ctx.provider, "as_array", None)
-    return as_array(value) if as_array is not None else cupy.asarray(value)
+    return ctx.provider.upload(value) if ctx.provider is not None else cupy.asarray(value)

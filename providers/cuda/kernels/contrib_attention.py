@@ -54,7 +54,14 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import gqa_attribute_problem, windowed_cache_length
+from onnx_genrt.core.op_rules import (
+    gqa_attribute_problem,
+    gqa_input_problem,
+    gqa_shapes,
+    rotary_layout,
+    rotary_problem,
+    windowed_cache_length,
+)
 
 from ._common import (
     DEVICE_COMMON,
@@ -696,13 +703,7 @@ __global__ void rotary_rows(const S* __restrict__ x, S* __restrict__ y,
 
 def _host_scalar(ctx: KernelContext, value) -> int | None:
     """The value of a small integer tensor when it is known on the host (never syncs)."""
-    if value is None:
-        return None
-    if not isinstance(value, cupy.ndarray):
-        arr = np.asarray(value).reshape(-1)
-        return int(arr[0]) if arr.size else None
-    shadow = getattr(ctx.provider, "host_shadow", None)
-    host = shadow(value) if shadow is not None else None
+    host = ctx.host_value(value)
     if host is None or host.size == 0:
         return None
     return int(host.reshape(-1)[0])
@@ -722,22 +723,22 @@ def _aligned(arr: cupy.ndarray, nbytes: int) -> bool:
 
 # ----------------------------------------------------------------------------- GQA
 
-_REFUSED_INPUTS = {
-    9: "position_ids",
-    10: "attention_bias",
-    12: "k_scale",
-    13: "v_scale",
-    14: "q_norm_weight",
-    15: "k_norm_weight",
-    16: "query_seqlens",
-}
+_REFUSED_INPUTS = (
+    "position_ids",
+    "attention_bias",
+    "k_scale",
+    "v_scale",
+    "q_norm_weight",
+    "k_norm_weight",
+    "query_seqlens",
+)
 
 
 def _gqa_check(node: NodeInfo, _types: object) -> str | None:
+    reason = gqa_input_problem(node, _REFUSED_INPUTS, " on CUDA")
+    if reason:
+        return reason
     names = node.input_names
-    for i, what in _REFUSED_INPUTS.items():
-        if i < len(names) and names[i]:
-            return f"GroupQueryAttention input {what!r} is not supported on CUDA"
     if len(names) < 5 or not names[3] or not names[4]:
         return (
             "GroupQueryAttention without past_key/past_value (concat mode) is not supported on CUDA"
@@ -800,33 +801,18 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
             f"{desc}: concat mode (no past_key/past_value) is not supported on CUDA; bind the "
             "KV cache as both past and present"
         )
-    if seqlens_k is None:
-        raise ValueError(f"{desc}: seqlens_k is required")
-    heads, kvh = int(ctx.attr("num_heads")), int(ctx.attr("kv_num_heads"))
-    if heads <= 0 or kvh <= 0 or heads % kvh:
-        raise ValueError(f"{desc}: num_heads {heads} must be a positive multiple of {kvh}")
-    if query.ndim != 3:
-        raise ValueError(f"{desc}: query must be (B, S, width), got {list(query.shape)}")
+    geom = gqa_shapes(ctx.node, query, key, value, past_key, past_value, seqlens_k,
+                      cos_cache, sin_cache, head_sink)  # fmt: skip
     b, s, width = (int(d) for d in query.shape)
+    heads, kvh, d = geom.heads, geom.kv_heads, geom.head_size
     dtype = query.dtype
     s_type = storage(ctx, dtype)
     query = contiguous(ctx, query)
-    if key is None:
-        if value is not None or width % (heads + 2 * kvh):
-            raise ValueError(f"{desc}: packed QKV width {width} does not fit {heads}+2*{kvh}")
-        d = width // (heads + 2 * kvh)
+    if geom.packed:
         flat = query.reshape(-1)
         q_row = k_row = v_row = width
         k_src, v_src = flat[heads * d :], flat[(heads + kvh) * d :]
     else:
-        if value is None or width % heads:
-            raise ValueError(f"{desc}: query width {width} not divisible by {heads} heads")
-        d = width // heads
-        if tuple(key.shape) != (b, s, kvh * d) or tuple(value.shape) != tuple(key.shape):
-            raise ValueError(
-                f"{desc}: key/value shapes {list(key.shape)}, {list(value.shape)} != "
-                f"{[b, s, kvh * d]}"
-            )
         if key.dtype != dtype or value.dtype != dtype:
             raise TypeError(f"{desc}: query, key and value dtypes differ")
         q_row, k_row, v_row = width, kvh * d, kvh * d
@@ -834,20 +820,10 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
     if d % 2 or d > 256:
         raise NotImplementedError(f"{desc}: head size {d} must be even and at most 256 on CUDA")
     for name, past in (("past_key", past_key), ("past_value", past_value)):
-        if (
-            past.ndim != 4
-            or tuple(past.shape[:2]) != (b, kvh)
-            or int(past.shape[3]) != d
-            or past.dtype != dtype
-        ):
-            raise ValueError(
-                f"{desc}: {name} {list(past.shape)} {past.dtype} does not fit "
-                f"[{b}, {kvh}, *, {d}] {dtype}"
-            )
+        if past.dtype != dtype:
+            raise ValueError(f"{desc}: {name} dtype {past.dtype} differs from query's {dtype}")
         if not past.flags.c_contiguous:
             raise ValueError(f"{desc}: {name} must be C-contiguous (it is written in place)")
-    if past_key.shape != past_value.shape:
-        raise ValueError(f"{desc}: past_key and past_value shapes differ")
     cap = int(past_key.shape[2])
     total_len = _host_scalar(ctx, total_sequence_length)
     window = int(ctx.attr("local_window_size", -1))
@@ -869,7 +845,7 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
             "(concat mode is not supported on CUDA)"
         )
     seqlens = _device(ctx, seqlens_k, "seqlens_k")
-    if seqlens.dtype != np.int32 or seqlens.size != b:
+    if seqlens.dtype != np.int32:
         raise ValueError(
             f"{desc}: seqlens_k must be int32 [{b}], got {seqlens.dtype}{seqlens.shape}"
         )
@@ -878,15 +854,11 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
     rotary = bool(ctx.attr("do_rotary", 0))
     interleaved = int(bool(ctx.attr("rotary_interleaved", 0)))
     if rotary:
-        if cos_cache is None or sin_cache is None:
-            raise ValueError(f"{desc}: do_rotary needs cos_cache and sin_cache")
         cos_c = contiguous(ctx, _device(ctx, cos_cache, "cos_cache"))
         sin_c = contiguous(ctx, _device(ctx, sin_cache, "sin_cache"))
-        if cos_c.ndim != 2 or cos_c.shape != sin_c.shape or cos_c.dtype != sin_c.dtype:
-            raise ValueError(f"{desc}: cos/sin caches {cos_c.shape}, {sin_c.shape} differ")
-        rot, max_pos = 2 * int(cos_c.shape[1]), int(cos_c.shape[0])
-        if rot > d or max_pos < 1:
-            raise ValueError(f"{desc}: rotary dim {rot} exceeds head size {d}")
+        if cos_c.dtype != sin_c.dtype:
+            raise ValueError(f"{desc}: cos/sin caches differ in dtype")
+        rot, max_pos = geom.rotary_dim, int(cos_c.shape[0])
         c_type = storage(ctx, cos_c.dtype)
     else:
         cos_c = sin_c = query  # unused
@@ -899,7 +871,7 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
     sinks = query
     if head_sink is not None:
         sinks = contiguous(ctx, _device(ctx, head_sink, "head_sink"))
-        if sinks.size != heads or sinks.dtype != dtype:
+        if sinks.dtype != dtype:
             raise ValueError(f"{desc}: head_sink must be [{heads}] {dtype}")
         sink_mode = 1
     elif int(ctx.attr("smooth_softmax", -1)) == 1:
@@ -1032,34 +1004,22 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
 # ----------------------------------------------------------------------------- RotaryEmbedding
 
 
-def _rotary_check(node: NodeInfo, _types: object) -> str | None:
-    if node.attr("is_packed_batching", 0):
-        return "RotaryEmbedding is_packed_batching=1 is not supported"
-    return None
-
-
-@REGISTRY.register("RotaryEmbedding", since=1, domain=MS_DOMAIN, check=_rotary_check)
+@REGISTRY.register("RotaryEmbedding", since=1, domain=MS_DOMAIN, check=rotary_problem)
 def rotary_embedding_ms(ctx: KernelContext, x, position_ids, cos_cache, sin_cache):
     """com.microsoft RotaryEmbedding on (B, S, hidden) or (B, N, S, H); positions on device.
 
     Positions outside the cos/sin cache are clamped (checking them would need a sync).
     """
     desc = ctx.node.describe()
-    half = int(cos_cache.shape[1])
-    if x.ndim == 4:
-        b, n, s, dh = (int(v) for v in x.shape)
-        bnsh = 1
-    elif x.ndim == 3:
-        b, s, hidden = (int(v) for v in x.shape)
-        n = int(ctx.attr("num_heads", 0)) or hidden // (2 * half)
-        if n <= 0 or hidden % n:
-            raise ValueError(f"{desc}: hidden {hidden} not divisible by {n} heads")
-        dh, bnsh = hidden // n, 0
-    else:
-        raise ValueError(f"{desc}: input must be 3-D or 4-D, got {list(x.shape)}")
-    rot = int(ctx.attr("rotary_embedding_dim", 0)) or dh
-    if rot != 2 * half or rot > dh:
-        raise ValueError(f"{desc}: rotary dim {rot} vs cos cache {list(cos_cache.shape)}")
+    lay = rotary_layout(ctx.node, x.shape, cos_cache.shape)
+    b, n, s, dh, rot, bnsh = (
+        lay.batch,
+        lay.heads,
+        lay.seq,
+        lay.head_size,
+        lay.rotary_dim,
+        int(lay.bnsh),
+    )
     pos = contiguous(ctx, _device(ctx, position_ids, "position_ids"))
     if pos.dtype != np.int64:
         raise TypeError(f"{desc}: position_ids must be int64")

@@ -580,12 +580,7 @@ __global__ void gather_block_quant(const unsigned char* __restrict__ data,
 
 def _source(ctx: KernelContext) -> str:
     """The kernels' source in the form the provider's ``nbits_half2`` option asks for."""
-    return f"#define NBITS_HALF2 {int(_option(ctx, 'nbits_half2'))}\n" + _BODY
-
-
-def _option(ctx: KernelContext, name: str) -> bool:
-    """A CUDA provider option; a kernel called without a provider takes the default."""
-    return ctx.provider.option(name) if ctx.provider is not None else True
+    return f"#define NBITS_HALF2 {int(ctx.option('nbits_half2', True))}\n" + _BODY
 
 
 # ----------------------------------------------------------------------------- dequant cache
@@ -674,7 +669,7 @@ def _zero_args(ctx: KernelContext, zp, scales, n: int, nb: int, bits: int):
 def _chunk16_fits(ctx: KernelContext, bits: int, block: int, k: int, row_bytes: int, b, a) -> bool:
     """Whether ``nbits4_gemv16`` applies: 4 bits, 16-byte chunks within one block, aligned."""
     return (
-        _option(ctx, "nbits_chunk16")
+        ctx.option("nbits_chunk16", True)
         and bits == 4
         and block % 32 == 0
         and k % 32 == 0
@@ -690,7 +685,7 @@ def matmul_nbits(
 ):
     """Y = A @ dequant(B)^T (+ bias); float32 accumulation; fp32 or fp16 A and scales.
 
-    ``norm`` (a ``norm_matmul.FusedNorm``): A is normalized first, inside the 16-byte-chunk
+    ``norm`` (a ``genrt.FusedNorm``): A is normalized first, inside the 16-byte-chunk
     GEMVs when they apply, else by the norm kernel before any other path."""
     desc = ctx.node.describe()
     reason = _nbits_check(ctx.node, ())
@@ -739,7 +734,7 @@ def matmul_nbits(
         else:
             norm_args, shared = (a, a, y, np.float32(0.0), np.int32(0)), 0
         split = None
-        if _option(ctx, "nbits_small_k") and m <= SMALL_K_MAX_M:
+        if ctx.option("nbits_small_k", True) and m <= SMALL_K_MAX_M:
             split = nbits4_small_k_split(k // 32, n, sm_count())
         if split is not None:
             lpc, cpl = split
@@ -769,7 +764,7 @@ def matmul_nbits(
         args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
         args += (np.int32(nb), np.int32(block), np.int32(words), np.int32(zrow))
         args += (np.int32(zp_mode), np.int32(bias is not None))
-        if _option(ctx, "nbits_stream") and words <= STREAM_MAX_WORDS:
+        if ctx.option("nbits_stream", True) and words <= STREAM_MAX_WORDS:
             name = f"nbits_gemv_stream<{s_type}, {w_type}, {mt}, {bits}, {nr}>"
             fn = function(_source(ctx), name)
             fn((stream_blocks(fn, groups, sms),), (32, 8), (*args, np.int32(a_vec)))

@@ -14,10 +14,14 @@ import cupy
 import numpy as np
 from onnx import TensorProto, helper
 
-from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import gelu_attribute_problem
+from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import (
+    cast_problem,
+    cast_target_code,
+    gelu_attribute_problem,
+)
 
-from ._common import BF16, OPTIONS, out
+from ._common import OPTIONS, out
 from ._registry import REGISTRY
 
 BOOL = np.dtype(np.bool_)
@@ -26,7 +30,7 @@ BOOL = np.dtype(np.bool_)
 #: CuPy defines its ``bfloat16`` class (cupy/bfloat16.cuh) only in kernels with a bfloat16
 #: argument; the declaration here lets the others compile (a specialization may name an
 #: incomplete class, and a class may be declared again before or after its definition).
-_PREAMBLE = r"""
+PREAMBLE = r"""
 class bfloat16;
 template <typename T> struct GenrtAcc { typedef double type; };
 template <> struct GenrtAcc<float> { typedef float type; };
@@ -50,7 +54,7 @@ def _unary_kernel(name: str, body: str) -> cupy.ElementwiseKernel:
     """``y = body(x)`` where ``v`` is x in its compute type ``A``."""
     op = f"typedef GenrtAcc<T>::type A; const A v = (A)x; y = (T)({body});"
     return cupy.ElementwiseKernel(
-        "T x", "T y", op, f"genrt_{name}", preamble=_PREAMBLE, options=OPTIONS
+        "T x", "T y", op, f"genrt_{name}", preamble=PREAMBLE, options=OPTIONS
     )
 
 
@@ -120,18 +124,19 @@ _POW = cupy.ElementwiseKernel(
     "T z",
     "typedef GenrtAcc<T>::type A; z = (T)genrt_math_pow((A)a, (A)b);",
     "genrt_pow",
-    preamble=_PREAMBLE,
+    preamble=PREAMBLE,
     options=OPTIONS,
 )
 
 
-def _bshape(*arrays: Any) -> tuple[int, ...]:
+def broadcast_shape(*arrays: Any) -> tuple[int, ...]:
+    """The shape the arrays broadcast to."""
     return tuple(np.broadcast_shapes(*(tuple(a.shape) for a in arrays)))
 
 
 def _binary(ufunc: Any, out_dtype: np.dtype | None = None) -> Callable[..., cupy.ndarray]:
     def run(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
-        z = out(ctx, 0, _bshape(a, b), a.dtype if out_dtype is None else out_dtype)
+        z = out(ctx, 0, broadcast_shape(a, b), a.dtype if out_dtype is None else out_dtype)
         if z.size:
             ufunc(a, b, out=z)
         return z
@@ -163,7 +168,7 @@ def logical_not(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
 @REGISTRY.register("Div", since=7)
 def div(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
     """Division; integers truncate toward zero like C (x / 0 gives 0 rather than a trap)."""
-    z = out(ctx, 0, _bshape(a, b), a.dtype)
+    z = out(ctx, 0, broadcast_shape(a, b), a.dtype)
     if not z.size:
         return z
     if a.dtype.kind in "iu":
@@ -176,7 +181,7 @@ def div(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
 @REGISTRY.register("Pow", since=7)
 def pow_(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
     """a ** b in the base's compute type; the output has the base's dtype."""
-    z = out(ctx, 0, _bshape(a, b), a.dtype)
+    z = out(ctx, 0, broadcast_shape(a, b), a.dtype)
     if z.size:
         _POW(a, b, z)
     return z
@@ -192,7 +197,7 @@ _WHERE = cupy.ElementwiseKernel(
 @REGISTRY.register("Where", since=9)
 def where(ctx: KernelContext, cond: cupy.ndarray, x: cupy.ndarray, y: cupy.ndarray) -> Any:
     """x where cond else y (all three broadcast)."""
-    z = out(ctx, 0, _bshape(cond, x, y), x.dtype)
+    z = out(ctx, 0, broadcast_shape(cond, x, y), x.dtype)
     if z.size:
         _WHERE(cond, x, y, z)
     return z
@@ -218,38 +223,15 @@ _CAST_TYPES = {
 }
 
 
-def _to_code(to: Any) -> int:
-    if isinstance(to, str):
-        return int(TensorProto.DataType.Value(to.upper()))
-    return int(to)
-
-
 def _cast_check(node: NodeInfo, input_types: Sequence[Any]) -> str | None:
-    to = node.attr("to")
-    if to is None:
-        return "Cast needs a 'to' attribute"
-    try:
-        code = _to_code(to)
-    except ValueError:
-        return f"Cast to={to!r}: unknown element type"
-    if code not in _CAST_TYPES:
-        name = TensorProto.DataType.Name(code) if code in TensorProto.DataType.values() else code
-        return f"Cast to {name} is not supported on CUDA yet"
-    source = input_types[0] if input_types else None
-    if source is not None and source.dtype is not None:
-        try:
-            code_in = helper.np_dtype_to_tensor_dtype(np.dtype(source.dtype))
-        except (KeyError, TypeError, ValueError):
-            return f"Cast from {source.dtype} is not supported on CUDA"
-        if code_in not in _CAST_TYPES:
-            return f"Cast from {TensorProto.DataType.Name(code_in)} is not supported on CUDA yet"
-    return None
+    """The shared Cast rule with the element types CUDA handles."""
+    return cast_problem(node, input_types, _CAST_TYPES)
 
 
 @REGISTRY.register("Cast", since=1, check=_cast_check)
 def cast(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
     """Convert to the ``to`` type (C conversions: floats truncate toward zero into ints)."""
-    target = np.dtype(helper.tensor_dtype_to_np_dtype(_to_code(ctx.attr("to"))))
+    target = np.dtype(helper.tensor_dtype_to_np_dtype(cast_target_code(ctx.attr("to"))))
     y = out(ctx, 0, x.shape, target)
     if y.size:
         cupy.copyto(y, x, casting="unsafe")
@@ -262,40 +244,4 @@ def identity(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
     y = out(ctx, 0, x.shape, x.dtype)
     if y.size:
         cupy.copyto(y, x)
-    return y
-
-
-# ----------------------------------------------------------------------------- fused
-
-_SILU_MUL = cupy.ElementwiseKernel(
-    "T g, T u",
-    "T y",
-    "typedef GenrtAcc<T>::type A; const A v = (A)g; "
-    "const A s = (A)1 / ((A)1 + genrt_math_exp(-v)); y = (T)((v * s) * (A)u);",
-    "genrt_silu_mul",
-    preamble=_PREAMBLE,
-    options=OPTIONS,
-)
-
-
-@REGISTRY.register("SiluMul", since=1, domain=GENRT_DOMAIN)
-def silu_mul(ctx: KernelContext, g: cupy.ndarray, u: cupy.ndarray | None = None) -> cupy.ndarray:
-    """The runtime's fused gated-MLP activation: ``g * sigmoid(g) * u`` in one launch; with
-    one input and ``split=1``, g and u are the halves of its last axis."""
-    if u is None:
-        half = g.shape[-1] // 2
-        if not ctx.attr("split", 0) or g.shape[-1] % 2:
-            raise ValueError(
-                f"{ctx.node.describe()}: one input needs split=1 and an even last dimension, "
-                f"got {list(g.shape)}"
-            )
-        g, u = g[..., :half], g[..., half:]
-    if g.dtype != u.dtype or (g.dtype.kind != "f" and g.dtype != BF16):
-        raise TypeError(
-            f"{ctx.node.describe()}: SiluMul needs two equal float dtypes, got "
-            f"{g.dtype} and {u.dtype}"
-        )
-    y = out(ctx, 0, _bshape(g, u), g.dtype)
-    if y.size:
-        _SILU_MUL(g, u, y)
     return y

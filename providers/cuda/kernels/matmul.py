@@ -340,7 +340,7 @@ def transpose_weight(provider, node, index: int, host: np.ndarray) -> Transposed
         return None
     if (host.shape[0] * host.dtype.itemsize) % 16:
         return None
-    return TransposedWeight(provider.as_array(np.ascontiguousarray(host.T)))
+    return TransposedWeight(provider.upload(np.ascontiguousarray(host.T)))
 
 
 def gemv_layout(m: int, k_chunks: int, n: int, sms: int) -> tuple[int, int, int]:
@@ -362,7 +362,7 @@ def _gemv_transposed(
     ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
 ) -> cupy.ndarray:
     """``a @ w`` on ``gemv_nk`` for M <= 16 (else cuBLAS, eager only). ``norm`` (a
-    ``norm_matmul.FusedNorm`` or ``FusedSilu``): the GEMV's blocks make the activations in
+    ``genrt.FusedNorm`` or ``FusedSilu``): the GEMV's blocks make the activations in
     shared memory, or the unfused kernel makes them first for shapes that do not fit."""
     k, n = w.shape
     shape = matmul_shape(ctx, tuple(a.shape), (k, n))

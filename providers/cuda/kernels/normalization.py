@@ -11,13 +11,13 @@ import numpy as np
 from onnx import TensorProto
 
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import normalize_axis
 
 from ._common import (
     DEVICE_COMMON,
     F32,
     contiguous,
     function,
-    normalize_axis,
     out,
     row_threads,
     rows_cols,
@@ -100,7 +100,7 @@ def _stat_shape(x: cupy.ndarray, axis: int) -> tuple[int, ...]:
 
 
 def _rms(ctx: KernelContext, x: cupy.ndarray, scale: cupy.ndarray, stats: bool):
-    axis = normalize_axis(ctx, int(ctx.attr("axis", -1)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim, ctx.node)
     eps = float(ctx.attr("epsilon", 1e-5))
     rows, cols = rows_cols(x.shape, axis)
     y = out(ctx, 0, x.shape, scale.dtype)
@@ -130,7 +130,7 @@ def simplified_layer_norm(ctx: KernelContext, x: cupy.ndarray, scale: cupy.ndarr
 @REGISTRY.register("LayerNormalization", since=17, check=_stash_check)
 def layer_norm(ctx: KernelContext, x: cupy.ndarray, scale: cupy.ndarray, bias=None):
     """LayerNormalization-17; Mean and InvStdDev outputs (float32) when the node names them."""
-    axis = normalize_axis(ctx, int(ctx.attr("axis", -1)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", -1)), x.ndim, ctx.node)
     eps = float(ctx.attr("epsilon", 1e-5))
     rows, cols = rows_cols(x.shape, axis)
     names = ctx.node.output_names

@@ -1,4 +1,4 @@
-"""CUDA kernels: ReduceSum.
+"""CUDA kernels: ReduceSum, ReduceMean, ReduceMax and ArgMax.
 
 Reduced axes that form one contiguous run (the usual case: the last axes, or all of them)
 view the input as ``(outer, reduced, inner)``, capturable. One block sums each output when
@@ -22,19 +22,23 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.core.op_rules import normalize_axis
 
 from ._common import (
+    ARG_KEYS,
     BF16,
     DEVICE_COMMON,
     F16,
     contiguous,
     function,
     host_ints,
-    normalize_axis,
     out,
     refuse_in_capture,
+    row_threads,
+    rows_cols,
     scratch,
     sm_count,
+    storage,
 )
 from ._registry import REGISTRY
 
@@ -212,7 +216,7 @@ def _axes(ctx: KernelContext, x, axes_in, input_from: int = 13) -> list[int] | N
         if ctx.attr("noop_with_empty_axes", 0):
             return None
         return list(range(x.ndim))
-    axes = sorted({normalize_axis(ctx, int(a), x.ndim) for a in raw})
+    axes = sorted({normalize_axis(int(a), x.ndim, ctx.node) for a in raw})
     return axes
 
 
@@ -321,3 +325,149 @@ def reduce_extreme(ctx: KernelContext, x, axes=None):
         raise ValueError(f"{ctx.node.describe()}: {ctx.node.op_type} of an empty tensor")
     cupy.amax(x, axis=tuple(ax), keepdims=keep, out=y)
     return y
+
+
+_ARGMAX_SOURCE = (
+    DEVICE_COMMON
+    + ARG_KEYS
+    + r"""
+DEVI float vec_elem(const uint4& w, int k, const float*) {
+  const unsigned int u = k == 0 ? w.x : (k == 1 ? w.y : (k == 2 ? w.z : w.w));
+  return __uint_as_float(u);
+}
+template <typename S>  // half_t or bf16_t: 8 values
+DEVI float vec_elem(const uint4& w, int k, const S* tag) {
+  const int q = k >> 1;
+  const unsigned int u = q == 0 ? w.x : (q == 1 ? w.y : (q == 2 ? w.z : w.w));
+  float a, b;
+  unpack2(tag, u, a, b);
+  return (k & 1) ? b : a;
+}
+
+// ArgMax of each row of x (rows, cols < 2^32 - 1), a row split over `blocks` blocks of `chunk`
+// columns: grid (rows, blocks). VEC > 1 (16-byte aligned rows): 16-byte loads, four in flight
+// per thread. With one block the index is stored directly; otherwise each block stores its
+// largest key, and the last block to finish (a counter per row, set back to zero by that
+// block) takes the largest of them: the same pick whichever block finishes last.
+template <typename S, int VEC>
+__global__ void argmax_split(const S* __restrict__ x, long long* __restrict__ y,
+                             unsigned long long* __restrict__ part, int* __restrict__ counters,
+                             long long cols, long long chunk, int blocks, int last) {
+  __shared__ unsigned long long sh[32];
+  __shared__ int is_last;
+  const long long row = blockIdx.x;
+  const int blk = blockIdx.y;
+  const S* xr = x + row * cols;
+  const long long c0 = (long long)blk * chunk, c1 = min(c0 + chunk, cols);
+  unsigned long long best = 0ull;
+  long long c = c0;
+  if (VEC > 1) {
+    const long long stride = (long long)blockDim.x * VEC;
+    const long long vend = c0 + (c1 - c0) / VEC * VEC;
+    for (long long j = c0 + (long long)threadIdx.x * VEC; j < vend; j += 4 * stride) {
+      uint4 w[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * stride < vend) w[u] = *reinterpret_cast<const uint4*>(xr + j + u * stride);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * stride < vend)
+#pragma unroll
+          for (int k = 0; k < VEC; ++k)
+            best = kmax(best, arg_key(vec_elem(w[u], k, xr), j + u * stride + k, last));
+    }
+    c = vend;
+  }
+  for (c += threadIdx.x; c < c1; c += blockDim.x) best = kmax(best, arg_key(ld(xr, c), c, last));
+  best = block_kmax(best, sh);
+  if (blocks == 1) {
+    if (threadIdx.x == 0) y[row] = arg_index(best, last);
+    return;
+  }
+  unsigned long long* P = part + row * blocks;
+  if (threadIdx.x == 0) {
+    P[blk] = best;
+    __threadfence();
+    const int done = atomicAdd(counters + row, 1) == blocks - 1;
+    if (done) counters[row] = 0;  // every block has counted: ready for the next launch
+    is_last = done;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  best = 0ull;
+  for (int k = threadIdx.x; k < blocks; k += blockDim.x) best = kmax(best, __ldcg(P + k));
+  best = block_kmax(best, sh);
+  if (threadIdx.x == 0) y[row] = arg_index(best, last);
+}
+"""
+)
+
+
+# ----------------------------------------------------------------------------- ArgMax
+
+
+@REGISTRY.register("ArgMax", since=1)
+def argmax(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
+    """Index (int64) of the largest element along ``axis``; first one unless select_last_index.
+
+    The last axis runs as a RawKernel (capturable): long rows (a vocabulary) are split over
+    many blocks in one launch, the last block of a row picking among the blocks' picks. As
+    numpy (the CPU provider), a NaN counts as the largest value. Any other axis uses CuPy
+    eagerly.
+    """
+    axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
+    keep = bool(ctx.attr("keepdims", 1))
+    last = int(bool(ctx.attr("select_last_index", 0)))
+    shape = list(x.shape)
+    if keep:
+        shape[axis] = 1
+    else:
+        del shape[axis]
+    y = out(ctx, 0, shape, np.int64)
+    if y.size == 0:
+        return y
+    if axis != x.ndim - 1:
+        refuse_in_capture(ctx, f"ArgMax over axis {axis} of a rank-{x.ndim} tensor")
+        src = cupy.flip(x, axis) if last else x
+        idx = cupy.argmax(src, axis=axis, keepdims=keep)
+        if last:
+            idx = x.shape[axis] - 1 - idx
+        cupy.copyto(y, idx.reshape(y.shape))
+        return y
+    rows, cols = rows_cols(x.shape, x.ndim - 1)
+    if rows == 0 or cols == 0:
+        return y
+    if cols >= 0xFFFFFFFF:
+        raise NotImplementedError(f"{ctx.node.describe()}: ArgMax over {cols} >= 2^32 - 1 columns")
+    xc = contiguous(ctx, x)
+    item = np.dtype(x.dtype).itemsize
+    vec = 16 // item if (cols * item) % 16 == 0 and xc.data.ptr % 16 == 0 else 1
+    chunk, blocks = _arg_split(cols, rows, sm_count(), vec)
+    part = counts = y  # placeholders: one block per row stores the index itself
+    if blocks > 1:
+        part = scratch(ctx, rows * blocks * 8)
+        counts = zeroed_counters(ctx, rows)
+    fn = function(_ARGMAX_SOURCE, f"argmax_split<{storage(ctx, x.dtype)}, {vec}>")
+    fn(
+        (rows, blocks),
+        (256 if min(cols, chunk) > 1024 else row_threads(min(cols, chunk)),),
+        (xc, y, part, counts, np.int64(cols), np.int64(chunk), np.int32(blocks), np.int32(last)),
+    )
+    return y
+
+
+#: Columns one block of argmax_split takes at least before a row is split.
+_ARG_MIN_BLOCK = 2048
+
+
+def _arg_split(cols: int, rows: int, sms: int, step: int) -> tuple[int, int]:
+    """(chunk, blocks) of each row: about WAVES blocks per SM over the GPU, each block at
+    least ``_ARG_MIN_BLOCK`` columns; ``chunk`` a multiple of ``step``."""
+    want = max(1, (WAVES * sms) // max(rows, 1))
+    if want == 1 or cols <= _ARG_MIN_BLOCK:
+        return cols, 1
+    chunk = max(-(-cols // want), _ARG_MIN_BLOCK)
+    chunk = -(-chunk // step) * step
+    blocks = -(-cols // chunk)
+    return (cols, 1) if blocks == 1 else (chunk, blocks)

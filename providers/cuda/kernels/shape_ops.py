@@ -12,7 +12,13 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
-from onnx_genrt.core.op_rules import check_index_range, reshape_target
+from onnx_genrt.core.op_rules import (
+    check_index_range,
+    normalize_axes,
+    normalize_axis,
+    reshape_target,
+    slice_index,
+)
 
 from ._common import (
     OPTIONS,
@@ -20,7 +26,6 @@ from ._common import (
     contiguous,
     function,
     host_ints,
-    normalize_axis,
     out,
     refuse_in_capture,
 )
@@ -51,13 +56,6 @@ def flatten(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
     return _view(ctx, x, [math.prod(x.shape[:axis]), math.prod(x.shape[axis:])])
 
 
-def _axes(ctx: KernelContext, raw: list[int], rank: int) -> list[int]:
-    axes = [normalize_axis(ctx, int(a), rank) for a in raw]
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"{ctx.node.describe()}: repeated axis in {raw}")
-    return axes
-
-
 @REGISTRY.register("Squeeze", since=1)
 def squeeze(ctx: KernelContext, x: cupy.ndarray, axes=None) -> cupy.ndarray:
     """Drop size-1 dims (axes attribute before opset 13, input after; none = all 1s)."""
@@ -67,7 +65,7 @@ def squeeze(ctx: KernelContext, x: cupy.ndarray, axes=None) -> cupy.ndarray:
         raw = None if axes is None else host_ints(ctx, axes)
     if raw is None:
         return _view(ctx, x, [d for d in x.shape if d != 1])
-    ax = _axes(ctx, list(raw), x.ndim)
+    ax = normalize_axes(list(raw), x.ndim, ctx.node)
     for a in ax:
         if x.shape[a] != 1:
             raise ValueError(f"{ctx.node.describe()}: cannot squeeze axis {a} of size {x.shape[a]}")
@@ -78,7 +76,7 @@ def squeeze(ctx: KernelContext, x: cupy.ndarray, axes=None) -> cupy.ndarray:
 def unsqueeze(ctx: KernelContext, x: cupy.ndarray, axes=None) -> cupy.ndarray:
     """Insert size-1 dims (axes attribute before opset 13, input after)."""
     raw = host_ints(ctx, ctx.attr("axes", [])) if ctx.opset < 13 else host_ints(ctx, axes)
-    ax = set(_axes(ctx, raw, x.ndim + len(raw)))
+    ax = set(normalize_axes(raw, x.ndim + len(raw), ctx.node))
     dims = iter(x.shape)
     return _view(ctx, x, [1 if i in ax else next(dims) for i in range(x.ndim + len(ax))])
 
@@ -87,7 +85,9 @@ def unsqueeze(ctx: KernelContext, x: cupy.ndarray, axes=None) -> cupy.ndarray:
 def transpose(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
     """Permute axes (default: reverse) into a contiguous output."""
     perm = ctx.attr("perm", None)
-    perm = list(range(x.ndim))[::-1] if perm is None else _axes(ctx, list(perm), x.ndim)
+    perm = (
+        list(range(x.ndim))[::-1] if perm is None else normalize_axes(list(perm), x.ndim, ctx.node)
+    )
     if len(perm) != x.ndim:
         raise ValueError(f"{ctx.node.describe()}: perm {perm} does not match rank {x.ndim}")
     if perm == sorted(perm):
@@ -137,7 +137,7 @@ def concat(ctx: KernelContext, *inputs: cupy.ndarray) -> cupy.ndarray:
     element size picks the copy type), else one copy per input into its slice."""
     parts = [t for t in inputs if t is not None]
     rank = parts[0].ndim
-    axis = normalize_axis(ctx, int(ctx.attr("axis", 1 if ctx.opset < 4 else 0)), rank)
+    axis = normalize_axis(int(ctx.attr("axis", 1 if ctx.opset < 4 else 0)), rank, ctx.node)
     shape = list(parts[0].shape)
     shape[axis] = sum(int(t.shape[axis]) for t in parts)
     y = out(ctx, 0, shape, parts[0].dtype)
@@ -182,22 +182,8 @@ def _concat_kernel(itemsize: int) -> cupy.RawKernel:
 @REGISTRY.register("Slice", since=1)
 def slice_(ctx: KernelContext, x: cupy.ndarray, starts=None, ends=None, axes=None, steps=None):
     """Strided slice into a contiguous output; bounds are host constants (clamped like ONNX)."""
-    if ctx.opset < 10:
-        st, en = host_ints(ctx, ctx.attr("starts", [])), host_ints(ctx, ctx.attr("ends", []))
-        ax = host_ints(ctx, ctx.attr("axes", None)) or list(range(len(st)))
-        sp = [1] * len(st)
-    else:
-        st, en = host_ints(ctx, starts), host_ints(ctx, ends)
-        ax = host_ints(ctx, axes) if axes is not None else list(range(len(st)))
-        sp = host_ints(ctx, steps) if steps is not None else [1] * len(st)
-    if not len(st) == len(en) == len(ax) == len(sp):
-        raise ValueError(f"{ctx.node.describe()}: starts/ends/axes/steps lengths differ")
-    index: list[slice] = [slice(None)] * x.ndim
-    for a, s, e, step in zip(_axes(ctx, ax, x.ndim), st, en, sp, strict=True):
-        if step == 0:
-            raise ValueError(f"{ctx.node.describe()}: step must not be zero")
-        index[a] = slice(s, e, step)  # Python slicing clamps exactly as ONNX specifies
-    view = x[tuple(index)]
+    bounds = (None if v is None else host_ints(ctx, v) for v in (starts, ends, axes, steps))
+    view = x[slice_index(ctx.node, x.ndim, *bounds)]
     y = out(ctx, 0, view.shape, x.dtype)
     if y.size:
         cupy.copyto(y, view)
@@ -233,7 +219,7 @@ def gather(ctx: KernelContext, x: cupy.ndarray, indices: cupy.ndarray) -> cupy.n
     a replayed step writes NaN for such an index into a float16/32/64 output (a decoder's
     non-finite probe then raises) and clamps it for an integer or bfloat16 one.
     """
-    axis = normalize_axis(ctx, int(ctx.attr("axis", 0)), x.ndim)
+    axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
     if not isinstance(indices, cupy.ndarray):
         check_index_range(ctx, np.asarray(indices), int(x.shape[axis]))
         refuse_in_capture(ctx, "uploading host indices")

@@ -1,4 +1,4 @@
-"""Example third-party provider on the v1 contract.
+"""Example third-party provider on the v1 contract (provider API 1.1).
 
 A host-memory device named ``example`` with its own array type, five float kernels
 (Add, Mul, MatMul, Relu, Softmax), and recorded graphs in three slots, one recording per
@@ -13,13 +13,11 @@ from typing import Any
 import numpy as np
 
 from onnx_genrt.core.device import Device
-from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.hookspecs import hookimpl
 from onnx_genrt.core.kernels import KernelContext, KernelDef, KernelRegistry, NodeInfo, TensorType
 from onnx_genrt.core.provider import ExecutionProvider
 from onnx_genrt.core.registry import ProviderSpec
-from onnx_genrt.core.tensor import Tensor
 
 #: The element types these kernels take.
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -96,34 +94,24 @@ class ExampleProvider(ExecutionProvider):
     def kernels(self) -> KernelRegistry:
         return KERNELS
 
-    def allocate(self, shape: Sequence[int], dtype: DType) -> Tensor:
-        buffer = np.empty(tuple(shape), dtype.numpy).view(ExampleArray)
-        return Tensor(buffer, dtype, self.device)
+    def empty(self, shape: Sequence[int], dtype: Any) -> ExampleArray:
+        return np.empty(tuple(shape), np.dtype(dtype)).view(ExampleArray)
 
-    def copy_from_host(self, array: np.ndarray, out: Tensor | None = None) -> Tensor:
+    def upload(self, host: Any, out: ExampleArray | None = None) -> ExampleArray:
+        if isinstance(host, ExampleArray) and out is None:
+            return host
         if out is None:
-            host = np.array(array, copy=True)
-            return Tensor(host.view(ExampleArray), DType.from_numpy(host.dtype), self.device)
-        np.copyto(out.buffer, array, casting="unsafe")
+            return np.array(host, copy=True, order="C").view(ExampleArray)
+        np.copyto(out, host, casting="unsafe")
         return out
 
-    def copy_to_host(self, tensor: Tensor, out: np.ndarray | None = None) -> np.ndarray:
-        host = np.asarray(tensor.buffer).view(np.ndarray)
-        if out is None:
-            return host.copy()
-        np.copyto(out, host)
-        return out
+    def read(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        return [np.array(a, copy=True).view(np.ndarray) for a in arrays]
 
-    def copy(self, src: Tensor, dst: Tensor) -> None:
-        np.copyto(dst.buffer, src.buffer)
+    def copy(self, src: ExampleArray, dst: ExampleArray) -> None:
+        np.copyto(dst, src)
         if self._recording is not None:
-            self._recording.append(lambda s=src.buffer, d=dst.buffer: np.copyto(d, s))
-
-    def as_array(self, host: np.ndarray) -> ExampleArray:
-        return np.array(host, copy=True).view(ExampleArray)
-
-    def to_numpy(self, array: Any) -> np.ndarray:
-        return np.array(array, copy=True).view(np.ndarray)
+            self._recording.append(lambda s=src, d=dst: np.copyto(d, s))
 
     # -- kernels ------------------------------------------------------------------
     def launch(self, kdef: KernelDef, ctx: KernelContext, inputs: Sequence[Any]) -> Any:
@@ -160,10 +148,10 @@ class ExampleProvider(ExecutionProvider):
 
 @hookimpl
 def register_providers(register: Callable[[ProviderSpec], None]) -> None:
-    """The entry point's hook: one provider named ``example``, written for provider API 1.0
+    """The entry point's hook: one provider named ``example``, written for provider API 1.1
     (``onnx_genrt.core.PROVIDER_API_VERSION``; a newer minor of the runtime loads it)."""
     register(
         ProviderSpec(
-            "example", factory=ExampleProvider, description="example plugin", api_version=(1, 0)
+            "example", factory=ExampleProvider, description="example plugin", api_version=(1, 1)
         )
     )

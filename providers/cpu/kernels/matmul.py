@@ -1,4 +1,5 @@
-"""CPU kernels: nn (MatMul, Gemm, Einsum, Softmax); imports the other nn modules to register them."""
+"""CPU kernels: MatMul, Gemm, Einsum and MatMulInteger (numpy BLAS, the skinny GEMM for
+decode-sized rows of prepacked weights)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,8 @@ import numpy as np
 from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.op_rules import matmul_shape
 
-from . import attention, conv, loss, normalization, pool, quant, quant_linear, recurrent  # noqa: F401  (register on import)
 from ._nn_common import (
-    as_compute,
     compute_dtype,
-    log_softmax_rows,
-    normalize_axis,
-    rows_view,
-    softmax_rows,
 )
 from ._registry import REGISTRY
 from ._skinny_matmul import SKINNY_MAX_M, TransposedWeight, pack_weight, skinny_matmul
@@ -290,52 +285,3 @@ def einsum_kernel(ctx, *inputs: np.ndarray) -> np.ndarray:
         ops = list(inputs)
     res = np.asarray(np.einsum(equation, *ops, optimize=len(ops) > 1))
     return res if res.dtype == dtype else res.astype(dtype)
-
-
-# ----------------------------------------------------------------------------- Softmax
-
-
-def _softmax_like(ctx, x: np.ndarray, log: bool) -> np.ndarray:
-    """Softmax/LogSoftmax: flattened to 2-D at ``axis`` before opset 13, per-axis after."""
-    if not is_float_dtype(x.dtype):
-        raise TypeError(f"{ctx.node.describe()}: unsupported dtype {x.dtype}")
-    if ctx.opset >= 13:
-        axis = normalize_axis(int(ctx.attr("axis", -1)), max(x.ndim, 1))
-        moved = x.ndim > 0 and axis != x.ndim - 1
-        xm = np.moveaxis(x, axis, -1) if moved else x
-        cols = xm.shape[-1] if xm.ndim else 1
-        rows = xm.size // cols if cols else 0
-    else:
-        axis = normalize_axis(int(ctx.attr("axis", 1)), max(x.ndim, 1))
-        moved = False
-        xm = x
-        rows, cols = rows_view(x, axis)
-    src = as_compute(xm).reshape(rows, cols)
-    direct = x.dtype == src.dtype and not moved
-    out = ctx.out(0, x.shape, x.dtype)
-    direct = direct and out.flags.c_contiguous
-    dst = out.reshape(rows, cols) if direct else np.empty_like(src)
-    if x.size:
-        if log:
-            log_softmax_rows(src, dst)
-        else:
-            softmax_rows(src, dst, False)
-    if direct:
-        return out
-    res = dst.reshape(xm.shape)
-    if moved:
-        res = np.moveaxis(res, -1, axis)
-    out[...] = res
-    return out
-
-
-@REGISTRY.register("Softmax", since=1)
-def softmax_kernel(ctx, x: np.ndarray) -> np.ndarray:
-    """ONNX Softmax (all opsets)."""
-    return _softmax_like(ctx, x, log=False)
-
-
-@REGISTRY.register("LogSoftmax", since=1)
-def log_softmax_kernel(ctx, x: np.ndarray) -> np.ndarray:
-    """ONNX LogSoftmax (all opsets)."""
-    return _softmax_like(ctx, x, log=True)

@@ -1,4 +1,13 @@
-"""CUDA kernels: an RMS norm fused into the GEMVs that read it (``onnx_genrt`` domain).
+"""CUDA kernels of the runtime's own ops (domain ``onnx_genrt``, declared in
+``core.genrt_ops``): SiluMul, ArgMaxProb, the MTP chain's bookkeeping (MTPAccept,
+MTPNextInputs) and the norm / SiluMul GEMV fusions (NormMatMul, NormMatMulNBits,
+SiluMulMatMul, SiluMulMatMulNBits).
+
+``MTPAccept``: after a verify step, the accepted draft count, the token and hidden row
+there. ``MTPNextInputs``: the next verify step's start, ids, positions, mask and draft count.
+Both run one block and read every input before any thread writes (outputs may alias inputs:
+the chain advances its start and draft count in place); one launch each for what
+``engine.mtp_chain`` otherwise spells out in a dozen small standard ops.
 
 ``NormMatMul(x, skip, gamma, W)`` and ``NormMatMulNBits(x, skip, gamma, B, scales, ...)``
 compute ``MatMul(norm(x + skip), W)`` where ``norm`` is onnxruntime's (Skip)Simplified
@@ -20,17 +29,217 @@ from dataclasses import dataclass
 
 import cupy
 import numpy as np
+from onnx import TensorProto, helper
 
 from onnx_genrt.core.kernels import GENRT_DOMAIN, MS_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import fused_matmul_nbits_unsupported, fused_projection
+from onnx_genrt.core.op_rules import (
+    fused_matmul_nbits_unsupported,
+    fused_projection,
+    mtp_accept_drafts,
+    silu_mul_half,
+)
 
-from ._common import contiguous, out
+from ._common import (
+    ARG_KEYS,
+    BF16,
+    DEVICE_COMMON,
+    FLOAT_DTYPES,
+    OPTIONS,
+    contiguous,
+    function,
+    out,
+    row_threads,
+    rows_cols,
+    storage,
+)
 from ._registry import REGISTRY
 from .contrib_norm import skip_simplified_layer_norm
 from .contrib_quant import matmul_nbits
-from .elementwise import silu_mul
+from .elementwise import PREAMBLE, broadcast_shape
 from .matmul import matmul, transpose_weight
 from .normalization import simplified_layer_norm
+
+_SOURCE = (
+    DEVICE_COMMON
+    + r"""
+template <typename S, typename D>
+__global__ void mtp_accept(const long long* __restrict__ ids,
+                           const long long* __restrict__ argmax, const S* __restrict__ hidden,
+                           const long long* __restrict__ count, long long* __restrict__ accepted,
+                           long long* __restrict__ token, D* __restrict__ row, int k, int H) {
+  __shared__ int acc;
+  if (threadIdx.x == 0) {
+    const long long n = count[0];
+    int a = 0;
+    while (a < k && a < n && argmax[a] == ids[a + 1]) ++a;
+    acc = a;
+  }
+  __syncthreads();
+  const int a = acc;
+  for (int j = threadIdx.x; j < H; j += blockDim.x) st(row, j, ld(hidden, (long long)a * H + j));
+  if (threadIdx.x == 0) {
+    accepted[0] = a;
+    token[0] = argmax[a];
+  }
+}
+
+__global__ void mtp_next_inputs(const long long* accepted, const long long* start,
+                                const long long* token, const long long* drafts,
+                                const float* conf, long long* next_start, long long* next_ids,
+                                long long* next_count, long long* next_pos,
+                                long long* next_mask, int k, int L, float min_conf,
+                                int want_pos, int want_mask) {
+  const long long begin = start[0] + accepted[0] + 1;
+  const long long tok = token[0];
+  __syncthreads();  // every thread has read start before next_start (maybe the same) changes
+  if (want_mask)
+    for (int j = threadIdx.x; j < L; j += blockDim.x) next_mask[j] = j < begin + k + 1 ? 1 : 0;
+  for (int j = threadIdx.x; j <= k; j += blockDim.x) {
+    next_ids[j] = j == 0 ? tok : drafts[j - 1];
+    if (want_pos) next_pos[j] = begin + j;
+  }
+  if (threadIdx.x == 0) {
+    int c = 0;
+    while (c < k && !(conf[c] < min_conf)) ++c;
+    next_count[0] = c;
+    next_start[0] = begin;
+  }
+}
+"""
+)
+
+
+@REGISTRY.register("MTPAccept", since=1, domain=GENRT_DOMAIN)
+def mtp_accept(ctx: KernelContext, ids, argmax, hidden, count):
+    """(accepted [1], token [1, 1], hidden row [1, 1, H] as ``to``); see the CPU kernel."""
+    k = mtp_accept_drafts(ctx.node, ids.shape, argmax.shape, hidden.shape)
+    dtype = helper.tensor_dtype_to_np_dtype(int(ctx.attr("to", TensorProto.FLOAT)))
+    size = int(hidden.shape[-1])
+    accepted = out(ctx, 0, (1,), np.int64)
+    token = out(ctx, 1, (1, 1), np.int64)
+    row = out(ctx, 2, (1, 1, size), dtype)
+    name = f"mtp_accept<{storage(ctx, hidden.dtype)}, {storage(ctx, np.dtype(dtype))}>"
+    args = (contiguous(ctx, ids), contiguous(ctx, argmax), contiguous(ctx, hidden))
+    args += (contiguous(ctx, count), accepted, token, row, np.int32(k), np.int32(size))
+    function(_SOURCE, name)((1,), (256,), args)
+    return accepted, token, row
+
+
+@REGISTRY.register("MTPNextInputs", since=1, domain=GENRT_DOMAIN)
+def mtp_next_inputs(ctx: KernelContext, accepted, start, token, drafts, confidences):
+    """(start, ids, draft count[, positions[, mask]]) of the next verify step."""
+    k = int(drafts.shape[-1])
+    names = ctx.node.output_names
+    if confidences.dtype != np.float32:
+        raise TypeError(f"{ctx.node.describe()}: confidences must be float32")
+    next_start = out(ctx, 0, (1,), np.int64)
+    next_ids = out(ctx, 1, (1, k + 1), np.int64)
+    next_count = out(ctx, 2, (1,), np.int64)
+    want_pos = len(names) > 3 and bool(names[3])
+    want_mask = len(names) > 4 and bool(names[4])
+    pos = out(ctx, 3, (1, k + 1), np.int64) if want_pos else next_ids
+    length = int(ctx.attr("mask_length", 0))
+    if want_mask and length <= 0:
+        raise ValueError(f"{ctx.node.describe()}: the attention mask output needs mask_length")
+    mask = out(ctx, 4, (1, length), np.int64) if want_mask else next_ids
+    args = (contiguous(ctx, accepted), contiguous(ctx, start), contiguous(ctx, token))
+    args += (contiguous(ctx, drafts), contiguous(ctx, confidences))
+    args += (next_start, next_ids, next_count, pos, mask, np.int32(k), np.int32(length))
+    args += (np.float32(float(ctx.attr("min_confidence", 0.0))), np.int32(want_pos))
+    args += (np.int32(want_mask),)
+    function(_SOURCE, "mtp_next_inputs")((1,), (256,), args)
+    results = [next_start, next_ids, next_count]
+    if len(names) > 3:
+        results.append(pos)
+    if len(names) > 4:
+        results.append(mask)
+    return tuple(results)
+
+
+# ----------------------------------------------------------------------------- ArgMaxProb
+
+_ARGMAX_PROB_SOURCE = (
+    DEVICE_COMMON
+    + ARG_KEYS
+    + r"""
+// ArgMaxProb: per row, the first index of the largest value and its softmax probability
+// 1 / sum(exp(x - max)); one block per row, two passes over the row (NaN as the largest).
+template <typename S>
+__global__ void argmax_prob_rows(const S* __restrict__ x, long long* __restrict__ idx,
+                                 S* __restrict__ prob, long long cols) {
+  __shared__ unsigned long long shk[32];
+  __shared__ float sh[33];
+  __shared__ float row_max;
+  const S* xr = x + (long long)blockIdx.x * cols;
+  unsigned long long best = 0ull;
+  for (long long c = threadIdx.x; c < cols; c += blockDim.x) best = kmax(best, arg_key(ld(xr, c), c, 0));
+  best = block_kmax(best, shk);
+  if (threadIdx.x == 0) {
+    const long long i = arg_index(best, 0);
+    idx[blockIdx.x] = i;
+    row_max = ld(xr, i);
+  }
+  __syncthreads();
+  const float m = row_max;
+  float s = 0.f;
+  for (long long c = threadIdx.x; c < cols; c += blockDim.x) s += expf(ld(xr, c) - m);
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) st(prob, blockIdx.x, 1.f / s);
+}
+"""
+)
+
+
+@REGISTRY.register("ArgMaxProb", since=1, domain=GENRT_DOMAIN)
+def argmax_prob(ctx: KernelContext, x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """(ArgMax, max of Softmax) over the last axis, keepdims=0: a draft and its probability
+    in one launch (see ``session.fusion.fuse_argmax_prob``)."""
+    if x.ndim == 0 or x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{ctx.node.describe()}: needs a float32/float16/bfloat16 tensor of rank >= 1, "
+            f"got {x.dtype}"
+        )
+    rows, cols = rows_cols(x.shape, x.ndim - 1)
+    idx = out(ctx, 0, x.shape[:-1], np.int64)
+    prob = out(ctx, 1, x.shape[:-1], x.dtype)
+    if rows and cols:
+        fn = function(_ARGMAX_PROB_SOURCE, f"argmax_prob_rows<{storage(ctx, x.dtype)}>")
+        fn((rows,), (row_threads(cols),), (contiguous(ctx, x), idx, prob, np.int64(cols)))
+    return idx, prob
+
+
+# ----------------------------------------------------------------------------- SiluMul
+
+_SILU_MUL = cupy.ElementwiseKernel(
+    "T g, T u",
+    "T y",
+    "typedef GenrtAcc<T>::type A; const A v = (A)g; "
+    "const A s = (A)1 / ((A)1 + genrt_math_exp(-v)); y = (T)((v * s) * (A)u);",
+    "genrt_silu_mul",
+    preamble=PREAMBLE,
+    options=OPTIONS,
+)
+
+
+@REGISTRY.register("SiluMul", since=1, domain=GENRT_DOMAIN)
+def silu_mul(ctx: KernelContext, g: cupy.ndarray, u: cupy.ndarray | None = None) -> cupy.ndarray:
+    """The runtime's fused gated-MLP activation: ``g * sigmoid(g) * u`` in one launch; with
+    one input and ``split=1``, g and u are the halves of its last axis."""
+    if u is None:
+        half = silu_mul_half(ctx.node, g.shape)
+        g, u = g[..., :half], g[..., half:]
+    if g.dtype != u.dtype or (g.dtype.kind != "f" and g.dtype != BF16):
+        raise TypeError(
+            f"{ctx.node.describe()}: SiluMul needs two equal float dtypes, got "
+            f"{g.dtype} and {u.dtype}"
+        )
+    y = out(ctx, 0, broadcast_shape(g, u), g.dtype)
+    if y.size:
+        _SILU_MUL(g, u, y)
+    return y
+
+
+# ----------------------------------------------------------------------------- norm / SiluMul GEMV fusions
 
 #: Shared memory a GEMV block may stage activations in (48 KiB without opting in, less
 #: the kernels' own reduction buffers).
@@ -129,7 +338,7 @@ def _activations(ctx: KernelContext, x, fused: FusedNorm):
 
 def _projection_ctx(ctx: KernelContext) -> KernelContext:
     """The context the projection's own kernel expects (its node, output 0's buffer)."""
-    return KernelContext(fused_projection(ctx.node), ctx.provider, ctx.planned[:1], ctx.scratch)
+    return KernelContext(fused_projection(ctx.node), ctx.provider, ctx.planned[:1], ctx.state)
 
 
 def _first(result):
@@ -199,11 +408,7 @@ def _prepare_silu(ctx: KernelContext, g, u) -> tuple[FusedSilu, cupy.ndarray, cu
     """(the fused activation, the activations' shape as a view of g, its ``act`` output)."""
     desc = ctx.node.describe()
     if u is None:
-        if not ctx.attr("split", 0) or g.shape[-1] % 2:
-            raise ValueError(
-                f"{desc}: one input needs split=1 and an even last dimension, got {list(g.shape)}"
-            )
-        view = g[..., : g.shape[-1] // 2]
+        view = g[..., : silu_mul_half(ctx.node, g.shape)]
     else:
         if u.shape != g.shape or u.dtype != g.dtype:
             raise ValueError(f"{desc}: gate {list(g.shape)} and up {list(u.shape)} differ")

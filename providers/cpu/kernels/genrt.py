@@ -7,6 +7,7 @@ from onnx import TensorProto, helper
 
 from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
+from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
 
 from ._nn_common import compute_dtype
 from ._registry import REGISTRY
@@ -17,12 +18,7 @@ def split_halves(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None):
     """(gate, up): the two inputs, or the two halves of the last axis of one (``split=1``)."""
     if u is not None:
         return g, u
-    if not ctx.attr("split", 0) or g.shape[-1] % 2:
-        raise ValueError(
-            f"{ctx.node.describe()}: one input needs split=1 and an even last dimension, "
-            f"got {list(g.shape)}"
-        )
-    half = g.shape[-1] // 2
+    half = silu_mul_half(ctx.node, g.shape)
     return g[..., :half], g[..., half:]
 
 
@@ -101,12 +97,7 @@ def mtp_accept(
     ``accepted`` counts the leading drafts (``ids[1:]``, the first ``count`` of them real)
     equal to the target's argmax; token and hidden are the argmax and hidden row there
     (hidden cast to the ``to`` attribute's type). See ``core.genrt_ops``."""
-    k = ids.shape[-1] - 1
-    if argmax.shape[-1] != k + 1 or hidden.ndim != 3 or hidden.shape[1] != k + 1:
-        raise ValueError(
-            f"{ctx.node.describe()}: ids {list(ids.shape)}, argmax {list(argmax.shape)} and "
-            f"hidden {list(hidden.shape)} must share a width of k + 1"
-        )
+    k = mtp_accept_drafts(ctx.node, ids.shape, argmax.shape, hidden.shape)
     ok = (argmax[0, :k] == ids[0, 1:]) & (np.arange(k) < int(count.reshape(-1)[0]))
     acc = k if ok.all() else int(np.argmin(ok))
     dtype = helper.tensor_dtype_to_np_dtype(int(ctx.attr("to", TensorProto.FLOAT)))

@@ -1,0 +1,33 @@
+"""CPU kernels: Constant, Shape and Size, values known without reading the data.
+
+Constant nodes are folded when a session is built; the kernel runs for that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_genrt.core.kernels import KernelContext
+from onnx_genrt.core.op_rules import constant_problem, constant_value, shape_value
+
+from ._registry import REGISTRY
+
+
+@REGISTRY.register("Constant", since=1, check=constant_problem)
+def constant(ctx: KernelContext) -> np.ndarray:
+    """The node's constant value (value, value_float(s), value_int(s)); returned read-only."""
+    value = constant_value(ctx.node)
+    value.flags.writeable = False
+    return value
+
+
+@REGISTRY.register("Shape", since=1)
+def shape(ctx: KernelContext, x: np.ndarray) -> np.ndarray:
+    """The input's shape as int64 (start/end slice attributes from opset 15)."""
+    return shape_value(ctx.node, x.shape)
+
+
+@REGISTRY.register("Size", since=1)
+def size(ctx: KernelContext, x: np.ndarray) -> np.ndarray:
+    """Number of elements as a 0-d int64 tensor."""
+    return np.asarray(x.size, dtype=np.int64)
