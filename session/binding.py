@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.tensor import Tensor, buffer_address
 
@@ -57,7 +56,7 @@ class IOBinding:
             dt = np.dtype(dtype) if dtype is not None else spec.dtype
             if dt is None:
                 raise InvalidInputError(f"output {name!r} has no declared dtype; pass dtype=")
-            value = self._provider.allocate(tuple(shape), DType.from_numpy(dt)).buffer
+            value = self._provider.empty(tuple(shape), dt)
         else:
             value = self._to_device(value)
         if spec.dtype is not None and np.dtype(value.dtype) != spec.dtype:
@@ -77,7 +76,9 @@ class IOBinding:
 
     def get_outputs(self) -> dict[str, np.ndarray]:
         """Bound outputs copied to host numpy arrays."""
-        return {k: self._provider.to_numpy(v).copy() for k, v in self.outputs.items()}
+        return dict(
+            zip(self.outputs, self._provider.read(list(self.outputs.values())), strict=True)
+        )
 
     def signature(self) -> Signature:
         if self._signature is None:
@@ -99,7 +100,7 @@ class IOBinding:
                 raise InvalidInputError("bound host arrays must be C-contiguous")
             return value
         if isinstance(value, np.ndarray):
-            return self._provider.as_array(np.require(value, requirements="C"))
+            return self._provider.upload(value)
         raise InvalidInputError(
             f"cannot bind a {type(value).__name__} on provider {self._provider.name!r}: give a "
             "numpy array or one of the provider's own arrays"

@@ -24,19 +24,22 @@ class DeviceIO:
     def upload(self, host: np.ndarray) -> Any:
         """A new device array holding a copy of ``host`` (never ``host`` itself, even on a
         provider whose arrays are host arrays)."""
-        return self._provider.copy_from_host(np.asarray(host)).buffer
+        host = np.asarray(host)
+        array = self._provider.empty(host.shape, host.dtype)
+        self._provider.upload(host, out=array)
+        return array
 
     def write(self, array: Any, host: np.ndarray) -> None:
         """Write ``host`` into the device array ``array`` (same shape), in place."""
-        self._provider.write_from_host(array, host)
+        self._provider.upload(host, out=array)
 
     def copy(self, src: Any, dst: Any) -> None:
         """Copy device array ``src`` into ``dst`` on the device, queued after earlier work."""
-        self._provider.copy_array(src, dst)
+        self._provider.copy(src, dst)
 
     def read(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         """Host copies of ``arrays``, after the work queued before."""
-        return self._provider.to_numpy_many(list(arrays))
+        return self._provider.read(list(arrays))
 
     def read_later(self, arrays: Sequence[Any]) -> Callable[[], list[np.ndarray]]:
         """Queue the read-back of ``arrays`` now; the returned call waits for it."""

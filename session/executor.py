@@ -33,13 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import KernelError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import KernelContext
 from onnx_genrt.core.locking import hold
 from onnx_genrt.core.provider import ExecutionProvider
-from onnx_genrt.core.tensor import Tensor
 
 from .binding import IOBinding, Signature
 from .layout import Layout, Record, plan_layout
@@ -112,7 +110,7 @@ class Executor:
                 return self._consts[key]
         key = (id(provider), name)
         if key not in self._consts:
-            self._consts[key] = provider.as_array(host)
+            self._consts[key] = provider.upload(host)
         return self._consts[key]
 
     # -- slots ----------------------------------------------------------------
@@ -437,12 +435,12 @@ class Executor:
             if value is None or provider.holds(value):
                 continue
             if layout is None:  # a first run: no planned buffers yet
-                moved[name] = provider.as_array(self.to_host(value))
+                moved[name] = provider.upload(self.to_host(value))
                 continue
             key = (name, segment.index)
             dst = layout.edges.get(key)
             if dst is None or tuple(dst.shape) != tuple(value.shape) or dst.dtype != value.dtype:
-                dst = provider.allocate(tuple(value.shape), DType.from_numpy(value.dtype)).buffer
+                dst = provider.empty(tuple(value.shape), value.dtype)
                 layout.edges[key] = dst
             copy = self._transfer(value, self._holder(value), dst)
             copy()
@@ -467,7 +465,11 @@ class Executor:
     def to_host(self, value: Any) -> np.ndarray:
         """``value`` (any provider's array of this plan, or a host array) as a numpy array."""
         holder = self._holder(value)
-        return np.asarray(value) if holder is None else np.asarray(holder.to_numpy(value))
+        return (
+            np.asarray(value)
+            if holder is None or isinstance(value, np.ndarray)
+            else holder.read([value])[0]
+        )
 
     def _transfer(
         self, src: Any, src_holder: ExecutionProvider | None, dst: Any
@@ -477,16 +479,16 @@ class Executor:
         dst_holder = self._holder(dst)
 
         def read() -> np.ndarray:
-            return np.asarray(src) if src_holder is None else src_holder.to_numpy(src)
+            return np.asarray(src) if src_holder is None else src_holder.read([src])[0]
 
         if dst_holder is None:
             return lambda: np.copyto(dst, read(), casting="unsafe")
-        return lambda: dst_holder.write_from_host(dst, read())
+        return lambda: dst_holder.upload(read(), out=dst)
 
     def _const_for(self, name: str) -> Any:
         key = (id(self.main_provider), name)
         if key not in self._consts:
-            self._consts[key] = self.main_provider.as_array(self.plan.constants[name])
+            self._consts[key] = self.main_provider.upload(self.plan.constants[name])
         return self._consts[key]
 
     # -- planning ---------------------------------------------------------------
@@ -538,8 +540,7 @@ def _check_fits(value: Any, target: Any, step: Any, name: str) -> None:
 
 
 def _copy(provider: ExecutionProvider, value: Any, target: Any) -> None:
-    dt = DType.from_numpy(target.dtype)
-    provider.copy(Tensor(value, dt, provider.device), Tensor(target, dt, provider.device))
+    provider.copy(value, target)
 
 
 def _last_row(value: Any, step: Any) -> Any:

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import KernelError
 from onnx_genrt.core.kernels import KernelContext
 from onnx_genrt.core.provider import ExecutionProvider
@@ -102,7 +101,7 @@ def materialize(layout: Layout, steps: Sequence[Any], outs: Mapping[str, Any]) -
     for provider, memory in layout.memory:
         if not memory.arena_bytes:
             continue
-        arena = provider.allocate((memory.arena_bytes,), DType.UINT8).buffer
+        arena = provider.empty((memory.arena_bytes,), np.uint8)
         layout.arenas.append(arena)
         for name, offset in memory.offsets.items():
             shape, dtype = layout.shapes[name]

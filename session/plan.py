@@ -318,7 +318,7 @@ def _foldable(step: Step, constants: dict[str, np.ndarray]) -> bool:
 
 def _fold(step: Step, constants: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
     provider = step.provider
-    args = [provider.as_array(constants[n]) if n else None for n in step.inputs]
+    args = [provider.upload(constants[n]) if n else None for n in step.inputs]
     try:
         result = provider.launch(step.kernel, KernelContext(step.node, provider), args)
     except Exception as exc:
@@ -328,7 +328,7 @@ def _fold(step: Step, constants: dict[str, np.ndarray]) -> dict[str, np.ndarray]
     for name, value in zip(step.outputs, results, strict=False):
         if not name:
             continue
-        host = np.asarray(provider.to_numpy(value))
+        host = provider.read([value])[0]
         if host.nbytes > FOLD_LIMIT:
             return None
         out[name] = host
