@@ -463,3 +463,23 @@ def test_an_eager_bound_run_without_its_input_names_the_value_and_the_node():
         KernelError, match=r"value 'x' is needed by node 'mm1' .*but was not computed or fed"
     ):
         sess.executor.run_bound_eager(binding)
+
+
+def test_a_graph_without_nodes_returns_its_input_and_its_constant():
+    """No node, so no provider: a run holds no lock and returns the values as they are."""
+    table = np.arange(4, dtype=np.float32)
+    graph = helper.make_graph(
+        [],
+        "no_nodes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4]),
+            helper.make_tensor_value_info("table", TensorProto.FLOAT, [4]),
+        ],
+        [numpy_helper.from_array(table, "table")],
+    )
+    sess = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    x = np.array([1.5, -2.0, 0.0, 3.25], np.float32)
+    got_x, got_table = sess.run(None, {"x": x})
+    np.testing.assert_array_equal(got_x, x)
+    np.testing.assert_array_equal(got_table, table)
