@@ -65,16 +65,17 @@ def test_a_prompt_appended_in_pieces_equals_it_appended_at_once(qwen2_dir):
         assert gen.get_sequence() == whole
 
 
-def test_greedy_with_a_repetition_penalty_stops_at_end_of_sequence(qwen2_dir):
-    """Past min_length the penalty path may pick an end-of-sequence token and stops there;
-    before min_length it is ruled out."""
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_greedy_stops_at_end_of_sequence_from_min_length_on(qwen2_dir, penalty):
+    """Past min_length greedy may pick an end-of-sequence token and stops there; before
+    min_length it is ruled out. Plain greedy (the device argmax) and the penalty path."""
     model = Model(qwen2_dir)
     prompt = [5, 17, 99]
 
     def run(eos, min_length=0):
         params = GeneratorParams(model)
         params.set_search_options(
-            max_length=len(prompt) + 24, repetition_penalty=1.5, min_length=min_length
+            max_length=len(prompt) + 24, repetition_penalty=penalty, min_length=min_length
         )
         with Generator(model, params) as gen:
             gen.eos = set(eos)
@@ -92,6 +93,23 @@ def test_greedy_with_a_repetition_penalty_stops_at_end_of_sequence(qwen2_dir):
     assert run([eos], min_length=first + 1)[first] != eos
     masked = run([eos], min_length=first + 3)
     assert len(masked) > first + 1 and eos not in masked[len(prompt) : first + 3]
+
+
+def test_rewinding_to_zero_then_a_new_prompt_equals_a_fresh_generation(qwen2_dir):
+    model = Model(qwen2_dir)
+    fresh = _greedy(model, [8, 9, 10], 6).get_sequence()
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(fresh))
+    with Generator(model, params) as gen:
+        gen.eos = set()
+        gen.append_tokens([1, 2, 3, 4])
+        gen.generate_next_token()
+        gen.generate_next_token()
+        gen.rewind_to(0)
+        gen.append_tokens([8, 9, 10])
+        while not gen.is_done():
+            gen.generate_next_token()
+        assert gen.get_sequence() == fresh
 
 
 def test_prompt_longer_than_the_context_is_refused(qwen2_dir):
