@@ -483,3 +483,33 @@ def test_a_graph_without_nodes_returns_its_input_and_its_constant():
     got_x, got_table = sess.run(None, {"x": x})
     np.testing.assert_array_equal(got_x, x)
     np.testing.assert_array_equal(got_table, table)
+
+
+def test_a_graph_input_that_is_also_an_output_is_written_into_its_binding():
+    """``x`` is fed and returned as it is: its bound output buffer gets the fed values on
+    every bound run (planned, captured, replayed), not only from eager runs."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")],
+        "pass_through",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4]),
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [4]),
+        ],
+    )
+    sess = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    binding = sess.io_binding()
+    x = binding.bind_input("x", np.zeros(4, np.float32))
+    x_out = binding.bind_output("x", shape=(4,))
+    y = binding.bind_output("y", shape=(4,))
+    rng = np.random.default_rng(8)
+    for _ in range(4):
+        x[...] = rng.standard_normal(4)
+        x_out[...] = np.nan
+        sess.run_with_iobinding(binding)
+        np.testing.assert_array_equal(x_out, x)
+        np.testing.assert_array_equal(y, np.maximum(x, 0.0))
+    assert sess.graph_stats().replays == 2
+    binding.bind_output("x", shape=(2,))
+    with pytest.raises(KernelError, match=r"output 'x' of graph input has shape \[4\], but"):
+        sess.run_with_iobinding(binding)
