@@ -69,6 +69,7 @@ class Executor:
         self._stats: dict[DeviceGraphSlot, SlotStats] = {}
         self._eager_layouts: OrderedDict[tuple, Layout] = OrderedDict()
         self._graph_outputs = {o.name for o in plan.outputs}
+        self._graph_inputs = {i.name for i in plan.inputs}
         self._consts: dict[tuple[int, str], Any] = {}
         self._step_args: list[list[tuple[str, Any]]] = []
         self._last_use: dict[str, int] = {}
@@ -411,13 +412,17 @@ class Executor:
                 if capture is not None:
                     capture.program.append(capture.counted(copy))
         for name, target in outs.items():
-            if name not in env and name in self.plan.constants:
-                value = self._const_for(name)
-                _check_fits(value, target, None, name)
-                copy = functools.partial(_copy, self.main_provider, value, target)
-                copy()
-                if capture is not None:  # a replay writes the binding too
-                    capture.program.append(copy)
+            if name in self._graph_inputs and env.get(name) is not target:
+                value, where = env[name], "graph input"  # an input that is also an output
+            elif name not in env and name in self.plan.constants:
+                value, where = self._const_for(name), "constant"
+            else:
+                continue
+            _check_fits(value, target, None, name, where)
+            copy = functools.partial(_copy, self.main_provider, value, target)
+            copy()
+            if capture is not None:  # a replay writes the binding too
+                capture.program.append(copy)
 
     def _bring_in(
         self,
@@ -526,8 +531,8 @@ class Executor:
         )
 
 
-def _check_fits(value: Any, target: Any, step: Any, name: str) -> None:
-    where = step.node.describe() if step is not None else "constant"
+def _check_fits(value: Any, target: Any, step: Any, name: str, where: str = "") -> None:
+    where = step.node.describe() if step is not None else where
     if tuple(value.shape) != tuple(target.shape):
         raise KernelError(
             f"output {name!r} of {where} has shape {list(value.shape)}, but the bound buffer "

@@ -463,3 +463,53 @@ def test_an_eager_bound_run_without_its_input_names_the_value_and_the_node():
         KernelError, match=r"value 'x' is needed by node 'mm1' .*but was not computed or fed"
     ):
         sess.executor.run_bound_eager(binding)
+
+
+def test_a_graph_without_nodes_returns_its_input_and_its_constant():
+    """No node, so no provider: a run holds no lock and returns the values as they are."""
+    table = np.arange(4, dtype=np.float32)
+    graph = helper.make_graph(
+        [],
+        "no_nodes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4]),
+            helper.make_tensor_value_info("table", TensorProto.FLOAT, [4]),
+        ],
+        [numpy_helper.from_array(table, "table")],
+    )
+    sess = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    x = np.array([1.5, -2.0, 0.0, 3.25], np.float32)
+    got_x, got_table = sess.run(None, {"x": x})
+    np.testing.assert_array_equal(got_x, x)
+    np.testing.assert_array_equal(got_table, table)
+
+
+def test_a_graph_input_that_is_also_an_output_is_written_into_its_binding():
+    """``x`` is fed and returned as it is: its bound output buffer gets the fed values on
+    every bound run (planned, captured, replayed), not only from eager runs."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")],
+        "pass_through",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4]),
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [4]),
+        ],
+    )
+    sess = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    binding = sess.io_binding()
+    x = binding.bind_input("x", np.zeros(4, np.float32))
+    x_out = binding.bind_output("x", shape=(4,))
+    y = binding.bind_output("y", shape=(4,))
+    rng = np.random.default_rng(8)
+    for _ in range(4):
+        x[...] = rng.standard_normal(4)
+        x_out[...] = np.nan
+        sess.run_with_iobinding(binding)
+        np.testing.assert_array_equal(x_out, x)
+        np.testing.assert_array_equal(y, np.maximum(x, 0.0))
+    assert sess.graph_stats().replays == 2
+    binding.bind_output("x", shape=(2,))
+    with pytest.raises(KernelError, match=r"output 'x' of graph input has shape \[4\], but"):
+        sess.run_with_iobinding(binding)

@@ -49,6 +49,69 @@ def test_append_tokens_continues_a_conversation(qwen2_dir):
     assert gen.get_sequence() == ref
 
 
+def test_a_prompt_appended_in_pieces_equals_it_appended_at_once(qwen2_dir):
+    """Two appends in a row (no token generated between them) feed each token once."""
+    model = Model(qwen2_dir)
+    prompt = [11, 22, 33, 44, 55]
+    whole = _greedy(model, prompt, 6).get_sequence()
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(whole))
+    with Generator(model, params) as gen:
+        gen.eos = set()
+        gen.append_tokens(prompt[:3])
+        gen.append_tokens(prompt[3:])
+        while not gen.is_done():
+            gen.generate_next_token()
+        assert gen.get_sequence() == whole
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_greedy_stops_at_end_of_sequence_from_min_length_on(qwen2_dir, penalty):
+    """Past min_length greedy may pick an end-of-sequence token and stops there; before
+    min_length it is ruled out. Plain greedy (the device argmax) and the penalty path."""
+    model = Model(qwen2_dir)
+    prompt = [5, 17, 99]
+
+    def run(eos, min_length=0):
+        params = GeneratorParams(model)
+        params.set_search_options(
+            max_length=len(prompt) + 24, repetition_penalty=penalty, min_length=min_length
+        )
+        with Generator(model, params) as gen:
+            gen.eos = set(eos)
+            gen.append_tokens(prompt)
+            while not gen.is_done():
+                gen.generate_next_token()
+            return gen.get_sequence()
+
+    free = run(())
+    eos = free[len(prompt) + 5]
+    first = free.index(eos, len(prompt))
+    assert run([eos]) == free[: first + 1]
+    # eos is allowed once the sequence before it holds min_length tokens (first of them)
+    assert run([eos], min_length=first) == free[: first + 1]
+    assert run([eos], min_length=first + 1)[first] != eos
+    masked = run([eos], min_length=first + 3)
+    assert len(masked) > first + 1 and eos not in masked[len(prompt) : first + 3]
+
+
+def test_rewinding_to_zero_then_a_new_prompt_equals_a_fresh_generation(qwen2_dir):
+    model = Model(qwen2_dir)
+    fresh = _greedy(model, [8, 9, 10], 6).get_sequence()
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(fresh))
+    with Generator(model, params) as gen:
+        gen.eos = set()
+        gen.append_tokens([1, 2, 3, 4])
+        gen.generate_next_token()
+        gen.generate_next_token()
+        gen.rewind_to(0)
+        gen.append_tokens([8, 9, 10])
+        while not gen.is_done():
+            gen.generate_next_token()
+        assert gen.get_sequence() == fresh
+
+
 def test_prompt_longer_than_the_context_is_refused(qwen2_dir):
     model = Model(qwen2_dir)
     ctx = model.config.context_length
@@ -290,6 +353,10 @@ def _look_ahead_run(model, prompt, new, look_ahead, eos=(), min_length=0, edits=
             # the cache holds every token but the pending one, plus at most the queued step
             assert gen.runner.cache.length - (len(gen.tokens) - 1) in (0, 1)
         assert (queued > 0) == (look_ahead and steps > 2), (queued, steps)
+        if look_ahead and not eos and not edits:
+            # every step queues the next one while another token will follow, but the
+            # first (its logits come from the prompt's run) and the last
+            assert queued == steps - 2, (queued, steps)
         return gen.get_sequence()
 
 

@@ -166,12 +166,51 @@ def test_generator_refuses_an_empty_append_and_one_past_max_length(model):
         with pytest.raises(InvalidInputError, match="append_tokens needs at least one token"):
             gen.append_tokens([])
         assert gen.get_sequence() == []
+        vocab = model.config.vocab_size
+        for bad in (-1, vocab):
+            with pytest.raises(InvalidInputError, match=rf"\[{bad}\] are outside the vocabulary"):
+                gen.append_tokens([3, bad])
+        gen.append_tokens([0, vocab - 1])  # both ends of the vocabulary are tokens
+        gen.rewind_to(0)
         gen.append_tokens([5, 6, 7, 8, 9])
         with pytest.raises(InvalidInputError, match="9 tokens exceed max_length 8"):
             gen.append_tokens([1, 2, 3, 4])
         assert gen.get_sequence() == [5, 6, 7, 8, 9]
         gen.append_tokens([1, 2, 3])  # exactly max_length: accepted, and generation is done
         assert gen.get_sequence() == [5, 6, 7, 8, 9, 1, 2, 3] and gen.is_done()
+
+
+def test_generator_refuses_steps_without_a_prompt_or_after_the_end(model):
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=6)
+    with Generator(model, params) as gen:
+        gen.eos = set()
+        with pytest.raises(InvalidInputError, match="append_tokens first: there is no prompt"):
+            gen.generate_next_token()
+        gen.append_tokens([5, 6, 7, 8])
+        while not gen.is_done():
+            gen.generate_next_token()
+        done = gen.get_sequence()
+        assert len(done) == 6
+        with pytest.raises(InvalidInputError, match="generation is done"):
+            gen.generate_next_token()
+        assert gen.get_sequence() == done
+
+
+def test_generator_refuses_rewinds_outside_the_sequence_and_other_sequence_indices(model):
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=12)
+    with Generator(model, params) as gen:
+        gen.append_tokens([5, 6, 7])
+        for length in (-1, 4):
+            with pytest.raises(InvalidInputError, match=f"cannot rewind to {length}: the sequence"):
+                gen.rewind_to(length)
+        assert gen.get_sequence() == [5, 6, 7]
+        with pytest.raises(IndexError, match="a single sequence"):
+            gen.get_sequence(1)
+        gen.rewind_to(3)  # both ends are valid lengths
+        gen.rewind_to(0)
+        assert gen.get_sequence() == []
 
 
 def test_speculative_generator_refuses_k_below_one(model):
