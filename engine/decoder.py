@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from onnx_genrt.core.dtypes import DType
-from onnx_genrt.core.errors import InvalidInputError, ModelLoadError, NonFiniteError
+from onnx_genrt.core.errors import InvalidInputError, KernelError, ModelLoadError, NonFiniteError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession, IOBinding
 from onnx_genrt.session.device_io import DeviceIO
@@ -114,6 +114,19 @@ def check_cache_fits(io: DeviceIO, layers: int, shape: tuple[int, ...], dtype: n
             f"2 x {layers} layers x {list(shape)} {np.dtype(dtype).name}), more than this "
             f"provider's {limit / 2**30:.1f} GiB of memory; lower max_length "
             "(set_search_options(max_length=...), or search.max_length in genai_config.json)"
+        )
+
+
+def check_token_ids(ids: np.ndarray, vocab: int | None, where: str) -> None:
+    """Refuse token ids a step's device argmax gave outside ``[0, vocab)`` (a kernel fault:
+    they would otherwise reach the tokenizer or the next step)."""
+    if vocab is None or ids.size == 0:
+        return
+    bad = (ids < 0) | (ids >= vocab)
+    if bad.any():
+        raise KernelError(
+            f"the device argmax of {where} gave token ids {ids[bad][:5].tolist()} outside the "
+            f"vocabulary of {vocab} (rows {np.flatnonzero(bad)[:5].tolist()})"
         )
 
 
@@ -474,6 +487,8 @@ class DecoderRunner:
             raise NonFiniteError(
                 f"non-finite logits at positions {where} (slot {slot.value if slot else 'eager'})"
             )
+        if "argmax" in read:
+            check_token_ids(np.asarray(read["argmax"]), self.vocab, f"the step at {start}")
         extra = {name: read.pop(name) for name in step.queued}
         return StepOutput(self.io, bufs, n, read, extra)
 
@@ -525,6 +540,7 @@ class DecoderRunner:
                 f"(slot {slot.value if slot else 'eager'})"
             )
         argmax = values[1][:, 0] if device_argmax else np.argmax(logits, axis=-1)
+        check_token_ids(argmax, self.vocab, f"a batched step of {rows} rows")
         return argmax, logits
 
     def rewind_to(self, length: int) -> None:

@@ -275,3 +275,12 @@ def test_chunked_prefill_between_decode_steps(model):
     _run(batch)
     assert batch.sequence(short) == alone[texts[0]]
     assert batch.sequence(long) == alone[long_text]
+
+
+def test_device_argmax_ids_outside_the_vocabulary_raise():
+    from onnx_genrt.core.errors import KernelError
+    from onnx_genrt.engine.decoder import check_token_ids
+
+    check_token_ids(np.array([0, 4095]), 4096, "a step")
+    with pytest.raises(KernelError, match=r"token ids \[-1, 4096\] outside the vocabulary of 4096"):
+        check_token_ids(np.array([3, -1, 4096]), 4096, "a step")
