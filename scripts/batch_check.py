@@ -16,7 +16,12 @@ def main() -> None:
     p.add_argument("--provider", default="cuda")
     p.add_argument("--streams", default="1,4,16,32")
     p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--max-graph-rows", type=int, default=None, help="rows per captured piece")
     a = p.parse_args()
+    if a.max_graph_rows is not None:
+        from onnx_genrt.engine.batch import BatchGenerator
+
+        BatchGenerator.__init__.__kwdefaults__["max_graph_rows"] = a.max_graph_rows
     model = Model(a.model, a.provider)
     rng = np.random.default_rng(0)
     for n in [int(x) for x in a.streams.split(",")]:
