@@ -66,8 +66,11 @@ class PayoffPolicy:
     Greedy output is the same either way; only the speed differs.
     """
 
-    def __init__(self, window: int = 8, probe: int = 16) -> None:
+    def __init__(self, window: int = 8, probe: int = 16, skip: int = 2) -> None:
+        """``skip``: the first steps of each kind not counted (their graphs are still
+        being planned and captured, which would make that kind look slow)."""
         self.window, self.probe = window, probe
+        self._skip = {True: skip, False: skip}
         self._plain: deque[float] = deque(maxlen=window)
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)
         self._since_switch = 0
@@ -102,6 +105,9 @@ class PayoffPolicy:
     def record(self, verified: bool, tokens: int, seconds: float) -> None:
         """A step's measured time: a verify step adding ``tokens``, or a plain step."""
         if seconds <= 0:
+            return
+        if self._skip[verified] > 0:
+            self._skip[verified] -= 1
             return
         before = self.pays()
         if verified:

@@ -23,7 +23,7 @@ def _drive(policy: PayoffPolicy, steps: int, verify: tuple[int, float], plain: f
 
 
 def test_policy_keeps_speculating_while_it_pays():
-    policy = PayoffPolicy(window=4, probe=8)
+    policy = PayoffPolicy(window=4, probe=8, skip=0)
     decisions = _drive(policy, 64, verify=(3, 0.002), plain=0.001)  # 1500 vs 1000 tok/s
     assert decisions[:2] == [False, True]  # measure plain first, then verify
     assert sum(decisions) >= 64 - 2 - 64 // 8  # speculating, but for the plain probes
@@ -31,7 +31,7 @@ def test_policy_keeps_speculating_while_it_pays():
 
 
 def test_policy_stops_when_verify_steps_lose_and_probes_again():
-    policy = PayoffPolicy(window=4, probe=8)
+    policy = PayoffPolicy(window=4, probe=8, skip=0)
     decisions = _drive(policy, 64, verify=(1, 0.0015), plain=0.001)  # 667 vs 1000 tok/s
     assert policy.pays() is False
     assert sum(decisions) <= 1 + 64 // 8  # the first measurement, then one probe per 8
@@ -39,12 +39,20 @@ def test_policy_stops_when_verify_steps_lose_and_probes_again():
 
 
 def test_policy_follows_a_change_in_acceptance():
-    policy = PayoffPolicy(window=4, probe=4)
+    policy = PayoffPolicy(window=4, probe=4, skip=0)
     _drive(policy, 32, verify=(1, 0.002), plain=0.001)
     assert policy.pays() is False
     later = _drive(policy, 64, verify=(4, 0.002), plain=0.001)  # the text became predictable
     assert policy.pays() is True and sum(later[-16:]) >= 12
     assert policy.switches >= 1
+
+
+def test_policy_skips_the_first_steps_of_each_kind():
+    policy = PayoffPolicy(window=4, probe=8, skip=2)
+    policy.record(False, 1, 9.0)  # capture-time steps: not counted
+    policy.record(False, 1, 9.0)
+    policy.record(False, 1, 0.001)
+    assert policy.plain_rate == 1000.0
 
 
 def test_auto_picks_the_models_proposer_and_equals_greedy():
