@@ -61,19 +61,27 @@ class PayoffPolicy:
 
     Both rates come from the measured wall time of the last ``window`` steps of each kind
     (a verify step's tokens over its time, one token over a plain step's time). While
-    speculating, every ``probe``-th step is a plain one (the plain rate stays fresh); while
-    not, every ``probe``-th step verifies drafts again (acceptance changes with the text).
-    Greedy output is the same either way; only the speed differs.
+    speculating, a plain step now and then keeps the plain rate fresh; while not, a verify
+    step now and then measures the drafts again (acceptance changes with the text). Each
+    probe that confirms the choice doubles the gap to the next (from ``probe`` up to
+    ``max_probe`` steps, staggered so probes do not keep landing on the same phase of a
+    repetitive text); a switch starts again from ``probe``. Greedy output is the same
+    either way; only the speed differs.
     """
 
-    def __init__(self, window: int = 8, probe: int = 16, skip: int = 2) -> None:
+    def __init__(
+        self, window: int = 8, probe: int = 16, skip: int = 2, max_probe: int = 256
+    ) -> None:
         """``skip``: the first steps of each kind not counted (their graphs are still
         being planned and captured, which would make that kind look slow)."""
-        self.window, self.probe = window, probe
+        self.window, self.probe, self.max_probe = window, probe, max(probe, max_probe)
         self._skip = {True: skip, False: skip}
         self._plain: deque[float] = deque(maxlen=window)
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)
         self._since_switch = 0
+        self._gap = probe  # steps until the next probe
+        self._probing = False  # the step being taken is a probe
+        self.probes = 0
         self.switches = 0
 
     @property
@@ -97,13 +105,16 @@ class PayoffPolicy:
         if pays is None:  # measure the kind with no sample yet (plain first)
             return self.plain_rate is not None
         self._since_switch += 1
-        if self._since_switch >= self.probe:
+        if self._since_switch >= self._gap:
             self._since_switch = 0
+            self._probing = True
+            self.probes += 1
             return not pays  # a probe of the other kind
         return pays
 
     def record(self, verified: bool, tokens: int, seconds: float) -> None:
         """A step's measured time: a verify step adding ``tokens``, or a plain step."""
+        probing, self._probing = self._probing, False
         if seconds <= 0:
             return
         if self._skip[verified] > 0:
@@ -116,6 +127,9 @@ class PayoffPolicy:
             self._plain.append(seconds)
         if before is not None and self.pays() != before:
             self.switches += 1
+            self._gap = self.probe
+        elif probing:  # the probe confirmed the choice: probe half as often, staggered
+            self._gap = min(2 * self._gap, self.max_probe) + self.probes % 3
 
     def as_dict(self) -> dict[str, float | int | bool | None]:
         plain, verify = self.plain_rate, self.verify_rate
@@ -124,6 +138,7 @@ class PayoffPolicy:
             "verify_tok_s": round(verify, 1) if verify else None,
             "speculation_pays": self.pays(),
             "switches": self.switches,
+            "probes": self.probes,
         }
 
 

@@ -63,6 +63,27 @@ def test_auto_picks_the_models_proposer_and_equals_greedy():
     assert auto.tokens == greedy.tokens
     stats = auto.speculation
     assert stats["kind"] == "mtp" and stats["verify_steps"] + stats["plain_steps"] > 0
-    assert set(stats["auto"]) == {"plain_tok_s", "verify_tok_s", "speculation_pays", "switches"}
+    assert set(stats["auto"]) == {"plain_tok_s", "verify_tok_s", "speculation_pays", "switches", "probes"}
     with pytest.raises(InvalidInputError, match="choose one of mtp, draft, ngram, auto"):
         generate(model, "x", 4, spec="fast")
+
+
+def test_probes_back_off_while_the_choice_holds_and_do_not_alias_with_the_text():
+    policy = PayoffPolicy(window=4, probe=8, skip=0, max_probe=64)
+    decisions = _drive(policy, 512, verify=(1, 0.0015), plain=0.001)  # speculation loses
+    probes = [i for i, spec in enumerate(decisions) if spec][1:]  # after the first measurement
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:3] == sorted(gaps[:3]) and gaps[2] >= 2 * gaps[0]  # doubling
+    assert max(gaps) <= 64 + 2 and len(probes) <= 512 // 64 + 6  # capped, few probes
+    assert len({p % 16 for p in probes}) > 2  # not always the same phase of a 16-token cycle
+    assert policy.as_dict()["probes"] == len(probes)
+
+
+def test_a_switch_brings_the_probes_back_to_the_short_gap():
+    policy = PayoffPolicy(window=2, probe=4, skip=0, max_probe=64)
+    _drive(policy, 256, verify=(1, 0.0015), plain=0.001)  # losing: the gap grew to 64
+    later = _drive(policy, 80, verify=(4, 0.002), plain=0.001)  # now speculation wins
+    assert policy.switches >= 1 and policy.pays() is True
+    first = later.index(True)  # the probe that found it pays (within the long gap)
+    switched = first + later[first:].index(True, 1)  # speculating from here on
+    assert False in later[switched : switched + 6]  # a plain probe after 4 steps, not 64

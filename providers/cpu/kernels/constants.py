@@ -5,6 +5,8 @@ Constant nodes are folded when a session is built; the kernel runs for that.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
@@ -21,10 +23,21 @@ def constant(ctx: KernelContext) -> np.ndarray:
     return value
 
 
-@REGISTRY.register("Shape", since=1)
 def shape(ctx: KernelContext, x: np.ndarray) -> np.ndarray:
     """The input's shape as int64 (start/end slice attributes from opset 15)."""
     return shape_value(ctx.node, x.shape)
+
+
+def _bind_shape(ctx: KernelContext, inputs, out):
+    """Replay closure: a recorded graph's shapes are fixed, so the value is written as it was
+    computed when the graph was recorded (the buffer may be shared with other tensors)."""
+    value = shape_value(ctx.node, inputs[0].shape)
+    if not isinstance(out, np.ndarray) or out.shape != value.shape or out.dtype != value.dtype:
+        return None
+    return functools.partial(np.copyto, out, value)
+
+
+REGISTRY.register("Shape", since=1, bind=_bind_shape)(shape)
 
 
 @REGISTRY.register("Size", since=1)

@@ -557,10 +557,37 @@ def _cast(ctx: KernelContext, x: Array, code: int) -> Array:
     return out
 
 
-@REGISTRY.register("Cast", since=1, check=cast_problem)
 def cast(ctx: KernelContext, x: Array) -> Array:
     """Convert to the ``to`` type; float8 targets saturate unless saturate=0."""
     return _cast(ctx, x, cast_target_code(ctx.attr("to")))
+
+
+_PLAIN_CAST_KINDS = "biuf"  # numpy's own conversions: what _cast does for these targets
+
+
+def _bind_cast(ctx: KernelContext, inputs: Sequence[Array], out: Array) -> Callable[[], Any] | None:
+    """Replay closure for a cast between numpy's bool, integer and float types (not the
+    float8 family): one ``np.copyto`` into the recorded output."""
+    (x,) = inputs
+    code = cast_target_code(ctx.attr("to"))
+    if cast_type_problem(code) or code == _E8M0 or code in _F8_SATURATING:
+        return None
+    target = helper.tensor_dtype_to_np_dtype(code)
+    if not isinstance(out, np.ndarray) or out.dtype != target or out.shape != x.shape:
+        return None
+    if x.dtype.kind not in _PLAIN_CAST_KINDS or target.kind not in _PLAIN_CAST_KINDS:
+        return None
+    if x.dtype.kind != "f" and target != np.float16:  # no floating-point warnings possible
+        return functools.partial(np.copyto, out, x, casting="unsafe")
+
+    def run() -> None:
+        with _quiet():
+            np.copyto(out, x, casting="unsafe")
+
+    return run
+
+
+REGISTRY.register("Cast", since=1, check=cast_problem, bind=_bind_cast)(cast)
 
 
 @REGISTRY.register("CastLike", since=15, check=cast_problem)

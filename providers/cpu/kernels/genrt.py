@@ -48,14 +48,14 @@ def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> 
 
 
 def _bind_silu_mul(ctx: KernelContext, inputs, out):
-    """Replay closure for the contiguous float32 case: three in-place ufunc calls on views
-    made once. None (the generic call) for anything else."""
+    """Replay closure for float32 into a contiguous output: three in-place ufunc calls on
+    views made once (the same operations as the kernel). None (the generic call) otherwise."""
     g, u = split_halves(ctx, inputs[0], inputs[1] if len(inputs) > 1 else None)
     if not isinstance(out, np.ndarray) or out.dtype != np.float32 or g.dtype != np.float32:
         return None
     if u.dtype != g.dtype or out.shape != g.shape or u.shape != g.shape:
         return None
-    if not (out.flags.c_contiguous and g.flags.c_contiguous):
+    if not out.flags.c_contiguous:  # g and u may be strided halves of a fused projection
         return None
 
     def run() -> None:
@@ -69,7 +69,6 @@ def _bind_silu_mul(ctx: KernelContext, inputs, out):
 REGISTRY.register("SiluMul", since=1, domain=GENRT_DOMAIN, bind=_bind_silu_mul)(silu_mul)
 
 
-@REGISTRY.register("ArgMaxProb", since=1, domain=GENRT_DOMAIN)
 def argmax_prob(ctx: KernelContext, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(ArgMax, max of Softmax) over the last axis, keepdims=0: first index of the largest
     value and its probability ``1 / sum(exp(x - max))``, as the ArgMax, Softmax and ReduceMax
@@ -89,7 +88,44 @@ def argmax_prob(ctx: KernelContext, x: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return idx, prob
 
 
-@REGISTRY.register("MTPAccept", since=1, domain=GENRT_DOMAIN)
+def _bind_argmax_prob(ctx: KernelContext, inputs, out):
+    """Replay closure for float32 rows: per row numpy's argmax and the same exp-sum as the
+    kernel, on views and a scratch row made once."""
+    (x,) = inputs
+    if not isinstance(out, tuple) or len(out) != 2 or x.dtype != np.float32 or x.ndim == 0:
+        return None
+    idx, prob = out
+    if not (x.flags.c_contiguous and idx.flags.c_contiguous and prob.flags.c_contiguous):
+        return None
+    if prob.dtype != np.float32 or idx.dtype != np.int64 or not x.size:
+        return None
+    n = x.shape[-1]
+    rows = x.size // n
+    if idx.size != rows or prob.size != rows:
+        return None
+    x2, i1, p1, scratch = (
+        x.reshape(rows, n),
+        idx.reshape(rows),
+        prob.reshape(rows),
+        np.empty(n, np.float32),
+    )
+    one = np.float32(1.0)
+
+    def run() -> None:
+        for r in range(rows):
+            row = x2[r]
+            best = row.argmax()
+            i1[r] = best
+            np.subtract(row, row[best], out=scratch)
+            np.exp(scratch, out=scratch)
+            p1[r] = one / scratch.sum()
+
+    return run
+
+
+REGISTRY.register("ArgMaxProb", since=1, domain=GENRT_DOMAIN, bind=_bind_argmax_prob)(argmax_prob)
+
+
 def mtp_accept(
     ctx: KernelContext, ids: np.ndarray, argmax: np.ndarray, hidden: np.ndarray, count
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -108,6 +144,30 @@ def mtp_accept(
     token[0, 0] = argmax[0, acc]
     row[...] = hidden[:, acc : acc + 1]
     return accepted, token, row
+
+
+def _bind_mtp_accept(ctx: KernelContext, inputs, out):
+    """Replay closure: the compare loop over at most k drafts and one row copy, on views
+    made once (the shapes were checked when the graph was recorded)."""
+    ids, argmax, hidden, count = inputs
+    k = mtp_accept_drafts(ctx.node, ids.shape, argmax.shape, hidden.shape)
+    accepted, token, row = out
+    ids1, top1, count1 = ids.reshape(-1), argmax.reshape(-1), count.reshape(-1)
+    rows, dst = hidden.reshape(-1, hidden.shape[-1]), row.reshape(-1)
+
+    def run() -> None:
+        limit = min(k, int(count1[0]))
+        acc = 0
+        while acc < limit and top1[acc] == ids1[acc + 1]:
+            acc += 1
+        accepted[0] = acc
+        token[0, 0] = top1[acc]
+        np.copyto(dst, rows[acc], casting="unsafe")
+
+    return run
+
+
+REGISTRY.register("MTPAccept", since=1, domain=GENRT_DOMAIN, bind=_bind_mtp_accept)(mtp_accept)
 
 
 @REGISTRY.register("MTPNextInputs", since=1, domain=GENRT_DOMAIN)

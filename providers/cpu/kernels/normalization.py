@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
+from onnx_genrt.core.kernels import MS_DOMAIN, ONNX_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import normalize_axis
 
 from ._nn_common import (
@@ -188,6 +188,40 @@ def _simplified_layer_norm(
     return y, inv.reshape(stat_shape).astype(_F32, copy=False)
 
 
+def _bind_simplified_layer_norm(ctx: KernelContext, inputs, out):
+    """Replay closure for the float32 RMS norm over the last axis with one output and a flat
+    scale: the Numba row norm on prebuilt views. None (the generic call) for anything else."""
+    x, scale = inputs[0], inputs[1]
+    if isinstance(out, tuple) or output_count(ctx) != 1 or not x.size:
+        return None
+    if x.dtype != _F32 or out.dtype != _F32 or out.shape != x.shape:
+        return None
+    if not (x.flags.c_contiguous and out.flags.c_contiguous):
+        return None
+    stash = int(ctx.attr("stash_type", TensorProto.FLOAT))
+    if normalize_axis(int(ctx.attr("axis", -1)), x.ndim, ctx.node) != x.ndim - 1 or (
+        _stash_dtype(x, stash) != _F32
+    ):
+        return None
+    cols = x.shape[-1]
+    if scale.dtype != _F32 or scale.shape != (cols,):
+        return None
+    g = np.ascontiguousarray(scale)
+    eps = _F32.type(float(ctx.attr("epsilon", 1e-5)))
+    rows = x.size // cols
+    x2, y2, inv = x.reshape(rows, cols), out.reshape(rows, cols), np.empty(rows, _F32)
+
+    def run() -> None:
+        rms_norm_rows(x2, g, eps, y2, inv)
+
+    return run
+
+
 # onnxruntime registers SimplifiedLayerNormalization in the ONNX domain; models use that one.
-REGISTRY.register("SimplifiedLayerNormalization", since=1)(_simplified_layer_norm)
-REGISTRY.register("SimplifiedLayerNormalization", since=1, domain=MS_DOMAIN)(_simplified_layer_norm)
+for _domain in (ONNX_DOMAIN, MS_DOMAIN):
+    REGISTRY.register(
+        "SimplifiedLayerNormalization",
+        since=1,
+        domain=_domain,
+        bind=_bind_simplified_layer_norm,
+    )(_simplified_layer_norm)

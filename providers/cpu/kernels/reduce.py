@@ -6,6 +6,7 @@ CumSum/CumProd run a Numba loop (numpy accumulates slowly along non-last axes).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -154,7 +155,6 @@ _REDUCERS: dict[str, tuple[Callable[[Array, Axes, bool], Array], int]] = {
 }
 
 
-@REGISTRY.register(list(_REDUCERS), since=1)
 def reduce(ctx: KernelContext, x: Array, axes: Array | None = None) -> Array:
     """Reduce over axes (keepdims, noop_with_empty_axes); the output keeps x's dtype."""
     fn, input_since = _REDUCERS[ctx.node.op_type]
@@ -163,6 +163,38 @@ def reduce(ctx: KernelContext, x: Array, axes: Array | None = None) -> Array:
     with np.errstate(all="ignore"):
         res = fn(x, ax, kd)
     return _finish(ctx, res, x.dtype, _out_shape(x, ax, kd))
+
+
+_SUM_IN_PLACE = {np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64)}
+
+
+def _bind_reduce(ctx: KernelContext, inputs, out) -> Callable[[], Any] | None:
+    """Replay closure for ReduceSum of float32/64 or int32/64 over a non-empty set of axes:
+    ``np.add.reduce`` straight into the recorded output (what ``_sum`` computes). The axes
+    input is compared with the recorded one on each replay; the generic call runs if it
+    changed. None for every other reduction."""
+    x, axes = inputs[0], (inputs[1] if len(inputs) > 1 else None)
+    if ctx.node.op_type != "ReduceSum" or x.dtype not in _SUM_IN_PLACE or not x.size:
+        return None
+    if not isinstance(out, np.ndarray) or out.dtype != x.dtype:
+        return None
+    ax = _reduce_axes(ctx, x, axes, _REDUCERS["ReduceSum"][1])
+    kd = bool(ctx.attr("keepdims", 1))
+    if not ax or out.shape != _out_shape(x, ax, kd):
+        return None
+    recorded = None if axes is None else axes.tobytes()
+    fast = functools.partial(np.add.reduce, x, axis=ax, keepdims=kd, out=out)
+
+    def run() -> None:
+        if axes.tobytes() != recorded:
+            np.copyto(out, reduce(ctx, x, axes))
+        else:
+            fast()
+
+    return run if recorded is not None else fast
+
+
+REGISTRY.register(list(_REDUCERS), since=1, bind=_bind_reduce)(reduce)
 
 
 # --------------------------------------------------------------------------- ArgMax / ArgMin
@@ -178,16 +210,34 @@ def _arg_extreme(ctx: KernelContext, x: Array, fn: Callable[..., Array]) -> Arra
     return _finish(ctx, idx, np.dtype(np.int64), _out_shape(x, (axis,), kd))
 
 
-@REGISTRY.register("ArgMax", since=1)
 def arg_max(ctx: KernelContext, x: Array) -> Array:
     """Index (int64) of the largest element along axis; first one unless select_last_index."""
     return _arg_extreme(ctx, x, np.argmax)
 
 
-@REGISTRY.register("ArgMin", since=1)
 def arg_min(ctx: KernelContext, x: Array) -> Array:
     """Index (int64) of the smallest element along axis; first one unless select_last_index."""
     return _arg_extreme(ctx, x, np.argmin)
+
+
+def _arg_binder(fn: Callable[..., Array]) -> Callable[..., Callable[[], Any] | None]:
+    def bind(ctx: KernelContext, inputs, out) -> Callable[[], Any] | None:
+        """Replay closure: numpy's arg-reduction straight into the recorded int64 output
+        (first index, so not with select_last_index)."""
+        (x,) = inputs
+        if ctx.attr("select_last_index", 0) or not x.size or not isinstance(out, np.ndarray):
+            return None
+        axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
+        kd = bool(ctx.attr("keepdims", 1))
+        if out.dtype != np.int64 or out.shape != _out_shape(x, (axis,), kd):
+            return None
+        return functools.partial(fn, x, axis=axis, out=out, keepdims=kd)
+
+    return bind
+
+
+REGISTRY.register("ArgMax", since=1, bind=_arg_binder(np.argmax))(arg_max)
+REGISTRY.register("ArgMin", since=1, bind=_arg_binder(np.argmin))(arg_min)
 
 
 # --------------------------------------------------------------------------- TopK

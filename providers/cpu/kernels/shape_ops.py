@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from onnx import helper
@@ -183,7 +185,6 @@ def eye_like(ctx: KernelContext, x: Array) -> Array:
 # ----------------------------------------------------------------------------- join / split / slice
 
 
-@REGISTRY.register("Concat", since=1)
 def concat(ctx: KernelContext, *inputs: Array) -> Array:
     """Join inputs along ``axis``."""
     rank = inputs[0].ndim
@@ -192,6 +193,19 @@ def concat(ctx: KernelContext, *inputs: Array) -> Array:
     shape[axis] = sum(t.shape[axis] for t in inputs)
     out = ctx.out(0, shape, inputs[0].dtype)
     return np.concatenate(inputs, axis=axis, out=out)
+
+
+def _bind_concat(
+    ctx: KernelContext, inputs: Sequence[Array], out: Array
+) -> Callable[[], Any] | None:
+    """Replay closure: ``np.concatenate`` into the recorded output, inputs of its dtype."""
+    if not isinstance(out, np.ndarray) or any(t.dtype != out.dtype for t in inputs):
+        return None
+    axis = normalize_axis(int(ctx.attr("axis", 1 if ctx.opset < 4 else 0)), out.ndim, ctx.node)
+    return functools.partial(np.concatenate, tuple(inputs), axis=axis, out=out)
+
+
+REGISTRY.register("Concat", since=1, bind=_bind_concat)(concat)
 
 
 def _split_sizes(ctx: KernelContext, dim: int, split: Array | None, n_out: int) -> list[int]:
@@ -357,7 +371,6 @@ def center_crop_pad(ctx: KernelContext, x: Array, shape: Array) -> Array:
 # ----------------------------------------------------------------------------- gather / scatter
 
 
-@REGISTRY.register("Gather", since=1)
 def gather(ctx: KernelContext, x: Array, indices: Array) -> Array:
     """``np.take`` along ``axis``; negative indices count from the end."""
     axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
@@ -369,6 +382,34 @@ def gather(ctx: KernelContext, x: Array, indices: Array) -> Array:
         return out
     # Indices are in range, so 'wrap' only maps negatives, without numpy's buffering.
     return np.take(x, idx.astype(np.intp, copy=False), axis=axis, out=out, mode="wrap")
+
+
+def _bind_gather(
+    ctx: KernelContext, inputs: Sequence[Array], out: Array
+) -> Callable[[], Any] | None:
+    """Replay closure for intp indices: the range check and ``np.take`` into the recorded
+    output, on arrays resolved once."""
+    x, indices = inputs
+    idx = np.asarray(indices)
+    if not isinstance(out, np.ndarray) or out.dtype != x.dtype or idx.dtype != np.intp:
+        return None
+    if idx.size == 0 or x.size == 0 or not out.flags.c_contiguous:
+        return None
+    axis = normalize_axis(int(ctx.attr("axis", 0)), x.ndim, ctx.node)
+    dim = x.shape[axis]
+
+    def run() -> None:
+        if idx.size == 1:  # one id (a decode step's token): no reductions for the check
+            if not -dim <= idx.item() < dim:
+                check_index_range(ctx, idx, dim)
+        else:
+            check_index_range(ctx, idx, dim)
+        np.take(x, idx, axis=axis, out=out, mode="wrap")
+
+    return run
+
+
+REGISTRY.register("Gather", since=1, bind=_bind_gather)(gather)
 
 
 @REGISTRY.register("GatherElements", since=11)
