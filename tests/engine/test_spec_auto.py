@@ -63,7 +63,13 @@ def test_auto_picks_the_models_proposer_and_equals_greedy():
     assert auto.tokens == greedy.tokens
     stats = auto.speculation
     assert stats["kind"] == "mtp" and stats["verify_steps"] + stats["plain_steps"] > 0
-    assert set(stats["auto"]) == {"plain_tok_s", "verify_tok_s", "speculation_pays", "switches", "probes"}
+    assert set(stats["auto"]) == {
+        "plain_tok_s",
+        "verify_tok_s",
+        "speculation_pays",
+        "switches",
+        "probes",
+    }
     with pytest.raises(InvalidInputError, match="choose one of mtp, draft, ngram, auto"):
         generate(model, "x", 4, spec="fast")
 
