@@ -477,8 +477,9 @@ _NBITS_TYPES = {
 }
 
 
-def _ops() -> dict[str, GenrtOp]:
-    ops = [
+def _fused_ops() -> list[GenrtOp]:
+    """The ops fusion makes: activations, the argmax head, norms and SiluMul in projections."""
+    return [
         GenrtOp(
             "SiluMul",
             "``y = g * sigmoid(g) * u`` elementwise, the gated-MLP activation; with one input "
@@ -549,6 +550,12 @@ def _ops() -> dict[str, GenrtOp]:
             _silu_mul_matmul_body,
             projection=(MS_DOMAIN, "MatMulNBits", 2),
         ),
+    ]
+
+
+def _mtp_ops() -> list[GenrtOp]:
+    """The ops of the MTP chain: accepting drafts, and the next verify step's inputs."""
+    return [
         GenrtOp(
             "MTPAccept",
             "After a verify step of width k + 1: ``accepted`` = the length of the leading "
@@ -604,7 +611,10 @@ def _ops() -> dict[str, GenrtOp]:
             _mtp_next_inputs_body,
         ),
     ]
-    return {op.name: op for op in ops}
+
+
+def _ops() -> dict[str, GenrtOp]:
+    return {op.name: op for op in [*_fused_ops(), *_mtp_ops()]}
 
 
 #: Every ``onnx_genrt`` op by name.

@@ -47,7 +47,7 @@ def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> di
             _ = runner.forward(tokens, slot, width, after=hook).tokens
             if i >= 3:
                 times[name].append(time.perf_counter() - start)
-    stats = model.session.executor.all_stats()
+    stats = model.session.all_graph_stats()
     out = {name: statistics.median(v) * 1e3 for name, v in times.items()}
     out["ratio"] = out["verify"] / out["decode"]
     out["replays_primary"] = stats["primary"]["replays"]

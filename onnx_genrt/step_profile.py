@@ -17,6 +17,8 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,38 +78,47 @@ def _timer(provider: Any):
     return start, stop, stream.synchronize
 
 
-def profile_nodes(runner: Any, width: int, repeats: int, then: Any = None) -> list[NodeTime]:
+def profile_nodes(
+    runner: Any,
+    width: int,
+    repeats: int,
+    then: Callable[[], None] | None = None,
+    then_session: Any = None,
+) -> list[NodeTime]:
     """Each node of one eager step of ``width`` tokens, timed alone; median of ``repeats``.
 
-    ``then()`` runs more eager work after the step (the MTP chain), timed the same way."""
+    ``then()`` runs more eager work after the step (the MTP chain) on ``then_session``,
+    whose nodes are timed the same way. Nodes are timed through the sessions' launch hooks
+    (``InferenceSession.on_launch``)."""
     provider = runner.session.main_provider
     start, stop, sync = _timer(provider)
     times: dict[int, list[float]] = defaultdict(list)
     names: dict[int, tuple[str, str]] = {}
-    original = provider.launch
-    counter = {"i": 0}
+    position = {"next": 0}
 
-    def timed_launch(kdef, ctx, inputs):
-        i = counter["i"]
-        counter["i"] += 1
+    @contextmanager
+    def timed(node: Any) -> Iterator[None]:
+        i = position["next"]
+        position["next"] += 1
         start()
-        result = original(kdef, ctx, inputs)
+        yield
         times[i].append(stop())
-        names[i] = (ctx.node.op_type, ctx.node.name)
-        return result
+        names[i] = (node.op_type, node.name)
 
+    sessions = [runner.session] if then_session is None else [runner.session, then_session]
     length = runner.cache.length
-    provider.launch = timed_launch
     try:
-        for _ in range(repeats):
-            counter["i"] = 0
-            runner.rewind_to(length)
-            runner.forward(list(range(7, 7 + width)), None, width)
-            if then is not None:
-                then()
-            sync()
+        with ExitStack() as hooks:
+            for session in sessions:
+                hooks.enter_context(session.on_launch(timed))
+            for _ in range(repeats):
+                position["next"] = 0
+                runner.rewind_to(length)
+                runner.forward(list(range(7, 7 + width)), None, width)
+                if then is not None:
+                    then()
+                sync()
     finally:
-        provider.launch = original
         runner.rewind_to(length)
     return [NodeTime(*names[i], statistics.median(t)) for i, t in sorted(times.items())]
 
@@ -125,7 +136,7 @@ def profile_step(
     runner = model.acquire_runner(owner, context + width + 2)
     runner.forward(list(range(1, context + 1)), None)
     slot = DeviceGraphSlot.PRIMARY if width == 1 else DeviceGraphSlot.VERIFY
-    hook, then = None, None
+    hook, then, chain_session = None, None, None
     if mtp:
         if width < 2:
             raise SystemExit("--mtp needs --width k+1 >= 2")
@@ -157,12 +168,12 @@ def profile_step(
         prov.synchronize()
         replay_ms = (time.perf_counter() - t0) * 1e3 / steps
     runner.rewind_to(context)
-    nodes = profile_nodes(runner, width, repeats=5, then=then)
+    nodes = profile_nodes(runner, width, repeats=5, then=then, then_session=chain_session)
     return {
         "step_ms": statistics.median(step_times),
         "replay_ms": replay_ms,
         "nodes": nodes,
-        "stats": model.session.executor.all_stats().get(slot.value, {}),
+        "stats": model.session.all_graph_stats().get(slot.value, {}),
     }
 
 

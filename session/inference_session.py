@@ -24,7 +24,7 @@ from onnx_genrt.core.registry import get_registry
 
 from .binding import IOBinding
 from .device_io import DeviceIO
-from .executor import Executor, SlotStats
+from .executor import Executor, LaunchHook, SlotStats
 from .loader import load_model
 from .plan import GraphPlan, ValueSpec, build_plan
 from .row_tail import RowTail
@@ -253,6 +253,20 @@ class InferenceSession:
         """The steps that make ``output`` row by row from one projection, and the outputs
         they make; None where the output is not made so (see :meth:`run_eager_with_iobinding`)."""
         return self.executor.row_tail(output)
+
+    def on_launch(self, hook: LaunchHook) -> AbstractContextManager[None]:
+        """Call ``hook(node)`` around every kernel launch of this session while the
+        returned context manager is open: the context manager ``hook`` returns is entered
+        right before each launch and exited right after it.
+
+        Hooks see the eager runs (``run``, prefills, warm-up and capture runs) node by
+        node, in plan order; a replayed graph launches no kernel one by one, so they see
+        none of it. A profiler times nodes this way::
+
+            with session.on_launch(timed):  # timed(node) -> a context manager
+                session.run(None, feeds)
+        """
+        return self.executor.on_launch(hook)
 
     # -- graph slots ---------------------------------------------------------------
     def set_graph_slot(self, slot: DeviceGraphSlot) -> None:

@@ -2,8 +2,8 @@
 
 A bound run is captured segment by segment: each provider records its segments as parts
 of its graph in the run's slot, and the values that cross from one segment to another
-are copied between the parts' replays (see ``Executor``). A plan on one provider is one
-segment, part 0.
+are copied between the parts' replays (see ``session.slot_runner``). A plan on one
+provider is one segment, part 0.
 """
 
 from __future__ import annotations

@@ -222,8 +222,9 @@ def test_prepacked_constants_are_made_once_and_only_in_the_packed_layout():
     sess = InferenceSession(model, providers=[PackingCPU()])
     assert sorted(calls) == sorted((n.name, 1) for n in matmuls)
     weights = {n.input[1] for n in matmuls}
-    plain = [k for k in sess.executor._consts if len(k) == 2 and k[1] in weights]
-    assert plain == []  # only the transposed layout exists
+    assert (
+        sess.executor.constants.plain_names() & weights == set()
+    )  # only the transposed layout exists
     x = np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32)
     (y,) = sess.run(["y"], {"x": x})
     np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
@@ -431,7 +432,7 @@ def test_a_constant_graph_output_is_returned_and_written_into_its_binding():
 
 def test_eager_runs_keep_plans_for_the_most_recent_shapes():
     """Eager runs keep EAGER_PLAN_CACHE memory plans, dropping the least recently used."""
-    from onnx_genrt.session.executor import EAGER_PLAN_CACHE
+    from onnx_genrt.session.memory_planner import EAGER_PLAN_CACHE
 
     model = mlp(hidden=4)
     sess = InferenceSession(model)
@@ -444,7 +445,8 @@ def test_eager_runs_keep_plans_for_the_most_recent_shapes():
 
     def kept_rows() -> list[int]:
         return [
-            dict((n, s) for n, _, s in shapes)["x"][0] for _, shapes in sess.executor._eager_layouts
+            dict((n, s) for n, _, s in shapes)["x"][0]
+            for _, shapes in sess.executor.memory.eager_keys()
         ]
 
     for rows in range(1, EAGER_PLAN_CACHE + 1):

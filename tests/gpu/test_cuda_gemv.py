@@ -53,7 +53,7 @@ def test_prepacked_matmul_graphs_and_eager(cp, rng, dtype, k, n):
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
     sess = InferenceSession(_matmul_model(w, dtype), providers=["cuda"])
     prov = sess.main_provider
-    packed = [a for a in sess.executor._consts.values() if isinstance(a, TransposedWeight)]
+    packed = [a for a in sess.executor.constants.values() if isinstance(a, TransposedWeight)]
     assert len(packed) == (1 if (k * np.dtype(dtype).itemsize) % 16 == 0 else 0)
     w64 = w.astype(np.float64)
     for slot, m in ((PRIMARY, 1), (VERIFY, 5)):
@@ -149,6 +149,6 @@ def test_transposed_weight_keeps_the_plain_copy_off_the_device(cp, rng):
 
     w = rng.standard_normal((256, 512)).astype(np.float16)
     sess = InferenceSession(_matmul_model(w, np.float16), providers=["cuda"])
-    consts = list(sess.executor._consts.values())
+    consts = list(sess.executor.constants.values())
     assert len(consts) == 1 and isinstance(consts[0], TransposedWeight)
     np.testing.assert_array_equal(consts[0].t.get(), w.T)

@@ -109,7 +109,7 @@ CASES = [
 def test_decode_and_verify_steps_replay_the_prebound_kernel(op, rank, attrs):
     model, w, bias = _model(op, rank, **attrs)
     sess = InferenceSession(model, providers=["cpu"])
-    packed = [v for v in sess.executor._consts.values() if isinstance(v, sk.TransposedWeight)]
+    packed = [v for v in sess.executor.constants.values() if isinstance(v, sk.TransposedWeight)]
     assert len(packed) == 1
     if attrs.get("transB"):  # the [N, K] initializer is used as it is
         np.testing.assert_array_equal(packed[0].t, w.T)
@@ -156,7 +156,7 @@ def test_disabled_prepack_keeps_the_plain_weight(monkeypatch, how):
     else:
         monkeypatch.setenv("ONNX_GENRT_SKINNY_MATMUL", "0")
         sess = InferenceSession(model, providers=["cpu"])
-    assert not any(isinstance(v, sk.TransposedWeight) for v in sess.executor._consts.values())
+    assert not any(isinstance(v, sk.TransposedWeight) for v in sess.executor.constants.values())
     x = np.random.default_rng(4).standard_normal((3, K), dtype=F32)
     (y,) = sess.run(None, {"x": x})
     _check(y, x, w)

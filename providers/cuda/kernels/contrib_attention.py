@@ -49,6 +49,7 @@ else its output rows are NaN.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -772,8 +773,48 @@ def _cc_major() -> int:
     return _CC_MAJOR[dev]
 
 
+@dataclass
+class _GqaCall:
+    """One GroupQueryAttention call, checked and laid out for the kernels."""
+
+    query: cupy.ndarray  # contiguous
+    q_row: int  # elements between query rows (K and V follow inside it when packed)
+    k_src: cupy.ndarray
+    k_row: int
+    v_src: cupy.ndarray
+    v_row: int
+    past_key: cupy.ndarray
+    past_value: cupy.ndarray
+    seqlens: cupy.ndarray  # int32 [B] on the device
+    cos: cupy.ndarray  # the rotary caches (the query where rotary is off: unused)
+    sin: cupy.ndarray
+    max_pos: int
+    rot: int  # rotary dimension (0: off)
+    rotary: int
+    interleaved: int
+    sinks: cupy.ndarray  # head_sink (the query where none: unused)
+    sink_mode: int  # 0 none, 1 head_sink, 2 smooth softmax
+    batch: int
+    new: int  # new tokens per sequence
+    heads: int
+    kv_heads: int
+    head_size: int
+    cap: int  # rows of the cache
+    window: int
+    wcache: int  # 1: a window-sized cache (sliding_window_cache)
+    scale: float
+    softcap: float
+    causal: int
+    s_type: str  # C storage types of the activations and of the rotary caches
+    c_type: str
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.query.dtype
+
+
 @REGISTRY.register("GroupQueryAttention", since=1, domain=MS_DOMAIN, check=_gqa_check)
-def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed QKV, window, softcap); shape checks move to core/op_rules.py
+def group_query_attention(
     ctx: KernelContext,
     query,
     key=None,
@@ -801,6 +842,35 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
             f"{desc}: concat mode (no past_key/past_value) is not supported on CUDA; bind the "
             "KV cache as both past and present"
         )
+    call = _gqa_call(ctx, query, key, value, past_key, past_value, seqlens_k,
+                     total_sequence_length, cos_cache, sin_cache, head_sink)  # fmt: skip
+    y = out(ctx, 0, (call.batch, call.new, call.heads * call.head_size), call.dtype)
+    if y.size == 0:
+        return y, past_key, past_value
+    fuse = call.new <= FUSE_MAX_NEW
+    if not fuse:
+        _gqa_append(call)
+    _gqa_attend(ctx, call, y, fuse)
+    if call.wcache and fuse:  # the new rows were kept out of the cache: compact, then store them
+        _gqa_window_store(call)
+    return y, past_key, past_value
+
+
+def _gqa_call(
+    ctx: KernelContext,
+    query,
+    key,
+    value,
+    past_key,
+    past_value,
+    seqlens_k,
+    total_sequence_length,
+    cos_cache,
+    sin_cache,
+    head_sink,
+) -> _GqaCall:
+    """The call's geometry and device inputs, every check done (in the kernels' order)."""
+    desc = ctx.node.describe()
     geom = gqa_shapes(ctx.node, query, key, value, past_key, past_value, seqlens_k,
                       cos_cache, sin_cache, head_sink)  # fmt: skip
     b, s, width = (int(d) for d in query.shape)
@@ -819,6 +889,67 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
         k_src, v_src = contiguous(ctx, key), contiguous(ctx, value)
     if d % 2 or d > 256:
         raise NotImplementedError(f"{desc}: head size {d} must be even and at most 256 on CUDA")
+    cap, window, wcache = _gqa_cache(ctx, past_key, past_value, dtype, s, total_sequence_length)
+    seqlens = _device(ctx, seqlens_k, "seqlens_k")
+    if seqlens.dtype != np.int32:
+        raise ValueError(
+            f"{desc}: seqlens_k must be int32 [{b}], got {seqlens.dtype}{seqlens.shape}"
+        )
+    seqlens = contiguous(ctx, seqlens)
+    rotary = bool(ctx.attr("do_rotary", 0))
+    interleaved = int(bool(ctx.attr("rotary_interleaved", 0)))
+    if rotary:
+        cos_c = contiguous(ctx, _device(ctx, cos_cache, "cos_cache"))
+        sin_c = contiguous(ctx, _device(ctx, sin_cache, "sin_cache"))
+        if cos_c.dtype != sin_c.dtype:
+            raise ValueError(f"{desc}: cos/sin caches differ in dtype")
+        rot, max_pos = geom.rotary_dim, int(cos_c.shape[0])
+        c_type = storage(ctx, cos_c.dtype)
+    else:
+        cos_c = sin_c = query  # unused
+        rot, max_pos, c_type = 0, 1, s_type
+    scale = ctx.attr("scale")
+    scale = 1.0 / math.sqrt(d) if scale is None or float(scale) == 0.0 else float(scale)
+    sinks, sink_mode = _gqa_sinks(ctx, head_sink, query, heads)
+    return _GqaCall(
+        query=query,
+        q_row=q_row,
+        k_src=k_src,
+        k_row=k_row,
+        v_src=v_src,
+        v_row=v_row,
+        past_key=past_key,
+        past_value=past_value,
+        seqlens=seqlens,
+        cos=cos_c,
+        sin=sin_c,
+        max_pos=max_pos,
+        rot=rot,
+        rotary=int(rotary),
+        interleaved=interleaved,
+        sinks=sinks,
+        sink_mode=sink_mode,
+        batch=b,
+        new=s,
+        heads=heads,
+        kv_heads=kvh,
+        head_size=d,
+        cap=cap,
+        window=window,
+        wcache=wcache,
+        scale=scale,
+        softcap=float(ctx.attr("softcap", 0.0)),
+        causal=int(bool(ctx.attr("causal", 1))),
+        s_type=s_type,
+        c_type=c_type,
+    )
+
+
+def _gqa_cache(
+    ctx: KernelContext, past_key, past_value, dtype: np.dtype, s: int, total_sequence_length
+) -> tuple[int, int, int]:
+    """(capacity, window, window-sized cache) of the KV cache, checked against the call."""
+    desc = ctx.node.describe()
     for name, past in (("past_key", past_key), ("past_value", past_value)):
         if past.dtype != dtype:
             raise ValueError(f"{desc}: {name} dtype {past.dtype} differs from query's {dtype}")
@@ -844,76 +975,71 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
             f"{desc}: total_sequence_length {total_len} exceeds the past buffer of {cap} "
             "(concat mode is not supported on CUDA)"
         )
-    seqlens = _device(ctx, seqlens_k, "seqlens_k")
-    if seqlens.dtype != np.int32:
-        raise ValueError(
-            f"{desc}: seqlens_k must be int32 [{b}], got {seqlens.dtype}{seqlens.shape}"
-        )
-    seqlens = contiguous(ctx, seqlens)
+    return cap, window, wcache
 
-    rotary = bool(ctx.attr("do_rotary", 0))
-    interleaved = int(bool(ctx.attr("rotary_interleaved", 0)))
-    if rotary:
-        cos_c = contiguous(ctx, _device(ctx, cos_cache, "cos_cache"))
-        sin_c = contiguous(ctx, _device(ctx, sin_cache, "sin_cache"))
-        if cos_c.dtype != sin_c.dtype:
-            raise ValueError(f"{desc}: cos/sin caches differ in dtype")
-        rot, max_pos = geom.rotary_dim, int(cos_c.shape[0])
-        c_type = storage(ctx, cos_c.dtype)
-    else:
-        cos_c = sin_c = query  # unused
-        rot, max_pos, c_type = 0, 1, s_type
-    scale = ctx.attr("scale")
-    scale = 1.0 / math.sqrt(d) if scale is None or float(scale) == 0.0 else float(scale)
-    softcap = float(ctx.attr("softcap", 0.0))
-    causal = int(bool(ctx.attr("causal", 1)))
-    sink_mode = 0
-    sinks = query
+
+def _gqa_sinks(ctx: KernelContext, head_sink, query, heads: int) -> tuple[cupy.ndarray, int]:
+    """(the sink logits, sink mode): 1 with head_sink, 2 with smooth_softmax, else 0."""
     if head_sink is not None:
         sinks = contiguous(ctx, _device(ctx, head_sink, "head_sink"))
-        if sinks.dtype != dtype:
-            raise ValueError(f"{desc}: head_sink must be [{heads}] {dtype}")
-        sink_mode = 1
-    elif int(ctx.attr("smooth_softmax", -1)) == 1:
-        sink_mode = 2
+        if sinks.dtype != query.dtype:
+            raise ValueError(f"{ctx.node.describe()}: head_sink must be [{heads}] {query.dtype}")
+        return sinks, 1
+    return query, 2 if int(ctx.attr("smooth_softmax", -1)) == 1 else 0
 
-    y = out(ctx, 0, (b, s, heads * d), dtype)
-    if y.size == 0:
-        return y, past_key, past_value
-    fuse = int(s <= FUSE_MAX_NEW)
-    if not fuse:
-        append = function(_SOURCE, f"gqa_append<{s_type}, {c_type}>")
-        append(
-            (b * s, kvh),
-            (min(256, max(32, -(-d // 32) * 32)),),
-            (
-                k_src,
-                np.int64(k_row),
-                v_src,
-                np.int64(v_row),
-                past_key,
-                past_value,
-                seqlens,
-                cos_c,
-                sin_c,
-                np.int32(max_pos),
-                np.int32(s),
-                np.int32(kvh),
-                np.int32(d),
-                np.int32(cap),
-                np.int32(rot),
-                np.int32(interleaved),
-                np.int32(rotary),
-                np.int32(window),
-                np.int32(wcache),
-            ),
-        )
+
+def _kv_block(call: _GqaCall) -> tuple[int]:
+    """Threads of a block writing one (row, kv head) of the cache."""
+    return (min(256, max(32, -(-call.head_size // 32) * 32)),)
+
+
+def _kv_args(call: _GqaCall) -> tuple:
+    """The arguments ``gqa_append`` and ``gqa_window_store`` share, in their order."""
+    return (
+        call.k_src,
+        np.int64(call.k_row),
+        call.v_src,
+        np.int64(call.v_row),
+        call.past_key,
+        call.past_value,
+        call.seqlens,
+        call.cos,
+        call.sin,
+        np.int32(call.max_pos),
+        np.int32(call.new),
+        np.int32(call.kv_heads),
+        np.int32(call.head_size),
+        np.int32(call.cap),
+        np.int32(call.rot),
+        np.int32(call.interleaved),
+        np.int32(call.rotary),
+        np.int32(call.window),
+    )
+
+
+def _gqa_append(call: _GqaCall) -> None:
+    """Write the new keys (rotated) and values into the cache (prompts over FUSE_MAX_NEW)."""
+    append = function(_SOURCE, f"gqa_append<{call.s_type}, {call.c_type}>")
+    grid = (call.batch * call.new, call.kv_heads)
+    append(grid, _kv_block(call), (*_kv_args(call), np.int32(call.wcache)))
+
+
+def _gqa_window_store(call: _GqaCall) -> None:
+    """Compact a window-sized cache and store the new rows (after a fused attention)."""
+    store = function(_SOURCE, f"gqa_window_store<{call.s_type}, {call.c_type}>")
+    store((call.batch, call.kv_heads), _kv_block(call), _kv_args(call))
+
+
+def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool) -> None:
+    """The attention launch: splits of each query row's keys, merged in a cluster or by
+    the last split to finish."""
+    b, s, heads, d = call.batch, call.new, call.heads, call.head_size
     rows = b * s * heads
     warps = ATTN_WARPS
-    new_rows = 2 * (s if fuse else 0) * d * dtype.itemsize
+    new_rows = 2 * (s if fuse else 0) * d * call.dtype.itemsize
     shared = _up16(_up16(new_rows) + (d + warps * d + 2 * warps + 68) * 4)
     ps = -(-(d + 2) // 4) * 4  # floats per partial: D sums, max, denominator, padding
-    part, counts = y, seqlens  # placeholders: no global merge
+    part, counts = y, call.seqlens  # placeholders: no global merge
     cluster = bool(fuse and CLUSTER and _cc_major() >= 9)
     if cluster:
         kernel, splits, min_chunk = "gqa_attn_cluster", 8, CLUSTER_MIN_CHUNK
@@ -921,84 +1047,58 @@ def group_query_attention(  # noqa: C901 - one path per GQA input layout (packed
     else:
         kernel, min_chunk = "gqa_attn", MIN_CHUNK
         stage = min(STAGE_BYTES, _SHARED_MAX - shared)
-        splits = gqa_splits(rows, cap, sm_count(), max(1, stage // (4 * ps)))
+        splits = gqa_splits(rows, call.cap, sm_count(), max(1, stage // (4 * ps)))
         if splits > 1:
             part = scratch(ctx, rows * splits * ps * 4).view(np.float32)
             counts = zeroed_counters(ctx, rows)
             shared += splits * ps * 4
+    past_key, past_value = call.past_key, call.past_value
     vec = int(
-        _aligned(past_key, 16) and _aligned(past_value, 16) and (d * dtype.itemsize) % 16 == 0
+        _aligned(past_key, 16) and _aligned(past_value, 16) and (d * call.dtype.itemsize) % 16 == 0
     )
-    name = f"{kernel}<{s_type}, {c_type}, {-(-d // 64)}, {warps}, {ATTN_MIN_BLOCKS}>"
+    name = f"{kernel}<{call.s_type}, {call.c_type}, {-(-d // 64)}, {warps}, {ATTN_MIN_BLOCKS}>"
     attn = function(_SOURCE, name)
     attn(
         (splits, heads, b * s),
         (32 * warps,),
         (
-            query,
-            np.int64(q_row),
-            k_src,
-            np.int64(k_row),
-            v_src,
-            np.int64(v_row),
+            call.query,
+            np.int64(call.q_row),
+            call.k_src,
+            np.int64(call.k_row),
+            call.v_src,
+            np.int64(call.v_row),
             past_key,
             past_value,
-            seqlens,
-            cos_c,
-            sin_c,
-            np.int32(max_pos),
-            sinks,
+            call.seqlens,
+            call.cos,
+            call.sin,
+            np.int32(call.max_pos),
+            call.sinks,
             y,
             part,
             counts,
             np.int32(s),
             np.int32(heads),
-            np.int32(kvh),
+            np.int32(call.kv_heads),
             np.int32(d),
-            np.int32(cap),
-            np.int32(rot),
-            np.int32(interleaved),
-            np.int32(rotary),
-            np.float32(scale),
-            np.float32(softcap),
-            np.int32(window),
-            np.int32(causal),
+            np.int32(call.cap),
+            np.int32(call.rot),
+            np.int32(call.interleaved),
+            np.int32(call.rotary),
+            np.float32(call.scale),
+            np.float32(call.softcap),
+            np.int32(call.window),
+            np.int32(call.causal),
             np.int32(splits),
             np.int32(min_chunk),
-            np.int32(fuse),
-            np.int32(sink_mode),
+            np.int32(int(fuse)),
+            np.int32(call.sink_mode),
             np.int32(vec),
-            np.int32(wcache),
+            np.int32(call.wcache),
         ),
         shared_mem=shared,
     )
-    if wcache and fuse:  # the new rows were kept out of the cache: compact, then store them
-        store = function(_SOURCE, f"gqa_window_store<{s_type}, {c_type}>")
-        store(
-            (b, kvh),
-            (min(256, max(32, -(-d // 32) * 32)),),
-            (
-                k_src,
-                np.int64(k_row),
-                v_src,
-                np.int64(v_row),
-                past_key,
-                past_value,
-                seqlens,
-                cos_c,
-                sin_c,
-                np.int32(max_pos),
-                np.int32(s),
-                np.int32(kvh),
-                np.int32(d),
-                np.int32(cap),
-                np.int32(rot),
-                np.int32(interleaved),
-                np.int32(rotary),
-                np.int32(window),
-            ),
-        )
-    return y, past_key, past_value
 
 
 # ----------------------------------------------------------------------------- RotaryEmbedding

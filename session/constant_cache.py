@@ -1,0 +1,58 @@
+"""A plan's constants on the providers that read them, each made once and shared.
+
+A step reads a constant input either in its kernel's own layout (the kernel's ``prepack``:
+a transposed weight, say) or uploaded as it is. Both are made the first time a step asks
+and kept for the session's life, keyed by provider, so steps reading the same weight on
+the same provider share one array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from onnx_genrt.core.provider import ExecutionProvider
+
+
+class ConstantCache:
+    """The plan's constants (host arrays by name) as each provider's arrays."""
+
+    def __init__(self, host: Mapping[str, Any]) -> None:
+        self._host = host
+        #: (provider id, name) -> plain upload; (provider id, name, prepack) -> packed
+        #: layout, or None where the prepack declined (then the plain upload is used).
+        self._made: dict[tuple[Any, ...], Any] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._host
+
+    def host(self, name: str) -> Any:
+        """Constant ``name`` as the plan holds it (a host array)."""
+        return self._host[name]
+
+    def for_step(self, step: Any, index: int, name: str) -> Any:
+        """Constant input ``index`` (``name``) of ``step`` on the step's provider, in the
+        kernel's prepacked layout when it has one that takes this input."""
+        provider, prepack = step.provider, step.kernel.prepack
+        if prepack is not None:
+            key = (id(provider), name, prepack)
+            if key not in self._made:
+                self._made[key] = prepack(provider, step.node, index, self._host[name])
+            if self._made[key] is not None:
+                return self._made[key]
+        return self.on(provider, name)
+
+    def on(self, provider: ExecutionProvider, name: str) -> Any:
+        """Constant ``name`` uploaded to ``provider`` as it is."""
+        key = (id(provider), name)
+        if key not in self._made:
+            self._made[key] = provider.upload(self._host[name])
+        return self._made[key]
+
+    def values(self) -> list[Any]:
+        """Every array made so far: prepacked layouts and plain uploads."""
+        return [value for value in self._made.values() if value is not None]
+
+    def plain_names(self) -> set[str]:
+        """The constants uploaded as they are (on any provider), not in a packed layout."""
+        return {key[1] for key in self._made if len(key) == 2}
