@@ -56,6 +56,9 @@ for prec in fp16 int4; do
     echo "== step profile ($prec, decode M=1, 256 cached positions)"
     "$PY" -m onnx_genrt.step_profile --model "$dst" --provider cuda --top 10 | tee "$LOGDIR/profile-$prec.txt" \
       || echo "step profile $prec failed"
+    echo "== step profile ($prec, verify M=5, 256 cached positions)"
+    "$PY" -m onnx_genrt.step_profile --model "$dst" --provider cuda --width 5 --top 10 \
+      | tee "$LOGDIR/profile-verify-$prec.txt" || echo "step profile (verify) $prec failed"
   fi
   echo "== verify vs decode step cost ($prec, k=4, 256 cached positions)"
   "$PY" -m onnx_genrt.step_cost --model "$dst" --provider cuda -k 4 | tee "$LOGDIR/step-$prec.txt" \
