@@ -55,14 +55,20 @@ def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> di
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli_args import POSITIVE_INT
+    from .generate_cli import add_provider_argument
+
     p.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
-    p.add_argument("--provider", default="cuda")
-    p.add_argument("-k", type=int, default=4)
-    p.add_argument("--context", type=int, default=256, help="cached positions before each step")
-    p.add_argument("--steps", type=int, default=50)
-    a = p.parse_args()
+    add_provider_argument(p)
+    p.add_argument("-k", type=POSITIVE_INT, default=4, help="drafts per verify step (default: 4)")
+    p.add_argument(
+        "--context", type=POSITIVE_INT, default=256, help="cached positions before each step"
+    )
+    p.add_argument("--steps", type=POSITIVE_INT, default=50, help="timed steps (default: 50)")
+
+
+def run(a: argparse.Namespace) -> int:
     if a.model is None:
         from onnx_genrt.generate_cli import default_model_dir
 
@@ -77,7 +83,24 @@ def main() -> None:
             f"{a.model.name}: verify + MTP chain of {a.k} {r['verify+mtp']:.3f} ms "
             f"({r['verify+mtp'] / r['decode']:.2f}x decode)"
         )
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "step-cost",
+        help="verify step (M=k+1) against decode step (M=1), graphed: what speculation can gain",
+        description=__doc__,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m onnx_genrt.step_cost", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

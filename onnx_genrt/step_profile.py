@@ -199,26 +199,53 @@ def report(result: dict[str, Any], top: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m onnx_genrt.step_profile",
-        description="Profile one decode (or verify) step: whole step, graph replay, per op.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli_args import POSITIVE_INT
+    from .generate_cli import add_provider_argument
+
     p.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
-    p.add_argument("--provider", default="cuda")
-    p.add_argument("--width", type=int, default=1, help="tokens per step (1 = decode)")
-    p.add_argument("--context", type=int, default=256, help="cached positions before the step")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--top", type=int, default=12)
+    add_provider_argument(p)
+    p.add_argument("--width", type=POSITIVE_INT, default=1, help="tokens per step (1 = decode)")
+    p.add_argument(
+        "--context", type=POSITIVE_INT, default=256, help="cached positions before the step"
+    )
+    p.add_argument("--steps", type=POSITIVE_INT, default=50, help="timed steps (default: 50)")
+    p.add_argument("--top", type=POSITIVE_INT, default=12, help="slowest nodes listed")
     p.add_argument("--mtp", action="store_true", help="verify step + the MTP chain after it")
-    a = p.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int:
     if a.model is None:
         from onnx_genrt.generate_cli import default_model_dir
 
         a.model = default_model_dir()
     result = profile_step(a.model, a.provider, a.width, a.context, a.steps, a.mtp)
     print(report(result, a.top))
+    return 0
+
+
+DESCRIPTION = (
+    "Where one decode (or verify) step's time goes on a provider: the step as generation "
+    "runs it, the captured graph replayed alone, and every node run eagerly and timed alone "
+    "(device time on a GPU), summed per op."
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="time one decode or verify step: graph replay and per op",
+        description=DESCRIPTION,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m onnx_genrt.step_profile", description=DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -54,14 +54,14 @@ for prec in fp16 int4; do
     || { echo "bench $prec failed"; tail -n 30 "$LOGDIR/bench-$prec.err"; }
   if [ "$PROFILE" != 0 ]; then
     echo "== step profile ($prec, decode M=1, 256 cached positions)"
-    "$PY" -m onnx_genrt.step_profile --model "$dst" --provider cuda --top 10 | tee "$LOGDIR/profile-$prec.txt" \
+    "$PY" -m onnx_genrt profile --model "$dst" --provider cuda --top 10 | tee "$LOGDIR/profile-$prec.txt" \
       || echo "step profile $prec failed"
     echo "== step profile ($prec, verify M=5, 256 cached positions)"
-    "$PY" -m onnx_genrt.step_profile --model "$dst" --provider cuda --width 5 --top 10 \
+    "$PY" -m onnx_genrt profile --model "$dst" --provider cuda --width 5 --top 10 \
       | tee "$LOGDIR/profile-verify-$prec.txt" || echo "step profile (verify) $prec failed"
   fi
   echo "== verify vs decode step cost ($prec, k=4, 256 cached positions)"
-  "$PY" -m onnx_genrt.step_cost --model "$dst" --provider cuda -k 4 | tee "$LOGDIR/step-$prec.txt" \
+  "$PY" -m onnx_genrt step-cost --model "$dst" --provider cuda -k 4 | tee "$LOGDIR/step-$prec.txt" \
     || echo "step cost $prec failed"
 done
 
@@ -72,9 +72,9 @@ echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens, a Py
   || { echo "default-model bench failed"; tail -n 30 "$LOGDIR/bench-default.err"; }
 
 echo "== embedded model: verify + MTP chain step, per op (k=4)"
-"$PY" -m onnx_genrt.step_cost --provider cuda -k 4 | tee "$LOGDIR/step-default.txt" || echo "step cost failed"
+"$PY" -m onnx_genrt step-cost --provider cuda -k 4 | tee "$LOGDIR/step-default.txt" || echo "step cost failed"
 if [ "$PROFILE" != 0 ]; then
-  "$PY" -m onnx_genrt.step_profile --provider cuda --width 5 --mtp --top 8 | tee "$LOGDIR/profile-default.txt" \
+  "$PY" -m onnx_genrt profile --provider cuda --width 5 --mtp --top 8 | tee "$LOGDIR/profile-default.txt" \
     || echo "step profile (mtp) failed"
 fi
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,15 +27,20 @@ from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.genrt_ops import NORM_PROJECTIONS, SILU_PROJECTIONS
 from onnx_genrt.core.kernels import GENRT_DOMAIN, NodeInfo, TensorType
 
+if TYPE_CHECKING:  # plan.py imports this module
+    from .plan import Step
+
 #: The type of a value by name (None when unknown): what ``provider.supports`` is asked with.
 TypeOf = Callable[[str], TensorType | None]
+#: Constant values by name (host arrays), as constant folding left them.
+Constants = dict[str, np.ndarray]
 
 
 def no_types(_name: str) -> TensorType | None:
     return None
 
 
-def step_for(like, node: NodeInfo, type_of: TypeOf):
+def step_for(like: Step, node: NodeInfo, type_of: TypeOf) -> Step | None:
     """``node`` as a step on ``like``'s provider, when that provider supports it (asked with
     the node and its input types, as placement asks); None skips the fusion."""
     types = tuple(type_of(n) if n else None for n in node.input_names)
@@ -45,19 +51,21 @@ def step_for(like, node: NodeInfo, type_of: TypeOf):
     return type(like)(node, kdef, like.provider, node.input_names, node.output_names)
 
 
-def _index(steps: list) -> tuple[Counter[str], dict[str, int]]:
+def _index(steps: list[Step]) -> tuple[Counter[str], dict[str, int]]:
     """(readers per value, index of the step producing each value)."""
     readers: Counter[str] = Counter(n for s in steps for n in s.inputs if n)
     producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
     return readers, producer
 
 
-def _rewrite(steps: list, replace: dict[int, object], drop: set[int]) -> list:
+def _rewrite(steps: list[Step], replace: dict[int, Step], drop: set[int]) -> list[Step]:
     """``steps`` with fused steps put in place and the steps they absorbed dropped."""
     return [replace.get(i, s) for i, s in enumerate(steps) if i not in drop]
 
 
-def fuse_silu_mul(steps: list, keep: Iterable[str], type_of: TypeOf = no_types) -> tuple[list, int]:
+def fuse_silu_mul(
+    steps: list[Step], keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
     """Steps with every fusable Sigmoid/Mul/Mul triple replaced by one SiluMul step.
 
     ``keep`` names values that must stay materialized (graph outputs). A triple fuses only
@@ -84,7 +92,16 @@ def fuse_silu_mul(steps: list, keep: Iterable[str], type_of: TypeOf = no_types) 
     return out, len(replace)
 
 
-def _match(steps, producer, readers, keep, mul, act: str, up: str, type_of: TypeOf):
+def _match(
+    steps: list[Step],
+    producer: dict[str, int],
+    readers: Counter[str],
+    keep: set[str],
+    mul: Step,
+    act: str,
+    up: str,
+    type_of: TypeOf,
+) -> tuple[int, int, Step] | None:
     """(gate Mul index, Sigmoid index, fused step) when ``act`` is g * sigmoid(g), else None."""
     a = producer.get(act)
     if a is None or readers[act] != 1 or act in keep:
@@ -119,8 +136,8 @@ def _match(steps, producer, readers, keep, mul, act: str, up: str, type_of: Type
 
 
 def fuse_gate_up(
-    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
-) -> tuple[list, int]:
+    steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
     """Gate and up projections of a SiluMul, read from the same input with constant weights,
     become one projection onto the concatenated weights; SiluMul then splits its one input.
 
@@ -186,7 +203,7 @@ def _with(node: NodeInfo, **changes) -> NodeInfo:
     )
 
 
-def _merge_projections(gate, up, constants: dict, provider):
+def _merge_projections(gate: Step, up: Step, constants: Constants, provider: object):
     """(node, inputs, new constants) projecting onto gate's and up's weights at once."""
     if gate.provider is not provider or up.provider is not provider:
         return None
@@ -234,8 +251,8 @@ def _merge_projections(gate, up, constants: dict, provider):
 
 
 def fuse_rms_norm(
-    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
-) -> tuple[list, int]:
+    steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
     """RMS norms that exporters decompose become one SimplifiedLayerNormalization step.
 
     Matches ``w * (x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), [-1]) + eps)))`` (Mul operands
@@ -261,18 +278,27 @@ def fuse_rms_norm(
     return out, len(replace)
 
 
-def _op(step) -> str | None:
+def _op(step: Step) -> str | None:
     return step.node.op_type if step.node.domain == "" else None
 
 
-def _scalar(constants: dict, name: str) -> float | None:
+def _scalar(constants: Constants, name: str) -> float | None:
     value = constants.get(name)
     if value is None or value.size != 1 or not is_float_dtype(value.dtype):
         return None
     return float(value.reshape(-1)[0])
 
 
-def _match_rms(steps, producer, readers, keep, constants, mul, w_pos: int, type_of: TypeOf):
+def _match_rms(
+    steps: list[Step],
+    producer: dict[str, int],
+    readers: Counter[str],
+    keep: set[str],
+    constants: Constants,
+    mul: Step,
+    w_pos: int,
+    type_of: TypeOf,
+):
     """(indices of the six inner steps, fused step) when ``mul`` is w * rms_normalize(x)."""
     weight, normed = mul.inputs[w_pos], mul.inputs[1 - w_pos]
     w = constants.get(weight)
@@ -342,12 +368,12 @@ def _match_rms(steps, producer, readers, keep, constants, mul, w_pos: int, type_
     return None
 
 
-def _last_axis_mean(mean, constants: dict) -> bool:
+def _last_axis_mean(mean: Step, constants: Constants) -> bool:
     """ReduceMean over the last axis only, keeping it (axes as input or attribute)."""
     return int(mean.node.attrs.get("keepdims", 1)) == 1 and _axes(mean, constants) == [-1]
 
 
-def _axes(step, constants: dict) -> list[int] | None:
+def _axes(step: Step, constants: Constants) -> list[int] | None:
     """A reduction's constant axes, from its second input (opset 18) or its attribute."""
     if len(step.inputs) > 1 and step.inputs[1]:
         axes = constants.get(step.inputs[1])
@@ -359,8 +385,11 @@ def _axes(step, constants: dict) -> list[int] | None:
 
 
 def fuse_skip_rms_norm(
-    steps: list, keep: Iterable[str], shapes: dict[str, tuple | None], type_of: TypeOf = no_types
-) -> tuple[list, int]:
+    steps: list[Step],
+    keep: Iterable[str],
+    shapes: dict[str, tuple | None],
+    type_of: TypeOf = no_types,
+) -> tuple[list[Step], int]:
     """``SimplifiedLayerNormalization(Add(a, b))`` becomes one com.microsoft
     SkipSimplifiedLayerNormalization step (residual add and norm in one launch).
 
@@ -411,8 +440,8 @@ def fuse_skip_rms_norm(
 
 
 def fuse_argmax_prob(
-    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
-) -> tuple[list, int]:
+    steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
     """``ArgMax(l)`` next to ``ReduceMax(Softmax(l))`` over the last axis (keepdims=0)
     becomes one ``onnx_genrt::ArgMaxProb`` step: a draft and its probability in one pass,
     without writing the softmax. The fused step takes the place of the first of the three,
@@ -468,7 +497,7 @@ def fuse_argmax_prob(
     return out, len(replace)
 
 
-def _last_axis_no_keep(step, constants: dict | None = None) -> bool:
+def _last_axis_no_keep(step: Step, constants: Constants | None = None) -> bool:
     """ArgMax over axis -1, or ReduceMax over axes [-1], with keepdims=0."""
     if int(step.node.attrs.get("keepdims", 1)) != 0:
         return False
@@ -488,8 +517,8 @@ _NORM_FUSED = NORM_PROJECTIONS
 
 
 def fuse_norm_matmul(
-    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
-) -> tuple[list, int]:
+    steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
     """An RMS norm whose normalized output only projections read (MatMul on a constant 2-D
     weight, MatMulNBits) goes into those projections: each becomes ``NormMatMul`` /
     ``NormMatMulNBits`` (domain ``onnx_genrt``), whose GEMV normalizes its rows itself.
@@ -517,8 +546,13 @@ def fuse_norm_matmul(
 
 
 def _norm_projections(
-    steps, constants, keep, read_by, norm, type_of: TypeOf
-) -> dict[int, object] | None:
+    steps: list[Step],
+    constants: Constants,
+    keep: set[str],
+    read_by: dict[str, list[int]],
+    norm: Step,
+    type_of: TypeOf,
+) -> dict[int, Step] | None:
     """{index: fused step} for the projections reading ``norm``, or None."""
     if (norm.node.domain, norm.node.op_type) not in _NORMS:
         return None
@@ -581,8 +615,8 @@ _SILU_FUSED = SILU_PROJECTIONS
 
 
 def fuse_silu_matmul(
-    steps: list, constants: dict, keep: Iterable[str], type_of: TypeOf = no_types
-) -> tuple[list, int]:
+    steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
     """A SiluMul whose one reader is a projection (MatMul on a constant 2-D weight, or
     MatMulNBits) goes into it: ``SiluMulMatMul`` / ``SiluMulMatMulNBits`` (domain
     ``onnx_genrt``), whose GEMV computes the activations itself. The fused step takes the

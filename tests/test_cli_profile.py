@@ -1,0 +1,45 @@
+"""``onnx-genrt profile`` and ``onnx-genrt step-cost``: the step tools as commands."""
+
+from __future__ import annotations
+
+import re
+
+import onnx
+import pytest
+
+from onnx_genrt.cli import main
+from onnx_genrt.models import default_model_path
+
+
+def test_profile_lists_the_models_ops_and_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "--steps", "3", "--top", "4", "--context", "16"]) == 0
+    text = capsys.readouterr().out
+    head = re.match(
+        r"step ([\d.]+) ms \| graph replay alone ([\d.]+) ms \| sum of (\d+) nodes", text
+    )
+    assert head and float(head[1]) > 0 and float(head[2]) > 0, text
+    model = onnx.load(str(default_model_path() / "model.onnx"), load_external_data=False)
+    names = {n.name for n in model.graph.node}
+    top = re.findall(r"^\s+[\d.]+ us\s+(\S+)\s+(\S+)$", text, re.M)
+    assert len(top) == 4
+    for op, name in top:  # a model node, or one the planner fused from a model node
+        assert name in names or name.split("/fused")[0] in names, (op, name)
+    assert "MatMul" in {op for op, _ in top}
+
+
+def test_step_cost_reports_both_slots_replaying(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["step-cost", "-k", "2", "--steps", "4", "--context", "16"]) == 0
+    text = capsys.readouterr().out
+    found = re.search(
+        r"decode \(M=1\) [\d.]+ ms, verify \(M=3\) [\d.]+ ms.*replays primary (\d+), verify (\d+)",
+        text,
+    )
+    assert found and int(found[1]) >= 4 and int(found[2]) >= 4, text
+
+
+@pytest.mark.parametrize("argv", [["profile", "--width", "0"], ["step-cost", "-k", "-1"]])
+def test_bad_flags_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "must be an integer >= 1" in capsys.readouterr().err
