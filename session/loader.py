@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -151,15 +152,44 @@ def _check_structure(model: onnx.ModelProto) -> None:
             raise ModelLoadError(f"graph output {out.name!r} is produced by no node or input")
 
 
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor a graph holds: initializers (sparse ones' values and indices too) and
+    tensor attributes of its nodes, subgraphs included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("sparse_tensor"):
+                yield attr.sparse_tensor.values
+                yield attr.sparse_tensor.indices
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _graph_tensors(sub)
+
+
+def _model_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of the main graph and of the model's local functions."""
+    yield from _graph_tensors(model.graph)
+    for function in model.functions:
+        for node in function.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+
+
 def _uses_external_data(model: onnx.ModelProto) -> bool:
-    return any(
-        external_data_helper.uses_external_data(t)
-        for t in external_data_helper._get_all_tensors(model)
-    )
+    return any(external_data_helper.uses_external_data(t) for t in _model_tensors(model))
 
 
 def _load_external(model: onnx.ModelProto, base: Path) -> None:
-    for tensor in external_data_helper._get_all_tensors(model):
+    for tensor in _model_tensors(model):
         if not external_data_helper.uses_external_data(tensor):
             continue
         try:

@@ -17,6 +17,7 @@ from onnx_genrt.core.errors import (
     UnsupportedOpError,
 )
 from onnx_genrt.session import InferenceSession
+from onnx_genrt.session.loader import load_model
 
 from .models import mlp, mlp_reference
 
@@ -468,3 +469,69 @@ def test_replayed_skip_norm_and_silu_mul_match_float64(sum_is_read):
     assert stats.replays >= 3 and stats.fallbacks == 0
     graph_calls = sess.main_provider.recorded_graph(DeviceGraphSlot.PRIMARY)
     assert graph_calls.bound == len(graph_calls.calls)  # every call prebound
+
+
+def _constants_in_attributes_model() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """y = If(cond, then: Constant a, else: Constant b) + Constant c: every weight is a node
+    attribute, two of them inside subgraphs."""
+    rng = np.random.default_rng(4)
+    values = {n: rng.standard_normal(64).astype(np.float32) for n in "abc"}
+
+    def branch(name: str) -> onnx.GraphProto:
+        const = numpy_helper.from_array(values[name], name)
+        node = helper.make_node("Constant", [], [name], value=const)
+        out = helper.make_tensor_value_info(name, TensorProto.FLOAT, [64])
+        return helper.make_graph([node], f"{name}_branch", [], [out])
+
+    nodes = [
+        helper.make_node(
+            "If", ["cond"], ["picked"], then_branch=branch("a"), else_branch=branch("b")
+        ),
+        helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(values["c"], "c")),
+        helper.make_node("Add", ["picked", "c"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "attr_consts",
+        [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), values
+
+
+def _externalize(tensor: TensorProto, folder, location: str) -> None:
+    """Move ``tensor``'s bytes to ``folder/location`` and point it there."""
+    data = numpy_helper.to_array(tensor).tobytes()
+    (folder / location).write_bytes(data)
+    tensor.ClearField("raw_data")
+    tensor.ClearField("float_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in {"location": location, "length": str(len(data))}.items():
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _then_constant(model: onnx.ModelProto) -> TensorProto:
+    branches = {a.name: a.g for a in model.graph.node[0].attribute}
+    return branches["then_branch"].node[0].attribute[0].t
+
+
+def test_external_data_of_attribute_and_subgraph_tensors_loads_and_is_contained(tmp_path):
+    model, values = _constants_in_attributes_model()
+    folder = tmp_path / "m"
+    folder.mkdir()
+    _externalize(_then_constant(model), folder, "a.bin")
+    _externalize(model.graph.node[1].attribute[0].t, folder, "c.bin")
+    (folder / "model.onnx").write_bytes(model.SerializeToString())
+    loaded = load_model(folder / "model.onnx")
+    for name, tensor in (("a", _then_constant(loaded)), ("c", loaded.graph.node[1].attribute[0].t)):
+        assert tensor.data_location == TensorProto.DEFAULT and not tensor.external_data
+        np.testing.assert_array_equal(numpy_helper.to_array(tensor), values[name])
+    # The subgraph's tensor pointing outside the folder: refused.
+    (tmp_path / "outside.bin").write_bytes((folder / "a.bin").read_bytes())
+    for entry in _then_constant(model).external_data:
+        if entry.key == "location":
+            entry.value = "../outside.bin"
+    (folder / "model.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(ModelLoadError, match=r"'a'.*'\.\./outside\.bin'.*outside the model folder"):
+        load_model(folder / "model.onnx")
