@@ -13,7 +13,8 @@ TOKENS="${GPU_BENCH_TOKENS:-128}"
 # GPU_BENCH_PROFILE=0 skips the per-op step profiles (a shorter lane when device time is short).
 COMPARE="${GPU_BENCH_COMPARE---compare-eager --compare-serial}"
 PROFILE="${GPU_BENCH_PROFILE:-1}"
-# GPU_BENCH_STREAMS: batched-decode rows of the 0.5B bench (aggregate tok/s; empty: none).
+# GPU_BENCH_STREAMS: batched-decode rows of the 0.5B bench (aggregate tok/s; empty: none), and
+# the same batch sizes on HF transformers (static cache; HF_BATCH_TIMEOUT, default 240 s).
 STREAMS="${GPU_BENCH_STREAMS-1,4,16,32}"
 mkdir -p "$WORK" "$LOGDIR"
 whl=$(ls .whl/onnxruntime_genai-*.whl 2>/dev/null | head -n 1)
@@ -83,3 +84,11 @@ timeout "${HF_BENCH_TIMEOUT:-180}" "$PY" scripts/hf_bench.py --model "$WORK/hf-0
   --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 --json "$LOGDIR/hf_bench.json" \
   2>"$LOGDIR/hf_bench.err" | tee "$LOGDIR/hf_bench.txt" \
   || { echo "HF bench failed"; tail -n 30 "$LOGDIR/hf_bench.err"; }
+
+if [ -n "$STREAMS" ]; then
+  echo "== HF transformers batched, same fp16 weights, static cache (batch $STREAMS, $TOKENS tokens)"
+  timeout "${HF_BATCH_TIMEOUT:-240}" "$PY" scripts/hf_batch_bench.py --model "$WORK/hf-0.5b" --device cuda \
+    --dtype float16 --batch "$STREAMS" --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 \
+    --json "$LOGDIR/hf_batch.json" 2>"$LOGDIR/hf_batch.err" | tee "$LOGDIR/hf_batch.txt" \
+    || { echo "HF batched bench failed"; tail -n 30 "$LOGDIR/hf_batch.err"; }
+fi
