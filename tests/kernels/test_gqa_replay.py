@@ -191,8 +191,9 @@ def test_gqa_replay_falls_back_per_call_when_rows_are_padding() -> None:
     assert bound.sess.graph_stats(PRIMARY).fallbacks == 0
 
 
-def test_gqa_replay_without_prebuilt_step_batch_two() -> None:
-    """Batch 2 has no prebuilt step: bind declines and the general call is recorded."""
+def test_gqa_replay_batch_two_rows_at_their_own_lengths() -> None:
+    """Batch 2 (a batched decode step, each row at its own length) replays one prebuilt step
+    per row: equal to onnxruntime, and to the general kernel to the bit."""
     rng = np.random.default_rng(5)
     node = helper.make_node(
         "GroupQueryAttention",
@@ -243,12 +244,17 @@ def test_gqa_replay_without_prebuilt_step_batch_two() -> None:
         feeds = {**{n: x.copy() for n, x in new.items()}, "pk": keys.copy(), "pv": values.copy()}
         feeds |= {"seq": seq.copy(), "tot": tot.copy()}
         want = ref.run(None, feeds)
+        ctx = KernelContext(NodeInfo.from_proto(node, 1))
+        general = ca._gqa_general(ctx, *(feeds[n].copy() for n in ("q", "k", "v", "pk", "pv")),
+                                  feeds["seq"], feeds["tot"])  # fmt: skip
         sess.run_with_iobinding(b, PRIMARY)
         np.testing.assert_allclose(y, want[0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(y, general[0])
         for j, t in enumerate(seq + 1):
             np.testing.assert_allclose(keys[j, :, :t], want[1][j, :, :t], rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(values[j, :, :t], general[2][j, :, :t])
     assert sess.graph_stats(PRIMARY).replays == 4
-    assert sess.main_provider.recorded_graph(PRIMARY).bound == 0
+    assert sess.main_provider.recorded_graph(PRIMARY).bound == 1
 
 
 # ----------------------------------------------------------------------------- step vs general

@@ -503,13 +503,19 @@ class _GqaStep:
         args: tuple[np.ndarray | None, ...],
         out: np.ndarray | None,
         present: Sequence[np.ndarray] | None = None,
+        row: int | None = None,
     ) -> _GqaStep | None:
         """The step for these inputs (``out``: output 0, None = ctx.out), or None if unfit.
 
         ``present``: the buffers the caller expects present_key/present_value in; they
-        must be past_key/past_value themselves.
+        must be past_key/past_value themselves. ``row``: the step of that batch entry alone
+        (views of its query, keys, values, cache rows, length and output).
         """
         a = list(args[:17]) + [None] * (17 - len(args))
+        if row is not None:
+            a[:6] = [None if x is None else x[row : row + 1] for x in a[:6]]
+            out = None if out is None else out[row : row + 1]
+            present = None if present is None else [p[row : row + 1] for p in present]
         query, key, value, past_key, past_value, seqlens_k, total_len = a[:7]
         cos_cache, sin_cache, position_ids, attention_bias, head_sink = a[7:12]
         if (
@@ -612,6 +618,18 @@ class _GqaStep:
                 cache[:, : resident - drop] = cache[:, drop:resident]
         return resident - drop, resident - drop + m
 
+    def fits(self) -> bool:
+        """Whether :meth:`run` will run for the current lengths, checked without changing
+        anything (not for a window-sized cache, whose :meth:`_rows` compacts as it checks)."""
+        total = int(self.seqlens[0]) + 1
+        m, cfg = self.m, self.cfg
+        windowed = cfg.window > 0 and cfg.causal
+        kvn, rows, _ = self.heads.shape
+        k0 = max(0, total - m - cfg.window + 1) if windowed else 0
+        if cfg.window_cache or total < m or kvn * rows * (total - k0) > _SCORE_BUDGET:
+            return False
+        return total <= self.rope_len and total <= self.cap and int(self.total_len[0]) <= self.cap
+
     def run(self) -> bool:
         """Run the step for the current seqlens_k; False (nothing done) when it cannot."""
         total = int(self.seqlens[0]) + 1
@@ -658,6 +676,25 @@ class _GqaStep:
             self.fallback()
 
 
+class _GqaRowsStep:
+    """A batched decode step (several batch entries, each at its own length): one
+    :class:`_GqaStep` per entry on views of its rows. When every entry fits, each runs;
+    otherwise the general kernel runs the whole batch (nothing was changed before)."""
+
+    __slots__ = ("rows", "fallback")
+
+    def __init__(self, rows: list[_GqaStep]) -> None:
+        self.rows = rows
+        self.fallback: Callable[[], None] | None = None
+
+    def replay(self) -> None:
+        if all(step.fits() for step in self.rows):
+            for step in self.rows:
+                step.run()
+        else:
+            self.fallback()
+
+
 def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
     return (
         isinstance(a, np.ndarray)
@@ -686,9 +723,18 @@ def _bind_gqa(
     if not isinstance(outs, tuple | list) or len(outs) != 3:
         return None
     args = tuple(inputs)
-    step = _GqaStep.build(ctx, args, outs[0], outs[1:])
-    if step is None:
-        return None
+    query = args[0]
+    if isinstance(query, np.ndarray) and query.ndim == 3 and query.shape[0] > 1:
+        if _GqaConfig.from_ctx(ctx).window_cache:  # its compaction cannot be checked first
+            return None
+        steps = [_GqaStep.build(ctx, args, outs[0], outs[1:], row=b) for b in range(len(query))]
+        if any(step is None for step in steps):
+            return None
+        step = _GqaRowsStep(steps)
+    else:
+        step = _GqaStep.build(ctx, args, outs[0], outs[1:])
+        if step is None:
+            return None
     step.fallback = lambda: _replay_general(ctx, args, tuple(outs))
     return step.replay
 
