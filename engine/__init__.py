@@ -9,7 +9,7 @@ from .api import (
     stream,
     warm_up,
 )
-from .batch import BatchGenerator
+from .batch import BatchGenerator, SequencesGenerator
 from .config import GenAIConfig, SearchOptions, load_config
 from .generator import Generator
 from .model import GeneratorParams, Model
@@ -35,6 +35,7 @@ __all__ = [
     "PromptLookupProposer",
     "Proposer",
     "SearchOptions",
+    "SequencesGenerator",
     "SpeculativeGenerator",
     "Tokenizer",
     "generate",

@@ -305,3 +305,109 @@ class BatchGenerator:
 
     def graph_stats(self) -> dict[str, dict]:
         return self.model.session.all_graph_stats()
+
+
+class SequencesGenerator:
+    """``batch_size`` sequences with the :class:`~onnx_genrt.engine.Generator` calls: what
+    ``Generator(model, params)`` makes when the search options ask for ``batch_size > 1``
+    (onnxruntime-genai's shape of the API). One row of a pooled :class:`BatchGenerator` per
+    sequence; each row's greedy output equals its prompt generated alone.
+
+    ``append_tokens`` takes the prompts once (one token list per sequence, lengths may
+    differ); each ``generate_next_token`` adds a token to every sequence not done;
+    ``get_next_tokens`` gives one token per sequence (the pad token for a sequence that was
+    done before the call); ``is_done`` is true when every sequence is. One thread at a time.
+    """
+
+    def __init__(self, model: Model, params: GeneratorParams) -> None:
+        self.model = model
+        self.params = params
+        self.search = params.search
+        self.batch_size = self.search.batch_size
+        self.eos = set(model.config.eos_token_ids)
+        pad = model.config.pad_token_id
+        self.pad_token_id = pad if pad is not None else min(self.eos, default=0)
+        self._batch: BatchGenerator | None = model.take_batch(
+            self.batch_size, self.search.max_length
+        )
+        self._rows: list[int] = []
+        self._new: list[int] = []
+        self._first_pending = False  # the prompts' first tokens are picked, not yet given
+
+    def __enter__(self) -> SequencesGenerator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Hand the rows back to the model's pool (the sequences stay readable)."""
+        if self._batch is not None:
+            self._sequences = [self._batch.sequence(i) for i in self._rows]
+            self.model.give_back_batch(self._batch)
+            self._batch = None
+
+    def _open(self) -> BatchGenerator:
+        if self._batch is None:
+            raise InvalidInputError("this generator is closed; create a new one")
+        return self._batch
+
+    def append_tokens(self, prompts: Sequence[Sequence[int]]) -> None:
+        """The prompts, one token list per sequence (``batch_size`` of them), once."""
+        batch = self._open()
+        if self._rows:
+            raise InvalidInputError(
+                "a batched generator takes its prompts once; create a new one to continue"
+            )
+        rows = [list(p) for p in prompts]  # a 2-D array: each row whole
+        if len(rows) != self.batch_size:
+            raise InvalidInputError(
+                f"append_tokens needs one prompt per sequence: batch_size is "
+                f"{self.batch_size}, got {len(rows)}"
+            )
+        try:
+            for ids in rows:
+                self._rows.append(batch.add(ids, self.params))
+        except Exception:
+            for index in self._rows:
+                batch.remove(index)
+            self._rows = []
+            raise
+        self._first_pending = True
+
+    def generate_next_token(self) -> None:
+        """One token for every sequence that is not done."""
+        batch = self._open()
+        if not self._rows:
+            raise InvalidInputError("append_tokens first: there are no prompts")
+        if self.is_done():
+            raise InvalidInputError("generation is done (every sequence ended)")
+        if self._first_pending:  # picked when the prompts were prefilled
+            self._first_pending = False
+            self._new = [batch.last_tokens(i)[-1] for i in self._rows]
+            return
+        stepped = batch.step()
+        self._new = [stepped[i][-1] if i in stepped else self.pad_token_id for i in self._rows]
+
+    def get_next_tokens(self) -> list[int]:
+        """The token each sequence got from the last ``generate_next_token``."""
+        return list(self._new)
+
+    def is_done(self) -> bool:
+        """Whether every sequence ended (end of sequence or max_length); a closed generator
+        is done."""
+        if self._batch is None:
+            return True
+        if not self._rows or self._first_pending:
+            return False
+        return all(self._batch.is_done(i) for i in self._rows)
+
+    def get_sequence(self, index: int) -> list[int]:
+        """Sequence ``index``: its prompt and the tokens generated so far."""
+        index = check_int(index, "sequence index", minimum=0, maximum=self.batch_size - 1)
+        if self._batch is None:
+            return list(self._sequences[index]) if self._rows else []
+        if not self._rows:
+            return []
+        tokens = self._batch.sequence(self._rows[index])
+        return tokens[:-1] if self._first_pending else tokens

@@ -42,6 +42,9 @@ class SearchOptions:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    #: Sequences a :class:`~onnx_genrt.engine.Generator` holds (one row each); see
+    #: :class:`~onnx_genrt.engine.batch.SequencesGenerator`.
+    batch_size: int = 1
 
 
 @dataclass(frozen=True)

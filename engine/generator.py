@@ -49,6 +49,20 @@ class Generator:
     #: provider reads asynchronously (a GPU), True or False to force it.
     look_ahead: bool | None = None
 
+    def __new__(cls, model: Model, params: GeneratorParams, *args: Any, **kwargs: Any) -> Any:
+        """``batch_size > 1`` in the search options: a generator of that many sequences
+        (:class:`~onnx_genrt.engine.batch.SequencesGenerator`, the same calls)."""
+        if params.search.batch_size > 1:
+            if cls is not Generator:
+                raise InvalidInputError(
+                    f"{cls.__name__} holds one sequence (batch_size "
+                    f"{params.search.batch_size}); speculative decoding runs one at a time"
+                )
+            from .batch import SequencesGenerator
+
+            return SequencesGenerator(model, params)
+        return super().__new__(cls)
+
     def __init__(self, model: Model, params: GeneratorParams, spare: int = 0) -> None:
         self._user = SingleUser("this Generator")
         self.model = model

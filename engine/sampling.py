@@ -61,6 +61,7 @@ def validate(
             error=error,
         ),
         seed=seed,
+        batch_size=integer(options.batch_size, name("batch_size"), minimum=1, error=error),
     )
     if checked.min_p >= 1.0:
         raise error(f"{name('min_p')} must be in [0, 1), got {checked.min_p}")

@@ -284,3 +284,64 @@ def test_device_argmax_ids_outside_the_vocabulary_raise():
     check_token_ids(np.array([0, 4095]), 4096, "a step")
     with pytest.raises(KernelError, match=r"token ids \[-1, 4096\] outside the vocabulary of 4096"):
         check_token_ids(np.array([3, -1, 4096]), 4096, "a step")
+
+
+def test_generator_with_batch_size_holds_several_sequences(model):
+    """``batch_size`` in the search options: ``Generator`` holds that many sequences (prompts
+    of different lengths), each equal to its prompt generated alone; a sequence that ends
+    early gets the pad token while the others go on."""
+    from onnx_genrt.engine import Generator
+    from onnx_genrt.engine.batch import SequencesGenerator
+
+    prompts = [model.tokenizer.encode(t) for t in TEXTS[:3]]
+    alone = [generate(model, p, 12).tokens for p in prompts]  # prompt and 12 new tokens
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=max(map(len, prompts)) + 12, batch_size=3)
+    with Generator(model, params) as gen:
+        assert isinstance(gen, SequencesGenerator)
+        gen.append_tokens(prompts)
+        assert [gen.get_sequence(i) for i in range(3)] == prompts
+        steps = []
+        while not gen.is_done():
+            gen.generate_next_token()
+            steps.append(gen.get_next_tokens())
+        sequences = [gen.get_sequence(i) for i in range(3)]
+    for i, (prompt, want) in enumerate(zip(prompts, alone, strict=True)):
+        # each row runs to the shared max_length; its first 12 new tokens are generate()'s
+        assert want[: len(prompt)] == prompt and sequences[i][: len(want)] == want
+        assert [s[i] for s in steps][: len(sequences[i]) - len(prompt)] == sequences[i][
+            len(prompt) :
+        ]
+    assert len(steps) == max(map(len, sequences)) - min(map(len, prompts))
+    assert len(set(map(len, prompts))) > 1
+    first_done = max(range(3), key=lambda i: len(prompts[i]))  # least room to max_length
+    assert steps[-1][first_done] == gen.pad_token_id  # done before the last step: padded
+
+
+def test_generator_with_batch_size_refusals(model):
+    from onnx_genrt.engine import Generator, make_generator
+
+    params = GeneratorParams(model)
+    with pytest.raises(InvalidInputError, match=r"search option batch_size must be .*>= 1"):
+        params.set_search_options(batch_size=0)
+    params.set_search_options(max_length=32, batch_size=2)
+    gen = Generator(model, params)
+    with pytest.raises(InvalidInputError, match="append_tokens first"):
+        gen.generate_next_token()
+    with pytest.raises(InvalidInputError, match="batch_size is 2, got 1"):
+        gen.append_tokens([[1, 2, 3]])
+    gen.append_tokens([[1, 2, 3], [4, 5]])
+    with pytest.raises(InvalidInputError, match="takes its prompts once"):
+        gen.append_tokens([[1], [2]])
+    gen.close()
+    with pytest.raises(InvalidInputError, match="closed"):
+        gen.generate_next_token()
+    with pytest.raises(InvalidInputError, match="speculative decoding runs one at a time"):
+        make_generator(model, params, "ngram")
+    bad = GeneratorParams(model)
+    bad.set_search_options(max_length=32, batch_size=2)
+    gen = Generator(model, bad)
+    with pytest.raises(InvalidInputError, match="outside the vocabulary"):
+        gen.append_tokens([[1, 2], [model.config.vocab_size]])
+    gen.append_tokens([[1, 2], [3]])  # the failed call left no row behind
+    gen.close()
