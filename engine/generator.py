@@ -49,10 +49,13 @@ class Generator:
     #: provider reads asynchronously (a GPU), True or False to force it.
     look_ahead: bool | None = None
 
-    def __new__(cls, model: Model, params: GeneratorParams, *args: Any, **kwargs: Any) -> Any:
-        """``batch_size > 1`` in the search options: a generator of that many sequences
-        (:class:`~onnx_genrt.engine.batch.SequencesGenerator`, the same calls)."""
-        if params.search.batch_size > 1:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """``Generator(model, params)`` with ``batch_size > 1`` in the search options: a
+        generator of that many sequences (:class:`~onnx_genrt.engine.batch.SequencesGenerator`,
+        the same calls)."""
+        params = kwargs.get("params", args[1] if len(args) > 1 else None)
+        search = getattr(params, "search", None)
+        if search is not None and search.batch_size > 1:
             if cls is not Generator:
                 raise InvalidInputError(
                     f"{cls.__name__} holds one sequence (batch_size "
@@ -60,7 +63,7 @@ class Generator:
                 )
             from .batch import SequencesGenerator
 
-            return SequencesGenerator(model, params)
+            return SequencesGenerator(args[0] if args else kwargs["model"], params)
         return super().__new__(cls)
 
     def __init__(self, model: Model, params: GeneratorParams, spare: int = 0) -> None:
