@@ -25,6 +25,7 @@ from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 from .host_shadow import HostShadow
 from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
+from .kernels.genrt import PROLOGUE_MAX_ROWS
 from .staging import MEMCPY_DEVICE_TO_DEVICE, StagingRing
 
 #: Fused ops whose GEMV makes its own activations (an RMS norm or SiluMul, staged per block
@@ -60,6 +61,13 @@ class CUDAProvider(ExecutionProvider):
             "let the plan fuse RMS norms and SiluMul into the GEMVs that read them "
             "(GEMV_PROLOGUE_OPS)",
             env="ONNX_GENRT_GEMV_PROLOGUES",
+        ),
+        ProviderOption(
+            "prologue_max_rows",
+            PROLOGUE_MAX_ROWS,
+            "rows (M) up to which a GEMV makes its fused norm or SiluMul itself; more rows "
+            "run that prologue as its own kernel before the GEMV",
+            env="ONNX_GENRT_PROLOGUE_MAX_ROWS",
         ),
         ProviderOption(
             "nbits_stream",

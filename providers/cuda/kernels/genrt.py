@@ -258,6 +258,22 @@ def _stageable(a: cupy.ndarray, *inputs: cupy.ndarray | None) -> bool:
     return rows_whole and aligned and stage_bytes(a) <= STAGE_MAX_BYTES
 
 
+#: Default of the CUDA provider's ``prologue_max_rows``: a verify step of 5 rows on the 0.5B
+#: shape ran faster with the norm as its own kernel (docs/performance.md).
+PROLOGUE_MAX_ROWS = 2
+
+
+def _rows(a: cupy.ndarray) -> int:
+    """M: the rows of ``a`` with its leading dims folded (the last one is K)."""
+    return a.size // a.shape[-1] if a.ndim and a.shape[-1] else 0
+
+
+def prologue_max_rows(ctx: KernelContext) -> int:
+    """Rows up to which a GEMV makes its fused norm or SiluMul in shared memory (the CUDA
+    provider's ``prologue_max_rows``); more rows run the prologue as its own kernel."""
+    return int(ctx.option("prologue_max_rows", PROLOGUE_MAX_ROWS))
+
+
 @dataclass
 class FusedNorm:
     """The norm a GEMV kernel applies to its activations in shared memory (``gemv_nk`` and
@@ -269,12 +285,15 @@ class FusedNorm:
     sum_out: cupy.ndarray | None
     eps: float
     unfused: Callable[[], cupy.ndarray]
+    max_rows: int = PROLOGUE_MAX_ROWS
     stage_bytes = staticmethod(stage_bytes)
 
     def fits_on_the_fly(self, x: cupy.ndarray) -> bool:
-        """Whether the GEMV's blocks can stage the normalized rows of ``x``."""
+        """Whether the GEMV's blocks can stage the normalized rows of ``x`` (at most
+        ``max_rows`` of them)."""
         return (
-            self.gamma.dtype == x.dtype
+            _rows(x) <= self.max_rows
+            and self.gamma.dtype == x.dtype
             and (self.skip is None or (self.skip.shape == x.shape and self.skip.dtype == x.dtype))
             and x.flags.c_contiguous
             and _stageable(x, x, self.skip, self.gamma, self.sum_out)
@@ -324,6 +343,7 @@ def _prepare(ctx: KernelContext, x, skip, gamma) -> tuple[FusedNorm, cupy.ndarra
         total,
         eps,
         unfused,
+        prologue_max_rows(ctx),
     )
     return fused, normed
 
@@ -388,12 +408,15 @@ class FusedSilu:
     g: cupy.ndarray
     u: cupy.ndarray | None
     unfused: Callable[[], cupy.ndarray]
+    max_rows: int = PROLOGUE_MAX_ROWS
     stage_bytes = staticmethod(stage_bytes)
 
     def fits_on_the_fly(self, a: cupy.ndarray) -> bool:
-        """Whether the GEMV's blocks can stage ``a`` (the M x K view of the activations)."""
+        """Whether the GEMV's blocks can stage ``a`` (the M x K view of the activations, at
+        most ``max_rows`` rows)."""
         return (
-            self.g.flags.c_contiguous
+            _rows(a) <= self.max_rows
+            and self.g.flags.c_contiguous
             and (self.u is None or (self.u.flags.c_contiguous and self.u.dtype == self.g.dtype))
             and _stageable(a, self.g, self.u)
         )
@@ -421,7 +444,7 @@ def _prepare_silu(ctx: KernelContext, g, u) -> tuple[FusedSilu, cupy.ndarray, cu
         )
         return silu_mul(KernelContext(node, ctx.provider, [act]), g, u)
 
-    return FusedSilu(g, u, unfused), view, act
+    return FusedSilu(g, u, unfused, prologue_max_rows(ctx)), view, act
 
 
 def _silu_weight_prepack(provider, node: NodeInfo, index: int, host: np.ndarray):
