@@ -22,7 +22,7 @@ from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.testing import parse_providers
 from onnx_genrt.testing.runner import run_kit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "tests/plugins/example_provider"
 DOC = ROOT / "docs/plugins.md"
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed, (\d+) skipped$")

@@ -6,7 +6,7 @@ Every test is marked ``gpu``. References are the CPU provider's kernels when the
 ``_check_numpy_references``). Outputs are written into NaN-poisoned planned buffers.
 
 The whole-model test reads ``.gpu_fixtures/`` at the repository root (git-ignored), built on
-a machine with onnxruntime-genai by ``python tests/gpu/test_cuda_llm_kernels.py --build``:
+a machine with onnxruntime-genai by ``python tests/providers/cuda/test_cuda_llm_kernels.py --build``:
 two tiny builder models (fp32 and int4) and the CPU provider's logits and greedy tokens.
 """
 
@@ -32,7 +32,7 @@ FLOATS = [np.float32, np.float16]
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: The kernels that take bfloat16 as well (GQA, rotary, ArgMax, the reductions).
 FLOATS_BF16 = [*FLOATS, BF16]
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / ".gpu_fixtures"
 FIXTURE_FILES = ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json")
 FIXTURE_FILES += ("tokenizer_config.json",)
@@ -944,7 +944,7 @@ def _fixture(name):
     folder = FIXTURES / name
     if not (folder / "reference.npz").is_file():
         why = (
-            f"{folder} is absent: build it with `python tests/gpu/test_cuda_llm_kernels.py "
+            f"{folder} is absent: build it with `python tests/providers/cuda/test_cuda_llm_kernels.py "
             "--build` on a machine with onnxruntime-genai, then carry .gpu_fixtures"
         )
         if os.environ.get("ONNX_GENRT_REQUIRE_GPU") == "1":  # a GPU run must not skip these
@@ -1050,7 +1050,7 @@ def _graph_us(cp, prov, fn, reps=20, iters=10):
 def llm_kernel_timings(cp, prov, rng) -> str:
     """Device time per call (graph replay) of GQA, the vocab heads and the int4 GEMVs: a
     benchmark, not a test (pytest does not collect it). Run it on a GPU machine with
-    ``python tests/gpu/test_cuda_llm_kernels.py --timings``; with ``$OUT`` set it also writes
+    ``python tests/providers/cuda/test_cuda_llm_kernels.py --timings``; with ``$OUT`` set it also writes
     ``$OUT/llm_kernel_timings.txt``."""
     lines = []
     for h, kvh, d, s in ((14, 2, 64, 1), (14, 2, 64, 5), (28, 4, 128, 1)):

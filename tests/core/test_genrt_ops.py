@@ -483,7 +483,7 @@ def test_the_nodes_fusions_make_fit_their_schemas():
     NormMatMul(NBits) with the residual sum, SiluMulMatMul(NBits)) fits its declaration,
     input element types included."""
     from tests.models import decomposed_head, norm_projections, silu_projection
-    from tests.test_norm_matmul_fusion import FusingCPU
+    from tests.session.test_norm_matmul_fusion import FusingCPU
 
     seen = set()
     models = [decomposed_head(), norm_projections(), silu_projection(down="nbits")]

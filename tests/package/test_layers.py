@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: Source folder -> the package it installs as (pyproject.toml's package-dir).
 SOURCE_ROOTS = {

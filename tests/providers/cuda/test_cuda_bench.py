@@ -1,7 +1,7 @@
 """pytest-benchmark on CUDA: graphed greedy against eager greedy and each proposer (MTP, draft
 model, prompt lookup) on the embedded trained model, in one run.
 
-``pytest tests/gpu/test_cuda_bench.py --benchmark-enable`` times them; the normal GPU lane
+``pytest tests/providers/cuda/test_cuda_bench.py --benchmark-enable`` times them; the normal GPU lane
 executes each body once and checks that every row gives graphed greedy's tokens and that the
 graphed rows replayed their graphs without falling back. ``onnx-genrt bench --provider cuda``
 gives the same rows as a table, and the 0.5B-shaped rows (``scripts/gpu_llm_bench.sh``).

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: Source folder -> where its modules land in the wheel (pyproject.toml's package-dir).
 SOURCE_ROOTS = {

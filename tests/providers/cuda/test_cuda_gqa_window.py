@@ -1,6 +1,6 @@
 """CUDA GroupQueryAttention with sliding windows, softcap and the window-sized KV cache of
 ``sliding_window_cache=1``, against the CPU provider's kernel (itself checked against a
-float64 reference and onnxruntime in tests/kernels/test_gqa_window.py).
+float64 reference and onnxruntime in tests/providers/cpu/test_gqa_window.py).
 
 Every test is marked ``gpu``. Each step runs the CUDA kernel on the device cache and the CPU
 kernel on a host copy of the same cache, and compares the output and the rows the cache

@@ -1,5 +1,5 @@
 """The RMS-norm-into-projection fusion (``session.fusion.fuse_norm_matmul``), checked on the
-CPU with a provider that has the fused kernels (numpy here; CUDA's run in tests/gpu),
+CPU with a provider that has the fused kernels (numpy here; CUDA's run in tests/providers/cuda),
 against onnxruntime on the unfused model."""
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def test_last_row_prefill_with_the_projection_fusions(which, start):
     from onnx_genrt.engine.decoder import DecoderRunner
     from onnx_genrt.generate_cli import default_model_dir
 
-    from .llm_fixtures import TINY_QWEN2, build_qwen2
+    from ..llm_fixtures import TINY_QWEN2, build_qwen2
 
     if which == "embedded":
         folder = default_model_dir()

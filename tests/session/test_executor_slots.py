@@ -16,7 +16,7 @@ from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
 from onnx_genrt.session.memory import Lifetime, plan_memory
 
-from .models import chain, chain_reference, mlp, mlp_reference
+from ..models import chain, chain_reference, mlp, mlp_reference
 
 PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
 

@@ -10,7 +10,7 @@ from onnx_genrt.core.provider import ProviderOption, resolve_options
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
 
-from .models import mlp
+from ..models import mlp
 
 
 def test_an_option_comes_from_the_argument_then_the_environment_then_the_default(monkeypatch):

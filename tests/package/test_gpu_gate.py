@@ -13,7 +13,7 @@ import pytest
 
 import onnx_genrt.providers.cuda.plugin as cuda_plugin
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 GENERATED = """
 import pytest
 
@@ -93,7 +93,7 @@ def test_with_the_variable_and_a_gpu_the_tests_run(gate, monkeypatch):
 
 
 def _llm_kernels_module():
-    path = TESTS / "gpu" / "test_cuda_llm_kernels.py"
+    path = TESTS / "providers" / "cuda" / "test_cuda_llm_kernels.py"
     spec = importlib.util.spec_from_file_location("_gate_cuda_llm_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

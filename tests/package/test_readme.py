@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUNNABLE = "<!-- runnable -->"
 #: A block that talks to ``onnx-genrt serve`` on 127.0.0.1:8000: the test starts one on a free
 #: port and points the block's address there (the only change to its text).
@@ -110,7 +110,7 @@ _PATH = re.compile(r"^[\w.-]+(/[\w.*-]+)*/([\w.-]+\.(py|sh|md|toml|json|onnx)|)$
 
 
 def cited_paths(path: Path) -> set[str]:
-    """Repository paths a Markdown file cites in backticks (``core/x.py``, ``tests/gpu/``),
+    """Repository paths a Markdown file cites in backticks (``core/x.py``, ``tests/ops/``),
     words of cited commands included."""
     words = (
         w for span in re.findall(r"`([^`\n]+)`", path.read_text("utf-8")) for w in span.split()

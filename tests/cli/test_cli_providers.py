@@ -12,7 +12,7 @@ from onnx_genrt.core.registry import ProviderSpec, get_registry, reset_registry
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.providers.cpu.provider import CPUProvider
 
-from .models import mlp
+from ..models import mlp
 
 
 class ReluOnly(CPUProvider):

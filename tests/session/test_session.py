@@ -18,7 +18,7 @@ from onnx_genrt.core.errors import (
 )
 from onnx_genrt.session import InferenceSession
 
-from .models import mlp, mlp_reference
+from ..models import mlp, mlp_reference
 
 
 def test_mlp_matches_numpy_float64_and_onnxruntime():
@@ -51,7 +51,7 @@ def test_outputs_returned_from_run_are_not_overwritten_by_the_next_run():
 
 
 def test_memory_plan_reuses_buffers_and_reports_peak():
-    from .models import chain
+    from ..models import chain
 
     sess = InferenceSession(chain(30, width=256))
     binding = sess.io_binding()

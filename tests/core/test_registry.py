@@ -27,10 +27,10 @@ from onnx_genrt.core.registry import (
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
 
-from .models import mlp, mlp_reference
+from ..models import mlp, mlp_reference
 
-ROOT = Path(__file__).resolve().parents[1]
-PLUGINS = Path(__file__).resolve().parent / "plugins"
+ROOT = Path(__file__).resolve().parents[2]
+PLUGINS = ROOT / "tests" / "plugins"
 FAULTY = "onnx-genrt-faulty-plugins 0.3.1"
 
 
