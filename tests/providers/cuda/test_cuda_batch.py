@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from .test_cuda_llm_kernels import _fixture
 
 pytestmark = pytest.mark.gpu
