@@ -1,10 +1,9 @@
-"""nn kernels: ONNX backend node cases plus fp16/bf16 / larger-shape checks vs references."""
+"""nn kernels on every provider: ONNX backend node cases plus fp16/bf16 / larger-shape checks
+against numpy float64, onnxruntime and ``onnx.reference``."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -12,11 +11,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_genrt.core.kernels import KernelContext, NodeInfo
-from onnx_genrt.providers.cpu.kernels import REGISTRY
-
-sys.path.insert(0, str(Path(__file__).parent))
-from onnx_cases import assert_output_matches, run_kernel, single_node_cases  # noqa: E402
+from .op_tester import OpTester, assert_output_matches, run_case_node, single_node_cases
 
 NN_OPS = (
     "MatMul",
@@ -63,7 +58,7 @@ def _numpy(v: Any) -> Any:
     return numpy_helper.to_array(v) if hasattr(v, "data_type") else v
 
 
-def _check_case(case: Any, rtol: float, atol: float) -> None:
+def _check_case(tester: OpTester, case: Any, rtol: float, atol: float) -> None:
     """Run every data set; outputs matched to graph outputs by name.
 
     The node may declare unnamed optional outputs in between (Attention's Y, "", "", qk),
@@ -71,7 +66,7 @@ def _check_case(case: Any, rtol: float, atol: float) -> None:
     """
     names = list(case.model.graph.node[0].output)
     for i, (ins, outs) in enumerate(case.data_sets):
-        got = run_kernel(case, [_numpy(a) for a in ins])
+        got = run_case_node(tester, case, [_numpy(a) for a in ins])
         assert len(got) == len(names), f"{case.name}: {len(got)} outputs for {len(names)}"
         for vi, want in zip(case.model.graph.output, outs, strict=True):
             label = f"{case.name}[set {i}] output {vi.name}"
@@ -87,13 +82,13 @@ def test_every_nn_op_has_backend_cases() -> None:
 
 
 @pytest.mark.parametrize("case", _CASES, ids=[c.name for c in _CASES])
-def test_backend_case(case: Any) -> None:
+def test_backend_case(case: Any, tester: OpTester) -> None:
     if case.name in XFAIL:
         pytest.xfail(XFAIL[case.name])
     if case.name in BF16_RESOLUTION:
-        _check_case(case, rtol=2**-7, atol=2**-7)
+        _check_case(tester, case, rtol=2**-7, atol=2**-7)
     else:
-        _check_case(case, case.rtol, case.atol)
+        _check_case(tester, case, case.rtol, case.atol)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -103,15 +98,9 @@ def _node(op: str, inputs: list[str], outputs: list[str], **attrs: Any):
     return helper.make_node(op, inputs, outputs, **attrs)
 
 
-def _run(node, opset: int, *inputs: np.ndarray | None) -> tuple[np.ndarray, ...]:
-    """Call the registered kernel for ``node`` directly."""
-    kdef = REGISTRY.lookup(node.domain, node.op_type, opset)
-    assert kdef is not None
-    args = list(inputs)
-    while args and args[-1] is None:
-        args.pop()
-    res = kdef.fn(KernelContext(NodeInfo.from_proto(node, opset)), *args)
-    return res if isinstance(res, tuple) else (res,)
+def _run(tester: OpTester, node, opset: int, *inputs: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """Run ``node``'s kernel on the tester's provider."""
+    return tester.run(node, opset, *inputs)
 
 
 _ORT_TYPES = {
@@ -178,10 +167,10 @@ FLOATS = [np.dtype(np.float32), np.dtype(np.float16), BF16]
     "sa,sb",
     [((2, 7, 96), (96, 80)), ((3, 1, 5, 64), (2, 64, 33)), ((64,), (4, 64, 9)), ((5, 64), (64,))],
 )
-def test_matmul_dtypes_shapes(dtype: np.dtype, sa: tuple, sb: tuple) -> None:
+def test_matmul_dtypes_shapes(dtype: np.dtype, sa: tuple, sb: tuple, tester: OpTester) -> None:
     a = RNG.standard_normal(sa).astype(dtype)
     b = RNG.standard_normal(sb).astype(dtype)
-    (y,) = _run(_node("MatMul", ["a", "b"], ["y"]), 13, a, b)
+    (y,) = _run(tester, _node("MatMul", ["a", "b"], ["y"]), 13, a, b)
     want = np.matmul(_f64(a), _f64(b))
     assert y.dtype == dtype and y.shape == want.shape
     np.testing.assert_allclose(
@@ -189,35 +178,24 @@ def test_matmul_dtypes_shapes(dtype: np.dtype, sa: tuple, sb: tuple) -> None:
     )
 
 
-def test_matmul_writes_planned_buffer() -> None:
-    a = RNG.standard_normal((2, 3, 8)).astype(np.float32)
-    b = RNG.standard_normal((8, 5)).astype(np.float32)
-    planned = np.empty((2, 3, 5), np.float32)
-    node = NodeInfo.from_proto(_node("MatMul", ["a", "b"], ["y"]), 13)
-    kdef = REGISTRY.lookup("", "MatMul", 13)
-    y = kdef.fn(KernelContext(node, planned=[planned]), a, b)
-    assert y is planned
-    np.testing.assert_allclose(y, a @ b, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-def test_gemm_bias_broadcast(dtype: np.dtype) -> None:
+def test_gemm_bias_broadcast(dtype: np.dtype, tester: OpTester) -> None:
     a = RNG.standard_normal((16, 8)).astype(dtype)
     b = RNG.standard_normal((12, 8)).astype(dtype)
     c = RNG.standard_normal((12,)).astype(dtype)
     node = _node("Gemm", ["a", "b", "c"], ["y"], alpha=0.5, beta=2.0, transB=1)
-    (y,) = _run(node, 13, a, b, c)
+    (y,) = _run(tester, node, 13, a, b, c)
     want = 0.5 * _f64(a) @ _f64(b).T + 2.0 * _f64(c)
     assert y.dtype == dtype
     np.testing.assert_allclose(_f64(y), want, rtol=3e-2, atol=0.2 if dtype == BF16 else 2e-2)
 
 
-def test_matmul_integer_per_row_zero_points() -> None:
+def test_matmul_integer_per_row_zero_points(tester: OpTester) -> None:
     a = RNG.integers(0, 255, (4, 6)).astype(np.uint8)
     b = RNG.integers(-128, 127, (6, 3)).astype(np.int8)
     azp = np.array([1, 2, 3, 4], np.uint8)
     bzp = np.array([-1, 0, 5], np.int8)
-    (y,) = _run(_node("MatMulInteger", ["a", "b", "az", "bz"], ["y"]), 10, a, b, azp, bzp)
+    (y,) = _run(tester, _node("MatMulInteger", ["a", "b", "az", "bz"], ["y"]), 10, a, b, azp, bzp)
     want = (a.astype(np.int64) - azp[:, None]) @ (b.astype(np.int64) - bzp)
     assert y.dtype == np.int32
     np.testing.assert_array_equal(y, want)
@@ -234,11 +212,11 @@ def _softmax_ref(x: np.ndarray, axis: int) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("axis", [-1, 1, 0])
-def test_softmax_opset13(dtype: np.dtype, axis: int) -> None:
+def test_softmax_opset13(dtype: np.dtype, axis: int, tester: OpTester) -> None:
     x = (RNG.standard_normal((3, 40, 50)) * 4).astype(dtype)
-    (y,) = _run(_node("Softmax", ["x"], ["y"], axis=axis), 13, x)
+    (y,) = _run(tester, _node("Softmax", ["x"], ["y"], axis=axis), 13, x)
     _close(y, _softmax_ref(x, axis), dtype)
-    (ly,) = _run(_node("LogSoftmax", ["x"], ["y"], axis=axis), 13, x)
+    (ly,) = _run(tester, _node("LogSoftmax", ["x"], ["y"], axis=axis), 13, x)
     want = np.log(_softmax_ref(x, axis))
     assert ly.dtype == dtype
     np.testing.assert_allclose(
@@ -249,19 +227,19 @@ def test_softmax_opset13(dtype: np.dtype, axis: int) -> None:
     )
 
 
-def test_softmax_opset11_flattens() -> None:
+def test_softmax_opset11_flattens(tester: OpTester) -> None:
     x = RNG.standard_normal((2, 3, 4)).astype(np.float32)
     node = _node("Softmax", ["x"], ["y"], axis=1)
-    (y,) = _run(node, 11, x)
+    (y,) = _run(tester, node, 11, x)
     want = _softmax_ref(x.reshape(2, 12), 1).reshape(x.shape)
     _close(y, want, np.dtype(np.float32))
     (ort_y,) = _ort(node, 11, [x], [np.float32])
     np.testing.assert_allclose(y, ort_y, rtol=1e-5, atol=1e-6)
 
 
-def test_softmax_long_row() -> None:
+def test_softmax_long_row(tester: OpTester) -> None:
     x = (RNG.standard_normal((2, 150_000)) * 10).astype(np.float32)
-    (y,) = _run(_node("Softmax", ["x"], ["y"]), 13, x)
+    (y,) = _run(tester, _node("Softmax", ["x"], ["y"]), 13, x)
     np.testing.assert_allclose(_f64(y), _softmax_ref(x, -1), rtol=1e-5, atol=1e-9)
 
 
@@ -279,13 +257,13 @@ def _layer_norm_ref(x, scale, bias, axis, eps):
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("axis", [-1, -2])
-def test_layer_norm(dtype: np.dtype, axis: int) -> None:
+def test_layer_norm(dtype: np.dtype, axis: int, tester: OpTester) -> None:
     x = (RNG.standard_normal((4, 6, 256)) * 3 + 1).astype(dtype)
     norm_shape = x.shape[axis:]
     scale = RNG.standard_normal(norm_shape).astype(dtype)
     bias = RNG.standard_normal(norm_shape).astype(dtype)
     node = _node("LayerNormalization", ["x", "s", "b"], ["y", "m", "i"], axis=axis, epsilon=1e-5)
-    y, mean, inv = _run(node, 17, x, scale, bias)
+    y, mean, inv = _run(tester, node, 17, x, scale, bias)
     want, wmean, winv = _layer_norm_ref(x, scale, bias, axis, 1e-5)
     _close(y, want, dtype)
     assert mean.dtype == np.float32 and mean.shape == wmean.shape
@@ -297,11 +275,11 @@ def test_layer_norm(dtype: np.dtype, axis: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-def test_rms_norm(dtype: np.dtype) -> None:
+def test_rms_norm(dtype: np.dtype, tester: OpTester) -> None:
     x = (RNG.standard_normal((3, 5, 512)) * 2).astype(dtype)
     scale = RNG.standard_normal(512).astype(dtype)
     node = _node("RMSNormalization", ["x", "s"], ["y"], epsilon=1e-6)
-    (y,) = _run(node, 23, x, scale)
+    (y,) = _run(tester, node, 23, x, scale)
     xf = _f64(x)
     want = xf / np.sqrt((xf**2).mean(-1, keepdims=True) + 1e-6) * _f64(scale)
     _close(y, want, dtype)
@@ -310,10 +288,10 @@ def test_rms_norm(dtype: np.dtype) -> None:
         np.testing.assert_allclose(_f64(y), _f64(ort_y), **_tol(dtype))
 
 
-def test_layer_norm_scale_broadcast_over_rows() -> None:
+def test_layer_norm_scale_broadcast_over_rows(tester: OpTester) -> None:
     x = RNG.standard_normal((2, 3, 8)).astype(np.float32)
     scale = RNG.standard_normal((2, 1, 8)).astype(np.float32)  # broadcasts over leading dims
-    (y,) = _run(_node("LayerNormalization", ["x", "s"], ["y"]), 17, x, scale)
+    (y,) = _run(tester, _node("LayerNormalization", ["x", "s"], ["y"]), 17, x, scale)
     want, _, _ = _layer_norm_ref(x, scale, None, -1, 1e-5)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
@@ -348,7 +326,7 @@ def _attention_ref(
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-def test_attention_gqa_causal_with_past(dtype: np.dtype) -> None:
+def test_attention_gqa_causal_with_past(dtype: np.dtype, tester: OpTester) -> None:
     b, hq, hkv, s, p, d = 2, 8, 2, 5, 11, 64
     q = RNG.standard_normal((b, hq, s, d)).astype(dtype)
     k = RNG.standard_normal((b, hkv, s, d)).astype(dtype)
@@ -356,7 +334,7 @@ def test_attention_gqa_causal_with_past(dtype: np.dtype) -> None:
     pk = RNG.standard_normal((b, hkv, p, d)).astype(dtype)
     pv = RNG.standard_normal((b, hkv, p, d)).astype(dtype)
     node = _node("Attention", ["q", "k", "v", "", "pk", "pv"], ["y", "ok", "ov"], is_causal=1)
-    y, ok, ov = _run(node, 23, q, k, v, None, pk, pv)
+    y, ok, ov = _run(tester, node, 23, q, k, v, None, pk, pv)
     want, wk, wv = _attention_ref(q, k, v, causal=True, past_k=pk, past_v=pv)
     _close(y, want, dtype)
     np.testing.assert_array_equal(_f64(ok), wk)
@@ -367,7 +345,7 @@ def test_attention_gqa_causal_with_past(dtype: np.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-def test_attention_3d_decode_gqa_mask(dtype: np.dtype) -> None:
+def test_attention_3d_decode_gqa_mask(dtype: np.dtype, tester: OpTester) -> None:
     b, hq, hkv, p, d = 1, 4, 1, 20, 32
     q = RNG.standard_normal((b, 1, hq * d)).astype(dtype)
     k = RNG.standard_normal((b, 1, hkv * d)).astype(dtype)
@@ -384,7 +362,7 @@ def test_attention_3d_decode_gqa_mask(dtype: np.dtype) -> None:
         kv_num_heads=hkv,
         softcap=30.0,
     )
-    y, ok, ov = _run(node, 23, q, k, v, mask, pk, pv)
+    y, ok, ov = _run(tester, node, 23, q, k, v, mask, pk, pv)
     split = lambda t, h: t.reshape(b, 1, h, d).transpose(0, 2, 1, 3)  # noqa: E731
     want, _, _ = _attention_ref(
         split(q, hq), split(k, hkv), split(v, hkv), past_k=pk, past_v=pv, mask=mask, softcap=30.0
@@ -393,12 +371,14 @@ def test_attention_3d_decode_gqa_mask(dtype: np.dtype) -> None:
     assert ok.shape == (b, hkv, p + 1, d) and ov.dtype == dtype
 
 
-def test_attention_large_prefill_vs_reference() -> None:
+def test_attention_large_prefill_vs_reference(tester: OpTester) -> None:
     b, hq, hkv, s, d = 1, 16, 4, 128, 64
     q = RNG.standard_normal((b, hq, s, d)).astype(np.float32)
     k = RNG.standard_normal((b, hkv, s, d)).astype(np.float32)
     v = RNG.standard_normal((b, hkv, s, d)).astype(np.float32)
-    (y,) = _run(_node("Attention", ["q", "k", "v"], ["y"], is_causal=1, scale=0.1), 23, q, k, v)
+    (y,) = _run(
+        tester, _node("Attention", ["q", "k", "v"], ["y"], is_causal=1, scale=0.1), 23, q, k, v
+    )
     want, _, _ = _attention_ref(q, k, v, causal=True, scale=0.1)
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
 
@@ -423,7 +403,9 @@ def _rope_ref(x, cos, sin, interleaved, rot):
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("interleaved", [0, 1])
 @pytest.mark.parametrize("three_d", [False, True])
-def test_rotary_embedding(dtype: np.dtype, interleaved: int, three_d: bool) -> None:
+def test_rotary_embedding(
+    dtype: np.dtype, interleaved: int, three_d: bool, tester: OpTester
+) -> None:
     b, h, s, d, rot, max_pos = 2, 4, 7, 64, 48, 50
     x = RNG.standard_normal((b, h, s, d)).astype(dtype)
     theta = RNG.random((max_pos, rot // 2)) * 6
@@ -434,7 +416,7 @@ def test_rotary_embedding(dtype: np.dtype, interleaved: int, three_d: bool) -> N
     if three_d:
         attrs["num_heads"] = h
     node = _node("RotaryEmbedding", ["x", "c", "s", "p"], ["y"], **attrs)
-    (y,) = _run(node, 23, xin, cos_cache, sin_cache, pos)
+    (y,) = _run(tester, node, 23, xin, cos_cache, sin_cache, pos)
     want = _rope_ref(x, cos_cache[pos], sin_cache[pos], interleaved, rot)
     if three_d:
         want = want.transpose(0, 2, 1, 3).reshape(b, s, h * d)
@@ -447,12 +429,12 @@ def test_rotary_embedding(dtype: np.dtype, interleaved: int, three_d: bool) -> N
 # ----------------------------------------------------------------------------- quantization
 
 
-def test_dequantize_blocked_int4_matches_repeat() -> None:
+def test_dequantize_blocked_int4_matches_repeat(tester: OpTester) -> None:
     w = RNG.integers(-8, 8, (64, 96)).astype(ml_dtypes.int4)
     scale = RNG.random((64, 3)).astype(np.float32)
     zp = RNG.integers(-2, 2, (64, 3)).astype(ml_dtypes.int4)
     node = _node("DequantizeLinear", ["w", "s", "z"], ["y"], axis=1, block_size=32)
-    (y,) = _run(node, 21, w, scale, zp)
+    (y,) = _run(tester, node, 21, w, scale, zp)
     want = (w.astype(np.float64) - np.repeat(zp.astype(np.float64), 32, 1)) * np.repeat(
         scale, 32, 1
     )
@@ -460,13 +442,15 @@ def test_dequantize_blocked_int4_matches_repeat() -> None:
     np.testing.assert_allclose(y, want, rtol=1e-6)
 
 
-def test_quantize_dequantize_per_axis_round_trip() -> None:
+def test_quantize_dequantize_per_axis_round_trip(tester: OpTester) -> None:
     x = RNG.standard_normal((3, 8)).astype(np.float32)
     scale = (np.abs(x).max(axis=1) / 127).astype(np.float32)
     zp = np.zeros(3, np.int8)
-    (q,) = _run(_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=0), 21, x, scale, zp)
+    (q,) = _run(tester, _node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=0), 21, x, scale, zp)
     assert q.dtype == np.int8
-    (back,) = _run(_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=0), 21, q, scale, zp)
+    (back,) = _run(
+        tester, _node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=0), 21, q, scale, zp
+    )
     np.testing.assert_allclose(back, x, atol=float(scale.max()) / 2 + 1e-7)
 
 
@@ -544,18 +528,13 @@ def _tiling_cases() -> list[tuple[str, int, dict, list[str], list]]:
 @pytest.mark.parametrize(
     "name,opset,attrs,inputs,arrays", _tiling_cases(), ids=lambda v: v if isinstance(v, str) else ""
 )
-def test_attention_tiled_matches_onnx_reference(
-    monkeypatch, name, opset, attrs, inputs, arrays
+def test_attention_forms_match_onnx_reference(
+    name, opset, attrs, inputs, arrays, tester: OpTester
 ) -> None:
-    from onnx_genrt.providers.cpu.kernels import attention as attention_mod
-
     node = _node("Attention", inputs, ["y"], **attrs)
     (want,) = _onnx_reference(node, opset, arrays)
-    (whole,) = _run(node, opset, *arrays)
-    monkeypatch.setattr(attention_mod, "_SCORE_BUDGET", 40)  # a few query rows per tile
-    (tiled,) = _run(node, opset, *arrays)
-    np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-6, err_msg=name)
-    np.testing.assert_allclose(tiled, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    (got,) = _run(tester, node, opset, *arrays)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 # ----------------------------------------------------------------------------- Conv
@@ -573,12 +552,12 @@ def test_attention_tiled_matches_onnx_reference(
         ((1, 4, 9, 9), (4, 1, 3, 3), {"group": 4, "auto_pad": "SAME_LOWER"}),
     ],
 )
-def test_conv_vs_onnxruntime(xshape: tuple, wshape: tuple, attrs: dict) -> None:
+def test_conv_vs_onnxruntime(xshape: tuple, wshape: tuple, attrs: dict, tester: OpTester) -> None:
     x = RNG.standard_normal(xshape).astype(np.float32)
     w = RNG.standard_normal(wshape).astype(np.float32)
     bias = RNG.standard_normal(wshape[0]).astype(np.float32)
     node = _node("Conv", ["x", "w", "b"], ["y"], **attrs)
-    (y,) = _run(node, 22, x, w, bias)
+    (y,) = _run(tester, node, 22, x, w, bias)
     (want,) = _ort(node, 22, [x, w, bias], [np.float32])
     assert y.dtype == np.float32 and y.shape == want.shape
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)

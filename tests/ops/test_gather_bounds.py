@@ -1,4 +1,4 @@
-"""Gather-like CPU kernels: indices at both ends of the valid range match ONNX's reference
+"""Gather-like kernels on every provider: indices at both ends of the valid range match ONNX's reference
 evaluator, and an index one past either end raises a KernelError naming the node and the
 index. The ONNX spec calls such an index an error; onnxruntime refuses it too (ONNX's
 reference evaluator returns some value for GatherElements, so it is no reference there)."""
@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from onnx_genrt.core.errors import KernelError
-from onnx_genrt.session import InferenceSession
+
+from .op_tester import OpTester
 
 DATA = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
 
@@ -65,20 +66,22 @@ def _dim(op: str) -> int:
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("end", ["last", "first"])
-def test_indices_at_the_ends_match_the_reference(op: str, end: str) -> None:
+def test_indices_at_the_ends_match_the_reference(op: str, end: str, tester: OpTester) -> None:
     dim = _dim(op)
     inputs, opset, attrs = _case(op, dim - 1 if end == "last" else -dim)
     model = _model(op, inputs, opset, **attrs)
     # onnx.reference has no Scatter (opset <= 10); ScatterElements is the same op renamed.
     ref_op, ref_opset = ("ScatterElements", 11) if op == "Scatter" else (op, opset)
     (want,) = ReferenceEvaluator(_model(ref_op, inputs, ref_opset, **attrs)).run(None, inputs)
-    (got,) = InferenceSession(model, providers=["cpu"]).run(None, inputs)
+    (got,) = tester.run_model(model, inputs)
     np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("past", ["end", "start"])
-def test_an_index_past_the_range_raises_naming_node_and_index(op: str, past: str) -> None:
+def test_an_index_past_the_range_raises_naming_node_and_index(
+    op: str, past: str, tester: OpTester
+) -> None:
     dim = _dim(op)
     bad = dim if past == "end" else -dim - 1
     inputs, opset, attrs = _case(op, bad)
@@ -88,8 +91,9 @@ def test_an_index_past_the_range_raises_naming_node_and_index(op: str, past: str
     )
     with pytest.raises(Exception, match="(?i)ind(ex|ices|ice)|range|bound"):  # noqa: B017
         ort.run(None, inputs)
+    session = tester.session(model)
     with pytest.raises(KernelError) as info:
-        InferenceSession(model, providers=["cpu"]).run(None, inputs)
+        session.run(None, inputs)
     message = str(info.value)
     assert f"my_{op}" in message
     assert f"index {bad} out of range for axis of size {dim}" in message

@@ -1,7 +1,8 @@
-"""com.microsoft contrib kernels vs onnxruntime's CPU provider (and float64 references).
+"""com.microsoft contrib kernels on every provider vs onnxruntime's CPU provider (and float64
+references).
 
 Every case builds a single-node model, runs it in onnxruntime and through onnx_genrt's
-InferenceSession on the CPU provider, and compares. bfloat16, which onnxruntime's CPU
+InferenceSession on the provider under test, and compares. bfloat16, which onnxruntime's CPU
 provider lacks for most of these ops, is checked against float64 references.
 """
 
@@ -16,9 +17,8 @@ import pytest
 from onnx import ModelProto, helper, numpy_helper
 
 from onnx_genrt.core.errors import KernelError
-from onnx_genrt.core.kernels import KernelContext, NodeInfo
-from onnx_genrt.providers.cpu.kernels import REGISTRY, contrib_quant
-from onnx_genrt.session import InferenceSession
+
+from .op_tester import OpTester
 
 ort = pytest.importorskip("onnxruntime")
 ort.set_default_logger_severity(3)
@@ -101,8 +101,10 @@ def _run_ort(model: ModelProto, inputs: dict[str, np.ndarray | None]) -> list[np
     return sess.run(None, _feeds(model, inputs))
 
 
-def _run_ours(model: ModelProto, inputs: dict[str, np.ndarray | None]) -> list[np.ndarray]:
-    return InferenceSession(model, providers=["cpu"]).run(None, _feeds(model, inputs))
+def _run_ours(
+    tester: OpTester, model: ModelProto, inputs: dict[str, np.ndarray | None]
+) -> list[np.ndarray]:
+    return tester.run_model(model, _feeds(model, inputs))
 
 
 def _f64(a: np.ndarray) -> np.ndarray:
@@ -116,14 +118,14 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: np.dtype, scale: float = 1.
     np.testing.assert_allclose(_f64(got), _f64(want), rtol=rtol * scale, atol=atol * scale)
 
 
-def _kernel(op: str, args: list[np.ndarray | None], outputs: list[str], **attrs: Any) -> Any:
-    """Call the registered com.microsoft kernel directly (trailing absent inputs dropped)."""
+def _kernel(
+    tester: OpTester, op: str, args: list[np.ndarray | None], outputs: list[str], **attrs: Any
+) -> Any:
+    """Run the com.microsoft kernel directly on the tester's provider."""
     names = [f"i{i}" if a is not None else "" for i, a in enumerate(args)]
     node = helper.make_node(op, names, outputs, domain=MS, **attrs)
-    while args and args[-1] is None:
-        args = args[:-1]
-    kdef = REGISTRY.lookup(MS, op, 1)
-    return kdef.fn(KernelContext(NodeInfo.from_proto(node, 1)), *args)
+    result = tester.run(node, 1, *args)
+    return result[0] if len(result) == 1 else result
 
 
 # ----------------------------------------------------------------------------- references
@@ -242,11 +244,13 @@ def _gqa_model(inp: dict[str, Any], dtype: np.dtype, **attrs: Any) -> ModelProto
     )
 
 
-def _check_gqa(inp: dict[str, Any], dtype: np.dtype, **attrs: Any) -> list[np.ndarray]:
+def _check_gqa(
+    tester: OpTester, inp: dict[str, Any], dtype: np.dtype, **attrs: Any
+) -> list[np.ndarray]:
     """Run in both runtimes; compare valid output rows and the written cache region."""
     model = _gqa_model(inp, dtype, **attrs)
+    got = _run_ours(tester, model, inp)
     want = _run_ort(model, inp)
-    got = _run_ours(model, inp)
     totals = inp["seqlens_k"].astype(int) + 1
     s = inp["query"].shape[1]
     qlens = inp.get("query_seqlens")
@@ -269,45 +273,32 @@ ATTRS = {"num_heads": 4, "kv_num_heads": 2}
 
 @pytest.mark.parametrize("rope", ROTARY)
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
-def test_gqa_prompt_batch_padding(rope: dict, dtype: np.dtype) -> None:
+def test_gqa_prompt_batch_padding(rope: dict, dtype: np.dtype, tester: OpTester) -> None:
     inp = _gqa_inputs(1, dtype, b=2, s=6, seqlens=[5, 3], cap=None)
-    _check_gqa(inp, dtype, **ATTRS, **rope)
+    _check_gqa(tester, inp, dtype, **ATTRS, **rope)
 
 
 @pytest.mark.parametrize("rope", ROTARY)
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
-def test_gqa_decode_concat(rope: dict, dtype: np.dtype) -> None:
+def test_gqa_decode_concat(rope: dict, dtype: np.dtype, tester: OpTester) -> None:
     inp = _gqa_inputs(2, dtype, b=2, s=1, seqlens=[7, 4], cap=7)
-    got = _check_gqa(inp, dtype, **ATTRS, **rope)
+    got = _check_gqa(tester, inp, dtype, **ATTRS, **rope)
     assert got[1].shape == (2, 2, 8, 32)
 
 
 @pytest.mark.parametrize("rope", ROTARY)
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
-def test_gqa_decode_shared_buffer(rope: dict, dtype: np.dtype) -> None:
+def test_gqa_decode_shared_buffer(rope: dict, dtype: np.dtype, tester: OpTester) -> None:
     """past_key longer than total_sequence_length: written in place and returned as present."""
     inp = _gqa_inputs(3, dtype, b=2, s=1, seqlens=[9, 5], cap=16, total=10)
-    _check_gqa(inp, dtype, **ATTRS, **rope)
-    model = _gqa_model(inp, dtype, **ATTRS, **rope)
-    feeds = _feeds(model, inp)
-    _, pk, pv = InferenceSession(model, providers=["cpu"]).run(None, feeds)
-    assert pk is feeds["past_key"] and pv is feeds["past_value"]
-    # Directly through the kernel too; only each entry's new slot changes.
-    args = [None if inp[n] is None else inp[n].copy() for n in GQA_INPUTS[:9]]
-    if not rope:
-        args[7] = args[8] = None
-    before = args[3].copy()
-    _, pk, pv = _kernel("GroupQueryAttention", args, ["y", "pk", "pv"], **ATTRS, **rope)
-    assert pk is args[3] and pv is args[4]
-    changed = np.any(pk != before, axis=(1, 3))  # (batch, position)
-    assert changed[0].nonzero()[0].tolist() == [9] and changed[1].nonzero()[0].tolist() == [5]
+    _check_gqa(tester, inp, dtype, **ATTRS, **rope)
 
 
 @pytest.mark.parametrize("cap", [5, 12], ids=["concat", "shared"])
 @pytest.mark.parametrize("rope", ROTARY[1:])
-def test_gqa_chunked_prompt_with_past(cap: int, rope: dict) -> None:
+def test_gqa_chunked_prompt_with_past(cap: int, rope: dict, tester: OpTester) -> None:
     inp = _gqa_inputs(4, F32, b=1, s=4, seqlens=[8], cap=cap)
-    _check_gqa(inp, F32, **ATTRS, **rope)
+    _check_gqa(tester, inp, F32, **ATTRS, **rope)
 
 
 @pytest.mark.parametrize(
@@ -326,49 +317,49 @@ def test_gqa_chunked_prompt_with_past(cap: int, rope: dict) -> None:
         pytest.param({"b": 2, "s": 1, "seqlens": [8, 5], "cap": 12, "total": 9}, id="decode"),
     ],
 )
-def test_gqa_attention_options(extra: dict, shape: dict) -> None:
+def test_gqa_attention_options(extra: dict, shape: dict, tester: OpTester) -> None:
     inp = _gqa_inputs(5, F32, **shape)
-    _check_gqa(inp, F32, **ATTRS, do_rotary=1, **extra)
+    _check_gqa(tester, inp, F32, **ATTRS, do_rotary=1, **extra)
 
 
-def test_gqa_head_sink_bias_positions() -> None:
+def test_gqa_head_sink_bias_positions(tester: OpTester) -> None:
     inp = _gqa_inputs(6, F32, b=1, s=3, seqlens=[9], cap=7)
     rng = _rng(7)
     inp["head_sink"] = rng.standard_normal(4).astype(np.float32)
     inp["attention_bias"] = rng.standard_normal((1, 4, 3, 10)).astype(np.float32)
     inp["position_ids"] = np.array([[9, 10, 11]], np.int64)
-    _check_gqa(inp, F32, **ATTRS, do_rotary=1, softcap=3.0)
+    _check_gqa(tester, inp, F32, **ATTRS, do_rotary=1, softcap=3.0)
     inp["attention_bias"] = rng.standard_normal((1, 1, 3, 10)).astype(np.float32)
-    _check_gqa(inp, F32, **ATTRS)
+    _check_gqa(tester, inp, F32, **ATTRS)
 
 
-def test_gqa_first_prompt_position_ids_offset() -> None:
+def test_gqa_first_prompt_position_ids_offset(tester: OpTester) -> None:
     """onnxruntime reads only the first position id of a first prompt."""
     inp = _gqa_inputs(8, F32, b=2, s=4, seqlens=[3, 2], cap=None)
     inp["position_ids"] = np.array([[5, 6, 7, 8], [9, 10, 11, 12]], np.int64)
-    _check_gqa(inp, F32, **ATTRS, do_rotary=1)
+    _check_gqa(tester, inp, F32, **ATTRS, do_rotary=1)
 
 
-def test_gqa_packed_qkv_partial_rotary_and_gqa_ratio() -> None:
+def test_gqa_packed_qkv_partial_rotary_and_gqa_ratio(tester: OpTester) -> None:
     inp = _gqa_inputs(9, F32, b=2, s=5, seqlens=[4, 2], cap=None, heads=8, rot_half=8)
     qkv = np.concatenate([inp["query"], inp["key"], inp["value"]], axis=-1)
     feeds = {**inp, "query": qkv, "key": None, "value": None}
     model = _gqa_model(feeds, F32, num_heads=8, kv_num_heads=2, do_rotary=1)
-    want, got = _run_ort(model, feeds), _run_ours(model, feeds)
+    want, got = _run_ort(model, feeds), _run_ours(tester, model, feeds)
     for i, t in enumerate((5, 3)):
         _close(got[0][i, :t], want[0][i, :t], F32)
         _close(got[1][i, :, :t], want[1][i, :, :t], F32)
 
 
-def test_gqa_bidirectional() -> None:
+def test_gqa_bidirectional(tester: OpTester) -> None:
     inp = _gqa_inputs(10, F32, b=1, s=5, seqlens=[4], cap=None)
-    _check_gqa(inp, F32, **ATTRS, causal=0)
+    _check_gqa(tester, inp, F32, **ATTRS, causal=0)
 
 
-def test_gqa_query_seqlens_chunk() -> None:
+def test_gqa_query_seqlens_chunk(tester: OpTester) -> None:
     inp = _gqa_inputs(11, F32, b=2, s=3, seqlens=[6, 3], cap=12, total=12)
     inp["query_seqlens"] = np.array([2, 3], np.int32)
-    _check_gqa(inp, F32, **ATTRS, do_rotary=1)
+    _check_gqa(tester, inp, F32, **ATTRS, do_rotary=1)
 
 
 @pytest.mark.parametrize(
@@ -378,11 +369,11 @@ def test_gqa_query_seqlens_chunk() -> None:
         pytest.param({"b": 2, "s": 1, "seqlens": [8, 5], "cap": 12, "total": 9}, id="decode"),
     ],
 )
-def test_gqa_bfloat16_vs_reference(shape: dict) -> None:
+def test_gqa_bfloat16_vs_reference(shape: dict, tester: OpTester) -> None:
     inp = _gqa_inputs(12, BF16, **shape)
     attrs = {**ATTRS, "do_rotary": 1, "local_window_size": 4, "softcap": 3.0}
     model = _gqa_model(inp, BF16, **attrs)
-    got = _run_ours(model, inp)
+    got = _run_ours(tester, model, inp)
     want, pk, _, totals = _gqa_ref(inp, 4, 2, **attrs)
     for i, t in enumerate(totals):
         rows = min(inp["query"].shape[1], t)
@@ -399,13 +390,13 @@ def test_gqa_reference_agrees_with_ort() -> None:
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
 
 
-def test_gqa_refuses_quantized_cache() -> None:
+def test_gqa_refuses_quantized_cache(tester: OpTester) -> None:
     from onnx_genrt.core.errors import UnsupportedOpError
 
     inp = _gqa_inputs(14, F32, b=1, s=1, seqlens=[0], cap=None)
     inp["k_scale"] = inp["v_scale"] = np.ones(1, np.float32)
     with pytest.raises(UnsupportedOpError, match="k_scale"):
-        InferenceSession(_gqa_model(inp, F32, **ATTRS), providers=["cpu"])
+        tester.session_alone(_gqa_model(inp, F32, **ATTRS))
 
 
 @pytest.mark.parametrize(
@@ -426,13 +417,13 @@ def test_gqa_refuses_quantized_cache() -> None:
         ({"causal": 0, "local_window_size": 4}, "local_window_size needs causal=1"),
     ],
 )
-def test_gqa_refuses_attributes_it_does_not_implement(attrs, reason) -> None:
+def test_gqa_refuses_attributes_it_does_not_implement(attrs, reason, tester: OpTester) -> None:
     """The attribute rules every provider shares (core.op_rules.gqa_attribute_problem)."""
     from onnx_genrt.core.errors import UnsupportedOpError
 
     inp = _gqa_inputs(15, F32, b=1, s=1, seqlens=[0], cap=None)
     with pytest.raises(UnsupportedOpError, match=reason):
-        InferenceSession(_gqa_model(inp, F32, **{**ATTRS, **attrs}), providers=["cpu"])
+        tester.session_alone(_gqa_model(inp, F32, **{**ATTRS, **attrs}))
 
 
 # ----------------------------------------------------------------------------- RotaryEmbedding
@@ -441,7 +432,7 @@ def test_gqa_refuses_attributes_it_does_not_implement(attrs, reason) -> None:
 @pytest.mark.parametrize("interleaved", [0, 1])
 @pytest.mark.parametrize("layout", ["3d", "4d", "3d_partial", "offset"])
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
-def test_rotary_embedding(layout: str, interleaved: int, dtype: np.dtype) -> None:
+def test_rotary_embedding(layout: str, interleaved: int, dtype: np.dtype, tester: OpTester) -> None:
     rng = _rng(20)
     b, n, s, h = 2, 4, 5, 16
     rot = 8 if layout == "3d_partial" else h
@@ -457,7 +448,7 @@ def test_rotary_embedding(layout: str, interleaved: int, dtype: np.dtype) -> Non
     x = x4 if layout == "4d" else x4.transpose(0, 2, 1, 3).reshape(b, s, n * h)
     inp = {"x": x, "p": pos, "c": cos, "s": sin}
     model = _model("RotaryEmbedding", inp, ["x", "p", "c", "s"], ["y"], [dtype], **attrs)
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     if dtype == BF16:
         full = np.broadcast_to(pos.reshape(-1)[0] + np.arange(s), (b, s)) if pos.size == 1 else pos
         want = _rope_ref(x4, cos[full], sin[full], bool(interleaved))
@@ -478,7 +469,7 @@ def _rms_ref(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
 
 @pytest.mark.parametrize("domain", ["", MS])
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
-def test_simplified_layer_norm(domain: str, dtype: np.dtype) -> None:
+def test_simplified_layer_norm(domain: str, dtype: np.dtype, tester: OpTester) -> None:
     rng = _rng(30)
     x = (rng.standard_normal((2, 3, 64)) * 2).astype(dtype)
     g = rng.standard_normal(64).astype(dtype)
@@ -492,7 +483,7 @@ def test_simplified_layer_norm(domain: str, dtype: np.dtype) -> None:
         domain=domain,
         epsilon=1e-6,
     )
-    got = _run_ours(model, inp)
+    got = _run_ours(tester, model, inp)
     if dtype == BF16 or domain == MS:  # onnxruntime registers it only in the ONNX domain
         x64 = _f64(x)
         inv = 1 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6)
@@ -508,7 +499,9 @@ def test_simplified_layer_norm(domain: str, dtype: np.dtype) -> None:
 @pytest.mark.parametrize("skip_shape", [(2, 3, 64), (1, 3, 64), (3, 64)], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
-def test_skip_layer_norms(op: str, skip_shape: tuple, with_bias: bool, dtype: np.dtype) -> None:
+def test_skip_layer_norms(
+    op: str, skip_shape: tuple, with_bias: bool, dtype: np.dtype, tester: OpTester
+) -> None:
     rng = _rng(31)
     inp = {
         "x": rng.standard_normal((2, 3, 64)).astype(dtype),
@@ -522,7 +515,7 @@ def test_skip_layer_norms(op: str, skip_shape: tuple, with_bias: bool, dtype: np
         order.remove("beta")
     outs = ["y", "mean", "inv", "sum"]
     model = _model(op, inp, order, outs, [dtype, F32, F32, dtype], epsilon=1e-5)
-    want, got = _run_ort(model, inp), _run_ours(model, inp)
+    want, got = _run_ort(model, inp), _run_ours(tester, model, inp)
     _close(got[0], want[0], dtype, scale=2.0)
     if op == "SkipLayerNormalization":
         np.testing.assert_allclose(got[1], want[1], rtol=1e-3, atol=1e-3)
@@ -530,7 +523,7 @@ def test_skip_layer_norms(op: str, skip_shape: tuple, with_bias: bool, dtype: np
     _close(got[3], want[3], dtype)
 
 
-def test_skip_simplified_layer_norm_bfloat16_and_2d() -> None:
+def test_skip_simplified_layer_norm_bfloat16_and_2d(tester: OpTester) -> None:
     rng = _rng(32)
     x = rng.standard_normal((5, 64)).astype(BF16)
     skip = rng.standard_normal((5, 64)).astype(BF16)
@@ -543,7 +536,7 @@ def test_skip_simplified_layer_norm_bfloat16_and_2d() -> None:
         ["y", "", "", "sum"],
         [BF16, F32, F32, BF16],
     )
-    y, total = _run_ours(model, inp)
+    y, total = _run_ours(tester, model, inp)
     h = _f64(x) + _f64(skip)
     _close(y, _rms_ref(h, g, 1e-12), BF16)
     _close(total, h, BF16)
@@ -636,9 +629,9 @@ def _nbits_case(
 @pytest.mark.parametrize("zero", ["none", "uint8"])
 @pytest.mark.parametrize("block", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_matmul_nbits(bits: int, block: int, zero: str, m: int) -> None:
+def test_matmul_nbits(bits: int, block: int, zero: str, m: int, tester: OpTester) -> None:
     model, inp, want = _nbits_case(40, m, 320, 24, bits, block, zero, False, F32)
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     (ort_y,) = _run_ort(model, inp)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     _close(got, ort_y, F32, scale=10.0)  # ORT's blocked kernels sum in another order
@@ -655,53 +648,40 @@ def test_matmul_nbits(bits: int, block: int, zero: str, m: int) -> None:
         (8, "none", True, F16),
     ],
 )
-def test_matmul_nbits_variants(bits: int, zero: str, bias: bool, dtype: np.dtype) -> None:
+def test_matmul_nbits_variants(
+    bits: int, zero: str, bias: bool, dtype: np.dtype, tester: OpTester
+) -> None:
     model, inp, want = _nbits_case(41, 5, 96, 40, bits, 32, zero, bias, dtype)
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     (ort_y,) = _run_ort(model, inp)
     _close(got, ort_y, dtype, scale=10.0 if dtype == F32 else 3.0)
     _close(got, want, dtype, scale=10.0 if dtype == F32 else 3.0)
 
 
-def test_matmul_nbits_bfloat16_3d_and_float_zero_8bit() -> None:
+def test_matmul_nbits_bfloat16_3d_and_float_zero_8bit(tester: OpTester) -> None:
     model, inp, want = _nbits_case(42, (2, 3), 64, 16, 4, 16, "uint8", True, BF16)
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     _close(got, want, BF16, scale=4.0)
     # 8-bit weights with float zero points: onnxruntime's CPU provider refuses them.
     model, inp, want = _nbits_case(43, 3, 64, 16, 8, 32, "float", False, F32)
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_matmul_nbits_accuracy_level_computes_in_float32() -> None:
+def test_matmul_nbits_accuracy_level_computes_in_float32(tester: OpTester) -> None:
     """accuracy_level=4 lets onnxruntime quantize A to int8; this kernel stays in float32."""
     model, inp, want = _nbits_case(46, 4, 128, 24, 4, 32, "uint8", False, F32, accuracy=4)
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     (ort_y,) = _run_ort(model, inp)
     np.testing.assert_allclose(got, ort_y, rtol=0.05, atol=0.5)
 
 
-def test_matmul_nbits_dequantizes_once() -> None:
-    model, inp, want = _nbits_case(44, 1, 128, 32, 4, 32, "uint8", False, F32)
-    sess = InferenceSession(model, providers=["cpu"])
-    builds = contrib_quant.DEQUANT_CACHE.builds
-    for _ in range(3):
-        (got,) = sess.run(None, {"A": inp["A"]})
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    assert contrib_quant.DEQUANT_CACHE.builds == builds + 1
-    cached = len(contrib_quant.DEQUANT_CACHE)
-    del sess
-    import gc
-
-    gc.collect()
-    assert len(contrib_quant.DEQUANT_CACHE) < cached  # entries die with their weights
-
-
-def test_matmul_nbits_empty_weight_gives_bias() -> None:
+def test_matmul_nbits_empty_weight_gives_bias(tester: OpTester) -> None:
     a = _rng(45).standard_normal((3, 32)).astype(np.float32)
     bias = np.arange(8, dtype=np.float32)
     y = _kernel(
+        tester,
         "MatMulNBits",
         [a, np.zeros((8, 0, 16), np.uint8), np.zeros((8, 0), np.float32), None, None, bias],
         ["y"],
@@ -717,10 +697,10 @@ def test_matmul_nbits_empty_weight_gives_bias() -> None:
 @pytest.mark.parametrize("m", [1, 5, 16, 40])
 @pytest.mark.parametrize("zero", ["none", "uint8", "float"])
 @pytest.mark.parametrize("block", [16, 32, 64, 128])
-def test_matmul_nbits_int4_packed(m: int, zero: str, block: int) -> None:
+def test_matmul_nbits_int4_packed(m: int, zero: str, block: int, tester: OpTester) -> None:
     # K = 200 is no multiple of the block; N = 150 leaves a partial tile.
     model, inp, want = _nbits_case(47, m, 200, 150, 4, block, zero, block == 32, F32)
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     (ort_y,) = _run_ort(model, inp)
     _close(got, ort_y, F32, scale=10.0)
@@ -728,78 +708,11 @@ def test_matmul_nbits_int4_packed(m: int, zero: str, block: int) -> None:
 
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("k,n", [(201, 7), (512, 1100), (64, 64)])
-def test_matmul_nbits_int4_packed_shapes(m: int, k: int, n: int) -> None:
+def test_matmul_nbits_int4_packed_shapes(m: int, k: int, n: int, tester: OpTester) -> None:
     """Odd K, more rows than one wide tile, a single tile; with a bias."""
     model, inp, want = _nbits_case(48, m, k, n, 4, 32, "uint8", True, F32)
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("m", [1, 4])
-def test_int4_matmul_parallel_matches_serial(m: int) -> None:
-    from onnx_genrt.providers.cpu.kernels import _int4_matmul as im
-
-    rng = _rng(49)
-    qw = _quantize_nbits(rng.standard_normal((300, 96)), 4, 32, "uint8")
-    zeros = contrib_quant._nbits_zeros(qw["zero_points"], 300, 3, 4)
-    w = im.pack_int4(qw["B"], qw["scales"], zeros, 300, 32)
-    x = rng.standard_normal((m, 96)).astype(np.float32)
-    serial, parallel = np.empty((m, 300), np.float32), np.empty((m, 300), np.float32)
-    im._int4_serial(x, w.tiles, w.scales, w.zeros, w.block, serial)
-    im._int4_parallel(x, w.tiles, w.scales, w.zeros, w.block, 3, parallel)
-    np.testing.assert_array_equal(parallel, serial)
-    np.testing.assert_allclose(serial, _f64(x) @ qw["ref"].T, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("keep", [False, True])
-def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch, keep: bool) -> None:
-    """Decode-sized calls never build the float32 weight; each large call does, unless the
-    cache keeps it (then once). The packed row tiles are kept either way."""
-    model, inp, _ = _nbits_case(50, 1, 128, 32, 4, 32, "none", False, F32)
-    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "m"
-    sess = InferenceSession(model, providers=[("cpu", {"nbits_cache": keep})])
-    real_dequant, real_tiles = contrib_quant.dequantize_nbits, contrib_quant.int4_tiles
-    built: list[str] = []
-
-    def counting(real, what):
-        def build(*args: Any) -> Any:
-            built.append(what)
-            return real(*args)
-
-        return build
-
-    monkeypatch.setattr(contrib_quant, "dequantize_nbits", counting(real_dequant, "float"))
-    monkeypatch.setattr(contrib_quant, "int4_tiles", counting(real_tiles, "tiles"))
-    a = _rng(51).standard_normal((40, 128)).astype(np.float32)
-    want = _f64(a) @ _quantize_nbits(_rng(50).standard_normal((32, 128)), 4, 32, "none")["ref"].T
-    for rows in (1, 16, 2):
-        (got,) = sess.run(None, {"A": a[:rows]})
-        np.testing.assert_allclose(got, want[:rows], rtol=1e-4, atol=1e-4)
-    assert built == ["tiles"]
-    for _ in range(2):
-        (got,) = sess.run(None, {"A": a})
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    assert built.count("float") == (1 if keep else 2)
-    assert built.count("tiles") == 1
-
-
-@pytest.mark.parametrize("zero", ["none", "uint8", "float"])
-def test_whole_block_int4_dequant_equals_the_general_one(zero: str) -> None:
-    """The vectorized 4-bit path gives the same bits as the general loop."""
-    rng = _rng(52)
-    n, k, block = 70, 256, 64
-    qw = _quantize_nbits(rng.standard_normal((n, k)), 4, block, zero)
-    nb = k // block
-    packed = np.ascontiguousarray(qw["B"], np.uint8).reshape(n, nb, block // 2)
-    scales = np.ascontiguousarray(qw["scales"], np.float32).reshape(n, nb)
-    zeros = contrib_quant._nbits_zeros(qw.get("zero_points"), n, nb, 4)
-    general = np.empty((n, k), np.float32)
-    contrib_quant._dequant_nbits(packed, scales, zeros, 4, block, k, general)
-    fast = contrib_quant.dequantize_nbits(
-        qw["B"], qw["scales"], qw.get("zero_points"), k, n, 4, block
-    )
-    np.testing.assert_array_equal(fast, general)
-    np.testing.assert_allclose(fast, qw["ref"], rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- GatherBlockQuantized
@@ -834,7 +747,7 @@ def _gbq_case(kind: str, zero: bool, seed: int) -> tuple[dict[str, Any], dict[st
 @pytest.mark.parametrize("zero", [False, True])
 @pytest.mark.parametrize("kind", ["uint8_4bit", "uint8_8bit", "int4", "uint4", "int4_axis0"])
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
-def test_gather_block_quantized(kind: str, zero: bool, dtype: np.dtype) -> None:
+def test_gather_block_quantized(kind: str, zero: bool, dtype: np.dtype, tester: OpTester) -> None:
     inp, attrs, table = _gbq_case(kind, zero, 50)
     inp["scales"] = inp["scales"].astype(dtype)
     g = attrs.get("gather_axis", 0)
@@ -850,7 +763,7 @@ def test_gather_block_quantized(kind: str, zero: bool, dtype: np.dtype) -> None:
         consts=("data", "scales", "zero_points"),
         **attrs,
     )
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     (want,) = _run_ort(model, inp)
     _close(got, want, dtype)
     ref = np.take(table, np.where(idx < 0, idx + dim, idx), axis=g)
@@ -859,7 +772,9 @@ def test_gather_block_quantized(kind: str, zero: bool, dtype: np.dtype) -> None:
 
 @pytest.mark.parametrize("kind", ["uint8_4bit", "int4", "int4_axis0"])
 @pytest.mark.parametrize("offset", [0, 3, -1], ids=["dim", "dim+3", "-dim-1"])
-def test_gather_block_quantized_refuses_indices_out_of_range(kind: str, offset: int) -> None:
+def test_gather_block_quantized_refuses_indices_out_of_range(
+    kind: str, offset: int, tester: OpTester
+) -> None:
     """onnxruntime's CPU kernel returns zeros for such an index; ours raises, naming it."""
     inp, attrs, table = _gbq_case(kind, True, 52)
     dim = table.shape[attrs.get("gather_axis", 0)]
@@ -875,7 +790,7 @@ def test_gather_block_quantized_refuses_indices_out_of_range(kind: str, offset: 
         **attrs,
     )
     with pytest.raises(KernelError) as info:
-        _run_ours(model, inp)
+        _run_ours(tester, model, inp)
     message = str(info.value)
     assert "GatherBlockQuantized" in message
     assert f"indices value {bad} out of range for axis of size {dim}" in message
@@ -903,14 +818,16 @@ ACTS = [
 
 @pytest.mark.parametrize("op,with_bias,attrs", ACTS)
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, np.dtype(np.float64)], ids=str)
-def test_gelu_family(op: str, with_bias: bool, attrs: dict, dtype: np.dtype) -> None:
+def test_gelu_family(
+    op: str, with_bias: bool, attrs: dict, dtype: np.dtype, tester: OpTester
+) -> None:
     rng = _rng(60)
     inp = {
         "x": (rng.standard_normal((3, 5, 32)) * 3).astype(dtype),
         "b": rng.standard_normal(32).astype(dtype) if with_bias else None,
     }
     model = _model(op, inp, ["x", "b"], ["y"], [dtype], **attrs)
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     h = _f64(inp["x"]) + (_f64(inp["b"]) if with_bias else 0.0)
     if op == "QuickGelu":
         ref = h / (1 + np.exp(-attrs.get("alpha", 1.702) * h))
@@ -927,7 +844,7 @@ def test_gelu_family(op: str, with_bias: bool, attrs: dict, dtype: np.dtype) -> 
     [((12, 4), 16), ((1, 4), 16), ((12, 1), 0)],
     ids=["blocked", "broadcast_rows", "whole_row"],
 )
-def test_gather_block_quantized_float8(scale_shape: tuple, block: int) -> None:
+def test_gather_block_quantized_float8(scale_shape: tuple, block: int, tester: OpTester) -> None:
     rng = _rng(51)
     inp = {
         "data": rng.standard_normal((12, 64)).astype(ml_dtypes.float8_e4m3fn),
@@ -943,9 +860,9 @@ def test_gather_block_quantized_float8(scale_shape: tuple, block: int) -> None:
         consts=("data", "scales"),
         block_size=block,
     )
-    (got,) = _run_ours(model, inp)
+    (got,) = _run_ours(tester, model, inp)
     (want,) = _run_ort(model, inp)
     _close(got, want, F32)
     inp["indices"] = np.array([[1, -1], [3, 12]], np.int64)
     with pytest.raises(KernelError, match="indices value 12 out of range for axis of size 12"):
-        _run_ours(model, inp)
+        _run_ours(tester, model, inp)

@@ -1,5 +1,5 @@
-"""Classic ONNX ops (opsets 6-22) on cpu: ONNX's node tests through a whole session, plus
-onnxruntime / ``onnx.reference`` comparisons for forms the node tests do not cover."""
+"""Classic ONNX ops (opsets 6-22) on every provider: ONNX's node tests through a whole session,
+plus onnxruntime / ``onnx.reference`` comparisons for forms the node tests do not cover."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from onnx.reference import ReferenceEvaluator
 from onnx_genrt import conformance
 from onnx_genrt.conformance import Status
 from onnx_genrt.core.errors import KernelError, UnsupportedOpError
-from onnx_genrt.session import InferenceSession
+
+from .op_tester import OpTester
 
 RNG = np.random.default_rng(1234)
 
-#: Ops whose every ONNX node test (and expanded function body) must pass on cpu.
+#: Ops whose every ONNX node test (and expanded function body) must pass on cpu, and on
+#: another provider where it runs the case's op.
 CLASSIC_OPS = [
     "MaxPool",
     "AveragePool",
@@ -94,9 +96,15 @@ def _node_cases() -> list[Any]:
 
 
 @pytest.mark.parametrize("case", _node_cases())
-def test_onnx_node_case_passes_on_cpu(case: conformance.Case) -> None:
-    result = conformance.run_case(case, "cpu")
-    assert result.status is Status.PASSED, f"{case.name} [{case.op}]: {result.reason}"
+def test_onnx_node_case_passes(case: conformance.Case, tester: OpTester) -> None:
+    if not tester.is_reference and conformance.EXPANDED in case.op:
+        pytest.skip("a function body: its primitive ops have node tests of their own")
+    result = conformance.run_case(case, list(tester.stack), require_on=tester.name)
+    if result.status is Status.SKIPPED and not tester.is_reference:
+        pytest.skip(result.reason)
+    assert result.status is Status.PASSED, (
+        f"{case.name} [{case.op}] on {tester.name}: {result.reason}"
+    )
 
 
 def _model(
@@ -119,8 +127,10 @@ def _model(
     return model
 
 
-def _ours(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    return InferenceSession(model, providers=["cpu"]).run(None, feeds)
+def _ours(
+    tester: OpTester, model: onnx.ModelProto, feeds: dict[str, np.ndarray]
+) -> list[np.ndarray]:
+    return tester.run_model(model, feeds)
 
 
 def _onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -168,7 +178,9 @@ _POOL_CASES = [
 
 
 @pytest.mark.parametrize(("op", "shape", "attrs"), _POOL_CASES)
-def test_pool_matches_onnxruntime(op: str, shape: tuple[int, ...], attrs: dict) -> None:
+def test_pool_matches_onnxruntime(
+    op: str, shape: tuple[int, ...], attrs: dict, tester: OpTester
+) -> None:
     x = RNG.standard_normal(shape).astype(np.float32)
     outs = ["y", "idx"] if op == "MaxPool" and "dilations" not in attrs else ["y"]
     types = [TensorProto.FLOAT, TensorProto.INT64][: len(outs)]
@@ -178,35 +190,33 @@ def test_pool_matches_onnxruntime(op: str, shape: tuple[int, ...], attrs: dict) 
         list(zip(outs, types, strict=True)),
         19,
     )
-    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}))
+    _assert_same(_ours(tester, model, {"x": x}), _onnxruntime(model, {"x": x}))
 
 
-def test_max_pool_indices_column_major_and_int8() -> None:
+def test_max_pool_indices_column_major_and_int8(tester: OpTester) -> None:
     x = RNG.integers(-100, 100, (2, 3, 7, 9)).astype(np.int8)
     attrs = {"kernel_shape": [2, 3], "strides": [2, 2], "pads": [1, 1, 0, 1], "storage_order": 1}
     node = helper.make_node("MaxPool", ["x"], ["y", "i"], **attrs)
     model = _model([node], {"x": x}, [("y", TensorProto.INT8), ("i", TensorProto.INT64)], 12)
-    got = _ours(model, {"x": x})
+    got = _ours(tester, model, {"x": x})
     _assert_same(got, _reference(model, {"x": x}))
     # each index names an element holding the window's maximum
     np.testing.assert_array_equal(x.reshape(-1, order="C")[got[1]].shape, got[0].shape)
 
 
-def test_pool_refuses_bad_attributes_when_loading() -> None:
+def test_pool_refuses_bad_attributes_when_loading(tester: OpTester) -> None:
     x = np.zeros((1, 1, 4, 4), np.float32)
     node = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2, 2], auto_pad="SAME")
     with pytest.raises(UnsupportedOpError, match="auto_pad='SAME'"):
-        InferenceSession(
-            _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11), providers=["cpu"]
-        )
+        tester.session_alone(_model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11))
 
 
-def test_pool_kernel_rank_mismatch_names_the_node() -> None:
+def test_pool_kernel_rank_mismatch_names_the_node(tester: OpTester) -> None:
     x = np.zeros((1, 1, 4, 4), np.float32)
     node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2], name="pool1")
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11)
     with pytest.raises(KernelError, match="pool1.*kernel_shape"):
-        _ours(model, {"x": x})
+        _ours(tester, model, {"x": x})
 
 
 # -- ConvTranspose ---------------------------------------------------------------------------
@@ -221,16 +231,18 @@ _CONV_T_CASES = [
 
 
 @pytest.mark.parametrize(("xshape", "wshape", "attrs"), _CONV_T_CASES)
-def test_conv_transpose_matches_onnxruntime(xshape: tuple, wshape: tuple, attrs: dict) -> None:
+def test_conv_transpose_matches_onnxruntime(
+    xshape: tuple, wshape: tuple, attrs: dict, tester: OpTester
+) -> None:
     x = RNG.standard_normal(xshape).astype(np.float32)
     w = RNG.standard_normal(wshape).astype(np.float32)
     b = RNG.standard_normal(wshape[1] * attrs.get("group", 1)).astype(np.float32)
     node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 17, {"w": w, "b": b})
-    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}), tol=1e-4)
+    _assert_same(_ours(tester, model, {"x": x}), _onnxruntime(model, {"x": x}), tol=1e-4)
 
 
-def test_conv_transpose_rejects_output_padding_not_below_stride() -> None:
+def test_conv_transpose_rejects_output_padding_not_below_stride(tester: OpTester) -> None:
     x = np.zeros((1, 1, 3, 3), np.float32)
     w = np.zeros((1, 1, 2, 2), np.float32)
     node = helper.make_node(
@@ -238,13 +250,13 @@ def test_conv_transpose_rejects_output_padding_not_below_stride() -> None:
     )
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11, {"w": w})
     with pytest.raises(KernelError, match="output_padding"):
-        _ours(model, {"x": x})
+        _ours(tester, model, {"x": x})
 
 
 # -- losses ------------------------------------------------------------------------------------
 
 
-def test_nll_loss_target_outside_classes_is_a_clear_error() -> None:
+def test_nll_loss_target_outside_classes_is_a_clear_error(tester: OpTester) -> None:
     x = RNG.standard_normal((3, 4)).astype(np.float32)
     target = np.array([0, 4, 1], np.int64)
     node = helper.make_node(
@@ -252,9 +264,11 @@ def test_nll_loss_target_outside_classes_is_a_clear_error() -> None:
     )
     model = _model([node], {"x": x, "t": target}, [("y", TensorProto.FLOAT)], 13)
     with pytest.raises(KernelError, match=r"class 4 outside \[0, 4\)"):
-        _ours(model, {"x": x, "t": target})
+        _ours(tester, model, {"x": x, "t": target})
     target[1] = -1  # the ignored class may lie outside the range
-    _assert_same(_ours(model, {"x": x, "t": target}), _onnxruntime(model, {"x": x, "t": target}))
+    _assert_same(
+        _ours(tester, model, {"x": x, "t": target}), _onnxruntime(model, {"x": x, "t": target})
+    )
 
 
 # -- opset 1-6 elementwise forms ---------------------------------------------------------------
@@ -269,7 +283,7 @@ _NUMPY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divid
      ((5,), None, (5,)), ((1,), None, ())],
 )  # fmt: skip
 def test_opset6_broadcast_axis_matches_numpy(
-    op: str, b_shape: tuple, axis: int | None, aligned: tuple
+    op: str, b_shape: tuple, axis: int | None, aligned: tuple, tester: OpTester
 ) -> None:
     """Old PyTorch wrote e.g. Add(conv_out, bias, broadcast=1, axis=1) with bias [C]."""
     a = RNG.uniform(0.5, 2.0, (2, 3, 4, 5)).astype(np.float32)
@@ -277,28 +291,30 @@ def test_opset6_broadcast_axis_matches_numpy(
     attrs = {"broadcast": 1} if axis is None else {"broadcast": 1, "axis": axis}
     node = helper.make_node(op, ["a", "b"], ["y"], **attrs)
     model = _model([node], {"a": a, "b": b}, [("y", TensorProto.FLOAT)], 6)
-    (got,) = _ours(model, {"a": a, "b": b})
+    (got,) = _ours(tester, model, {"a": a, "b": b})
     want = _NUMPY[op](a.astype(np.float64), b.astype(np.float64).reshape(aligned))
     assert got.dtype == np.float32 and got.shape == a.shape
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("op", sorted(_NUMPY))
-def test_opset6_trailing_broadcast_matches_onnxruntime_after_upgrade(op: str) -> None:
+def test_opset6_trailing_broadcast_matches_onnxruntime_after_upgrade(
+    op: str, tester: OpTester
+) -> None:
     a = RNG.uniform(0.5, 2.0, (2, 3, 4, 5)).astype(np.float32)
     b = RNG.uniform(0.5, 2.0, (4, 5)).astype(np.float32)
     node = helper.make_node(op, ["a", "b"], ["y"], broadcast=1)
     model = _model([node], {"a": a, "b": b}, [("y", TensorProto.FLOAT)], 6)
     upgraded = onnx.version_converter.convert_version(model, 13)
-    _assert_same(_ours(model, {"a": a, "b": b}), _onnxruntime(upgraded, {"a": a, "b": b}))
+    _assert_same(_ours(tester, model, {"a": a, "b": b}), _onnxruntime(upgraded, {"a": a, "b": b}))
 
 
-def test_opset1_comparison_with_axis() -> None:
+def test_opset1_comparison_with_axis(tester: OpTester) -> None:
     a = RNG.standard_normal((2, 3, 4)).astype(np.float32)
     b = RNG.standard_normal((3,)).astype(np.float32)
     node = helper.make_node("Greater", ["a", "b"], ["y"], broadcast=1, axis=1)
     model = _model([node], {"a": a, "b": b}, [("y", TensorProto.BOOL)], 1)
-    (got,) = _ours(model, {"a": a, "b": b})
+    (got,) = _ours(tester, model, {"a": a, "b": b})
     np.testing.assert_array_equal(got, a > b.reshape(1, 3, 1))
 
 
@@ -306,26 +322,28 @@ def test_opset1_comparison_with_axis() -> None:
     ("attrs", "b_shape", "fragment"),
     [({}, (5,), "broadcast=1"), ({"broadcast": 1, "axis": 2}, (3,), "does not fit")],
 )
-def test_opset6_shape_mismatch_says_what_to_change(attrs: dict, b_shape: tuple, fragment: str):
+def test_opset6_shape_mismatch_says_what_to_change(
+    attrs: dict, b_shape: tuple, fragment: str, tester: OpTester
+):
     a = np.ones((2, 3, 5), np.float32)
     b = np.ones(b_shape, np.float32)
     node = helper.make_node("Add", ["a", "b"], ["y"], name="bias_add", **attrs)
     model = _model([node], {"a": a, "b": b}, [("y", TensorProto.FLOAT)], 6)
     with pytest.raises(KernelError, match=f"bias_add.*{fragment}"):
-        _ours(model, {"a": a, "b": b})
+        _ours(tester, model, {"a": a, "b": b})
 
 
-def test_opset6_variadic_needs_equal_shapes_and_opset1_tile() -> None:
+def test_opset6_variadic_needs_equal_shapes_and_opset1_tile(tester: OpTester) -> None:
     a, b = np.ones((2, 3), np.float32), np.ones((3,), np.float32)
     node = helper.make_node("Sum", ["a", "b"], ["y"])
     model = _model([node], {"a": a, "b": b}, [("y", TensorProto.FLOAT)], 6)
     with pytest.raises(KernelError, match="before opset 8"):
-        _ours(model, {"a": a, "b": b})
+        _ours(tester, model, {"a": a, "b": b})
     x = RNG.standard_normal((2, 3)).astype(np.float32)
     tiles, axis = np.array([3], np.int64), np.array([1], np.int64)
     node = helper.make_node("Tile", ["x", "t", "ax"], ["y"])
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 1, {"t": tiles, "ax": axis})
-    (got,) = _ours(model, {"x": x})
+    (got,) = _ours(tester, model, {"x": x})
     np.testing.assert_array_equal(got, np.concatenate([x, x, x], axis=1))
 
 
@@ -333,13 +351,13 @@ def test_opset6_variadic_needs_equal_shapes_and_opset1_tile() -> None:
 
 
 @pytest.mark.parametrize("opset", [6, 9, 16])
-def test_prelu_per_channel_slope_on_nchw(opset: int) -> None:
+def test_prelu_per_channel_slope_on_nchw(opset: int, tester: OpTester) -> None:
     """A [C] slope against NCHW, as old PyTorch exported it: per channel."""
     x = RNG.standard_normal((2, 3, 4, 5)).astype(np.float32)
     slope = RNG.uniform(0.1, 0.5, (3,)).astype(np.float32)
     node = helper.make_node("PRelu", ["x", "s"], ["y"])
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], opset, {"s": slope})
-    (got,) = _ours(model, {"x": x})
+    (got,) = _ours(tester, model, {"x": x})
     x64 = x.astype(np.float64)
     want = np.where(x64 >= 0, x64, x64 * slope.astype(np.float64).reshape(1, 3, 1, 1))
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -348,23 +366,23 @@ def test_prelu_per_channel_slope_on_nchw(opset: int) -> None:
 
 
 @pytest.mark.parametrize("slope_shape", [(3, 1, 1), (5,), (1,), (4, 5)])
-def test_prelu_broadcasting_slopes_match_onnxruntime(slope_shape: tuple) -> None:
+def test_prelu_broadcasting_slopes_match_onnxruntime(slope_shape: tuple, tester: OpTester) -> None:
     x = RNG.standard_normal((2, 3, 4, 5)).astype(np.float32)
     slope = RNG.uniform(0.1, 0.5, slope_shape).astype(np.float32)
     node = helper.make_node("PRelu", ["x", "s"], ["y"])
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 16, {"s": slope})
-    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}))
+    _assert_same(_ours(tester, model, {"x": x}), _onnxruntime(model, {"x": x}))
 
 
-def test_prelu_slope_that_fits_nowhere_is_a_clear_error() -> None:
+def test_prelu_slope_that_fits_nowhere_is_a_clear_error(tester: OpTester) -> None:
     x = np.ones((2, 3, 4, 5), np.float32)
     node = helper.make_node("PRelu", ["x", "s"], ["y"], name="act")
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 16, {"s": np.ones(7, np.float32)})
     with pytest.raises(KernelError, match="act.*slope \\[7\\] does not broadcast"):
-        _ours(model, {"x": x})
+        _ours(tester, model, {"x": x})
 
 
-def test_prelu_slope_matching_both_channels_and_width_follows_the_opset() -> None:
+def test_prelu_slope_matching_both_channels_and_width_follows_the_opset(tester: OpTester) -> None:
     """Before opset 7 a 1-D slope is per channel; from 7 on it broadcasts like numpy."""
     x = RNG.standard_normal((2, 3, 4, 3)).astype(np.float32)
     slope = np.array([0.1, 0.2, 0.3], np.float32)
@@ -372,7 +390,7 @@ def test_prelu_slope_matching_both_channels_and_width_follows_the_opset() -> Non
     x64 = x.astype(np.float64)
     for opset, aligned in ((6, (1, 3, 1, 1)), (9, (3,))):
         model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], opset, {"s": slope})
-        (got,) = _ours(model, {"x": x})
+        (got,) = _ours(tester, model, {"x": x})
         want = np.where(x64 >= 0, x64, x64 * slope.astype(np.float64).reshape(aligned))
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"opset {opset}")
 
@@ -392,26 +410,26 @@ _WORDS = np.array(["Monday", "tuesday", "MONDAY", "Friday", "Wednesday"], dtype=
         ({"case_change_action": "NONE"}, (5,)),
     ],
 )
-def test_string_normalizer_matches_onnxruntime(attrs: dict, shape: tuple) -> None:
+def test_string_normalizer_matches_onnxruntime(attrs: dict, shape: tuple, tester: OpTester) -> None:
     x = _WORDS.reshape(shape)
     # onnxruntime's default en_US.UTF-8 locale may not be installed; "C" always is
     node = helper.make_node("StringNormalizer", ["x"], ["y"], locale="C", **attrs)
     model = _model([node], {"x": x}, [("y", TensorProto.STRING)], 10)
-    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}))
+    _assert_same(_ours(tester, model, {"x": x}), _onnxruntime(model, {"x": x}))
 
 
-def test_string_normalizer_refuses_unknown_case_action_and_3d_input() -> None:
+def test_string_normalizer_refuses_unknown_case_action_and_3d_input(tester: OpTester) -> None:
     x = _WORDS.reshape(5)
     node = helper.make_node("StringNormalizer", ["x"], ["y"], case_change_action="TITLE")
     with pytest.raises(UnsupportedOpError, match="case_change_action='TITLE'"):
-        InferenceSession(_model([node], {"x": x}, [("y", TensorProto.STRING)], 10), ["cpu"])
+        tester.session_alone(_model([node], {"x": x}, [("y", TensorProto.STRING)], 10))
     x3 = _WORDS.reshape(1, 1, 5)
     node = helper.make_node("StringNormalizer", ["x"], ["y"])
     with pytest.raises(KernelError, match=r"\[C\] or \[1, C\]"):
-        _ours(_model([node], {"x": x3}, [("y", TensorProto.STRING)], 10), {"x": x3})
+        _ours(tester, _model([node], {"x": x3}, [("y", TensorProto.STRING)], 10), {"x": x3})
 
 
-def test_string_split_and_concat_match_the_reference() -> None:
+def test_string_split_and_concat_match_the_reference(tester: OpTester) -> None:
     x = np.array([["a,b,,c", ""], [",x", "no commas"]], dtype=object)
     nodes = [
         helper.make_node("StringSplit", ["x"], ["parts", "counts"], delimiter=",", maxsplit=2),
@@ -429,7 +447,7 @@ def test_string_split_and_concat_match_the_reference() -> None:
         20,
     )
     feeds = {"x": x, "suffix": suffix}
-    _assert_same(_ours(model, feeds), _reference(model, feeds))
+    _assert_same(_ours(tester, model, feeds), _reference(model, feeds))
 
 
 # -- small classic ops against onnxruntime --------------------------------------------------
@@ -451,15 +469,17 @@ _SMALL_CASES = [
 
 
 @pytest.mark.parametrize(("op", "opset", "attrs", "inputs", "out_type"), _SMALL_CASES)
-def test_small_classic_op_matches_onnxruntime(op, opset, attrs, inputs, out_type) -> None:
+def test_small_classic_op_matches_onnxruntime(
+    op, opset, attrs, inputs, out_type, tester: OpTester
+) -> None:
     names = [f"in{i}" for i in range(len(inputs))]
     node = helper.make_node(op, names, ["y"], **attrs)
     feeds = dict(zip(names, inputs, strict=True))
     model = _model([node], feeds, [("y", out_type)], opset)
-    _assert_same(_ours(model, feeds), _onnxruntime(model, feeds), tol=1e-5)
+    _assert_same(_ours(tester, model, feeds), _onnxruntime(model, feeds), tol=1e-5)
 
 
-def test_qlinear_conv_per_channel_matches_onnxruntime() -> None:
+def test_qlinear_conv_per_channel_matches_onnxruntime(tester: OpTester) -> None:
     x = RNG.integers(0, 255, (1, 3, 7, 6)).astype(np.uint8)
     w = RNG.integers(-60, 60, (4, 3, 3, 3)).astype(np.int8)
     inits = {
@@ -473,7 +493,7 @@ def test_qlinear_conv_per_channel_matches_onnxruntime() -> None:
         pads=[1, 0, 1, 1], strides=[2, 1],
     )  # fmt: skip
     model = _model([node], {"x": x}, [("y", TensorProto.UINT8)], 13, inits)
-    (got,) = _ours(model, {"x": x})
+    (got,) = _ours(tester, model, {"x": x})
     (want,) = _onnxruntime(model, {"x": x})
     assert got.dtype == want.dtype and got.shape == want.shape
     # onnxruntime requantizes in float32; allow one step where it rounds a tie the other way
@@ -481,24 +501,24 @@ def test_qlinear_conv_per_channel_matches_onnxruntime() -> None:
     assert np.mean(got == want) > 0.95
 
 
-def test_max_unpool_inverts_max_pool_indices() -> None:
+def test_max_unpool_inverts_max_pool_indices(tester: OpTester) -> None:
     x = _f32(2, 3, 6, 8)
     pool = helper.make_node("MaxPool", ["x"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2])
     unpool = helper.make_node("MaxUnpool", ["p", "i"], ["y"], kernel_shape=[2, 2], strides=[2, 2])
     model = _model([pool, unpool], {"x": x}, [("y", TensorProto.FLOAT)], 11)
-    (got,) = _ours(model, {"x": x})
+    (got,) = _ours(tester, model, {"x": x})
     win = x.reshape(2, 3, 3, 2, 4, 2)
     is_max = win == win.max(axis=(3, 5), keepdims=True)
     np.testing.assert_array_equal(got, np.where(is_max, win, 0).reshape(x.shape))
 
 
-def test_lrn_even_size_window_follows_the_spec_formula() -> None:
+def test_lrn_even_size_window_follows_the_spec_formula(tester: OpTester) -> None:
     """An even window reaches floor((size-1)/2) channels before and ceil((size-1)/2) after
     (onnxruntime refuses even sizes, so the spec's sum is written out here in float64)."""
     x = _f32(2, 6, 2, 3)
     size, alpha, beta, bias = 4, 0.5, 0.7, 1.0
     node = helper.make_node("LRN", ["x"], ["y"], size=size, alpha=alpha, beta=beta, bias=bias)
-    (got,) = _ours(_model([node], {"x": x}, [("y", TensorProto.FLOAT)], 13), {"x": x})
+    (got,) = _ours(tester, _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 13), {"x": x})
     sq = x.astype(np.float64) ** 2
     want = np.empty_like(sq)
     for c in range(6):
@@ -520,7 +540,7 @@ def test_lrn_even_size_window_follows_the_spec_formula() -> None:
         ("LSTM", {"direction": "reverse", "layout": 1, "input_forget": 1}),
     ],
 )
-def test_recurrent_layer_matches_onnxruntime(op: str, attrs: dict) -> None:
+def test_recurrent_layer_matches_onnxruntime(op: str, attrs: dict, tester: OpTester) -> None:
     gates = {"RNN": 1, "GRU": 3, "LSTM": 4}[op]
     dirs = 2 if attrs["direction"] == "bidirectional" else 1
     seq, batch, size, hidden = 5, 3, 4, 6
@@ -549,7 +569,7 @@ def test_recurrent_layer_matches_onnxruntime(op: str, attrs: dict) -> None:
         want = [np.transpose(want[0], (2, 0, 1, 3)), *(np.swapaxes(w, 0, 1) for w in want[1:])]
     else:
         want = _onnxruntime(model, {"x": x})
-    _assert_same(_ours(model, {"x": x}), want, tol=1e-5)
+    _assert_same(_ours(tester, model, {"x": x}), want, tol=1e-5)
 
 
 def _time_major(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -581,12 +601,14 @@ def _time_major(model: onnx.ModelProto) -> onnx.ModelProto:
     [((2, 9, 3, 1), 1, 12, {"onesided": 1}), ((2, 4, 7, 2), -2, 5, {"inverse": 1}),
      ((3, 8, 2), 1, 8, {})],
 )  # fmt: skip
-def test_dft_matches_onnxruntime(shape: tuple, axis: int, length: int, attrs: dict) -> None:
+def test_dft_matches_onnxruntime(
+    shape: tuple, axis: int, length: int, attrs: dict, tester: OpTester
+) -> None:
     x = _f32(*shape)
     inits = {"n": np.array(length, np.int64), "axis": np.array(axis, np.int64)}
     node = helper.make_node("DFT", ["x", "n", "axis"], ["y"], **attrs)
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 20, inits)
-    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}), tol=1e-4)
+    _assert_same(_ours(tester, model, {"x": x}), _onnxruntime(model, {"x": x}), tol=1e-4)
 
 
 # -- sampling ----------------------------------------------------------------------------------
@@ -595,7 +617,9 @@ def test_dft_matches_onnxruntime(shape: tuple, axis: int, length: int, attrs: di
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 @pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
 @pytest.mark.parametrize("align", [0, 1])
-def test_grid_sample_matches_onnxruntime(mode: str, padding: str, align: int) -> None:
+def test_grid_sample_matches_onnxruntime(
+    mode: str, padding: str, align: int, tester: OpTester
+) -> None:
     x = _f32(2, 3, 5, 7)
     grid = RNG.uniform(-1.6, 1.6, (2, 4, 6, 2)).astype(np.float32)
     node = helper.make_node(
@@ -603,14 +627,16 @@ def test_grid_sample_matches_onnxruntime(mode: str, padding: str, align: int) ->
     )
     model = _model([node], {"x": x, "g": grid}, [("y", TensorProto.FLOAT)], 16)
     feeds = {"x": x, "g": grid}
-    _assert_same(_ours(model, feeds), _onnxruntime(model, feeds), tol=1e-4)
+    _assert_same(_ours(tester, model, feeds), _onnxruntime(model, feeds), tol=1e-4)
 
 
 # -- sequence mixers ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("rule", ["linear", "gated", "delta", "gated_delta"])
-def test_linear_attention_unequal_head_sizes_match_the_reference(rule: str) -> None:
+def test_linear_attention_unequal_head_sizes_match_the_reference(
+    rule: str, tester: OpTester
+) -> None:
     """Key and value head sizes differ here (4 and 6), unlike in ONNX's node tests."""
     b, t, hq, hkv, dk, dv = 2, 5, 4, 2, 4, 6
     feeds = {
@@ -632,28 +658,28 @@ def test_linear_attention_unequal_head_sizes_match_the_reference(rule: str) -> N
         "LinearAttention", names, ["o", "s"], q_num_heads=hq, kv_num_heads=hkv, update_rule=rule
     )
     model = _model([node], feeds, [("o", TensorProto.FLOAT), ("s", TensorProto.FLOAT)], 27)
-    _assert_same(_ours(model, feeds), _reference(model, feeds), tol=1e-5)
+    _assert_same(_ours(tester, model, feeds), _reference(model, feeds), tol=1e-5)
 
 
-def test_causal_conv_decode_continues_the_prefill() -> None:
+def test_causal_conv_decode_continues_the_prefill(tester: OpTester) -> None:
     """Prefill of L tokens, then one decode step from present_state, equals L + 1 at once."""
     x = _f32(2, 3, 9)
     w, bias = _f32(3, 1, 4), _f32(3)
     whole = helper.make_node("CausalConvWithState", ["x", "w", "b"], ["y", "s"], activation="silu")
     model = _model([whole], {"x": x}, [("y", TensorProto.FLOAT), ("s", TensorProto.FLOAT)], 27,
                    {"w": w, "b": bias})  # fmt: skip
-    y_all, s_all = _ours(model, {"x": x})
+    y_all, s_all = _ours(tester, model, {"x": x})
     prefix = {"x": np.ascontiguousarray(x[:, :, :8])}
     pre_model = _model([whole], prefix, [("y", TensorProto.FLOAT), ("s", TensorProto.FLOAT)], 27,
                        {"w": w, "b": bias})  # fmt: skip
-    y_pre, s_pre = _ours(pre_model, prefix)
+    y_pre, s_pre = _ours(tester, pre_model, prefix)
     step = helper.make_node(
         "CausalConvWithState", ["x", "w", "b", "p"], ["y", "s"], activation="silu"
     )
     inputs = {"x": np.ascontiguousarray(x[:, :, 8:]), "p": s_pre}
     step_model = _model([step], inputs, [("y", TensorProto.FLOAT), ("s", TensorProto.FLOAT)],
                         27, {"w": w, "b": bias})  # fmt: skip
-    y_step, s_step = _ours(step_model, inputs)
+    y_step, s_step = _ours(tester, step_model, inputs)
     np.testing.assert_allclose(np.concatenate([y_pre, y_step], axis=2), y_all, rtol=1e-6)
     np.testing.assert_allclose(s_step, s_all, rtol=1e-6)
     np.testing.assert_array_equal(s_all, x[:, :, -3:])
@@ -663,7 +689,7 @@ def test_causal_conv_decode_continues_the_prefill() -> None:
 
 
 @pytest.mark.parametrize("center", [0, 1])
-def test_non_max_suppression_matches_onnxruntime(center: int) -> None:
+def test_non_max_suppression_matches_onnxruntime(center: int, tester: OpTester) -> None:
     corner = RNG.uniform(0, 10, (2, 40, 2))
     size = RNG.uniform(1, 4, (2, 40, 2))
     boxes = np.concatenate([corner, corner + size], axis=-1).astype(np.float32)
@@ -678,11 +704,11 @@ def test_non_max_suppression_matches_onnxruntime(center: int) -> None:
     )
     feeds = {"b": boxes, "s": scores}
     model = _model([node], feeds, [("sel", TensorProto.INT64)], 11, inits)
-    _assert_same(_ours(model, feeds), _onnxruntime(model, feeds))
+    _assert_same(_ours(tester, model, feeds), _onnxruntime(model, feeds))
 
 
 @pytest.mark.parametrize("mode", ["TF", "IDF", "TFIDF"])
-def test_tfidf_trigrams_with_skips_match_onnxruntime(mode: str) -> None:
+def test_tfidf_trigrams_with_skips_match_onnxruntime(mode: str, tester: OpTester) -> None:
     x = RNG.integers(0, 5, (3, 14)).astype(np.int64)
     pool = [0, 1, 2, 3, 0, 1, 2, 2, 4, 1, 1, 0, 0, 2, 3, 1, 0, 0, 0]
     node = helper.make_node(
@@ -691,7 +717,7 @@ def test_tfidf_trigrams_with_skips_match_onnxruntime(mode: str) -> None:
         pool_int64s=pool, weights=[0.5, 1.5, 2.0, 1.0, 0.25, 3.0, 1.0, 0.75, 2.5, 1.25],
     )  # fmt: skip
     model = _model([node], {"x": x}, [("y", TensorProto.FLOAT)], 11)
-    _assert_same(_ours(model, {"x": x}), _onnxruntime(model, {"x": x}))
+    _assert_same(_ours(tester, model, {"x": x}), _onnxruntime(model, {"x": x}))
 
 
 @pytest.mark.parametrize(
@@ -700,7 +726,7 @@ def test_tfidf_trigrams_with_skips_match_onnxruntime(mode: str) -> None:
      (16, {"mode": "max", "sampling_ratio": 0, "coordinate_transformation_mode": "output_half_pixel"}),
      (16, {"mode": "avg", "spatial_scale": 0.5})],
 )  # fmt: skip
-def test_roi_align_matches_onnxruntime(opset: int, attrs: dict) -> None:
+def test_roi_align_matches_onnxruntime(opset: int, attrs: dict, tester: OpTester) -> None:
     x = _f32(2, 3, 10, 12)
     rois = np.array(
         [[0, 0, 9, 9], [2.5, 1.2, 7.7, 8.1], [-2, -1, 4, 3], [6, 5, 14, 12], [3, 3, 3.5, 4]],
@@ -712,11 +738,11 @@ def test_roi_align_matches_onnxruntime(opset: int, attrs: dict) -> None:
     )
     feeds = {"x": x, "rois": rois, "b": batch}
     model = _model([node], feeds, [("y", TensorProto.FLOAT)], opset)
-    _assert_same(_ours(model, feeds), _onnxruntime(model, feeds), tol=1e-5)
+    _assert_same(_ours(tester, model, feeds), _onnxruntime(model, feeds), tol=1e-5)
 
 
 @pytest.mark.parametrize("op", ["Adam", "Adagrad", "Momentum"])
-def test_optimizer_step_after_the_first_matches_the_reference(op: str) -> None:
+def test_optimizer_step_after_the_first_matches_the_reference(op: str, tester: OpTester) -> None:
     """T > 0: Adam's bias correction and Momentum's beta apply (node tests use T = 0)."""
     groups = {"Adam": 4, "Adagrad": 3, "Momentum": 3}[op]
     tensors = {
@@ -745,10 +771,10 @@ def test_optimizer_step_after_the_first_matches_the_reference(op: str) -> None:
             helper.make_opsetid("ai.onnx.preview.training", 1),
         ],
     )
-    _assert_same(_ours(model, feeds), _reference(model, feeds), tol=1e-5)
+    _assert_same(_ours(tester, model, feeds), _reference(model, feeds), tol=1e-5)
 
 
-def test_deform_conv_groups_strides_mask_match_the_reference() -> None:
+def test_deform_conv_groups_strides_mask_match_the_reference(tester: OpTester) -> None:
     x = _f32(2, 4, 7, 6)
     w = _f32(6, 2, 3, 2)
     attrs = {"group": 2, "offset_group": 2, "strides": [2, 1], "dilations": [1, 2],
@@ -760,4 +786,4 @@ def test_deform_conv_groups_strides_mask_match_the_reference() -> None:
     node = helper.make_node("DeformConv", ["x", "w", "off", "b", "m"], ["y"], **attrs)
     feeds = {"x": x, "w": w, "off": offset, "b": bias, "m": mask}
     model = _model([node], feeds, [("y", TensorProto.FLOAT)], 19)
-    _assert_same(_ours(model, feeds), _reference(model, feeds), tol=1e-4)
+    _assert_same(_ours(tester, model, feeds), _reference(model, feeds), tol=1e-4)
