@@ -146,9 +146,9 @@ def genrt_model(genrt_stack: list[str]) -> Callable[..., Any]:
     """Factory: ``genrt_model(folder=None, **options)`` -> an engine Model on
     ``genrt_stack`` (the embedded default model when no folder is given)."""
     from onnx_genrt.engine.model import Model
-    from onnx_genrt.generate_cli import default_model_dir
+    from onnx_genrt.models import default_model_path
 
     def make(folder: str | Path | None = None, **options: Any) -> Model:
-        return Model(folder or default_model_dir(), list(genrt_stack), **options)
+        return Model(folder or default_model_path(), list(genrt_stack), **options)
 
     return make
