@@ -80,6 +80,33 @@ def test_parse_providers():
         parse_providers("a,cpu,a")
 
 
+STACKS_TEST = """
+def test_stack(genrt_provider, genrt_stack, genrt_providers):
+    expected = genrt_providers[genrt_providers.index(genrt_provider):]
+    assert genrt_stack == expected
+    print("STACK", genrt_provider, ",".join(genrt_stack))
+"""
+
+
+def test_ini_gives_the_providers_when_the_command_line_does_not(pytester):
+    """``genrt_providers`` in the ini file is the default of ``--provider``: one test per
+    name, each falling back on the names after it; ``--provider`` overrides it."""
+    pytester.makeini("[pytest]\ngenrt_providers = example,cpu\n")
+    pytester.makepyfile(test_stacks=STACKS_TEST)
+    result = pytester.runpytest("-s", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*STACK example example,cpu*", "*STACK cpu cpu*"])
+    result = pytester.runpytest("-s", "-p", "no:cacheprovider", "--provider", "cpu")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*STACK cpu cpu*"])
+    pytester.makeini("[pytest]\ngenrt_providers = a,cpu,a\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret != pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        ["*ini genrt_providers: provider list 'a,cpu,a' names a provider twice*"]
+    )
+
+
 def test_cpu_subset_passes(capsys):
     code, tally = run_kit(
         ["cpu"],
