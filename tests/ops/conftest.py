@@ -87,9 +87,18 @@ def tester(
         if name not in registry.names():
             known = ", ".join(registry.names())
             pytest.fail(f"no provider named {name!r} is registered (known: {known})")
-        reason = registry.unavailable_reason(name)
-        if reason:
-            pytest.skip(f"provider {name!r} cannot run here: {reason}")
+    reason = registry.unavailable_reason(genrt_provider)
+    if reason:
+        pytest.skip(f"provider {genrt_provider!r} cannot run here: {reason}")
+    # A fallback that cannot run here (the CPU provider without Numba on a GPU machine) only
+    # matters to the tests that build sessions: they skip, kernel launches still run.
+    unusable = [
+        f"fallback {name!r} cannot run here: {why}"
+        for name in genrt_stack[1:]
+        if (why := registry.unavailable_reason(name))
+    ]
     if genrt_provider not in _instances:
         _instances[genrt_provider] = registry.create(genrt_provider)
-    return OpTester(genrt_provider, tuple(genrt_stack), _instances[genrt_provider])
+    return OpTester(
+        genrt_provider, tuple(genrt_stack), _instances[genrt_provider], "; ".join(unusable)
+    )

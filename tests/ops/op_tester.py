@@ -47,11 +47,13 @@ def tensor_type(value: Any) -> TensorType | None:
 @dataclass
 class OpTester:
     """Runs op tests on ``name`` (with ``stack``, its session's provider list: ``name``
-    then its fallbacks); ``provider`` is the instance that direct kernel launches use."""
+    then its fallbacks); ``provider`` is the instance that direct kernel launches use;
+    ``fallback_problem`` says why a fallback cannot run here (sessions then skip)."""
 
     name: str
     stack: Sequence[str]
     provider: ExecutionProvider
+    fallback_problem: str = ""
 
     @property
     def is_reference(self) -> bool:
@@ -156,13 +158,19 @@ class OpTester:
         return outputs[0] if len(outputs) == 1 else outputs
 
     # -- a model, through a session ---------------------------------------------------------
+    def session_providers(self) -> list[str]:
+        """The provider list of this test's sessions (skips when a fallback cannot run)."""
+        if self.fallback_problem:
+            pytest.skip(self.fallback_problem)
+        return list(self.stack)
+
     def session(
         self, model: onnx.ModelProto, ops: Iterable[str] | None = None, **options: Any
     ) -> InferenceSession:
         """A session on the provider under test and its fallbacks, on which the nodes of the
         op types ``ops`` (every node when None) are placed on the provider under test."""
         try:
-            session = InferenceSession(model, providers=list(self.stack), **options)
+            session = InferenceSession(model, providers=self.session_providers(), **options)
         except UnsupportedOpError as exc:
             if self.is_reference:
                 raise

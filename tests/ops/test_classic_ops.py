@@ -99,7 +99,7 @@ def _node_cases() -> list[Any]:
 def test_onnx_node_case_passes(case: conformance.Case, tester: OpTester) -> None:
     if not tester.is_reference and conformance.EXPANDED in case.op:
         pytest.skip("a function body: its primitive ops have node tests of their own")
-    result = conformance.run_case(case, list(tester.stack), require_on=tester.name)
+    result = conformance.run_case(case, tester.session_providers(), require_on=tester.name)
     if result.status is Status.SKIPPED and not tester.is_reference:
         pytest.skip(result.reason)
     assert result.status is Status.PASSED, (
