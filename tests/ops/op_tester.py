@@ -5,8 +5,8 @@ numpy arrays for the test to compare with its independent reference.
 ``run``/``call`` launch one node's kernel directly: the provider's kernel for the node's op
 and opset, the inputs uploaded to its memory, its ``launch``, every output read back (an
 output that is not an array of the provider fails the test). ``session``/``run_model`` build
-an ``InferenceSession`` on the provider under test and its fallbacks and require the nodes
-under test to be placed on it.
+an ``InferenceSession`` on the provider under test and its fallbacks and require every node
+to be placed on the provider under test.
 
 The CPU provider is the reference provider of these tests: it must run every op they use, so
 a missing kernel or a refusal fails there. Any other provider without a kernel for the op, or
@@ -68,6 +68,7 @@ class OpTester:
 
     # -- one node, launched directly ------------------------------------------------------
     def node_info(self, node: onnx.NodeProto | NodeInfo, opset: int) -> NodeInfo:
+        """``node`` as the provider sees it, at ``opset``."""
         return node if isinstance(node, NodeInfo) else NodeInfo.from_proto(node, opset)
 
     def kernel(
@@ -124,9 +125,10 @@ class OpTester:
             elif self.provider.holds(value):
                 out.append(self.provider.read([value])[0])
             else:
+                kinds = ", ".join(t.__name__ for t in self.provider.ARRAY_TYPES)
                 pytest.fail(
                     f"{self.name}: {label} output {index} is a {type(value).__name__}, not an "
-                    f"array of the provider ({', '.join(t.__name__ for t in self.provider.ARRAY_TYPES)})",
+                    f"array of the provider ({kinds})",
                     pytrace=False,
                 )
         return tuple(out)
@@ -164,35 +166,26 @@ class OpTester:
             pytest.skip(self.fallback_problem)
         return list(self.stack)
 
-    def session(
-        self, model: onnx.ModelProto, ops: Iterable[str] | None = None, **options: Any
-    ) -> InferenceSession:
-        """A session on the provider under test and its fallbacks, on which the nodes of the
-        op types ``ops`` (every node when None) are placed on the provider under test."""
+    def session(self, model: onnx.ModelProto, **options: Any) -> InferenceSession:
+        """A session on the provider under test and its fallbacks that places every node on
+        the provider under test (the fallbacks can only hold what it leaves: nothing)."""
         try:
             session = InferenceSession(model, providers=self.session_providers(), **options)
         except UnsupportedOpError as exc:
             if self.is_reference:
                 raise
             self.unclaimed(str(exc))
-        wanted = None if ops is None else set(ops)
         placed = session.placement()
-        elsewhere = [
-            f"{p.node or p.op} on {p.provider}"
-            for p in placed
-            if p.provider != self.name and (wanted is None or p.op.split("::")[-1] in wanted)
-        ]
+        elsewhere = [f"{p.node or p.op} on {p.provider}" for p in placed if p.provider != self.name]
         if elsewhere:
             self.unclaimed(f"nodes placed elsewhere: {', '.join(elsewhere)}")
         if not any(p.provider == self.name for p in placed):
             pytest.fail(f"no node of the model runs on {self.name} (all folded?)", pytrace=False)
         return session
 
-    def run_model(
-        self, model: onnx.ModelProto, feeds: dict[str, Any], ops: Iterable[str] | None = None
-    ) -> list[np.ndarray]:
-        """``session(model, ops).run(None, feeds)``."""
-        return self.session(model, ops).run(None, feeds)
+    def run_model(self, model: onnx.ModelProto, feeds: dict[str, Any]) -> list[np.ndarray]:
+        """``session(model).run(None, feeds)``."""
+        return self.session(model).run(None, feeds)
 
     def session_alone(self, model: onnx.ModelProto, **options: Any) -> InferenceSession:
         """A session on the provider under test alone (no fallback), for tests that expect it
