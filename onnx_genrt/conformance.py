@@ -113,7 +113,7 @@ KNOWN_DIFFERENCES: dict[str, KnownDifference] = {
             "2 float16 ulps (1 on each side of the float64 result). Every other node "
             "matches float64 rounded once and onnx.reference bit for bit; onnxruntime "
             "passes only because it keeps the fp16 chain in float32 (no rounding between "
-            "nodes). Checked by tests/test_conformance_known.py"
+            "nodes). Checked by tests/cli/test_conformance_known.py"
         ),
     ),
 }

@@ -8,28 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession
-
-
-def elementwise_chain(nodes: int, width: int = 8) -> onnx.ModelProto:
-    """``nodes`` tiny Add/Mul/Sub nodes in a row: a model whose cost is all dispatch."""
-    graph_nodes = []
-    prev = "x"
-    for i in range(nodes):
-        out = "y" if i == nodes - 1 else f"t{i}"
-        graph_nodes.append(helper.make_node(("Add", "Mul", "Sub")[i % 3], [prev, "c"], [out]))
-        prev = out
-    graph = helper.make_graph(
-        graph_nodes,
-        "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])],
-        [numpy_helper.from_array(np.full((1, width), 1.0001, np.float32), "c")],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+from onnx_genrt.testing.models import elementwise_chain
 
 
 @dataclass(frozen=True)

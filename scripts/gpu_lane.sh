@@ -71,7 +71,7 @@ run_tests() {
     if [ -z "$whl" ]; then
       echo "no onnxruntime-genai wheel in .whl/ and no .gpu_fixtures: the whole-model tests skip"
     elif "$PY" -m pip install -q --no-index --no-deps --target "$site" "$whl" \
-      && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$PY" tests/gpu/test_cuda_llm_kernels.py --build; then
+      && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$PY" tests/providers/cuda/test_cuda_llm_kernels.py --build; then
       echo "built: .gpu_fixtures"
     else
       echo "building .gpu_fixtures failed: the whole-model tests skip"
@@ -80,8 +80,12 @@ run_tests() {
 
   echo "== GPU tests"
   set +e
+  # Every test marked gpu: the CUDA provider's own tests, then the op tests' cuda
+  # parametrization (tests/ops, one test on every provider), after them so that -x stops there
+  # only once the CUDA provider's tests have run.
   # shellcheck disable=SC2086
-  ONNX_GENRT_REQUIRE_GPU=1 "$PY" -m pytest -q tests/gpu ${GPU_LANE_PYTEST_ARGS--x} -rA \
+  ONNX_GENRT_REQUIRE_GPU=1 "$PY" -m pytest -q -m gpu tests/providers/cuda tests/ops \
+    ${GPU_LANE_PYTEST_ARGS--x} -rA \
     --junitxml="$LOGDIR/gpu_tests.xml"
   TESTS_RC=$?
   set -e

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-pytest_plugins = ["pytester"]  # tests/test_gpu_gate.py runs this file on generated tests
+pytest_plugins = ["pytester"]  # tests/package/test_gpu_gate.py runs this file on generated tests
 
 REQUIRE_GPU_VARIABLE = "ONNX_GENRT_REQUIRE_GPU"
 

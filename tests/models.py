@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_genrt.dispatch_bench import elementwise_chain
+from onnx_genrt.testing.models import elementwise_chain, elementwise_chain_reference
 
 
 def mlp(hidden: int = 16, seed: int = 0, batch: int | str = "batch") -> onnx.ModelProto:
@@ -53,10 +53,8 @@ def chain(length: int, width: int = 8) -> onnx.ModelProto:
 
 
 def chain_reference(length: int, x: np.ndarray) -> np.ndarray:
-    y = x.astype(np.float64)
-    for i in range(length):
-        y = (y + 1.0001, y * 1.0001, y - 1.0001)[i % 3]
-    return y
+    """``chain(length)`` in numpy float64."""
+    return elementwise_chain_reference(length, x)
 
 
 def decomposed_head(hidden: int = 24, vocab: int = 300, dtype=np.float32, seed: int = 0):
@@ -265,10 +263,10 @@ def mtp_chain_case(seed: int, k: int = 4):
     chain (``engine.mtp_chain``): verify ids whose first drafts partly match the argmax, a
     draft count and a verify start."""
     from onnx_genrt.engine import mtp_chain as mc
-    from onnx_genrt.generate_cli import default_model_dir
+    from onnx_genrt.models import default_model_path
     from onnx_genrt.session import InferenceSession, load_model
 
-    chain = mc.unroll_mtp_head(load_model(default_model_dir() / "mtp" / "model.onnx"), k)
+    chain = mc.unroll_mtp_head(load_model(default_model_path() / "mtp" / "model.onnx"), k)
     hidden_size = int(InferenceSession(chain).input_spec("hidden_states").shape[-1])
     rng = np.random.default_rng(seed)
     feeds = {

@@ -1,4 +1,4 @@
-"""The kit's small model, built in code, and its numpy float64 reference."""
+"""The kit's small models, built in code, and their numpy float64 references."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 #: Ops of the kit model; a provider under test needs at least one of them.
 KIT_OPS = ("MatMul", "Add", "Relu", "Sigmoid", "Mul", "Softmax")
+#: The constant every node of ``elementwise_chain`` applies.
+CHAIN_CONSTANT = 1.0001
 
 
 def kit_model(hidden: int = 16, seed: int = 0) -> onnx.ModelProto:
@@ -40,6 +42,32 @@ def kit_model(hidden: int = 16, seed: int = 0) -> onnx.ModelProto:
         inits,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def elementwise_chain(nodes: int, width: int = 8) -> onnx.ModelProto:
+    """``nodes`` tiny Add/Mul/Sub nodes in a row: a model whose cost is all dispatch."""
+    graph_nodes = []
+    prev = "x"
+    for i in range(nodes):
+        out = "y" if i == nodes - 1 else f"t{i}"
+        graph_nodes.append(helper.make_node(("Add", "Mul", "Sub")[i % 3], [prev, "c"], [out]))
+        prev = out
+    graph = helper.make_graph(
+        graph_nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])],
+        [numpy_helper.from_array(np.full((1, width), CHAIN_CONSTANT, np.float32), "c")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def elementwise_chain_reference(nodes: int, x: np.ndarray) -> np.ndarray:
+    """``elementwise_chain(nodes)`` in numpy float64."""
+    y = x.astype(np.float64)
+    for i in range(nodes):
+        y = (y + CHAIN_CONSTANT, y * CHAIN_CONSTANT, y - CHAIN_CONSTANT)[i % 3]
+    return y
 
 
 def kit_reference(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:

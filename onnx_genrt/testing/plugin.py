@@ -3,7 +3,8 @@
 Installed through the ``pytest11`` entry point ``onnx_genrt``, so any pytest run in an
 environment with onnx-genrt has them:
 
-* ``genrt_providers`` -- the requested names, provider under test first (default ``cpu``);
+* ``genrt_providers`` -- the requested names, provider under test first: ``--provider``, else
+  the ``genrt_providers`` ini value (a project's default list), else ``cpu``;
 * ``genrt_provider`` -- parametrizes a test over the requested names (one test id each);
 * ``genrt_stack`` -- the providers a session gets for ``genrt_provider``: that name, then
   the names after it in ``--provider`` as fallbacks;
@@ -26,6 +27,9 @@ import pytest
 
 from . import OPTION, OPTION_DEST, parse_providers
 
+#: The ini key that gives the providers when the command line has no ``--provider``.
+INI_PROVIDERS = "genrt_providers"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("onnx-genrt", "onnx-genrt provider test kit")
@@ -35,16 +39,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest=OPTION_DEST,
         default=None,
         metavar="NAME[,FALLBACK...]",
-        help="execution providers: the one under test, then its fallbacks (default: cpu)",
+        help=(
+            f"execution providers: the one under test, then its fallbacks (default: the "
+            f"{INI_PROVIDERS} ini value, else cpu)"
+        ),
+    )
+    parser.addini(
+        INI_PROVIDERS,
+        help=f"the providers when {OPTION} is not given: NAME[,FALLBACK...] (default: cpu)",
+        default="",
     )
 
 
 def requested_providers(config: pytest.Config) -> list[str]:
-    """The names given with ``--provider`` (``["cpu"]`` when none)."""
+    """The names given with ``--provider``, else those of the ``genrt_providers`` ini value
+    (``["cpu"]`` when neither says)."""
+    given = config.getoption(OPTION_DEST)
+    source = OPTION
+    if not given:
+        given, source = config.getini(INI_PROVIDERS) or None, f"ini {INI_PROVIDERS}"
     try:
-        return parse_providers(config.getoption(OPTION_DEST))
+        return parse_providers(given)
     except ValueError as exc:
-        raise pytest.UsageError(f"{OPTION}: {exc}") from None
+        raise pytest.UsageError(f"{source}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -129,9 +146,9 @@ def genrt_model(genrt_stack: list[str]) -> Callable[..., Any]:
     """Factory: ``genrt_model(folder=None, **options)`` -> an engine Model on
     ``genrt_stack`` (the embedded default model when no folder is given)."""
     from onnx_genrt.engine.model import Model
-    from onnx_genrt.generate_cli import default_model_dir
+    from onnx_genrt.models import default_model_path
 
     def make(folder: str | Path | None = None, **options: Any) -> Model:
-        return Model(folder or default_model_dir(), list(genrt_stack), **options)
+        return Model(folder or default_model_path(), list(genrt_stack), **options)
 
     return make

@@ -14,9 +14,9 @@ NEW_TOKENS = 12
 def _decode(providers: list) -> tuple[list[int], dict]:
     from onnx_genrt.engine.api import generate
     from onnx_genrt.engine.model import Model
-    from onnx_genrt.generate_cli import default_model_dir
+    from onnx_genrt.models import default_model_path
 
-    model = Model(default_model_dir(), providers)
+    model = Model(default_model_path(), providers)
     placed = {p.provider for p in model.session.placement()}
     result = generate(model, PROMPT, NEW_TOKENS, do_sample=False, ignore_eos=True)
     return list(result.tokens), {"placed": placed, **result.graph_stats["target"]}

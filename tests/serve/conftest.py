@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from onnx_genrt.engine import Model, generate
-from onnx_genrt.generate_cli import default_model_dir
+from onnx_genrt.models import default_model_path
 
 HOST = "127.0.0.1"
 MODEL_NAME = "default"
@@ -114,7 +114,7 @@ def impatient_server(tmp_path: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def reference_model() -> Model:
-    return Model(default_model_dir())
+    return Model(default_model_path())
 
 
 @pytest.fixture(scope="module")

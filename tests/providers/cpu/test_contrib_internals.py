@@ -1,0 +1,141 @@
+"""The CPU provider's com.microsoft kernels inside (``providers/cpu/kernels/contrib_quant.py``,
+``_int4_matmul.py``, ``contrib_attention.py``): MatMulNBits dequantizes once and keeps only
+what its cache option says, the packed int4 paths agree with each other and with a float64
+reference, and GroupQueryAttention writes a shared cache buffer in place. The op's results
+on every provider are in tests/ops/test_contrib.py, whose model builders these tests reuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from onnx_genrt.core.kernels import KernelContext, NodeInfo
+from onnx_genrt.providers.cpu.kernels import REGISTRY, contrib_quant
+from onnx_genrt.session import InferenceSession
+
+from ...ops.test_contrib import (
+    ATTRS,
+    F32,
+    GQA_INPUTS,
+    MS,
+    ROTARY,
+    _f64,
+    _feeds,
+    _gqa_inputs,
+    _gqa_model,
+    _nbits_case,
+    _quantize_nbits,
+    _rng,
+)
+
+
+def test_matmul_nbits_dequantizes_once() -> None:
+    model, inp, want = _nbits_case(44, 1, 128, 32, 4, 32, "uint8", False, F32)
+    sess = InferenceSession(model, providers=["cpu"])
+    builds = contrib_quant.DEQUANT_CACHE.builds
+    for _ in range(3):
+        (got,) = sess.run(None, {"A": inp["A"]})
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert contrib_quant.DEQUANT_CACHE.builds == builds + 1
+    cached = len(contrib_quant.DEQUANT_CACHE)
+    del sess
+    import gc
+
+    gc.collect()
+    assert len(contrib_quant.DEQUANT_CACHE) < cached  # entries die with their weights
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_int4_matmul_parallel_matches_serial(m: int) -> None:
+    from onnx_genrt.providers.cpu.kernels import _int4_matmul as im
+
+    rng = _rng(49)
+    qw = _quantize_nbits(rng.standard_normal((300, 96)), 4, 32, "uint8")
+    zeros = contrib_quant._nbits_zeros(qw["zero_points"], 300, 3, 4)
+    w = im.pack_int4(qw["B"], qw["scales"], zeros, 300, 32)
+    x = rng.standard_normal((m, 96)).astype(np.float32)
+    serial, parallel = np.empty((m, 300), np.float32), np.empty((m, 300), np.float32)
+    im._int4_serial(x, w.tiles, w.scales, w.zeros, w.block, serial)
+    im._int4_parallel(x, w.tiles, w.scales, w.zeros, w.block, 3, parallel)
+    np.testing.assert_array_equal(parallel, serial)
+    np.testing.assert_allclose(serial, _f64(x) @ qw["ref"].T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch, keep: bool) -> None:
+    """Decode-sized calls never build the float32 weight; each large call does, unless the
+    cache keeps it (then once). The packed row tiles are kept either way."""
+    model, inp, _ = _nbits_case(50, 1, 128, 32, 4, 32, "none", False, F32)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "m"
+    sess = InferenceSession(model, providers=[("cpu", {"nbits_cache": keep})])
+    real_dequant, real_tiles = contrib_quant.dequantize_nbits, contrib_quant.int4_tiles
+    built: list[str] = []
+
+    def counting(real, what):
+        def build(*args: Any) -> Any:
+            built.append(what)
+            return real(*args)
+
+        return build
+
+    monkeypatch.setattr(contrib_quant, "dequantize_nbits", counting(real_dequant, "float"))
+    monkeypatch.setattr(contrib_quant, "int4_tiles", counting(real_tiles, "tiles"))
+    a = _rng(51).standard_normal((40, 128)).astype(np.float32)
+    want = _f64(a) @ _quantize_nbits(_rng(50).standard_normal((32, 128)), 4, 32, "none")["ref"].T
+    for rows in (1, 16, 2):
+        (got,) = sess.run(None, {"A": a[:rows]})
+        np.testing.assert_allclose(got, want[:rows], rtol=1e-4, atol=1e-4)
+    assert built == ["tiles"]
+    for _ in range(2):
+        (got,) = sess.run(None, {"A": a})
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert built.count("float") == (1 if keep else 2)
+    assert built.count("tiles") == 1
+
+
+@pytest.mark.parametrize("zero", ["none", "uint8", "float"])
+def test_whole_block_int4_dequant_equals_the_general_one(zero: str) -> None:
+    """The vectorized 4-bit path gives the same bits as the general loop."""
+    rng = _rng(52)
+    n, k, block = 70, 256, 64
+    qw = _quantize_nbits(rng.standard_normal((n, k)), 4, block, zero)
+    nb = k // block
+    packed = np.ascontiguousarray(qw["B"], np.uint8).reshape(n, nb, block // 2)
+    scales = np.ascontiguousarray(qw["scales"], np.float32).reshape(n, nb)
+    zeros = contrib_quant._nbits_zeros(qw.get("zero_points"), n, nb, 4)
+    general = np.empty((n, k), np.float32)
+    contrib_quant._dequant_nbits(packed, scales, zeros, 4, block, k, general)
+    fast = contrib_quant.dequantize_nbits(
+        qw["B"], qw["scales"], qw.get("zero_points"), k, n, 4, block
+    )
+    np.testing.assert_array_equal(fast, general)
+    np.testing.assert_allclose(fast, qw["ref"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rope", ROTARY)
+@pytest.mark.parametrize("dtype", [F32, np.dtype(np.float16)], ids=str)
+def test_gqa_shared_buffer_is_written_in_place(rope: dict, dtype: np.dtype) -> None:
+    """past_key longer than total_sequence_length: the fed buffer is written in place and
+    returned as present, by the session and by the kernel alone; only each entry's new slot
+    changes."""
+    inp = _gqa_inputs(3, dtype, b=2, s=1, seqlens=[9, 5], cap=16, total=10)
+    model = _gqa_model(inp, dtype, **ATTRS, **rope)
+    feeds = _feeds(model, inp)
+    _, pk, pv = InferenceSession(model, providers=["cpu"]).run(None, feeds)
+    assert pk is feeds["past_key"] and pv is feeds["past_value"]
+    args = [None if inp[n] is None else inp[n].copy() for n in GQA_INPUTS[:9]]
+    if not rope:
+        args[7] = args[8] = None
+    before = args[3].copy()
+    names = [f"i{i}" if a is not None else "" for i, a in enumerate(args)]
+    node = NodeInfo(
+        "GroupQueryAttention", "gqa", MS, 1, {**ATTRS, **rope}, tuple(names), ("y", "pk", "pv")
+    )
+    while args[-1] is None:  # trailing absent inputs are not passed
+        args.pop()
+    _, pk, pv = REGISTRY.lookup(MS, "GroupQueryAttention", 1).fn(KernelContext(node), *args)
+    assert pk is args[3] and pv is args[4]
+    changed = np.any(pk != before, axis=(1, 3))  # (batch, position)
+    assert changed[0].nonzero()[0].tolist() == [9] and changed[1].nonzero()[0].tolist() == [5]
