@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
-from onnx_genrt.engine import Model, generate, stream
+from onnx_genrt.engine import Model, generate, stream, warm_up
 from onnx_genrt.engine.api import (
     DEFAULT_MAX_NEW_TOKENS,
     default_k,
@@ -107,3 +107,34 @@ def test_a_generation_may_fill_the_context_and_no_more(qwen2_dir):
     for too_long in (prompt + [1], [prompt + [1], [1, 2]]):
         with pytest.raises(InvalidInputError, match=f"context length of {context}"):
             generate(model, too_long, 3)
+
+
+def test_generate_batch_checks_max_new_tokens(qwen2_dir):
+    model = Model(qwen2_dir)
+    with pytest.raises(InvalidInputError, match="max_new_tokens must be an integer >= 1, got 0"):
+        generate_batch(model, [[5, 17], [1, 2]], 0)
+    rows = generate_batch(model, [[5, 17], [1, 2]], 1, ignore_eos=True)
+    assert [r.tokens for r in rows] == [
+        generate(model, p, 1, ignore_eos=True).tokens for p in ([5, 17], [1, 2])
+    ]
+
+
+def test_decode_speed_counts_the_tokens_after_the_first(qwen2_dir):
+    """The first new token comes from the prefill, so a decode rate counts the others."""
+    model = Model(qwen2_dir)
+    res = generate(model, [5, 17, 99], 9, ignore_eos=True)
+    assert res.decode_seconds > 0
+    assert res.decode_tokens_per_second == pytest.approx(8 / res.decode_seconds)
+    one = dataclasses.replace(res, tokens=res.tokens[:4])  # a single new token: no decode
+    assert one.new_tokens == 1 and one.decode_tokens_per_second == 0.0
+    two = dataclasses.replace(res, tokens=res.tokens[:5])
+    assert two.decode_tokens_per_second == pytest.approx(1 / res.decode_seconds)
+    assert dataclasses.replace(res, decode_seconds=0.0).decode_tokens_per_second == 0.0
+
+
+def test_warm_up_needs_room_for_a_prompt_and_a_token(qwen2_dir):
+    model = Model(qwen2_dir)
+    with pytest.raises(InvalidInputError, match="max_length must be an integer >= 2, got 1"):
+        warm_up(model, 1)
+    assert warm_up(model, 2) > 0
+    assert model.session.all_graph_stats()["primary"]["captures"] == 1
