@@ -1,0 +1,158 @@
+"""DecoderRunner and StaticKVCache: what they refuse, and the values they bind and read."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.engine import Generator, GeneratorParams, Model, generate
+from onnx_genrt.engine.batch import BatchGenerator
+from onnx_genrt.engine.decoder import DecoderRunner
+
+PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
+
+
+def _edited_copy(source: Path, target: Path, edit: Callable[[onnx.GraphProto], None]) -> Path:
+    """A copy of the decoder in ``source`` whose graph declarations ``edit`` changed."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("draft", "mtp", "spec*"))
+    path = target / "model.onnx"
+    proto = onnx.load(path, load_external_data=False)  # the weights stay in their file
+    edit(proto.graph)
+    onnx.save(proto, path)
+    return target
+
+
+def _dims(graph: onnx.GraphProto, name: str):
+    value = next(v for v in [*graph.input, *graph.output] if v.name == name)
+    return value.type.tensor_type.shape.dim
+
+
+def _open_generator(folder: Path) -> None:
+    model = Model(folder)
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=16)
+    Generator(model, params).close()
+
+
+def test_a_kv_input_without_a_rank_4_shape_is_refused(qwen2_dir, tmp_path):
+    def drop_shape(graph):
+        next(
+            i for i in graph.input if i.name == "past_key_values.0.key"
+        ).type.tensor_type.ClearField("shape")
+
+    folder = _edited_copy(qwen2_dir, tmp_path / "m", drop_shape)
+    with pytest.raises(ModelLoadError, match=r"past_key_values\.0\.key must be rank 4"):
+        _open_generator(folder)
+
+
+@pytest.mark.parametrize(("axis", "value"), [(1, 3), (3, 8)])
+def test_kv_dimensions_that_disagree_with_the_config_are_refused(qwen2_dir, tmp_path, axis, value):
+    def set_dim(graph):
+        _dims(graph, "past_key_values.0.key")[axis].dim_value = value
+
+    folder = _edited_copy(qwen2_dir, tmp_path / "m", set_dim)
+    with pytest.raises(ModelLoadError, match=f"dimension {axis} is {value}, the config says"):
+        _open_generator(folder)
+
+
+def test_a_fixed_batch_dimension_decodes_one_row_and_refuses_a_batch(qwen2_dir, tmp_path):
+    def fix_batch(graph):
+        _dims(graph, "past_key_values.0.key")[0].dim_value = 1
+
+    folder = _edited_copy(qwen2_dir, tmp_path / "m", fix_batch)
+    model = Model(folder)
+    reference = generate(Model(qwen2_dir), [5, 17, 99], 6, ignore_eos=True).tokens
+    assert generate(model, [5, 17, 99], 6, ignore_eos=True).tokens == reference
+    with pytest.raises(ModelLoadError, match="fixed batch dimension 1; batching 2 rows"):
+        generate(model, [[5, 17, 99], [1, 2]], 6)
+
+
+def test_logits_without_a_static_vocabulary_are_refused(qwen2_dir, tmp_path):
+    def dynamic_vocab(graph):
+        _dims(graph, "logits")[-1].dim_param = "vocab"
+
+    folder = _edited_copy(qwen2_dir, tmp_path / "m", dynamic_vocab)
+    with pytest.raises(ModelLoadError, match="'logits' needs a static vocabulary dimension"):
+        generate(Model(folder), [5, 17, 99], 4)
+
+
+@pytest.fixture(scope="module")
+def model(qwen2_dir) -> Model:
+    return Model(qwen2_dir)
+
+
+def _prefill_logits(model: Model, tokens: list[int]) -> np.ndarray:
+    """Reference: the last row's logits of ``tokens`` run eagerly on a fresh cache."""
+    runner = DecoderRunner(model.session, model.config, 64)
+    return runner.forward(tokens, None).logits[-1].copy()
+
+
+def test_steps_that_do_not_fit_their_width_or_the_cache_are_refused(model):
+    runner = DecoderRunner(model.session, model.config, 8)
+    with pytest.raises(InvalidInputError, match="cannot feed 0 tokens in a step of width 0"):
+        runner.forward([], None)
+    with pytest.raises(InvalidInputError, match="cannot feed 3 tokens in a step of width 2"):
+        runner.forward([1, 2, 3], VERIFY, width=2)
+    assert runner.cache.length == 0
+    runner.forward([5, 17, 99, 3, 250], None)
+    out = runner.forward([7, 8, 9], None)  # fills the cache to its last position
+    assert runner.cache.length == 8
+    np.testing.assert_allclose(
+        out.logits[-1], _prefill_logits(model, [5, 17, 99, 3, 250, 7, 8, 9]), rtol=1e-4, atol=1e-5
+    )
+    runner.rewind_to(6)
+    with pytest.raises(InvalidInputError, match="sequence of 9 tokens exceeds the KV cache of 8"):
+        runner.forward([7], VERIFY, width=3)  # one token, but a step 3 wide
+    assert runner.cache.length == 6
+
+
+def test_rewinds_outside_the_cache_are_refused(model):
+    runner = DecoderRunner(model.session, model.config, 16)
+    runner.forward([5, 17, 99], None)
+    for length in (-1, 4):
+        with pytest.raises(
+            InvalidInputError, match=f"cannot rewind to {length}: the cache holds 3"
+        ):
+            runner.rewind_to(length)
+    runner.rewind_to(3)
+    runner.rewind_to(0)
+    out = runner.forward([1, 2], None)
+    np.testing.assert_allclose(out.logits[-1], _prefill_logits(model, [1, 2]), rtol=1e-4, atol=1e-5)
+
+
+def test_device_fed_steps_are_checked(model):
+    runner = DecoderRunner(model.session, model.config, 8)
+    first = runner.launch([5, 17, 99], None)
+    first.wait()
+    with pytest.raises(InvalidInputError, match="takes one token from a device argmax"):
+        runner.launch([1, 2], PRIMARY, width=2, feed_argmax_of=first)
+    with pytest.raises(InvalidInputError, match="needs a graph slot and a width"):
+        runner.launch(None, None, width=2)
+    with pytest.raises(InvalidInputError, match="needs a graph slot and a width"):
+        runner.launch(None, VERIFY)
+    with pytest.raises(InvalidInputError, match="a step of 6 after 3 positions exceeds"):
+        runner.launch(None, VERIFY, width=6)
+
+
+def test_a_cache_view_is_its_rows_of_the_batch_cache(model):
+    batch = BatchGenerator(model, 4, 32)
+    cache = batch.runner.cache
+    view = cache.rows_view(1, 2)
+    assert (view.rows, view.length, view.max_length) == (2, 0, cache.max_length)
+    for whole, part in zip([*cache.keys, *cache.values], [*view.keys, *view.values], strict=True):
+        assert np.shares_memory(part, whole)
+        np.testing.assert_array_equal(part, whole[1:3])
+    for start, count in ((0, 1), (3, 1), (0, 4)):  # the edges of the cache
+        assert cache.rows_view(start, count).keys[0].shape[0] == count
+    for start, count in ((3, 2), (-1, 1), (0, 0), (4, 1)):
+        with pytest.raises(InvalidInputError, match="rows .* of a cache of 4"):
+            cache.rows_view(start, count)
+    with pytest.raises(InvalidInputError, match="a step of 5 rows on a cache of 4"):
+        batch.runner.step_rows(np.ones(5, np.int64), np.zeros(5, np.int64), PRIMARY)
