@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -41,13 +42,16 @@ def _open_generator(folder: Path) -> None:
     Generator(model, params).close()
 
 
-def test_a_kv_input_without_a_rank_4_shape_is_refused(qwen2_dir, tmp_path):
-    def drop_shape(graph):
-        next(
-            i for i in graph.input if i.name == "past_key_values.0.key"
-        ).type.tensor_type.ClearField("shape")
+@pytest.mark.parametrize("declared", ["none", "rank 3"])
+def test_a_kv_input_without_a_rank_4_shape_is_refused(qwen2_dir, tmp_path, declared):
+    def edit(graph):
+        key = next(i for i in graph.input if i.name == "past_key_values.0.key")
+        if declared == "none":
+            key.type.tensor_type.ClearField("shape")
+        else:
+            del key.type.tensor_type.shape.dim[-1]
 
-    folder = _edited_copy(qwen2_dir, tmp_path / "m", drop_shape)
+    folder = _edited_copy(qwen2_dir, tmp_path / "m", edit)
     with pytest.raises(ModelLoadError, match=r"past_key_values\.0\.key must be rank 4"):
         _open_generator(folder)
 
@@ -81,6 +85,34 @@ def test_logits_without_a_static_vocabulary_are_refused(qwen2_dir, tmp_path):
     folder = _edited_copy(qwen2_dir, tmp_path / "m", dynamic_vocab)
     with pytest.raises(ModelLoadError, match="'logits' needs a static vocabulary dimension"):
         generate(Model(folder), [5, 17, 99], 4)
+
+
+def test_logits_not_made_row_by_row_are_computed_for_every_prompt_row(qwen2_dir, tmp_path):
+    """Here the logits are ``raw + raw * 0``: one step reads two values, so they have no
+    row tail; a prefill computes every row, and greedy tokens equal the unedited model's."""
+
+    def expose_raw_logits(graph):
+        lm_head = next(n for n in graph.node if "logits" in n.output)
+        lm_head.output[0] = "raw_logits"
+        zero = onnx.helper.make_tensor("zero", onnx.TensorProto.FLOAT, [], [0.0])
+        graph.initializer.append(zero)
+        graph.node.extend(
+            [
+                onnx.helper.make_node("Mul", ["raw_logits", "zero"], ["no_logits"]),
+                onnx.helper.make_node("Add", ["raw_logits", "no_logits"], ["logits"]),
+            ]
+        )
+
+    folder = _edited_copy(qwen2_dir, tmp_path / "m", expose_raw_logits)
+    model = Model(folder)
+    runner = DecoderRunner(model.session, model.config, 16)
+    assert model.session.row_tail("logits") is None and not runner.prefill_last_row
+    prompt = [5, 17, 99, 3]
+    every = runner.forward(prompt, None).logits
+    assert every.shape[0] == len(prompt)
+    np.testing.assert_allclose(every[-1], _prefill_logits(Model(qwen2_dir), prompt), atol=1e-5)
+    reference = generate(Model(qwen2_dir), prompt, 8, ignore_eos=True).tokens
+    assert generate(model, prompt, 8, ignore_eos=True).tokens == reference
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +188,37 @@ def test_a_cache_view_is_its_rows_of_the_batch_cache(model):
             cache.rows_view(start, count)
     with pytest.raises(InvalidInputError, match="a step of 5 rows on a cache of 4"):
         batch.runner.step_rows(np.ones(5, np.int64), np.zeros(5, np.int64), PRIMARY)
+
+
+def test_argmax_ids_are_checked_against_both_ends_of_the_vocabulary():
+    from onnx_genrt.core.errors import KernelError
+    from onnx_genrt.engine.decoder import check_token_ids
+
+    check_token_ids(np.array([0, 4095]), 4096, "a step")
+    check_token_ids(np.array([], np.int64), 4096, "a step")
+    check_token_ids(np.array([4096]), None, "a step")  # no static vocabulary: nothing to check
+    for ids, bad, rows in (([0, 4096], [4096], [1]), ([-1, 0, 7], [-1], [0])):
+        message = f"ids {bad} outside the vocabulary of 4096 (rows {rows})"
+        with pytest.raises(KernelError, match=re.escape(message)):
+            check_token_ids(np.array(ids), 4096, "a step")
+
+
+class _Memory:
+    """A device that reports ``limit`` bytes of memory (what check_cache_fits reads)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+
+    def memory_limit(self) -> int | None:
+        return self.limit
+
+
+def test_a_kv_cache_may_use_all_of_the_memory_and_no_more():
+    from onnx_genrt.engine.decoder import check_cache_fits
+
+    shape, layers = (1, 2, 64, 16), 3
+    need = 2 * layers * np.zeros(shape, np.float16).nbytes  # keys and values of every layer
+    check_cache_fits(_Memory(need), layers, shape, np.float16)
+    check_cache_fits(_Memory(None), layers, shape, np.float16)
+    with pytest.raises(InvalidInputError, match=f"max_length 64 needs {need} bytes"):
+        check_cache_fits(_Memory(need - 1), layers, shape, np.float16)
