@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Callable
@@ -222,3 +223,43 @@ def test_a_kv_cache_may_use_all_of_the_memory_and_no_more():
     check_cache_fits(_Memory(None), layers, shape, np.float16)
     with pytest.raises(InvalidInputError, match=f"max_length 64 needs {need} bytes"):
         check_cache_fits(_Memory(need - 1), layers, shape, np.float16)
+
+
+def _with_position_ids(source: Path, target: Path) -> Path:
+    """A copy of the decoder whose attention takes its rotary positions from a
+    ``position_ids`` input (GroupQueryAttention's optional input 9) instead of the mask."""
+
+    def take_position_ids(graph):
+        for node in graph.node:
+            if node.op_type == "GroupQueryAttention":
+                node.input[9] = "position_ids"
+        graph.input.append(
+            onnx.helper.make_tensor_value_info(
+                "position_ids", onnx.TensorProto.INT64, ["batch_size", "sequence_length"]
+            )
+        )
+
+    folder = _edited_copy(source, target, take_position_ids)
+    path = folder / "genai_config.json"
+    config = json.loads(path.read_text())
+    config["model"]["decoder"]["inputs"]["position_ids"] = "position_ids"
+    path.write_text(json.dumps(config))
+    return folder
+
+
+def test_position_ids_are_fed_alone_and_in_a_batch(qwen2_dir, tmp_path):
+    """Positions count from each row's length: greedy output equals onnxruntime-genai's on
+    the same folder, for one sequence (prefill, decode, a verify-wide step) and batched."""
+    from .test_greedy_parity import _onnxruntime_genai
+
+    folder = _with_position_ids(qwen2_dir, tmp_path / "m")
+    model = Model(folder)
+    prompts = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    reference = [_onnxruntime_genai(folder, p, 12) for p in prompts]
+    for prompt, want in zip(prompts, reference, strict=True):
+        assert generate(model, prompt, 12, ignore_eos=True).tokens == want
+    assert (
+        generate(model, prompts[1], 12, spec="ngram", k=3, ignore_eos=True).tokens == reference[1]
+    )
+    rows = generate(model, prompts, 12, ignore_eos=True)
+    assert [r.tokens for r in rows] == reference
