@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import re
 import shutil
@@ -12,11 +14,14 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
+from onnx_genrt.core.errors import InvalidInputError, KernelError, ModelLoadError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.kernels import KernelRegistry
 from onnx_genrt.engine import Generator, GeneratorParams, Model, generate
 from onnx_genrt.engine.batch import BatchGenerator
 from onnx_genrt.engine.decoder import DecoderRunner
+from onnx_genrt.providers.cpu.kernels import REGISTRY
+from onnx_genrt.providers.cpu.provider import CPUProvider
 
 PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
 
@@ -67,16 +72,21 @@ def test_kv_dimensions_that_disagree_with_the_config_are_refused(qwen2_dir, tmp_
         _open_generator(folder)
 
 
-def test_a_fixed_batch_dimension_decodes_one_row_and_refuses_a_batch(qwen2_dir, tmp_path):
-    def fix_batch(graph):
-        _dims(graph, "past_key_values.0.key")[0].dim_value = 1
+def test_a_fixed_batch_dimension_decodes_that_many_rows_only(qwen2_dir, tmp_path):
+    def fix_batch(size):
+        def edit(graph):
+            _dims(graph, "past_key_values.0.key")[0].dim_value = size
 
-    folder = _edited_copy(qwen2_dir, tmp_path / "m", fix_batch)
-    model = Model(folder)
+        return edit
+
+    one = Model(_edited_copy(qwen2_dir, tmp_path / "one", fix_batch(1)))
     reference = generate(Model(qwen2_dir), [5, 17, 99], 6, ignore_eos=True).tokens
-    assert generate(model, [5, 17, 99], 6, ignore_eos=True).tokens == reference
-    with pytest.raises(ModelLoadError, match="fixed batch dimension 1; batching 2 rows"):
-        generate(model, [[5, 17, 99], [1, 2]], 6)
+    assert generate(one, [5, 17, 99], 6, ignore_eos=True).tokens == reference
+    with pytest.raises(ModelLoadError, match="fixed batch dimension 1; a cache of 2 rows"):
+        generate(one, [[5, 17, 99], [1, 2]], 6)
+    two = Model(_edited_copy(qwen2_dir, tmp_path / "two", fix_batch(2)))
+    with pytest.raises(ModelLoadError, match="fixed batch dimension 2; a cache of 1 rows"):
+        generate(two, [5, 17, 99], 6)
 
 
 def test_logits_without_a_static_vocabulary_are_refused(qwen2_dir, tmp_path):
@@ -192,7 +202,6 @@ def test_a_cache_view_is_its_rows_of_the_batch_cache(model):
 
 
 def test_argmax_ids_are_checked_against_both_ends_of_the_vocabulary():
-    from onnx_genrt.core.errors import KernelError
     from onnx_genrt.engine.decoder import check_token_ids
 
     check_token_ids(np.array([0, 4095]), 4096, "a step")
@@ -263,3 +272,69 @@ def test_position_ids_are_fed_alone_and_in_a_batch(qwen2_dir, tmp_path):
     )
     rows = generate(model, prompts, 12, ignore_eos=True)
     assert [r.tokens for r in rows] == reference
+
+
+class _ArgMaxFault(CPUProvider):
+    """The CPU provider whose ArgMax adds ``shift`` to every index it gives (a device argmax
+    gone wrong), from the moment a test sets ``shift``."""
+
+    name = "argmax-fault"
+    shift = 0
+
+    @functools.cached_property
+    def kernels(self) -> KernelRegistry:
+        registry = KernelRegistry()
+        for domain, op in REGISTRY.ops():
+            for since in REGISTRY.versions(domain, op):
+                kernel = REGISTRY.lookup(domain, op, since)
+                if op == "ArgMax":
+                    kernel = dataclasses.replace(kernel, fn=self._shifted(kernel.fn))
+                registry.add(kernel)
+        return registry
+
+    def _shifted(self, arg_max):
+        def shifted(ctx, x):
+            ids = arg_max(ctx, x)
+            ids += self.shift  # in place: the buffer the step reads back
+            return ids
+
+        return shifted
+
+
+def test_device_argmax_ids_outside_the_vocabulary_are_a_kernel_error(qwen2_dir):
+    """A single step (prefill, then a replayed decode step) and a batched step check the
+    device argmax against the vocabulary before any id reaches the text."""
+    faulty = _ArgMaxFault()
+    model = Model(qwen2_dir, [faulty])
+    prompt = [5, 17, 99]
+    reference = generate(Model(qwen2_dir), prompt, 6, ignore_eos=True).tokens
+    assert generate(model, prompt, 6, ignore_eos=True).tokens == reference  # healthy so far
+    vocab = model.config.vocab_size
+    faulty.shift = vocab
+    with pytest.raises(
+        KernelError, match=f"argmax of the step at 0 gave .* outside the vocabulary of {vocab}"
+    ):
+        generate(model, prompt, 4)
+    faulty.shift = 0
+    with Generator(model, _params(model, 16)) as gen:
+        gen.append_tokens(prompt)
+        gen.generate_next_token()
+        faulty.shift = vocab
+        with pytest.raises(KernelError, match="argmax of the step at 3 gave token ids"):
+            gen.generate_next_token()
+    faulty.shift = 0
+    batch = BatchGenerator(model, 2, 32)
+    rows = [batch.add(p, _params(model, 16), ignore_eos=True) for p in (prompt, [1, 2])]
+    batch.step()
+    assert [batch.sequence(r) for r in rows] == [
+        generate(model, p, 2, ignore_eos=True).tokens for p in (prompt, [1, 2])
+    ]
+    faulty.shift = vocab
+    with pytest.raises(KernelError, match="argmax of a batched step of 2 rows gave token ids"):
+        batch.step()
+
+
+def _params(model: Model, max_length: int) -> GeneratorParams:
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=max_length)
+    return params
