@@ -338,3 +338,17 @@ def _params(model: Model, max_length: int) -> GeneratorParams:
     params = GeneratorParams(model)
     params.set_search_options(max_length=max_length)
     return params
+
+
+def test_batched_steps_are_checked_and_may_reach_the_last_position(model):
+    runner = DecoderRunner(model.session, model.config, 8, rows=2)
+    prompt = [5, 17, 99, 3, 250, 7, 9]
+    runner.forward(prompt, None)  # row 0 holds 7 positions; row 1 none
+    tokens = np.array([11, 11])
+    with pytest.raises(InvalidInputError, match="2 tokens for 1 row lengths"):
+        runner.step_rows(tokens, np.array([7]), None)
+    with pytest.raises(InvalidInputError, match="a row of 9 positions exceeds the KV cache of 8"):
+        runner.step_rows(tokens, np.array([8, 0]), None)
+    _, logits = runner.step_rows(tokens, np.array([7, 0]), None, read_logits=True)
+    for row, alone in enumerate(([*prompt, 11], [11])):
+        np.testing.assert_allclose(logits[row], _prefill_logits(model, alone), atol=1e-4)
