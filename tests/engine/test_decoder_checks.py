@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_genrt.core.errors import InvalidInputError, KernelError, ModelLoadError
+from onnx_genrt.core.errors import InvalidInputError, KernelError, ModelLoadError, NonFiniteError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import KernelRegistry
 from onnx_genrt.engine import Generator, GeneratorParams, Model, generate
@@ -352,3 +352,52 @@ def test_batched_steps_are_checked_and_may_reach_the_last_position(model):
     _, logits = runner.step_rows(tokens, np.array([7, 0]), None, read_logits=True)
     for row, alone in enumerate(([*prompt, 11], [11])):
         np.testing.assert_allclose(logits[row], _prefill_logits(model, alone), atol=1e-4)
+
+
+NAN_TOKEN = 42
+
+
+@pytest.fixture(scope="module")
+def nan_token_model(qwen2_dir, tmp_path_factory) -> Model:
+    """The decoder with token NAN_TOKEN's embedding row NaN (its own copy of the tied
+    table): steps that feed it, or attend to it, give non-finite logits; others do not."""
+    folder = tmp_path_factory.mktemp("nan") / "m"
+    shutil.copytree(qwen2_dir, folder, ignore=shutil.ignore_patterns("draft", "mtp", "spec*"))
+    proto = onnx.load(folder / "model.onnx")
+    graph = proto.graph
+    gather = next(n for n in graph.node if n.op_type == "Gather" and "input_ids" in n.input)
+    weight = next(i for i in graph.initializer if i.name == "lm_head.MatMul.weight")
+    table = onnx.numpy_helper.to_array(weight).T.copy()  # [vocab, hidden]
+    table[NAN_TOKEN] = np.nan
+    graph.initializer.append(onnx.numpy_helper.from_array(table, "nan_embedding"))
+    gather.input[0] = "nan_embedding"
+    (folder / "model.onnx.data").unlink()
+    onnx.save(proto, folder / "model.onnx")  # small enough to hold its weights inline
+    return Model(folder)
+
+
+def test_non_finite_logits_name_the_positions_of_the_step(nan_token_model):
+    model, x = nan_token_model, NAN_TOKEN
+
+    def runner(prompt: list[int]) -> DecoderRunner:
+        r = DecoderRunner(model.session, model.config, 16, rows=2)
+        r.forward(prompt, None)
+        return r
+
+    with pytest.raises(NonFiniteError, match=r"at positions 2 \(slot eager\)"):
+        runner([5, x, 7])  # a prefill computes its last row only
+    with pytest.raises(NonFiniteError, match=r"at positions 2\.\.2 \(slot primary\)"):
+        runner([5, 7]).forward([x], PRIMARY)
+    with pytest.raises(NonFiniteError, match=r"at positions 2\.\.3 \(slot verify\)"):
+        runner([5, 7]).forward([x, 1], VERIFY, width=3)
+    fed = runner([5, 7])
+    with pytest.raises(NonFiniteError):
+        fed.forward([1, x], VERIFY, width=3)
+    fed.rewind_to(2)  # the step's inputs stay on the device: run it again, device-fed
+    with pytest.raises(NonFiniteError, match=r"at positions of a 3-row step \(slot verify\)"):
+        fed.launch(None, VERIFY, width=3).wait()
+    with pytest.raises(NonFiniteError, match=r"in a batched step of 2 rows \(slot primary\)"):
+        runner([5, 7]).step_rows(np.array([1, x]), np.array([2, 0]), PRIMARY)
+    healthy = runner([5, 7])
+    _, logits = healthy.step_rows(np.array([1, 1]), np.array([2, 0]), PRIMARY, read_logits=True)
+    assert np.isfinite(logits).all()
