@@ -401,3 +401,26 @@ def test_non_finite_logits_name_the_positions_of_the_step(nan_token_model):
     healthy = runner([5, 7])
     _, logits = healthy.step_rows(np.array([1, 1]), np.array([2, 0]), PRIMARY, read_logits=True)
     assert np.isfinite(logits).all()
+
+
+def test_float16_logits_are_bound_and_read_as_float16(qwen2_dir, tmp_path):
+    """A decoder whose logits output is float16 (a Cast after the lm_head): the step binds
+    float16 buffers, and greedy tokens equal onnxruntime-genai's on the same folder."""
+    from .test_greedy_parity import _onnxruntime_genai
+
+    def half_logits(graph):
+        lm_head = next(n for n in graph.node if "logits" in n.output)
+        lm_head.output[0] = "float_logits"
+        graph.node.append(
+            onnx.helper.make_node("Cast", ["float_logits"], ["logits"], to=onnx.TensorProto.FLOAT16)
+        )
+        declared = next(o for o in graph.output if o.name == "logits")
+        declared.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+
+    folder = _edited_copy(qwen2_dir, tmp_path / "m", half_logits)
+    model = Model(folder)
+    runner = DecoderRunner(model.session, model.config, 16)
+    assert runner.forward([5, 17, 99], None).logits.dtype == np.float16
+    prompt = [5, 17, 99, 3]
+    reference = _onnxruntime_genai(folder, prompt, 10)
+    assert generate(model, prompt, 10, ignore_eos=True).tokens == reference
