@@ -349,6 +349,8 @@ def test_batched_steps_are_checked_and_may_reach_the_last_position(model):
         runner.step_rows(tokens, np.array([7]), None)
     with pytest.raises(InvalidInputError, match="a row of 9 positions exceeds the KV cache of 8"):
         runner.step_rows(tokens, np.array([8, 0]), None)
+    with pytest.raises(InvalidInputError, match="a step of 0 rows on a cache of 2"):
+        runner.step_rows(tokens[:0], np.array([], np.int64), None)
     _, logits = runner.step_rows(tokens, np.array([7, 0]), None, read_logits=True)
     for row, alone in enumerate(([*prompt, 11], [11])):
         np.testing.assert_allclose(logits[row], _prefill_logits(model, alone), atol=1e-4)
