@@ -232,6 +232,10 @@ def test_a_kv_cache_may_use_all_of_the_memory_and_no_more():
     check_cache_fits(_Memory(None), layers, shape, np.float16)
     with pytest.raises(InvalidInputError, match=f"max_length 64 needs {need} bytes"):
         check_cache_fits(_Memory(need - 1), layers, shape, np.float16)
+    big = (1, 8, 2**20, 128)  # 2 x 4 layers x 2**30 float32 values: 32 GiB
+    message = r"needs 34359738368 bytes \(32\.0 GiB: .*\), more than this provider's 16\.0 GiB"
+    with pytest.raises(InvalidInputError, match=message):
+        check_cache_fits(_Memory(16 * 2**30), 4, big, np.float32)
 
 
 def _with_position_ids(source: Path, target: Path) -> Path:
@@ -426,3 +430,58 @@ def test_float16_logits_are_bound_and_read_as_float16(qwen2_dir, tmp_path):
     prompt = [5, 17, 99, 3]
     reference = _onnxruntime_genai(folder, prompt, 10)
     assert generate(model, prompt, 10, ignore_eos=True).tokens == reference
+
+
+def test_a_hidden_state_row_is_that_row_on_the_device_and_on_the_host(model, qwen2_dir):
+    """``hidden_state(row)`` (negative rows count from the step's end) against onnxruntime's
+    hidden_states of the same prompt: the host copy and the device view (an MTP chain's
+    device-to-device source) hold the same row."""
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(str(qwen2_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    config = model.config
+    prompt = [5, 17, 99, 3]
+    empty = np.zeros((1, config.num_kv_heads, 0, config.head_size), np.float32)
+    feeds = {
+        "input_ids": np.array([prompt], np.int64),
+        "attention_mask": np.ones((1, len(prompt)), np.int64),
+        **{i.name: empty for i in sess.get_inputs() if i.name.startswith("past_key_values")},
+    }
+    (reference,) = sess.run(["hidden_states"], feeds)
+    runner = DecoderRunner(model.session, config, 16)
+    out = runner.forward(prompt, None)
+    for row in (0, 2, -1, -4):
+        state = out.hidden_state(row)
+        assert state.row == row % len(prompt)
+        on_device = np.asarray(state.device_row())
+        assert on_device.shape == (1, 1, config.hidden_size)
+        np.testing.assert_allclose(on_device[0, 0], reference[0, row], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(state.numpy(), on_device[0, 0])
+
+
+def _without_decode_heads(model: Model):
+    from onnx_genrt.session import InferenceSession, load_model
+
+    return InferenceSession(load_model(model.config.model_path, folder=model.folder))
+
+
+def test_a_session_without_the_decode_heads_takes_the_argmax_of_the_logits(model, nan_token_model):
+    """A runner over a session without the device argmax reads the logits: its tokens equal
+    the device argmax of a runner with the heads, alone and batched, and non-finite logits
+    still raise."""
+    plain = DecoderRunner(_without_decode_heads(model), model.config, 16, rows=2)
+    heads = DecoderRunner(model.session, model.config, 16, rows=2)
+    assert not plain.device_argmax and heads.device_argmax
+    prompt = [5, 17, 99, 3]
+    for feed, slot in ((prompt, None), ([7], PRIMARY), ([8, 9], VERIFY)):
+        want = heads.forward(feed, slot, width=len(feed)).tokens
+        assert plain.forward(feed, slot, width=len(feed)).tokens.tolist() == want.tolist()
+    lengths = np.array([heads.cache.length, 0])
+    want, logits = heads.step_rows(np.array([1, 2]), lengths, PRIMARY, read_logits=True)
+    got, _ = plain.step_rows(np.array([1, 2]), lengths, PRIMARY)
+    assert got.tolist() == want.tolist() == np.argmax(logits, axis=-1).tolist()
+    broken = DecoderRunner(_without_decode_heads(nan_token_model), model.config, 16, rows=2)
+    with pytest.raises(NonFiniteError, match=r"at positions 0\.\.1 \(slot primary\)"):
+        broken.forward([5, NAN_TOKEN], PRIMARY)
+    broken.rewind_to(0)
+    with pytest.raises(NonFiniteError, match="in a batched step of 2 rows"):
+        broken.step_rows(np.array([1, NAN_TOKEN]), np.array([0, 0]), PRIMARY)
