@@ -68,7 +68,10 @@ def test_kv_dimensions_that_disagree_with_the_config_are_refused(qwen2_dir, tmp_
         _dims(graph, "past_key_values.0.key")[axis].dim_value = value
 
     folder = _edited_copy(qwen2_dir, tmp_path / "m", set_dim)
-    with pytest.raises(ModelLoadError, match=f"dimension {axis} is {value}, the config says"):
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"past_key_values\.0\.key dimension {axis} is {value}, the config says",
+    ):
         _open_generator(folder)
 
 
@@ -82,7 +85,10 @@ def test_a_fixed_batch_dimension_decodes_that_many_rows_only(qwen2_dir, tmp_path
     one = Model(_edited_copy(qwen2_dir, tmp_path / "one", fix_batch(1)))
     reference = generate(Model(qwen2_dir), [5, 17, 99], 6, ignore_eos=True).tokens
     assert generate(one, [5, 17, 99], 6, ignore_eos=True).tokens == reference
-    with pytest.raises(ModelLoadError, match="fixed batch dimension 1; a cache of 2 rows"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"past_key_values\.0\.key has a fixed batch dimension 1; a cache of 2 rows",
+    ):
         generate(one, [[5, 17, 99], [1, 2]], 6)
     two = Model(_edited_copy(qwen2_dir, tmp_path / "two", fix_batch(2)))
     with pytest.raises(ModelLoadError, match="fixed batch dimension 2; a cache of 1 rows"):
@@ -194,6 +200,8 @@ def test_a_cache_view_is_its_rows_of_the_batch_cache(model):
         np.testing.assert_array_equal(part, whole[1:3])
     for start, count in ((0, 1), (3, 1), (0, 4)):  # the edges of the cache
         assert cache.rows_view(start, count).keys[0].shape[0] == count
+    with pytest.raises(InvalidInputError, match=r"rows 3\.\.4 of a cache of 4"):
+        cache.rows_view(3, 2)
     for start, count in ((3, 2), (-1, 1), (0, 0), (4, 1)):
         with pytest.raises(InvalidInputError, match="rows .* of a cache of 4"):
             cache.rows_view(start, count)
