@@ -188,6 +188,13 @@ def test_device_fed_steps_are_checked(model):
         runner.launch(None, VERIFY)
     with pytest.raises(InvalidInputError, match="a step of 6 after 3 positions exceeds"):
         runner.launch(None, VERIFY, width=6)
+    # The inputs a step of width 5 left on the device, run again: up to the last position.
+    host_fed = runner.forward([1, 2], VERIFY, width=5)
+    want = host_fed.tokens.copy(), host_fed.logits.copy()
+    runner.rewind_to(3)
+    device_fed = runner.launch(None, VERIFY, width=5).wait()
+    assert device_fed.tokens[:2].tolist() == want[0].tolist()
+    np.testing.assert_array_equal(device_fed.logits[:2], want[1])
 
 
 def test_a_cache_view_is_its_rows_of_the_batch_cache(model):
