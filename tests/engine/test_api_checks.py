@@ -60,11 +60,12 @@ def test_a_draft_vocabulary_outside_the_vocabulary_or_not_an_integer_is_refused(
         make_proposer(model, "mtp", 64)
 
 
-def test_a_draft_vocabulary_of_the_whole_vocabulary_keeps_greedy_output(model):
+def test_draft_vocabularies_from_one_token_to_the_whole_keep_greedy_output(model):
     greedy = generate(model, "for i in", 12, ignore_eos=True).tokens
-    mtp = {**model.config.speculative["mtp"], "draft_vocab": 4096}
-    _with_speculative(model, {"mtp": mtp})
-    assert generate(model, "for i in", 12, spec="mtp", ignore_eos=True).tokens == greedy
+    for size in (1, 4096):
+        mtp = {**model.config.speculative["mtp"], "draft_vocab": size}
+        _with_speculative(model, {"mtp": mtp})
+        assert generate(model, "for i in", 12, spec="mtp", ignore_eos=True).tokens == greedy
 
 
 def test_speculative_json_k_is_a_positive_integer(model):
