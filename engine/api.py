@@ -23,6 +23,10 @@ from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Pr
 from .speculative import DEFAULT_K, PayoffPolicy, SpeculativeGenerator
 from .stops import StopScanner, prompt_ids, stop_strings
 
+#: New tokens a generation makes when the call does not say (``stream``, ``generate``,
+#: ``generate_batch``).
+DEFAULT_MAX_NEW_TOKENS = 128
+
 
 @dataclass
 class GenerationResult:
@@ -63,11 +67,8 @@ def default_k(model: Model, spec: str, k: int | None = None) -> int:
     value = section.get("k") if isinstance(section, dict) else None
     if value is None:
         return DEFAULT_K
-    if not isinstance(value, int) or value < 1:
-        raise ModelLoadError(
-            f"{model.folder}/speculative.json: {spec}.k must be a positive integer, got {value!r}"
-        )
-    return value
+    name = f"{model.folder}/{SPECULATIVE_FILE}: {spec}.k"
+    return check_int(value, name, minimum=1, integral_floats=True, error=ModelLoadError)
 
 
 def make_proposer(
@@ -143,11 +144,14 @@ def _make_mtp(model: Model, min_confidence: float) -> MTPProposer:
     head = load_model(head_path, folder=model.folder)
     vocab = mtp.get("draft_vocab")
     if vocab is not None:
-        if not isinstance(vocab, int) or not 1 <= vocab <= model.config.vocab_size:
-            raise ModelLoadError(
-                f"{model.folder}/speculative.json: mtp.draft_vocab must be an integer in "
-                f"1..{model.config.vocab_size}, got {vocab!r}"
-            )
+        vocab = check_int(
+            vocab,
+            f"{model.folder}/{SPECULATIVE_FILE}: mtp.draft_vocab",
+            minimum=1,
+            maximum=model.config.vocab_size,
+            integral_floats=True,
+            error=ModelLoadError,
+        )
         try:
             head = restrict_draft_vocab(head, vocab, outputs.get("logits", "logits"))
         except ValueError as exc:
@@ -215,7 +219,7 @@ def warm_up(model: Model, max_length: int, spec: str | None = None, k: int | Non
 def stream(
     model: Model,
     prompt: str | list[int],
-    max_new_tokens: int = 128,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     *,
     spec: str | None = None,
     k: int | None = None,
@@ -327,7 +331,7 @@ def _drive(
 def generate(
     model: Model,
     prompt: str | list[int] | Sequence[str] | Sequence[Sequence[int]],
-    max_new_tokens: int = 128,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     **kwargs: Any,
 ) -> GenerationResult | list[GenerationResult]:
     """Generate and return the whole result (text, tokens, timings, statistics).
@@ -353,7 +357,7 @@ def _is_batch(prompt: object) -> bool:
 def generate_batch(
     model: Model,
     prompts: Sequence[str] | Sequence[Sequence[int]],
-    max_new_tokens: int = 128,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     *,
     stop: str | Sequence[str] = (),
     ignore_eos: bool = False,

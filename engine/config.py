@@ -151,6 +151,36 @@ def _ids(value: Any, name: str, path: Path, vocab_size: int) -> tuple[int, ...]:
     )
 
 
+#: The search options genai_config.json's ``search`` section may set (others, such as
+#: ``num_beams``, are onnxruntime-genai's and ignored; ``seed`` is set per generation).
+CONFIG_SEARCH_KEYS = (
+    "max_length",
+    "min_length",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+)
+
+
+def _search(section: dict[str, Any], context: int | None, path: Path) -> SearchOptions:
+    """The ``search`` section over :class:`SearchOptions`' defaults, checked; ``max_length``
+    defaults to the context length, and one of the two must be given."""
+    given = {key: section[key] for key in CONFIG_SEARCH_KEYS if key in section}
+    if "max_length" not in given:
+        if context is None:
+            raise ModelLoadError(
+                f"{path}: model.context_length is missing (and search.max_length too); "
+                "set model.context_length to the number of positions the model was trained for"
+            )
+        given["max_length"] = context
+    return validate(
+        SearchOptions(**given), error=ModelLoadError, where=f"{path}: search.", from_json=True
+    )
+
+
 CONFIG_FILE = "genai_config.json"
 SPECULATIVE_FILE = "speculative.json"
 
@@ -205,23 +235,8 @@ def load_config(folder: str | Path) -> GenAIConfig:
         inputs = _section(dec, "inputs", path, "model.decoder.")
         outputs = _section(dec, "outputs", path, "model.decoder.")
         io = _decoder_io(inputs, outputs, path)
-        s = _section(raw, "search", path)
         context = _count(model, "context_length", path, default=None)
-        search = validate(
-            SearchOptions(
-                max_length=s.get("max_length", context if context is not None else 256),
-                min_length=s.get("min_length", 0),
-                do_sample=s.get("do_sample", False),
-                temperature=s.get("temperature", 1.0),
-                top_k=s.get("top_k", 0),
-                top_p=s.get("top_p", 1.0),
-                min_p=s.get("min_p", 0.0),
-                repetition_penalty=s.get("repetition_penalty", 1.0),
-            ),
-            error=ModelLoadError,
-            where=f"{path}: search.",
-            from_json=True,
-        )
+        search = _search(_section(raw, "search", path), context, path)
         vocab_size = _count(model, "vocab_size", path)
         return GenAIConfig(
             folder=folder,

@@ -157,9 +157,9 @@ class StaticKVCache:
                 raise ModelLoadError(
                     f"{io.past_key % 0} dimension {axis} is {spec.shape[axis]}, the config says {want}"
                 )
-        if rows > 1 and isinstance(spec.shape[0], int) and spec.shape[0] != rows:
+        if isinstance(spec.shape[0], int) and spec.shape[0] != rows:
             raise ModelLoadError(
-                f"{io.past_key % 0} has a fixed batch dimension {spec.shape[0]}; batching "
+                f"{io.past_key % 0} has a fixed batch dimension {spec.shape[0]}; a cache of "
                 f"{rows} rows needs a dynamic one"
             )
         io = session.device_io

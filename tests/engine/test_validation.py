@@ -237,6 +237,11 @@ def test_speculative_generator_refuses_k_below_one(model):
         (lambda c: c["model"].update(context_length=12.5), "model.context_length"),
         (lambda c: c["model"].update(vocab_size="4096"), "model.vocab_size must be an integer"),
         (lambda c: c["model"].update(eos_token_id=[0, 99999]), "model.eos_token_id must be"),
+        (lambda c: c["model"].update(eos_token_id=-1), "eos_token_id must be an integer >= 0"),
+        (
+            lambda c: (c["model"].pop("context_length"), c["search"].pop("max_length")),
+            "model.context_length is missing (and search.max_length too)",
+        ),
         (lambda c: c["model"].update(bos_token_id=-1), "model.bos_token_id must be"),
         (lambda c: c["model"]["decoder"].update(num_hidden_layers=0), "num_hidden_layers"),
         (lambda c: c["model"]["decoder"].update(head_size=None), "model.decoder.head_size"),
@@ -267,6 +272,8 @@ def test_config_values_are_checked(folder, edit, message):
     [
         ({"mtp": {"inputs": [1]}}, "mtp.inputs must be an object, got list"),
         ({"mtp": {"outputs": {"logits": None}}}, "mtp.outputs.logits must be a non-empty name"),
+        ({"mtp": {"outputs": {"logits": ""}}}, "mtp.outputs.logits must be a non-empty name"),
+        ({"draft": {"inputs": {"input_ids": 5}}}, "draft.inputs.input_ids must be a non-empty"),
         ({"mtp": []}, "section 'mtp' must be an object"),
     ],
 )
