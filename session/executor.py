@@ -4,7 +4,7 @@ It builds and holds the parts, each in its own module, and routes every session 
 them:
 
 - ``ConstantCache`` (``session.constant_cache``): constants on each provider, uploaded or
-  in a kernel's prepacked layout, made once;
+  in a kernel's prepacked layout, made once (host arrays of prepacked ones released);
 - ``Interpreter`` (``session.interpreter``): runs the steps eagerly, segment by segment,
   with launch hooks (:meth:`Executor.on_launch`);
 - ``MemoryPlanner`` (``session.memory_planner``): liveness, and the layouts planned from
@@ -55,6 +55,8 @@ class Executor:
         self.constants = ConstantCache(plan.constants)
         self.memory = MemoryPlanner(plan, self.segments)
         self.interpreter = Interpreter(plan, self.segments, self.constants, self.memory.free_after)
+        # Every step has its constant inputs now: hold prepacked weights once.
+        self.constants.release_packed(keep={o.name for o in plan.outputs})
         self.slots = SlotRunner(
             self, self.interpreter, self.memory, graphs=graphs, warmup_runs=warmup_runs
         )

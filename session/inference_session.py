@@ -25,9 +25,10 @@ from onnx_genrt.core.registry import get_registry
 from .binding import IOBinding
 from .device_io import DeviceIO
 from .executor import Executor, LaunchHook, SlotStats
-from .loader import load_model
+from .loader import LoadedModel, drop_initializer_bytes, load_model, open_model
 from .plan import GraphPlan, ValueSpec, build_plan
 from .row_tail import RowTail
+from .weights import release_pages
 
 ProviderArg = str | ExecutionProvider | tuple[str, Mapping[str, Any]]
 
@@ -52,6 +53,18 @@ def resolve_providers(providers: Sequence[ProviderArg] | None) -> list[Execution
 def _short_name(name: str) -> str:
     n = name.lower()
     return n[: -len("executionprovider")] if n.endswith("executionprovider") else n
+
+
+def _loaded(
+    model: str | os.PathLike[str] | bytes | onnx.ModelProto | LoadedModel,
+) -> tuple[LoadedModel, bool]:
+    """The model loaded (external weights mapped from a path), and whether the session owns
+    its proto: a caller's ``ModelProto`` is read, never changed."""
+    if isinstance(model, LoadedModel):
+        return model, True
+    if isinstance(model, onnx.ModelProto):
+        return LoadedModel(load_model(model)), False
+    return open_model(model), True
 
 
 @dataclass(frozen=True)
@@ -82,22 +95,29 @@ class InferenceSession:
 
     def __init__(
         self,
-        model: str | os.PathLike[str] | bytes | onnx.ModelProto,
+        model: str | os.PathLike[str] | bytes | onnx.ModelProto | LoadedModel,
         providers: Sequence[ProviderArg] | None = None,
         *,
         enable_graphs: bool = True,
         warmup_runs: int = 1,
         cpu_fallback: bool = True,
     ) -> None:
-        self.model = load_model(model)
+        loaded, owned = _loaded(model)
+        self.model = loaded.proto
         self.providers = resolve_providers(providers)
         try:
-            self.plan: GraphPlan = build_plan(self.model, self.providers)
+            self.plan: GraphPlan = build_plan(self.model, self.providers, loaded.weights)
         except UnsupportedOpError:
             if not cpu_fallback or any(p.name == "cpu" for p in self.providers):
                 raise
             self.providers.append(get_registry().create("cpu"))
-            self.plan = build_plan(self.model, self.providers)
+            self.plan = build_plan(self.model, self.providers, loaded.weights)
+        for name, array in loaded.weights.items():
+            if self.plan.constants.get(name) is not array:  # fused or folded into another
+                release_pages(array)
+        del loaded  # the plan holds the mapped weights it uses
+        if owned:
+            drop_initializer_bytes(self.model)
         self.executor = Executor(self.plan, graphs=enable_graphs, warmup_runs=warmup_runs)
         self._inputs = {s.name: s for s in self.plan.inputs}
         self._outputs = {s.name: s for s in self.plan.outputs}
@@ -105,7 +125,9 @@ class InferenceSession:
         self.device_io = DeviceIO(self.main_provider)
         self._enable_graphs, self._warmup_runs = enable_graphs, warmup_runs
 
-    def sibling(self, model: str | os.PathLike[str] | bytes | onnx.ModelProto) -> InferenceSession:
+    def sibling(
+        self, model: str | os.PathLike[str] | bytes | onnx.ModelProto | LoadedModel
+    ) -> InferenceSession:
         """A session for another model on this session's provider instances (their streams
         and graph slots), with the same graph settings: its bound runs may read this
         session's buffers."""

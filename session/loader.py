@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
+from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import ModelLoadError
 from onnx_genrt.core.kernels import GENRT_DOMAIN, MS_DOMAIN, ONNX_DOMAIN, normalize_domain
 from onnx_genrt.core.paths import resolve_inside
+
+from .weights import MappedFiles
 
 #: The domain of ONNX's classical machine-learning operators.
 ML_DOMAIN = "ai.onnx.ml"
@@ -19,17 +24,50 @@ ML_DOMAIN = "ai.onnx.ml"
 MAX_PROTO_BYTES = 2**31 - 1
 
 
+@dataclass
+class LoadedModel:
+    """A model as :func:`open_model` loads it: the proto, and the initializers whose data
+    stayed in external files, as read-only arrays mapped from them (``session.weights``).
+    Those initializers keep their external-data fields in ``proto`` but no bytes.
+
+    An :class:`~onnx_genrt.session.InferenceSession` given a ``LoadedModel`` owns it: once
+    its plan holds the initializers as arrays, it drops the proto's copies of their bytes.
+    """
+
+    proto: onnx.ModelProto
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+
+
 def load_model(
     source: str | os.PathLike[str] | bytes | onnx.ModelProto,
     folder: str | os.PathLike[str] | None = None,
 ) -> onnx.ModelProto:
-    """Read a model from a path, serialized bytes or a ``ModelProto``.
+    """Read a model from a path, serialized bytes or a ``ModelProto``, with every tensor's
+    external data read into the proto.
 
     ``folder`` is the model folder the file and its external data must stay inside
     (default: the folder the path names, as given). The model file and every external-data
     location are resolved with symlinks followed; one that leaves the folder (an absolute
     path, ``..``, or a symlink out) is refused with an error naming the path.
     """
+    return _load(source, folder, map_weights=False).proto
+
+
+def open_model(
+    source: str | os.PathLike[str] | bytes | onnx.ModelProto,
+    folder: str | os.PathLike[str] | None = None,
+) -> LoadedModel:
+    """Like :func:`load_model`, but the graph's initializers whose external data numpy can
+    read as it is are mapped from their files (``LoadedModel.weights``) instead of being
+    copied into the proto; every other external tensor is read into the proto."""
+    return _load(source, folder, map_weights=True)
+
+
+def _load(
+    source: str | os.PathLike[str] | bytes | onnx.ModelProto,
+    folder: str | os.PathLike[str] | None,
+    map_weights: bool,
+) -> LoadedModel:
     if isinstance(source, onnx.ModelProto):
         model = source
         base = None
@@ -53,13 +91,14 @@ def load_model(
             )
         model = _parse(path.read_bytes(), str(given))
     _check_structure(model)
+    loaded = LoadedModel(model)
     if _uses_external_data(model):
         if base is None:
             raise ModelLoadError(
                 "model refers to external data but was given without a path; load it from its file"
             )
-        _load_external(model, base)
-    return model
+        _load_external(model, base, loaded.weights if map_weights else None)
+    return loaded
 
 
 def _parse(data: bytes, label: str) -> onnx.ModelProto:
@@ -158,29 +197,90 @@ def _uses_external_data(model: onnx.ModelProto) -> bool:
     )
 
 
-def _load_external(model: onnx.ModelProto, base: Path) -> None:
+def _load_external(
+    model: onnx.ModelProto, base: Path, mapped: dict[str, np.ndarray] | None = None
+) -> None:
+    """Read every external tensor into the proto; with ``mapped``, put the graph's
+    initializers that can be mapped there instead (their protos keep no bytes)."""
+    files = MappedFiles()
+    # Held so that the walk below hands back these very objects (protobuf caches them).
+    initializers = list(model.graph.initializer) if mapped is not None else []
+    mappable = {id(t) for t in initializers}
     for tensor in external_data_helper._get_all_tensors(model):
         if not external_data_helper.uses_external_data(tensor):
             continue
-        try:
-            info = external_data_helper.ExternalDataInfo(tensor)
-        except (TypeError, ValueError) as exc:
-            raise ModelLoadError(
-                f"tensor {tensor.name!r}: unreadable external data fields: {exc}"
-            ) from None
-        key = f"tensor {tensor.name!r}: external data location"
-        target = resolve_inside(base, info.location, key)
-        if not target.is_file():
-            raise ModelLoadError(f"tensor {tensor.name!r}: external data file missing: {target}")
-        offset, length, size = info.offset or 0, info.length or 0, target.stat().st_size
-        if offset < 0 or length < 0 or offset + length > size:
-            raise ModelLoadError(
-                f"tensor {tensor.name!r}: external data wants {length} bytes at offset "
-                f"{offset} of {target}, which has {size} bytes"
-            )
+        target, offset, length = _external_range(tensor, base)
+        if id(tensor) in mappable and mapped is not None:
+            view = _mapped_view(files, tensor, target, offset, length)
+            if view is not None:
+                mapped[tensor.name] = view
+                continue
         with open(target, "rb") as f:
             f.seek(offset)
-            data = f.read(length) if length else f.read()
-        tensor.raw_data = data
+            tensor.raw_data = f.read(length)
         del tensor.external_data[:]
         tensor.data_location = onnx.TensorProto.DEFAULT
+
+
+def _external_range(tensor: onnx.TensorProto, base: Path) -> tuple[Path, int, int]:
+    """The file, offset and length of a tensor's external data, checked: the file lies
+    inside ``base`` and holds the range (length 0: up to its end)."""
+    try:
+        info = external_data_helper.ExternalDataInfo(tensor)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(
+            f"tensor {tensor.name!r}: unreadable external data fields: {exc}"
+        ) from None
+    key = f"tensor {tensor.name!r}: external data location"
+    target = resolve_inside(base, info.location, key)
+    if not target.is_file():
+        raise ModelLoadError(f"tensor {tensor.name!r}: external data file missing: {target}")
+    offset, length, size = info.offset or 0, info.length or 0, target.stat().st_size
+    if offset < 0 or length < 0 or offset + length > size:
+        raise ModelLoadError(
+            f"tensor {tensor.name!r}: external data wants {length} bytes at offset "
+            f"{offset} of {target}, which has {size} bytes"
+        )
+    return target, offset, length or size - offset
+
+
+def _mapped_view(
+    files: MappedFiles, tensor: onnx.TensorProto, target: Path, offset: int, length: int
+) -> np.ndarray | None:
+    """The tensor as a view of its mapped file, or None where its layout does not allow
+    one (packed 4-bit or string elements, a misaligned offset, a length that does not fit
+    its dims: those are read, and the planner reports a bad length)."""
+    try:
+        dtype = DType.from_onnx(tensor.data_type)
+    except TypeError:
+        return None
+    if dtype.is_packed:
+        return None
+    return files.view(target, offset, length, dtype.numpy, tuple(int(d) for d in tensor.dims))
+
+
+#: The external-data location written into an initializer whose bytes a session dropped.
+RELEASED_LOCATION = "onnx-genrt:released"
+
+
+def drop_initializer_bytes(model: onnx.ModelProto) -> None:
+    """Drop the bytes of the graph's initializers (a session's plan holds them as arrays),
+    marking each as external data at ``RELEASED_LOCATION``: planning the proto again is
+    refused with an error naming the initializer, never run on empty weights."""
+    for init in model.graph.initializer:
+        for name in _DATA_FIELDS:
+            init.ClearField(name)
+        del init.external_data[:]
+        init.external_data.add(key="location", value=RELEASED_LOCATION)
+        init.data_location = onnx.TensorProto.EXTERNAL
+
+
+_DATA_FIELDS = (
+    "raw_data",
+    "float_data",
+    "int32_data",
+    "string_data",
+    "int64_data",
+    "double_data",
+    "uint64_data",
+)

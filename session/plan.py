@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from .fusion import (
     fuse_silu_mul,
     fuse_skip_rms_norm,
 )
+from .loader import RELEASED_LOCATION
 from .schema_check import check_node_schema
 
 #: Ops whose output changes from run to run; never folded.
@@ -177,25 +178,59 @@ def topological_order(graph: onnx.GraphProto, available: set[str]) -> list[onnx.
 
 def _infer_value_types(model: onnx.ModelProto) -> dict[str, ValueSpec]:
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(
+            _shape_skeleton(model), strict_mode=False, data_prop=True
+        )
     except Exception:
         inferred = model
     g = inferred.graph
     return {vi.name: _value_spec(vi) for vi in [*g.input, *g.value_info, *g.output]}
 
 
-def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -> GraphPlan:
+#: Initializers up to this many elements go to shape inference with their values (shapes,
+#: axes and other small tensors that data propagation reads); larger ones by type only.
+SKELETON_VALUES_MAX = 1024
+
+
+def _shape_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without the bytes of its large initializers, which become typed graph
+    inputs: shape inference serializes the model it is given (and parses it back twice),
+    so weights would be copied three times for types that their dims already give."""
+    skeleton = onnx.ModelProto()
+    for name in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
+        setattr(skeleton, name, getattr(model, name))
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    graph, src = skeleton.graph, model.graph
+    graph.name = src.name
+    graph.node.extend(src.node)
+    graph.input.extend(src.input)
+    graph.output.extend(src.output)
+    graph.value_info.extend(src.value_info)
+    declared = {vi.name for vi in src.input}
+    for init in src.initializer:
+        count = int(np.prod(init.dims, dtype=np.int64))
+        if count <= SKELETON_VALUES_MAX and not init.external_data:
+            graph.initializer.append(init)
+        elif init.name not in declared:
+            graph.input.append(
+                onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+            )
+    return skeleton
+
+
+def build_plan(
+    model: onnx.ModelProto,
+    providers: Sequence[ExecutionProvider],
+    weights: Mapping[str, np.ndarray] | None = None,
+) -> GraphPlan:
     """Order, place and constant-fold the model's graph. An ``onnx_genrt`` node that no
     provider supports is replaced by its standard-op body (``core.genrt_ops``), placed
-    node by node."""
+    node by node. ``weights``: initializers whose data the proto leaves in external files,
+    as arrays (``session.loader.open_model``)."""
     graph = model.graph
     opsets = opset_map(model)
-    constants: dict[str, np.ndarray] = {}
-    for init in graph.initializer:
-        try:
-            constants[init.name] = numpy_helper.to_array(init)
-        except Exception as exc:
-            raise ModelLoadError(f"initializer {init.name!r} cannot be read: {exc}") from None
+    constants = _read_initializers(graph, weights or {})
     if graph.sparse_initializer:
         raise ModelLoadError("sparse initializers are not supported")
     init_names = set(constants)
@@ -288,6 +323,36 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
     plan.value_types = value_types
     plan.bodies = bodies
     return plan
+
+
+def _read_initializers(
+    graph: onnx.GraphProto, weights: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The graph's initializers as arrays: ``weights`` for those it has, the rest read from
+    the proto; an initializer still in an external file that ``weights`` lacks is refused."""
+    constants: dict[str, np.ndarray] = {}
+    for init in graph.initializer:
+        if init.name in weights:
+            constants[init.name] = weights[init.name]
+            continue
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            if any(e.value == RELEASED_LOCATION for e in init.external_data):
+                raise ModelLoadError(
+                    f"initializer {init.name!r} has no bytes: the session that loaded this "
+                    "model released them once its plan held the weights (a session's "
+                    "`model` keeps the graph, not the weights); load the model again from "
+                    "its file"
+                )
+            raise ModelLoadError(
+                f"initializer {init.name!r} keeps its data in an external file that was not "
+                "read: load the model from its path (or with session.loader.open_model and "
+                "pass the LoadedModel)"
+            )
+        try:
+            constants[init.name] = numpy_helper.to_array(init)
+        except Exception as exc:
+            raise ModelLoadError(f"initializer {init.name!r} cannot be read: {exc}") from None
+    return constants
 
 
 def _place(
