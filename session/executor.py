@@ -52,11 +52,11 @@ class Executor:
         self.providers: list[ExecutionProvider] = plan.providers
         self.main_provider = plan.providers[0] if plan.providers else None
         self.segments: list[Segment] = split_segments(plan.steps, plan.constants)
-        self.constants = ConstantCache(plan.constants)
+        self.constants = ConstantCache(
+            plan.constants, plan.steps, keep={o.name for o in plan.outputs}
+        )
         self.memory = MemoryPlanner(plan, self.segments)
         self.interpreter = Interpreter(plan, self.segments, self.constants, self.memory.free_after)
-        # Every step has its constant inputs now: hold prepacked weights once.
-        self.constants.release_packed(keep={o.name for o in plan.outputs})
         self.slots = SlotRunner(
             self, self.interpreter, self.memory, graphs=graphs, warmup_runs=warmup_runs
         )

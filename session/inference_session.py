@@ -6,10 +6,9 @@ import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
 from onnx_genrt.core.errors import (
     InvalidInputError,
@@ -20,21 +19,26 @@ from onnx_genrt.core.errors import (
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.locking import hold
 from onnx_genrt.core.provider import ExecutionProvider
-from onnx_genrt.core.registry import get_registry
 
 from .binding import IOBinding
 from .device_io import DeviceIO
 from .executor import Executor, LaunchHook, SlotStats
-from .loader import LoadedModel, drop_initializer_bytes, load_model, open_model
 from .plan import GraphPlan, ValueSpec, build_plan
 from .row_tail import RowTail
 from .weights import release_pages
+
+if TYPE_CHECKING:  # onnx is imported when a model is read, not with the engine
+    import onnx
+
+    from .loader import LoadedModel
 
 ProviderArg = str | ExecutionProvider | tuple[str, Mapping[str, Any]]
 
 
 def resolve_providers(providers: Sequence[ProviderArg] | None) -> list[ExecutionProvider]:
     """Names (``"cpu"``, ``"CPUExecutionProvider"``), instances or ``(name, options)`` pairs."""
+    from onnx_genrt.core.registry import get_registry
+
     registry = get_registry()
     if not providers:
         providers = ["cpu"]
@@ -60,6 +64,10 @@ def _loaded(
 ) -> tuple[LoadedModel, bool]:
     """The model loaded (external weights mapped from a path), and whether the session owns
     its proto: a caller's ``ModelProto`` is read, never changed."""
+    import onnx
+
+    from .loader import LoadedModel, load_model, open_model
+
     if isinstance(model, LoadedModel):
         return model, True
     if isinstance(model, onnx.ModelProto):
@@ -110,13 +118,15 @@ class InferenceSession:
         except UnsupportedOpError:
             if not cpu_fallback or any(p.name == "cpu" for p in self.providers):
                 raise
-            self.providers.append(get_registry().create("cpu"))
+            self.providers.append(resolve_providers(["cpu"])[0])
             self.plan = build_plan(self.model, self.providers, loaded.weights)
         for name, array in loaded.weights.items():
             if self.plan.constants.get(name) is not array:  # fused or folded into another
                 release_pages(array)
         del loaded  # the plan holds the mapped weights it uses
         if owned:
+            from .loader import drop_initializer_bytes
+
             drop_initializer_bytes(self.model)
         self.executor = Executor(self.plan, graphs=enable_graphs, warmup_runs=warmup_runs)
         self._inputs = {s.name: s for s in self.plan.inputs}

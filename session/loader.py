@@ -1,22 +1,27 @@
-"""Load an ONNX model safely: clear errors, external data confined to the model's folder."""
+"""Load an ONNX model safely: clear errors, external data confined to the model's folder.
+
+onnx is imported by the functions that read a model, not with this module: importing the
+engine does not import onnx (and ml_dtypes, which it imports), a model load does.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from google.protobuf.message import DecodeError
-from onnx import external_data_helper
 
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import ModelLoadError
 from onnx_genrt.core.kernels import GENRT_DOMAIN, MS_DOMAIN, ONNX_DOMAIN, normalize_domain
 from onnx_genrt.core.paths import resolve_inside
 
-from .weights import MappedFiles
+from .weights import RELEASED_LOCATION, MappedFiles
+
+if TYPE_CHECKING:
+    import onnx
 
 #: The domain of ONNX's classical machine-learning operators.
 ML_DOMAIN = "ai.onnx.ml"
@@ -68,6 +73,8 @@ def _load(
     folder: str | os.PathLike[str] | None,
     map_weights: bool,
 ) -> LoadedModel:
+    import onnx
+
     if isinstance(source, onnx.ModelProto):
         model = source
         base = None
@@ -102,6 +109,9 @@ def _load(
 
 
 def _parse(data: bytes, label: str) -> onnx.ModelProto:
+    import onnx
+    from google.protobuf.message import DecodeError
+
     model = onnx.ModelProto()
     try:
         model.ParseFromString(data)
@@ -130,6 +140,8 @@ def _check_text(model: onnx.ModelProto) -> None:
 def supported_opsets() -> dict[str, int]:
     """The newest opset of each domain this runtime knows: ONNX's from the installed onnx
     package, onnxruntime's contrib ops and the runtime's own fused ops at version 1."""
+    import onnx
+
     ml = max(
         (
             s.since_version
@@ -149,6 +161,8 @@ def supported_opsets() -> dict[str, int]:
 def _check_opsets(model: onnx.ModelProto) -> None:
     """Refuse opset versions below 1 or newer than the runtime knows (other domains are
     left to the planner, which refuses their nodes when no provider has a kernel)."""
+    import onnx
+
     if not model.opset_import:
         raise ModelLoadError("model imports no opset")
     newest = supported_opsets()
@@ -191,6 +205,8 @@ def _check_structure(model: onnx.ModelProto) -> None:
 
 
 def _uses_external_data(model: onnx.ModelProto) -> bool:
+    from onnx import external_data_helper
+
     return any(
         external_data_helper.uses_external_data(t)
         for t in external_data_helper._get_all_tensors(model)
@@ -202,6 +218,9 @@ def _load_external(
 ) -> None:
     """Read every external tensor into the proto; with ``mapped``, put the graph's
     initializers that can be mapped there instead (their protos keep no bytes)."""
+    import onnx
+    from onnx import external_data_helper
+
     files = MappedFiles()
     # Held so that the walk below hands back these very objects (protobuf caches them).
     initializers = list(model.graph.initializer) if mapped is not None else []
@@ -225,6 +244,8 @@ def _load_external(
 def _external_range(tensor: onnx.TensorProto, base: Path) -> tuple[Path, int, int]:
     """The file, offset and length of a tensor's external data, checked: the file lies
     inside ``base`` and holds the range (length 0: up to its end)."""
+    from onnx import external_data_helper
+
     try:
         info = external_data_helper.ExternalDataInfo(tensor)
     except (TypeError, ValueError) as exc:
@@ -259,14 +280,12 @@ def _mapped_view(
     return files.view(target, offset, length, dtype.numpy, tuple(int(d) for d in tensor.dims))
 
 
-#: The external-data location written into an initializer whose bytes a session dropped.
-RELEASED_LOCATION = "onnx-genrt:released"
-
-
 def drop_initializer_bytes(model: onnx.ModelProto) -> None:
     """Drop the bytes of the graph's initializers (a session's plan holds them as arrays),
     marking each as external data at ``RELEASED_LOCATION``: planning the proto again is
     refused with an error naming the initializer, never run on empty weights."""
+    import onnx
+
     for init in model.graph.initializer:
         for name in _DATA_FIELDS:
             init.ClearField(name)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
 from onnx_genrt.core.dtypes import numpy_dtype_of_onnx
 from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpError
@@ -34,8 +32,11 @@ from .fusion import (
     fuse_silu_mul,
     fuse_skip_rms_norm,
 )
-from .loader import RELEASED_LOCATION
 from .schema_check import check_node_schema
+from .weights import RELEASED_LOCATION
+
+if TYPE_CHECKING:  # onnx is imported when a model is planned, not with the engine
+    import onnx
 
 #: Ops whose output changes from run to run; never folded.
 NONDETERMINISTIC = {
@@ -177,6 +178,8 @@ def topological_order(graph: onnx.GraphProto, available: set[str]) -> list[onnx.
 
 
 def _infer_value_types(model: onnx.ModelProto) -> dict[str, ValueSpec]:
+    import onnx
+
     try:
         inferred = onnx.shape_inference.infer_shapes(
             _shape_skeleton(model), strict_mode=False, data_prop=True
@@ -196,6 +199,8 @@ def _shape_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` without the bytes of its large initializers, which become typed graph
     inputs: shape inference serializes the model it is given (and parses it back twice),
     so weights would be copied three times for types that their dims already give."""
+    import onnx
+
     skeleton = onnx.ModelProto()
     for name in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
         setattr(skeleton, name, getattr(model, name))
@@ -330,6 +335,9 @@ def _read_initializers(
 ) -> dict[str, np.ndarray]:
     """The graph's initializers as arrays: ``weights`` for those it has, the rest read from
     the proto; an initializer still in an external file that ``weights`` lacks is refused."""
+    import onnx
+    from onnx import numpy_helper
+
     constants: dict[str, np.ndarray] = {}
     for init in graph.initializer:
         if init.name in weights:
@@ -376,6 +384,8 @@ def _place(
 def _foldable(step: Step, constants: dict[str, np.ndarray]) -> bool:
     if step.node.op_type in NONDETERMINISTIC or step.node.domain not in ("",):
         return False
+    import onnx
+
     if any(isinstance(v, onnx.GraphProto) for v in step.node.attrs.values()):
         return False
     return all((not n) or n in constants for n in step.inputs)
