@@ -100,6 +100,7 @@ def _load(
     _check_structure(model)
     loaded = LoadedModel(model)
     if _uses_external_data(model):
+        _refuse_released(model)
         if base is None:
             raise ModelLoadError(
                 "model refers to external data but was given without a path; load it from its file"
@@ -278,6 +279,17 @@ def _mapped_view(
     if dtype.is_packed:
         return None
     return files.view(target, offset, length, dtype.numpy, tuple(int(d) for d in tensor.dims))
+
+
+def _refuse_released(model: onnx.ModelProto) -> None:
+    """A proto whose bytes a session dropped (``drop_initializer_bytes``) cannot be run."""
+    for init in model.graph.initializer:
+        if any(e.value == RELEASED_LOCATION for e in init.external_data):
+            raise ModelLoadError(
+                f"initializer {init.name!r} has no bytes: the session that loaded this model "
+                "released them once its plan held the weights (a session's `model` keeps the "
+                "graph, not the weights); load the model again from its file"
+            )
 
 
 def drop_initializer_bytes(model: onnx.ModelProto) -> None:

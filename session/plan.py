@@ -33,7 +33,6 @@ from .fusion import (
     fuse_skip_rms_norm,
 )
 from .schema_check import check_node_schema
-from .weights import RELEASED_LOCATION
 
 if TYPE_CHECKING:  # onnx is imported when a model is planned, not with the engine
     import onnx
@@ -344,13 +343,6 @@ def _read_initializers(
             constants[init.name] = weights[init.name]
             continue
         if init.data_location == onnx.TensorProto.EXTERNAL:
-            if any(e.value == RELEASED_LOCATION for e in init.external_data):
-                raise ModelLoadError(
-                    f"initializer {init.name!r} has no bytes: the session that loaded this "
-                    "model released them once its plan held the weights (a session's "
-                    "`model` keeps the graph, not the weights); load the model again from "
-                    "its file"
-                )
             raise ModelLoadError(
                 f"initializer {init.name!r} keeps its data in an external file that was not "
                 "read: load the model from its path (or with session.loader.open_model and "
