@@ -124,10 +124,10 @@ class InferenceSession:
             if self.plan.constants.get(name) is not array:  # fused or folded into another
                 release_pages(array)
         del loaded  # the plan holds the mapped weights it uses
-        if owned:
-            from .loader import drop_initializer_bytes
+        if owned:  # the plan holds the weights: the proto's copies of them can go
+            from .loader import without_initializer_bytes
 
-            drop_initializer_bytes(self.model)
+            self.model = without_initializer_bytes(self.model)
         self.executor = Executor(self.plan, graphs=enable_graphs, warmup_runs=warmup_runs)
         self._inputs = {s.name: s for s in self.plan.inputs}
         self._outputs = {s.name: s for s in self.plan.outputs}

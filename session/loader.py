@@ -282,7 +282,7 @@ def _mapped_view(
 
 
 def _refuse_released(model: onnx.ModelProto) -> None:
-    """A proto whose bytes a session dropped (``drop_initializer_bytes``) cannot be run."""
+    """A proto whose bytes a session dropped (``without_initializer_bytes``) cannot be run."""
     for init in model.graph.initializer:
         if any(e.value == RELEASED_LOCATION for e in init.external_data):
             raise ModelLoadError(
@@ -292,26 +292,43 @@ def _refuse_released(model: onnx.ModelProto) -> None:
             )
 
 
-def drop_initializer_bytes(model: onnx.ModelProto) -> None:
-    """Drop the bytes of the graph's initializers (a session's plan holds them as arrays),
-    marking each as external data at ``RELEASED_LOCATION``: planning the proto again is
-    refused with an error naming the initializer, never run on empty weights."""
+def without_initializer_bytes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A new proto of ``model`` whose initializers keep their name, type and dims but no
+    bytes, marked as external data at ``RELEASED_LOCATION``: planning it again is refused
+    with an error naming the initializer, never run on empty weights. A session keeps this
+    one once its plan holds the weights (clearing the fields of the original would free
+    nothing: protobuf keeps a message's memory until the whole message goes)."""
     import onnx
 
+    stripped = graph_without_initializers(model)
     for init in model.graph.initializer:
-        for name in _DATA_FIELDS:
-            init.ClearField(name)
-        del init.external_data[:]
-        init.external_data.add(key="location", value=RELEASED_LOCATION)
-        init.data_location = onnx.TensorProto.EXTERNAL
+        kept = stripped.graph.initializer.add(
+            name=init.name, data_type=init.data_type, dims=init.dims
+        )
+        kept.external_data.add(key="location", value=RELEASED_LOCATION)
+        kept.data_location = onnx.TensorProto.EXTERNAL
+    return stripped
 
 
-_DATA_FIELDS = (
-    "raw_data",
-    "float_data",
-    "int32_data",
-    "string_data",
-    "int64_data",
-    "double_data",
-    "uint64_data",
-)
+def graph_without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A new proto with every field of ``model`` but its graph's initializers (nodes,
+    inputs, outputs, functions, metadata: all copied, no weight bytes)."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    _copy_fields(model, copy, skip="graph")
+    _copy_fields(model.graph, copy.graph, skip="initializer")
+    return copy
+
+
+def _copy_fields(src, dst, skip: str) -> None:
+    for descriptor, value in src.ListFields():
+        if descriptor.name == skip:
+            continue
+        target = getattr(dst, descriptor.name)
+        if hasattr(target, "extend"):  # a repeated field (protobuf versions differ in how
+            target.extend(value)  # descriptors say so; containers all have extend)
+        elif hasattr(target, "CopyFrom"):  # a message
+            target.CopyFrom(value)
+        else:
+            setattr(dst, descriptor.name, value)

@@ -32,6 +32,7 @@ from .fusion import (
     fuse_silu_mul,
     fuse_skip_rms_norm,
 )
+from .loader import graph_without_initializers
 from .schema_check import check_node_schema
 
 if TYPE_CHECKING:  # onnx is imported when a model is planned, not with the engine
@@ -198,19 +199,10 @@ def _shape_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` without the bytes of its large initializers, which become typed graph
     inputs: shape inference serializes the model it is given (and parses it back twice),
     so weights would be copied three times for types that their dims already give."""
-    import onnx
+    from onnx import helper
 
-    skeleton = onnx.ModelProto()
-    for name in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
-        setattr(skeleton, name, getattr(model, name))
-    skeleton.opset_import.extend(model.opset_import)
-    skeleton.functions.extend(model.functions)
+    skeleton = graph_without_initializers(model)
     graph, src = skeleton.graph, model.graph
-    graph.name = src.name
-    graph.node.extend(src.node)
-    graph.input.extend(src.input)
-    graph.output.extend(src.output)
-    graph.value_info.extend(src.value_info)
     declared = {vi.name for vi in src.input}
     for init in src.initializer:
         count = int(np.prod(init.dims, dtype=np.int64))
@@ -218,7 +210,7 @@ def _shape_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
             graph.initializer.append(init)
         elif init.name not in declared:
             graph.input.append(
-                onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+                helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
             )
     return skeleton
 

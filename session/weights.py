@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 #: The external-data location written into an initializer whose bytes a session dropped
-#: once its plan held them as arrays (``session.loader.drop_initializer_bytes``).
+#: once its plan held them as arrays (``session.loader.without_initializer_bytes``).
 RELEASED_LOCATION = "onnx-genrt:released"
 
 #: ONNX element types stored one element per fixed number of bytes, exactly as numpy holds
