@@ -88,26 +88,45 @@ def dequantize_tiles(w: Int4Tiles, k: int) -> np.ndarray:
 
 @numba.njit(cache=True)
 def _dequant_tiles(tiles, scales, zeros, block, out):
-    """out[row, c] = (nibble - 8 - zeros[b, row]) * scales[b, row] for the tiles' rows, in
-    chunks of bytes so that a chunk's tile lines stay in cache while rows are written."""
+    """out[row, c] = (nibble - 8 - zeros[b, row]) * scales[b, row]. Each chunk of a tile's
+    bytes is dequantized along its rows (contiguous, so it vectorizes) into a buffer that
+    stays in cache, then written out row by row."""
     _, half, rows = tiles.shape
     n, k = out.shape
     blob = block // 2
-    chunk = 64
+    chunk = 32
+    buf = np.empty((2 * chunk, rows), _F32)
     for ti in range(tiles.shape[0]):
         r0 = ti * rows
         for t0 in range(0, half, chunk):
-            t1 = min(t0 + chunk, half, (k + 1) // 2)
+            t1 = min(t0 + chunk, half)
+            for t in range(t0, t1):
+                _dequant_byte_row(tiles[ti, t], scales, zeros, t // blob, r0, buf, 2 * (t - t0))
+            c0 = 2 * t0
+            width = min(2 * (t1 - t0), k - c0)
             for r in range(min(rows, n - r0)):
-                row = r0 + r
-                for t in range(t0, t1):
-                    b = t // blob
-                    s = scales[b, row]
-                    z = _F32(8) + zeros[b, row] if zeros.shape[0] else _F32(8)
-                    v = tiles[ti, t, r]
-                    out[row, 2 * t] = (_F32(v & 15) - z) * s
-                    if 2 * t + 1 < k:
-                        out[row, 2 * t + 1] = (_F32(v >> 4) - z) * s
+                row = out[r0 + r]
+                for j in range(width):
+                    row[c0 + j] = buf[j, r]
+
+
+@numba.njit(cache=True, inline="always")
+def _dequant_byte_row(q, scales, zeros, b, r0, buf, j):
+    """buf[j] and buf[j + 1]: the low and high nibbles of one byte of every tile row."""
+    rows = q.shape[0]
+    s = scales[b, r0 : r0 + rows]
+    lo = buf[j]
+    hi = buf[j + 1]
+    if zeros.shape[0]:
+        z = zeros[b, r0 : r0 + rows]
+        for r in range(rows):
+            zz = _F32(8) + z[r]
+            lo[r] = (_F32(q[r] & 15) - zz) * s[r]
+            hi[r] = (_F32(q[r] >> 4) - zz) * s[r]
+    else:
+        for r in range(rows):
+            lo[r] = (_F32(q[r] & 15) - _F32(8)) * s[r]
+            hi[r] = (_F32(q[r] >> 4) - _F32(8)) * s[r]
 
 
 @numba.njit(cache=True, fastmath=_FM)
