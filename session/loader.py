@@ -143,17 +143,9 @@ def supported_opsets() -> dict[str, int]:
     package, onnxruntime's contrib ops and the runtime's own fused ops at version 1."""
     import onnx
 
-    ml = max(
-        (
-            s.since_version
-            for s in onnx.defs.get_all_schemas_with_history()
-            if s.domain == ML_DOMAIN
-        ),
-        default=1,
-    )
     return {
         ONNX_DOMAIN: onnx.defs.onnx_opset_version(),
-        ML_DOMAIN: ml,
+        ML_DOMAIN: onnx.defs.onnx_ml_opset_version(),
         MS_DOMAIN: 1,
         GENRT_DOMAIN: 1,
     }
