@@ -830,8 +830,9 @@ def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch, keep: bool
 @pytest.mark.parametrize("zero", ["none", "uint8", "float"])
 @pytest.mark.parametrize("k", [256, 200])
 def test_int4_tiles_dequantize_to_the_packed_weight(zero: str, k: int) -> None:
-    """Dequantizing the tiles gives the bits of dequantizing the packed weight (K not a
-    multiple of the block included), and ``Int4Input.plain`` gives the inputs back."""
+    """Dequantizing the tiles gives the bits of dequantizing the packed weight, transposed
+    (K not a multiple of the block included), and ``Int4Input.plain`` gives the inputs
+    back."""
     from onnx_genrt.core.kernels import NodeInfo
     from onnx_genrt.providers.cpu.kernels import _int4_matmul as im
 
@@ -852,8 +853,8 @@ def test_int4_tiles_dequantize_to_the_packed_weight(zero: str, k: int) -> None:
     direct = contrib_quant.dequantize_nbits(
         qw["B"], qw["scales"], qw.get("zero_points"), k, n, 4, block
     )
-    np.testing.assert_array_equal(from_tiles, direct)
-    np.testing.assert_allclose(from_tiles, qw["ref"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(from_tiles, direct.T)
+    np.testing.assert_allclose(from_tiles.T, qw["ref"], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(packed[0].plain(), qw["B"])
     np.testing.assert_array_equal(packed[1].plain(), qw["scales"])
     if zp is not None:

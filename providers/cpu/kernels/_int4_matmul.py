@@ -80,53 +80,44 @@ def untile_weight(tiles: np.ndarray, n: int) -> np.ndarray:
 
 
 def dequantize_tiles(w: Int4Tiles, k: int) -> np.ndarray:
-    """The (N, K) float32 weight the tiles hold: ``(q - zero) * scale``."""
-    out = np.empty((w.n, k), _F32)
+    """The float32 weight the tiles hold, ``(q - zero) * scale``, transposed: (K, N), the
+    layout the tiles give without a transpose (a tile's byte ``t`` is a run of rows), and
+    one BLAS reads as well as (N, K)."""
+    out = np.empty((k, w.n), _F32)
     _dequant_tiles(w.tiles, w.scales, w.zeros, w.block, out)
     return out
 
 
 @numba.njit(cache=True)
 def _dequant_tiles(tiles, scales, zeros, block, out):
-    """out[row, c] = (nibble - 8 - zeros[b, row]) * scales[b, row]. Each chunk of a tile's
-    bytes is dequantized along its rows (contiguous, so it vectorizes) into a buffer that
-    stays in cache, then written out row by row."""
+    """out[c, row] = (nibble c of the row - 8 - zeros[b, row]) * scales[b, row]: byte ``t``
+    of a tile gives columns 2t and 2t+1 of all its rows, contiguous in both."""
     _, half, rows = tiles.shape
-    n, k = out.shape
+    k, n = out.shape
     blob = block // 2
-    chunk = 32
-    buf = np.empty((2 * chunk, rows), _F32)
     for ti in range(tiles.shape[0]):
         r0 = ti * rows
-        for t0 in range(0, half, chunk):
-            t1 = min(t0 + chunk, half)
-            for t in range(t0, t1):
-                _dequant_byte_row(tiles[ti, t], scales, zeros, t // blob, r0, buf, 2 * (t - t0))
-            c0 = 2 * t0
-            width = min(2 * (t1 - t0), k - c0)
-            for r in range(min(rows, n - r0)):
-                row = out[r0 + r]
-                for j in range(width):
-                    row[c0 + j] = buf[j, r]
-
-
-@numba.njit(cache=True, inline="always")
-def _dequant_byte_row(q, scales, zeros, b, r0, buf, j):
-    """buf[j] and buf[j + 1]: the low and high nibbles of one byte of every tile row."""
-    rows = q.shape[0]
-    s = scales[b, r0 : r0 + rows]
-    lo = buf[j]
-    hi = buf[j + 1]
-    if zeros.shape[0]:
-        z = zeros[b, r0 : r0 + rows]
-        for r in range(rows):
-            zz = _F32(8) + z[r]
-            lo[r] = (_F32(q[r] & 15) - zz) * s[r]
-            hi[r] = (_F32(q[r] >> 4) - zz) * s[r]
-    else:
-        for r in range(rows):
-            lo[r] = (_F32(q[r] & 15) - _F32(8)) * s[r]
-            hi[r] = (_F32(q[r] >> 4) - _F32(8)) * s[r]
+        live = min(rows, n - r0)
+        for t in range(min(half, (k + 1) // 2)):
+            b = t // blob
+            q = tiles[ti, t]
+            s = scales[b, r0 : r0 + live]
+            lo = out[2 * t, r0 : r0 + live]
+            if zeros.shape[0]:
+                z = zeros[b, r0 : r0 + live]
+                for r in range(live):
+                    lo[r] = (_F32(q[r] & 15) - (_F32(8) + z[r])) * s[r]
+                if 2 * t + 1 < k:
+                    hi = out[2 * t + 1, r0 : r0 + live]
+                    for r in range(live):
+                        hi[r] = (_F32(q[r] >> 4) - (_F32(8) + z[r])) * s[r]
+            else:
+                for r in range(live):
+                    lo[r] = (_F32(q[r] & 15) - _F32(8)) * s[r]
+                if 2 * t + 1 < k:
+                    hi = out[2 * t + 1, r0 : r0 + live]
+                    for r in range(live):
+                        hi[r] = (_F32(q[r] >> 4) - _F32(8)) * s[r]
 
 
 @numba.njit(cache=True, fastmath=_FM)

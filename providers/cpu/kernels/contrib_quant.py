@@ -279,14 +279,15 @@ def _int4_weight(b: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> In
 def _float_weight(
     ctx: KernelContext, b: Any, scales: Any, zp: Any, params: tuple[int, int, int, int]
 ) -> np.ndarray:
-    """The (N, K) float32 weight: from the tiles of a prepacked one, else from the packed
-    bytes; kept only with the ``nbits_cache`` option."""
+    """The float32 weight as (K, N) (a transposed view of the (N, K) dequantized from the
+    packed bytes; made so from the tiles of a prepacked one); kept only with the
+    ``nbits_cache`` option."""
     k, n, bits, block = params
 
     def build() -> np.ndarray:
         if _all_packed(b, scales, zp):
             return dequantize_tiles(_int4_weight(b, scales, zp, k, n, block), k)
-        return dequantize_nbits(_plain(b), _plain(scales), _plain(zp), k, n, bits, block)
+        return dequantize_nbits(_plain(b), _plain(scales), _plain(zp), k, n, bits, block).T
 
     return DEQUANT_CACHE.get((b, scales, zp), params, build, keep=ctx.option("nbits_cache", False))
 
@@ -330,9 +331,9 @@ def matmul_nbits(
     else:
         w = _float_weight(ctx, b, scales, zero_points, (k, n, bits, block))
         if direct:
-            np.matmul(a2, w.T, out=out2)
+            np.matmul(a2, w, out=out2)
             return out
-        y = np.matmul(a2.astype(_F32, copy=False), w.T)
+        y = np.matmul(a2.astype(_F32, copy=False), w)
     if direct:
         return out
     if bias is not None:
