@@ -1,37 +1,42 @@
-"""The element types onnx-genrt understands, mapped between ONNX and numpy."""
+"""The element types onnx-genrt understands, mapped between ONNX and numpy.
+
+Neither onnx nor ml_dtypes is imported here until a type needs them (ml_dtypes takes about
+half a second to import): importing the engine costs neither.
+"""
 
 from __future__ import annotations
 
 import enum
+import functools
+import sys
 
-import ml_dtypes
 import numpy as np
-from onnx import TensorProto
 
 
 class DType(enum.Enum):
-    """An element type. The value is the ONNX ``TensorProto.DataType`` code."""
+    """An element type. The value is the ONNX ``TensorProto.DataType`` code (fixed by the
+    ONNX standard; ``tests/test_dtypes.py`` checks them against onnx)."""
 
-    FLOAT32 = TensorProto.FLOAT
-    FLOAT16 = TensorProto.FLOAT16
-    BFLOAT16 = TensorProto.BFLOAT16
-    FLOAT64 = TensorProto.DOUBLE
-    INT8 = TensorProto.INT8
-    INT16 = TensorProto.INT16
-    INT32 = TensorProto.INT32
-    INT64 = TensorProto.INT64
-    UINT8 = TensorProto.UINT8
-    UINT16 = TensorProto.UINT16
-    UINT32 = TensorProto.UINT32
-    UINT64 = TensorProto.UINT64
-    BOOL = TensorProto.BOOL
-    INT4 = TensorProto.INT4
-    UINT4 = TensorProto.UINT4
+    FLOAT32 = 1
+    FLOAT16 = 10
+    BFLOAT16 = 16
+    FLOAT64 = 11
+    INT8 = 3
+    INT16 = 5
+    INT32 = 6
+    INT64 = 7
+    UINT8 = 2
+    UINT16 = 4
+    UINT32 = 12
+    UINT64 = 13
+    BOOL = 9
+    INT4 = 22
+    UINT4 = 21
 
     @property
     def numpy(self) -> np.dtype:
         """The numpy dtype that holds one element in memory (int4/uint4 unpacked)."""
-        return _TO_NUMPY[self]
+        return _to_numpy()[self]
 
     @property
     def itemsize(self) -> int:
@@ -47,6 +52,8 @@ class DType(enum.Enum):
         try:
             return cls(code)
         except ValueError:
+            from onnx import TensorProto
+
             name = (
                 TensorProto.DataType.Name(code) if code in TensorProto.DataType.values() else code
             )
@@ -56,15 +63,15 @@ class DType(enum.Enum):
     def from_numpy(cls, dtype: np.dtype | type) -> DType:
         dt = np.dtype(dtype)
         try:
-            return _FROM_NUMPY[dt]
+            return _from_numpy()[dt]
         except KeyError:
             raise TypeError(f"numpy dtype {dt} has no onnx-genrt DType") from None
 
 
-_TO_NUMPY: dict[DType, np.dtype] = {
+#: The numpy dtypes of the types numpy has itself; the others come from ml_dtypes.
+_NUMPY_OWN: dict[DType, np.dtype] = {
     DType.FLOAT32: np.dtype(np.float32),
     DType.FLOAT16: np.dtype(np.float16),
-    DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
     DType.FLOAT64: np.dtype(np.float64),
     DType.INT8: np.dtype(np.int8),
     DType.INT16: np.dtype(np.int16),
@@ -75,24 +82,46 @@ _TO_NUMPY: dict[DType, np.dtype] = {
     DType.UINT32: np.dtype(np.uint32),
     DType.UINT64: np.dtype(np.uint64),
     DType.BOOL: np.dtype(np.bool_),
-    DType.INT4: np.dtype(ml_dtypes.int4),
-    DType.UINT4: np.dtype(ml_dtypes.uint4),
 }
-_FROM_NUMPY: dict[np.dtype, DType] = {v: k for k, v in _TO_NUMPY.items()}
+
+
+@functools.cache
+def _to_numpy() -> dict[DType, np.dtype]:
+    import ml_dtypes
+
+    return {
+        **_NUMPY_OWN,
+        DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+        DType.INT4: np.dtype(ml_dtypes.int4),
+        DType.UINT4: np.dtype(ml_dtypes.uint4),
+    }
+
+
+@functools.cache
+def _from_numpy() -> dict[np.dtype, DType]:
+    return {v: k for k, v in _to_numpy().items()}
 
 
 #: ml_dtypes' floating-point types, which numpy reports as kind "V".
-_ML_FLOATS = frozenset(
-    np.dtype(getattr(ml_dtypes, name))
-    for name in ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
-    if hasattr(ml_dtypes, name)
-)
+_ML_FLOAT_NAMES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 
 
 def is_float_dtype(dtype: np.dtype | type) -> bool:
     """Whether ``dtype`` is a floating-point type, ml_dtypes' bfloat16 and float8 included."""
     dt = np.dtype(dtype)
-    return dt.kind == "f" or dt in _ML_FLOATS
+    if dt.kind == "f":
+        return True
+    ml_dtypes = sys.modules.get("ml_dtypes")  # a dtype of it exists only once it is imported
+    return ml_dtypes is not None and dt.kind == "V" and dt in _ml_floats()
+
+
+@functools.cache
+def _ml_floats() -> frozenset[np.dtype]:
+    import ml_dtypes
+
+    return frozenset(
+        np.dtype(getattr(ml_dtypes, name)) for name in _ML_FLOAT_NAMES if hasattr(ml_dtypes, name)
+    )
 
 
 def numpy_dtype_of_onnx(code: int) -> np.dtype:

@@ -27,27 +27,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
 from .dtypes import DType, numpy_dtype_of_onnx
 from .errors import ModelLoadError, UnsupportedOpError
 from .kernels import GENRT_DOMAIN, MS_DOMAIN, NodeInfo, TensorType
 
+if TYPE_CHECKING:  # onnx is imported when a body is built, not with the engine
+    import onnx
+
 #: Opsets the bodies are written against.
 BODY_OPSETS: Mapping[str, int] = {"": 21, MS_DOMAIN: 1}
 
-_FLOATS = (
-    np.dtype(np.float16),
-    np.dtype(np.float32),
-    np.dtype(np.float64),
-    np.dtype(ml_dtypes.bfloat16),
-)
-_INT64 = (np.dtype(np.int64),)
+
+class AttrKind(IntEnum):
+    """The ONNX ``AttributeProto.AttributeType`` codes of the ops' attributes (fixed by the
+    standard; ``tests/test_genrt_ops.py`` checks them against onnx)."""
+
+    FLOAT = 1
+    INT = 2
+
+
+#: Allowed element types, by numpy dtype name (bfloat16 is ml_dtypes', imported only when
+#: a model has it).
+_FLOATS = ("float16", "float32", "float64", "bfloat16")
+_INT64 = ("int64",)
 
 
 def _onnx_type(dtype: Any) -> int:
@@ -95,6 +102,9 @@ class Body:
         """Types of the body's values, by ONNX shape inference from its inputs' types
         (``inputs``: the node's inputs by name; values after an op ONNX does not know, a
         com.microsoft one, stay unknown)."""
+
+        import onnx
+        from onnx import helper
 
         def info(name: str, t: TensorType | None) -> onnx.ValueInfoProto:
             if t is None or t.dtype is None:
@@ -152,6 +162,8 @@ class BodyBuilder:
         self, op: str, inputs: Sequence[str], outputs: Sequence[str], domain: str = "", **attrs
     ):
         """Append a node; returns its first output."""
+        from onnx import helper
+
         index = len(self.body.nodes)
         node = helper.make_node(
             op, list(inputs), list(outputs), name=f"{self.prefix}{index}_{op}", domain=domain
@@ -178,7 +190,8 @@ class GenrtOp:
     inputs: tuple[Formal, ...]
     outputs: tuple[Formal, ...]
     attributes: tuple[Attribute, ...]
-    type_constraints: Mapping[str, tuple[np.dtype, ...]]
+    #: Type constraint -> the allowed numpy dtype names.
+    type_constraints: Mapping[str, tuple[str, ...]]
     build: BodyFn
     #: (domain, op, index of its first weight input) of the projection this op ends in (its
     #: attributes carried by the op's node), or None.
@@ -216,10 +229,8 @@ class GenrtOp:
                 continue
             formal = self.inputs[i]
             allowed = self.type_constraints.get(formal.types)
-            if allowed is not None and np.dtype(t.dtype) not in allowed:
-                return (
-                    f"input {i} ({formal.name}) is {t.dtype}; allowed: {[str(d) for d in allowed]}"
-                )
+            if allowed is not None and np.dtype(t.dtype).name not in allowed:
+                return f"input {i} ({formal.name}) is {t.dtype}; allowed: {list(allowed)}"
             seen = by_constraint.setdefault(formal.types, np.dtype(t.dtype))
             if seen != t.dtype and allowed is not None:
                 return f"inputs of type {formal.types} differ: {seen} and {t.dtype}"
@@ -278,8 +289,8 @@ def _silu_mul(b: BodyBuilder, types, gate: str, up: str, out: str) -> str:
     wide = _is_16bit(types[0])
     if wide:
         dtype = _onnx_type(types[0].dtype)
-        gate = b.add("Cast", [gate], [b.tmp("gate_f32")], to=TensorProto.FLOAT)
-        up = b.add("Cast", [up], [b.tmp("up_f32")], to=TensorProto.FLOAT)
+        gate = b.add("Cast", [gate], [b.tmp("gate_f32")], to=DType.FLOAT32.value)
+        up = b.add("Cast", [up], [b.tmp("up_f32")], to=DType.FLOAT32.value)
     sig = b.add("Sigmoid", [gate], [b.tmp("sigmoid")])
     silu = b.add("Mul", [gate, sig], [b.tmp("silu")])
     if not wide:
@@ -380,7 +391,7 @@ def _mtp_accept_body(b: BodyBuilder, types) -> None:
     ok = b.add("And", [eq, real], [b.tmp("ok")])
     rejected = b.add("Not", [ok], [b.tmp("rejected")])
     # float32, which every provider's ArgMax takes (0 = accepted, 1 = stop)
-    rejected_f = b.add("Cast", [rejected], [b.tmp("rejected_f")], to=TensorProto.FLOAT)
+    rejected_f = b.add("Cast", [rejected], [b.tmp("rejected_f")], to=DType.FLOAT32.value)
     end = b.const("end", np.ones((1, 1)), np.float32)
     stops = b.add("Concat", [rejected_f, end], [b.tmp("stops")], axis=1)
     b.add("ArgMax", [stops], [accepted], axis=1, keepdims=0)
@@ -406,7 +417,7 @@ def _mtp_next_inputs_body(b: BodyBuilder, types) -> None:
     next_start = b.add("Add", [start, advance], [b.output(0, "next_start")])
     b.add("Concat", [token, drafts], [b.output(1, "next_ids")], axis=1)
     low = b.add("Less", [confidences, min_conf], [b.tmp("low")])
-    low_f = b.add("Cast", [low], [b.tmp("low_f")], to=TensorProto.FLOAT)
+    low_f = b.add("Cast", [low], [b.tmp("low_f")], to=DType.FLOAT32.value)
     end = b.const("end", np.ones((1, 1)), np.float32)
     stops = b.add("Concat", [low_f, end], [b.tmp("stops")], axis=1)
     b.add("ArgMax", [stops], [b.output(2, "next_count")], axis=1, keepdims=0)
@@ -419,19 +430,15 @@ def _mtp_next_inputs_body(b: BodyBuilder, types) -> None:
         end_pos = b.add("Add", [next_start, b.const("width", [k + 1])], [b.tmp("end_pos")])
         arange_l = b.const("arange_l", np.arange(length)[None, :])
         mask = b.add("Less", [arange_l, end_pos], [b.tmp("mask_b")])
-        b.add("Cast", [mask], [names[4]], to=TensorProto.INT64)
+        b.add("Cast", [mask], [names[4]], to=DType.INT64.value)
 
 
 # -- declarations -----------------------------------------------------------------------------
 
 _T = {"T": _FLOATS}
-_EPS = Attribute("epsilon", onnx.AttributeProto.FLOAT, 1e-5, "added to the mean square")
-_PROJ_OPSET = Attribute(
-    "projection_opset", onnx.AttributeProto.INT, 1, "the projection's opset in the model"
-)
-_SPLIT = Attribute(
-    "split", onnx.AttributeProto.INT, 0, "1: one input g whose last-axis halves are g and u"
-)
+_EPS = Attribute("epsilon", AttrKind.FLOAT, 1e-5, "added to the mean square")
+_PROJ_OPSET = Attribute("projection_opset", AttrKind.INT, 1, "the projection's opset in the model")
+_SPLIT = Attribute("split", AttrKind.INT, 0, "1: one input g whose last-axis halves are g and u")
 _NBITS_WEIGHTS = (
     Formal("B", "T_B", "packed quantized weight, as MatMulNBits input 1"),
     Formal("scales", "T", "per-block scales, as MatMulNBits input 2"),
@@ -471,9 +478,9 @@ _SILU_OUTPUTS = (
 )
 _NBITS_TYPES = {
     **_T,
-    "T_B": (np.dtype(np.uint8),),
-    "T_ZP": (np.dtype(np.uint8), np.dtype(np.int32), *_T["T"]),
-    "T_I": (np.dtype(np.int32),),
+    "T_B": ("uint8",),
+    "T_ZP": ("uint8", "int32", *_T["T"]),
+    "T_I": ("int32",),
 }
 
 
@@ -573,7 +580,7 @@ def _mtp_ops() -> list[GenrtOp]:
                 Formal("token", "I", "the target's token after them [1, 1]"),
                 Formal("row", "T_TO", "the hidden row there [1, 1, H], of type ``to``"),
             ),
-            (Attribute("to", onnx.AttributeProto.INT, TensorProto.FLOAT, "element type of row"),),
+            (Attribute("to", AttrKind.INT, DType.FLOAT32.value, "element type of row"),),
             {**_T, "I": _INT64, "T_TO": _T["T"]},
             _mtp_accept_body,
         ),
@@ -601,11 +608,11 @@ def _mtp_ops() -> list[GenrtOp]:
             (
                 Attribute(
                     "min_confidence",
-                    onnx.AttributeProto.FLOAT,
+                    AttrKind.FLOAT,
                     0.0,
                     "drafts below it end the count",
                 ),
-                Attribute("mask_length", onnx.AttributeProto.INT, 0, "width of mask"),
+                Attribute("mask_length", AttrKind.INT, 0, "width of mask"),
             ),
             {**_T, "I": _INT64},
             _mtp_next_inputs_body,

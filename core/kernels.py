@@ -5,13 +5,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import onnx
-from onnx import helper
 
 from .errors import GraphCaptureError
+
+if TYPE_CHECKING:  # onnx is imported where a model is read, not with the engine
+    import onnx
 
 ONNX_DOMAIN = ""
 MS_DOMAIN = "com.microsoft"
@@ -62,16 +63,16 @@ class NodeInfo:
 
 
 def _attr_value(attr: onnx.AttributeProto) -> Any:
-    if attr.type == onnx.AttributeProto.TENSOR:
-        from onnx import numpy_helper
+    from onnx import AttributeProto, helper, numpy_helper
 
+    if attr.type == AttributeProto.TENSOR:
         return numpy_helper.to_array(attr.t)
-    if attr.type == onnx.AttributeProto.GRAPH:
+    if attr.type == AttributeProto.GRAPH:
         return attr.g
     value = helper.get_attribute_value(attr)
     if isinstance(value, bytes):
         return value.decode("utf-8")
-    if attr.type == onnx.AttributeProto.STRINGS:
+    if attr.type == AttributeProto.STRINGS:
         return [v.decode("utf-8") for v in value]
     return value
 

@@ -8,10 +8,12 @@ logits, and non-finite logits still raise instead of producing text.
 
 from __future__ import annotations
 
-import onnx
-from onnx import TensorProto, helper
+from typing import TYPE_CHECKING
 
 from onnx_genrt.core.errors import ModelLoadError
+
+if TYPE_CHECKING:  # onnx is imported when a model is read, not with the engine
+    import onnx
 
 ARGMAX = "onnx_genrt.argmax"
 NONFINITE = "onnx_genrt.nonfinite"
@@ -19,6 +21,8 @@ NONFINITE = "onnx_genrt.nonfinite"
 
 def add_decode_heads(model: onnx.ModelProto, logits: str) -> onnx.ModelProto:
     """Return ``model`` with the argmax and non-finite outputs appended (in place)."""
+    from onnx import TensorProto, helper
+
     graph = model.graph
     if any(o.name == ARGMAX for o in graph.output):
         return model

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_genrt.core.errors import InvalidInputError
-from onnx_genrt.session import InferenceSession, load_model
+from onnx_genrt.session import InferenceSession, open_model
 from onnx_genrt.session.inference_session import ProviderArg
 
 from .config import GenAIConfig, SearchOptions, load_config
@@ -39,11 +39,11 @@ class Model:
         self.config: GenAIConfig = load_config(self.folder)
         self.providers = [provider] if isinstance(provider, str) else list(provider)
         self.enable_graphs = enable_graphs
-        proto = add_decode_heads(
-            load_model(self.config.model_path, folder=self.folder), self.config.io.logits
-        )
+        # Weights in external files are mapped, not copied; the session owns the proto.
+        loaded = open_model(self.config.model_path, folder=self.folder)
+        add_decode_heads(loaded.proto, self.config.io.logits)
         self.session = InferenceSession(
-            proto, providers=self.providers, enable_graphs=enable_graphs
+            loaded, providers=self.providers, enable_graphs=enable_graphs
         )
         self._tokenizer: Tokenizer | None = None
         self._runners: list[tuple[DecoderRunner, weakref.ref]] = []

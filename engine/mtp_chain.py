@@ -8,12 +8,16 @@ instead of running the head k times with a round trip each.
 
 from __future__ import annotations
 
-import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.core.kernels import GENRT_DOMAIN
+
+if TYPE_CHECKING:  # onnx is imported when a chain is built, not with the engine
+    import onnx
 
 DRAFTS = "drafts"
 CONFIDENCES = "confidences"
@@ -29,6 +33,9 @@ def unroll_mtp_head(
 ) -> onnx.ModelProto:
     """A model with inputs (hidden_input [1,1,H], ids_input [1,1]) and outputs drafts and
     confidences, running ``head`` k times in a chain. Weights are shared, not copied."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
     if k < 1:
         raise InvalidInputError(f"k (drafts per speculative step) must be >= 1, got {k}")
     g = head.graph
@@ -120,6 +127,9 @@ def restrict_draft_vocab(
     ``vocab`` columns of its weight, which constant folding then cuts, so each chained head
     step multiplies by a smaller lm_head. Drafts stay token ids (a prefix keeps ids as
     indices); verification is unchanged, so the output is too."""
+    import onnx
+    from onnx import helper, numpy_helper
+
     if vocab < 1:
         raise InvalidInputError(f"a draft vocabulary needs at least 1 token, got {vocab}")
     h = onnx.ModelProto()
@@ -162,7 +172,7 @@ def after_verify(
     k: int,
     hidden_input: str = "hidden_states",
     ids_input: str = "input_ids",
-    verify_hidden_type: int = TensorProto.FLOAT,
+    verify_hidden_type: int = DType.FLOAT32.value,
 ) -> onnx.ModelProto:
     """``chain`` fed straight from a verify step of width ``k + 1``, on the device.
 
@@ -175,6 +185,8 @@ def after_verify(
     speculative step. Where no provider has MTPAccept, placement runs its standard-op body
     (``core.genrt_ops``).
     """
+    from onnx import TensorProto, helper
+
     g = chain.graph
     by_name = {i.name: i for i in g.input}
     if hidden_input not in by_name or ids_input not in by_name:
@@ -234,6 +246,8 @@ def with_next_inputs(
     counts them). Bound to the decoder's own input buffers, they let the next verify be
     queued before the host has read this one back.
     """
+    from onnx import TensorProto, helper
+
     g = after.graph
     i64 = TensorProto.INT64
     outputs = [
@@ -271,6 +285,8 @@ def with_next_inputs(
 
 
 def _with_genrt(opsets) -> list:
+    from onnx import helper
+
     opsets = list(opsets)
     if all(o.domain != GENRT_DOMAIN for o in opsets):
         opsets.append(helper.make_opsetid(GENRT_DOMAIN, 1))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
+from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.session import InferenceSession
@@ -34,6 +34,9 @@ from .mtp_chain import (
     unroll_mtp_head,
     with_next_inputs,
 )
+
+if TYPE_CHECKING:  # onnx is imported when a model is read, not with the engine
+    import onnx
 
 
 def _confidence(logits: np.ndarray) -> tuple[int, float]:
@@ -293,7 +296,7 @@ class MTPProposer(Proposer):
     def _build_after(self, runner: Any, bufs: StepBuffers, k: int, next_inputs: bool):
         names = {n: v for n, v in self.names.items()}
         chain = unroll_mtp_head(self.head, k, **names)
-        hidden_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(bufs.hidden.dtype))
+        hidden_type = DType.from_numpy(bufs.hidden.dtype).value
         ids_input = names.get("ids_input", "input_ids")
         model = after_verify(
             chain,

@@ -14,7 +14,6 @@ its batch-size bucket.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import queue
 import threading
@@ -108,6 +107,8 @@ class RequestHandle:
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
         """The events in asyncio, without a thread per waiting request."""
+        import asyncio  # only where a handle is read from asyncio
+
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[TokenEvent] = asyncio.Queue()
 

@@ -3,6 +3,14 @@
 from .binding import IOBinding
 from .executor import Executor, SlotStats
 from .inference_session import InferenceSession
-from .loader import load_model
+from .loader import LoadedModel, load_model, open_model
 
-__all__ = ["Executor", "IOBinding", "InferenceSession", "SlotStats", "load_model"]
+__all__ = [
+    "Executor",
+    "IOBinding",
+    "InferenceSession",
+    "LoadedModel",
+    "SlotStats",
+    "load_model",
+    "open_model",
+]

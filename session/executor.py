@@ -4,7 +4,7 @@ It builds and holds the parts, each in its own module, and routes every session 
 them:
 
 - ``ConstantCache`` (``session.constant_cache``): constants on each provider, uploaded or
-  in a kernel's prepacked layout, made once;
+  in a kernel's prepacked layout, made once (host arrays of prepacked ones released);
 - ``Interpreter`` (``session.interpreter``): runs the steps eagerly, segment by segment,
   with launch hooks (:meth:`Executor.on_launch`);
 - ``MemoryPlanner`` (``session.memory_planner``): liveness, and the layouts planned from
@@ -52,7 +52,9 @@ class Executor:
         self.providers: list[ExecutionProvider] = plan.providers
         self.main_provider = plan.providers[0] if plan.providers else None
         self.segments: list[Segment] = split_segments(plan.steps, plan.constants)
-        self.constants = ConstantCache(plan.constants)
+        self.constants = ConstantCache(
+            plan.constants, plan.steps, keep={o.name for o in plan.outputs}
+        )
         self.memory = MemoryPlanner(plan, self.segments)
         self.interpreter = Interpreter(plan, self.segments, self.constants, self.memory.free_after)
         self.slots = SlotRunner(

@@ -6,10 +6,9 @@ import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
 from onnx_genrt.core.errors import (
     InvalidInputError,
@@ -20,20 +19,26 @@ from onnx_genrt.core.errors import (
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.locking import hold
 from onnx_genrt.core.provider import ExecutionProvider
-from onnx_genrt.core.registry import get_registry
 
 from .binding import IOBinding
 from .device_io import DeviceIO
 from .executor import Executor, LaunchHook, SlotStats
-from .loader import load_model
 from .plan import GraphPlan, ValueSpec, build_plan
 from .row_tail import RowTail
+from .weights import release_pages
+
+if TYPE_CHECKING:  # onnx is imported when a model is read, not with the engine
+    import onnx
+
+    from .loader import LoadedModel
 
 ProviderArg = str | ExecutionProvider | tuple[str, Mapping[str, Any]]
 
 
 def resolve_providers(providers: Sequence[ProviderArg] | None) -> list[ExecutionProvider]:
     """Names (``"cpu"``, ``"CPUExecutionProvider"``), instances or ``(name, options)`` pairs."""
+    from onnx_genrt.core.registry import get_registry
+
     registry = get_registry()
     if not providers:
         providers = ["cpu"]
@@ -52,6 +57,22 @@ def resolve_providers(providers: Sequence[ProviderArg] | None) -> list[Execution
 def _short_name(name: str) -> str:
     n = name.lower()
     return n[: -len("executionprovider")] if n.endswith("executionprovider") else n
+
+
+def _loaded(
+    model: str | os.PathLike[str] | bytes | onnx.ModelProto | LoadedModel,
+) -> tuple[LoadedModel, bool]:
+    """The model loaded (external weights mapped from a path), and whether the session owns
+    its proto: a caller's ``ModelProto`` is read, never changed."""
+    import onnx
+
+    from .loader import LoadedModel, load_model, open_model
+
+    if isinstance(model, LoadedModel):
+        return model, True
+    if isinstance(model, onnx.ModelProto):
+        return LoadedModel(load_model(model)), False
+    return open_model(model), True
 
 
 @dataclass(frozen=True)
@@ -82,22 +103,31 @@ class InferenceSession:
 
     def __init__(
         self,
-        model: str | os.PathLike[str] | bytes | onnx.ModelProto,
+        model: str | os.PathLike[str] | bytes | onnx.ModelProto | LoadedModel,
         providers: Sequence[ProviderArg] | None = None,
         *,
         enable_graphs: bool = True,
         warmup_runs: int = 1,
         cpu_fallback: bool = True,
     ) -> None:
-        self.model = load_model(model)
+        loaded, owned = _loaded(model)
+        self.model = loaded.proto
         self.providers = resolve_providers(providers)
         try:
-            self.plan: GraphPlan = build_plan(self.model, self.providers)
+            self.plan: GraphPlan = build_plan(self.model, self.providers, loaded.weights)
         except UnsupportedOpError:
             if not cpu_fallback or any(p.name == "cpu" for p in self.providers):
                 raise
-            self.providers.append(get_registry().create("cpu"))
-            self.plan = build_plan(self.model, self.providers)
+            self.providers.append(resolve_providers(["cpu"])[0])
+            self.plan = build_plan(self.model, self.providers, loaded.weights)
+        for name, array in loaded.weights.items():
+            if self.plan.constants.get(name) is not array:  # fused or folded into another
+                release_pages(array)
+        del loaded  # the plan holds the mapped weights it uses
+        if owned:  # the plan holds the weights: the proto's copies of them can go
+            from .loader import without_initializer_bytes
+
+            self.model = without_initializer_bytes(self.model)
         self.executor = Executor(self.plan, graphs=enable_graphs, warmup_runs=warmup_runs)
         self._inputs = {s.name: s for s in self.plan.inputs}
         self._outputs = {s.name: s for s in self.plan.outputs}
@@ -105,7 +135,9 @@ class InferenceSession:
         self.device_io = DeviceIO(self.main_provider)
         self._enable_graphs, self._warmup_runs = enable_graphs, warmup_runs
 
-    def sibling(self, model: str | os.PathLike[str] | bytes | onnx.ModelProto) -> InferenceSession:
+    def sibling(
+        self, model: str | os.PathLike[str] | bytes | onnx.ModelProto | LoadedModel
+    ) -> InferenceSession:
         """A session for another model on this session's provider instances (their streams
         and graph slots), with the same graph settings: its bound runs may read this
         session's buffers."""

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
 from onnx_genrt.core.dtypes import numpy_dtype_of_onnx
 from onnx_genrt.core.errors import KernelError, ModelLoadError, UnsupportedOpError
@@ -34,7 +32,11 @@ from .fusion import (
     fuse_silu_mul,
     fuse_skip_rms_norm,
 )
+from .loader import graph_without_initializers
 from .schema_check import check_node_schema
+
+if TYPE_CHECKING:  # onnx is imported when a model is planned, not with the engine
+    import onnx
 
 #: Ops whose output changes from run to run; never folded.
 NONDETERMINISTIC = {
@@ -176,26 +178,55 @@ def topological_order(graph: onnx.GraphProto, available: set[str]) -> list[onnx.
 
 
 def _infer_value_types(model: onnx.ModelProto) -> dict[str, ValueSpec]:
+    import onnx
+
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(
+            _shape_skeleton(model), strict_mode=False, data_prop=True
+        )
     except Exception:
         inferred = model
     g = inferred.graph
     return {vi.name: _value_spec(vi) for vi in [*g.input, *g.value_info, *g.output]}
 
 
-def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -> GraphPlan:
+#: Initializers up to this many elements go to shape inference with their values (shapes,
+#: axes and other small tensors that data propagation reads); larger ones by type only.
+SKELETON_VALUES_MAX = 1024
+
+
+def _shape_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without the bytes of its large initializers, which become typed graph
+    inputs: shape inference serializes the model it is given (and parses it back twice),
+    so weights would be copied three times for types that their dims already give."""
+    from onnx import helper
+
+    skeleton = graph_without_initializers(model)
+    graph, src = skeleton.graph, model.graph
+    declared = {vi.name for vi in src.input}
+    for init in src.initializer:
+        count = int(np.prod(init.dims, dtype=np.int64))
+        if count <= SKELETON_VALUES_MAX and not init.external_data:
+            graph.initializer.append(init)
+        elif init.name not in declared:
+            graph.input.append(
+                helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+            )
+    return skeleton
+
+
+def build_plan(
+    model: onnx.ModelProto,
+    providers: Sequence[ExecutionProvider],
+    weights: Mapping[str, np.ndarray] | None = None,
+) -> GraphPlan:
     """Order, place and constant-fold the model's graph. An ``onnx_genrt`` node that no
     provider supports is replaced by its standard-op body (``core.genrt_ops``), placed
-    node by node."""
+    node by node. ``weights``: initializers whose data the proto leaves in external files,
+    as arrays (``session.loader.open_model``)."""
     graph = model.graph
     opsets = opset_map(model)
-    constants: dict[str, np.ndarray] = {}
-    for init in graph.initializer:
-        try:
-            constants[init.name] = numpy_helper.to_array(init)
-        except Exception as exc:
-            raise ModelLoadError(f"initializer {init.name!r} cannot be read: {exc}") from None
+    constants = _read_initializers(graph, weights or {})
     if graph.sparse_initializer:
         raise ModelLoadError("sparse initializers are not supported")
     init_names = set(constants)
@@ -290,6 +321,32 @@ def build_plan(model: onnx.ModelProto, providers: Sequence[ExecutionProvider]) -
     return plan
 
 
+def _read_initializers(
+    graph: onnx.GraphProto, weights: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The graph's initializers as arrays: ``weights`` for those it has, the rest read from
+    the proto; an initializer still in an external file that ``weights`` lacks is refused."""
+    import onnx
+    from onnx import numpy_helper
+
+    constants: dict[str, np.ndarray] = {}
+    for init in graph.initializer:
+        if init.name in weights:
+            constants[init.name] = weights[init.name]
+            continue
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            raise ModelLoadError(
+                f"initializer {init.name!r} keeps its data in an external file that was not "
+                "read: load the model from its path (or with session.loader.open_model and "
+                "pass the LoadedModel)"
+            )
+        try:
+            constants[init.name] = numpy_helper.to_array(init)
+        except Exception as exc:
+            raise ModelLoadError(f"initializer {init.name!r} cannot be read: {exc}") from None
+    return constants
+
+
 def _place(
     info: NodeInfo,
     providers: Sequence[ExecutionProvider],
@@ -311,6 +368,8 @@ def _place(
 def _foldable(step: Step, constants: dict[str, np.ndarray]) -> bool:
     if step.node.op_type in NONDETERMINISTIC or step.node.domain not in ("",):
         return False
+    import onnx
+
     if any(isinstance(v, onnx.GraphProto) for v in step.node.attrs.values()):
         return False
     return all((not n) or n in constants for n in step.inputs)

@@ -8,13 +8,18 @@ naming it, instead of failing later inside a fusion or a kernel. Ops ONNX does n
 
 from __future__ import annotations
 
-import onnx
-from onnx import AttributeProto, defs
+from typing import TYPE_CHECKING
 
 from onnx_genrt.core.errors import ModelLoadError
 
+if TYPE_CHECKING:  # onnx is imported when a model is planned, not with the engine
+    import onnx
+    from onnx import defs
+
 
 def _schema(node: onnx.NodeProto, domain: str, opset: int) -> defs.OpSchema | None:
+    from onnx import defs
+
     try:
         return defs.get_schema(node.op_type, opset, domain)
     except defs.SchemaError:
@@ -22,6 +27,8 @@ def _schema(node: onnx.NodeProto, domain: str, opset: int) -> defs.OpSchema | No
 
 
 def _type_name(code: int) -> str:
+    from onnx import AttributeProto
+
     return AttributeProto.AttributeType.Name(code)
 
 

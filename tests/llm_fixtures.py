@@ -54,6 +54,22 @@ TINY_GEMMA2 = {
 }
 
 
+#: About 52M parameters (hidden 768, 8 layers, MLP 1792, vocabulary 4096, untied lm_head):
+#: the int4 build's weights file is about 43 MB, its embedding float32 (Gather). The memory
+#: and import figures of docs/performance.md use it (``memory_model``, scripts/memory_bench.py).
+MEMORY_QWEN2 = {
+    "hidden_size": 768,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 1792,
+    "vocab_size": 4096,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
+
+
 def cache_root() -> Path:
     root = os.environ.get("ONNX_GENRT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "onnx_genrt"
@@ -98,6 +114,24 @@ def _save_hf(config: dict, seed: int, out: Path) -> None:
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
     model.eval()
     model.save_pretrained(out)
+
+
+def memory_model() -> Path:
+    """``MEMORY_QWEN2`` built in int4, with the embedded model's tokenizer (4096 tokens)
+    so that text prompts encode: a copy of the build, made once."""
+    from onnx_genrt.models import default_model_path
+
+    built = build_qwen2(MEMORY_QWEN2, "int4")
+    folder = built.with_name(built.name + "-tok")
+    if (folder / "genai_config.json").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(built, tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(default_model_path() / name, tmp / name)
+    tmp.rename(folder)
+    return folder
 
 
 def build_gemma2(config: dict, seed: int = 0) -> Path:

@@ -51,22 +51,73 @@ def pack_int4(
     packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, n: int, block: int
 ) -> Int4Tiles:
     """Tiles from (N, blocks, blob) uint8 weights, (N, blocks) float32 scales and zeros."""
-    nb = scales.shape[1]
-    half = nb * block // 2
+    zt = np.zeros((0, 0), _F32) if zeros is None else tile_params(zeros - _F32(8), n)
+    return Int4Tiles(tile_weight(packed, n), tile_params(scales, n), zt, n, block)
+
+
+def tile_weight(packed: np.ndarray, n: int) -> np.ndarray:
+    """(N, blocks, blob) uint8 weights as (n_tiles, K/2, rows) tiles (the last padded)."""
+    half = packed.shape[1] * packed.shape[2]
     rows = tile_rows(n)
     nt = -(-n // rows)
-    pad = nt * rows
-    w = np.zeros((pad, half), _U8)
+    w = np.zeros((nt * rows, half), _U8)
     w[:n] = packed.reshape(n, half)
-    tiles = np.ascontiguousarray(w.reshape(nt, rows, half).transpose(0, 2, 1))
+    return np.ascontiguousarray(w.reshape(nt, rows, half).transpose(0, 2, 1))
 
-    def transposed(p: np.ndarray) -> np.ndarray:
-        out = np.zeros((nb, pad), _F32)
-        out[:, :n] = p.T
-        return out
 
-    zt = np.zeros((0, 0), _F32) if zeros is None else transposed(zeros - _F32(8))
-    return Int4Tiles(tiles, transposed(scales), zt, n, block)
+def tile_params(p: np.ndarray, n: int) -> np.ndarray:
+    """(N, blocks) per-block scales or zero points as float32 (blocks, n_tiles * rows)."""
+    rows = tile_rows(n)
+    out = np.zeros((p.shape[1], -(-n // rows) * rows), _F32)
+    out[:, :n] = p.T
+    return out
+
+
+def untile_weight(tiles: np.ndarray, n: int) -> np.ndarray:
+    """The (N, K/2) uint8 rows that ``tile_weight`` rearranged."""
+    nt, half, rows = tiles.shape
+    return np.ascontiguousarray(tiles.transpose(0, 2, 1).reshape(nt * rows, half)[:n])
+
+
+def dequantize_tiles(w: Int4Tiles, k: int) -> np.ndarray:
+    """The float32 weight the tiles hold, ``(q - zero) * scale``, transposed: (K, N), the
+    layout the tiles give without a transpose (a tile's byte ``t`` is a run of rows), and
+    one BLAS reads as well as (N, K)."""
+    out = np.empty((k, w.n), _F32)
+    _dequant_tiles(w.tiles, w.scales, w.zeros, w.block, out)
+    return out
+
+
+@numba.njit(cache=True)
+def _dequant_tiles(tiles, scales, zeros, block, out):
+    """out[c, row] = (nibble c of the row - 8 - zeros[b, row]) * scales[b, row]: byte ``t``
+    of a tile gives columns 2t and 2t+1 of all its rows, contiguous in both."""
+    _, half, rows = tiles.shape
+    k, n = out.shape
+    blob = block // 2
+    for ti in range(tiles.shape[0]):
+        r0 = ti * rows
+        live = min(rows, n - r0)
+        for t in range(min(half, (k + 1) // 2)):
+            b = t // blob
+            q = tiles[ti, t]
+            s = scales[b, r0 : r0 + live]
+            lo = out[2 * t, r0 : r0 + live]
+            if zeros.shape[0]:
+                z = zeros[b, r0 : r0 + live]
+                for r in range(live):
+                    lo[r] = (_F32(q[r] & 15) - (_F32(8) + z[r])) * s[r]
+                if 2 * t + 1 < k:
+                    hi = out[2 * t + 1, r0 : r0 + live]
+                    for r in range(live):
+                        hi[r] = (_F32(q[r] >> 4) - (_F32(8) + z[r])) * s[r]
+            else:
+                for r in range(live):
+                    lo[r] = (_F32(q[r] & 15) - _F32(8)) * s[r]
+                if 2 * t + 1 < k:
+                    hi = out[2 * t + 1, r0 : r0 + live]
+                    for r in range(live):
+                        hi[r] = (_F32(q[r] >> 4) - _F32(8)) * s[r]
 
 
 @numba.njit(cache=True, fastmath=_FM)

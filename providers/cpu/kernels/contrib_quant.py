@@ -1,14 +1,18 @@
 """CPU kernels: onnxruntime's MatMulNBits and GatherBlockQuantized (com.microsoft).
 
-MatMulNBits takes one of two paths (prepared weights are kept by ``DequantCache``):
+MatMulNBits takes one of two paths:
 
 * 4-bit weights with at most ``PACKED_MAX_M`` rows of A (decode, speculative verify,
   short prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
-  rearranged into row tiles of the same bytes, about 1.25x the packed size.
-* Otherwise (prompts, other bit widths) the call dequantizes the weight into a float32
-  buffer and runs one BLAS matmul. The buffer takes 32/bits times the packed bytes (8x for
-  4-bit), so it is not kept: a 4-bit model stays near its packed size after a long prompt.
-  Dequantizing whole 4-bit blocks runs at several GB/s, a small part of such a matmul.
+  rearranged into row tiles of the same bytes, about 1.25x the packed size. Constant
+  weights, scales and zero points are prepacked so once, when the session is built
+  (``prepack_int4``), and the session then releases the originals: the weight is held
+  once, as tiles. Weights that are not constants are tiled on first use (``DequantCache``).
+* Otherwise (prompts, other bit widths) the call dequantizes the weight (from the tiles,
+  for a prepacked one) into a float32 buffer and runs one BLAS matmul. The buffer takes
+  32/bits times the packed bytes (8x for 4-bit), so it is not kept: a 4-bit model stays
+  near its packed size after a long prompt. Dequantizing runs at several GB/s, a small
+  part of such a matmul.
 
 The CPU provider's ``nbits_cache`` option (or ``ONNX_GENRT_NBITS_CACHE=1``) keeps the float32
 copies instead, trading that memory for a little prompt time. The 4-bit row tiles
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import ml_dtypes
@@ -35,7 +40,15 @@ from onnx_genrt.core.op_rules import (
     normalize_axis,
 )
 
-from ._int4_matmul import Int4Tiles, int4_matmul, pack_int4
+from ._int4_matmul import (
+    Int4Tiles,
+    dequantize_tiles,
+    int4_matmul,
+    pack_int4,
+    tile_params,
+    tile_weight,
+    untile_weight,
+)
 from ._registry import REGISTRY
 
 _F32 = np.dtype(np.float32)
@@ -184,14 +197,110 @@ def int4_tiles(
 
 _nbits_check = matmul_nbits_unsupported
 
+#: MatMulNBits inputs a 4-bit node's prepack rearranges: B, scales, zero points.
+_INT4_ROLES = {1: "weight", 2: "scales", 3: "zero_points"}
 
-@REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
+
+@dataclass(frozen=True, eq=False)
+class Int4Input:
+    """A constant input of a 4-bit MatMulNBits in the layout ``int4_matmul`` reads: B as
+    row tiles, scales or zero points (minus 8) as float32 (blocks, rows); with the shape
+    and dtype the input had, which placement and fusions still ask."""
+
+    role: str
+    packed: np.ndarray
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    n: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def plain(self) -> np.ndarray:
+        """The input in its own layout again (zero points as float32 values)."""
+        if self.role == "weight":
+            return untile_weight(self.packed, self.n).reshape(self.shape)
+        values = self.packed[:, : self.n].T
+        return values.astype(self.dtype) if self.role == "scales" else values + np.float32(8)
+
+
+def prepack_int4(provider, node, index: int, host: np.ndarray) -> Int4Input | None:
+    """B, scales and zero points of a 4-bit node in the tiles' layout; None for other
+    inputs and bit widths, a ``g_idx``, or shapes that do not fit K, N and the block (the
+    kernel then reports them)."""
+    role = _INT4_ROLES.get(index)
+    g_idx = len(node.input_names) > 4 and node.input_names[4]
+    if role is None or g_idx or _nbits_check(node, ()) or int(node.attr("bits", 4)) != 4:
+        return None
+    host = np.asarray(host)
+    k, n, block = int(node.attr("K")), int(node.attr("N")), int(node.attr("block_size"))
+    nb = -(-k // block)
+    if host.size == 0 or n <= 0:
+        return None
+    try:
+        if role == "weight":
+            packed = tile_weight(np.ascontiguousarray(host, _U8).reshape(n, nb, block // 2), n)
+        elif role == "scales":
+            packed = tile_params(np.ascontiguousarray(host, _F32).reshape(n, nb), n)
+        else:
+            packed = tile_params(_nbits_zeros(host, n, nb, 4) - np.float32(8), n)
+    except ValueError:  # sizes that do not fit
+        return None
+    return Int4Input(role, packed, tuple(host.shape), host.dtype, n)
+
+
+def _plain(value: Any) -> Any:
+    return value.plain() if isinstance(value, Int4Input) else value
+
+
+def _all_packed(b: Any, scales: Any, zp: Any) -> bool:
+    """Whether the weight's inputs all arrived prepacked (the usual case: all constants)."""
+    return all(isinstance(v, Int4Input) for v in (b, scales, zp) if v is not None)
+
+
+def _int4_weight(b: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> Int4Tiles:
+    """The tiles of a 4-bit weight: its prepacked inputs as they are, else tiled once per
+    set of source arrays (``DequantCache``)."""
+    if _all_packed(b, scales, zp):
+        zeros = np.zeros((0, 0), _F32) if zp is None else zp.packed
+        return Int4Tiles(b.packed, scales.packed, zeros, n, block)
+    return DEQUANT_CACHE.get(
+        (b, scales, zp),
+        ("int4-tiles", k, n, block),
+        lambda: int4_tiles(_plain(b), _plain(scales), _plain(zp), k, n, block),
+    )
+
+
+def _float_weight(
+    ctx: KernelContext, b: Any, scales: Any, zp: Any, params: tuple[int, int, int, int]
+) -> np.ndarray:
+    """The float32 weight as (K, N) (a transposed view of the (N, K) dequantized from the
+    packed bytes; made so from the tiles of a prepacked one); kept only with the
+    ``nbits_cache`` option."""
+    k, n, bits, block = params
+
+    def build() -> np.ndarray:
+        if _all_packed(b, scales, zp):
+            return dequantize_tiles(_int4_weight(b, scales, zp, k, n, block), k)
+        return dequantize_nbits(_plain(b), _plain(scales), _plain(zp), k, n, bits, block).T
+
+    return DEQUANT_CACHE.get((b, scales, zp), params, build, keep=ctx.option("nbits_cache", False))
+
+
+@REGISTRY.register(
+    "MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check, prepack=prepack_int4
+)
 def matmul_nbits(
     ctx: KernelContext,
     a: np.ndarray,
-    b: np.ndarray,
-    scales: np.ndarray,
-    zero_points: np.ndarray | None = None,
+    b: np.ndarray | Int4Input,
+    scales: np.ndarray | Int4Input,
+    zero_points: np.ndarray | Int4Input | None = None,
     g_idx: np.ndarray | None = None,
     bias: np.ndarray | None = None,
 ) -> np.ndarray:
@@ -213,29 +322,18 @@ def matmul_nbits(
         out2[...] = 0 if bias is None else bias
         return out
     a2 = a.reshape(-1, k)
-    sources = (b, scales, zero_points)
     direct = a.dtype == _F32 and out2.flags.c_contiguous and bias is None
     if bits == 4 and a2.shape[0] <= PACKED_MAX_M:
-        w4 = DEQUANT_CACHE.get(
-            sources,
-            ("int4-tiles", k, n, block),
-            lambda: int4_tiles(b, scales, zero_points, k, n, block),
-        )
+        w4 = _int4_weight(b, scales, zero_points, k, n, block)
         y = int4_matmul(
             np.ascontiguousarray(a2, _F32), w4, out2 if direct else np.empty(out2.shape, _F32)
         )
     else:
-        params = (k, n, bits, block)
-        w = DEQUANT_CACHE.get(
-            sources,
-            params,
-            lambda: dequantize_nbits(b, scales, zero_points, *params),
-            keep=ctx.option("nbits_cache", False),
-        )
+        w = _float_weight(ctx, b, scales, zero_points, (k, n, bits, block))
         if direct:
-            np.matmul(a2, w.T, out=out2)
+            np.matmul(a2, w, out=out2)
             return out
-        y = np.matmul(a2.astype(_F32, copy=False), w.T)
+        y = np.matmul(a2.astype(_F32, copy=False), w)
     if direct:
         return out
     if bias is not None:

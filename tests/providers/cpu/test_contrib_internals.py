@@ -25,26 +25,71 @@ from ...ops.test_contrib import (
     _feeds,
     _gqa_inputs,
     _gqa_model,
+    _model,
     _nbits_case,
     _quantize_nbits,
     _rng,
 )
 
 
-def test_matmul_nbits_dequantizes_once() -> None:
+def test_matmul_nbits_constant_int4_weight_is_tiled_once_at_load(monkeypatch) -> None:
+    """Constant B, scales and zero points are prepacked into tiles when the session is
+    built, and the plan keeps no host copy of them: the weight is held once."""
+    from onnx_genrt.session.constant_cache import ReleasedConstant
+
+    tiled: list[tuple[int, ...]] = []
+    real = contrib_quant.tile_weight
+
+    def counting(packed: np.ndarray, n: int) -> np.ndarray:
+        tiled.append(packed.shape)
+        return real(packed, n)
+
+    monkeypatch.setattr(contrib_quant, "tile_weight", counting)
     model, inp, want = _nbits_case(44, 1, 128, 32, 4, 32, "uint8", False, F32)
     sess = InferenceSession(model, providers=["cpu"])
+    assert tiled == [(32, 4, 16)]
     builds = contrib_quant.DEQUANT_CACHE.builds
     for _ in range(3):
         (got,) = sess.run(None, {"A": inp["A"]})
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert contrib_quant.DEQUANT_CACHE.builds == builds and len(tiled) == 1
+    held = {name: sess.plan.constants[name] for name in ("B", "scales", "zero_points")}
+    assert all(isinstance(v, ReleasedConstant) for v in held.values()), held
+    assert held["B"].shape == inp["B"].shape and held["B"].dtype == np.uint8
+
+
+@pytest.mark.parametrize("m", [1, 40])
+@pytest.mark.parametrize("consts", [(), ("scales", "zero_points"), ("B",)])
+def test_matmul_nbits_int4_weight_not_all_constant(consts: tuple[str, ...], m: int) -> None:
+    """B, scales or zero points fed as inputs: the prepacked ones are taken back to their
+    own layout, the weight is tiled (or dequantized) from the fed arrays, once per set of
+    arrays, and entries die with their weights."""
+    model, inp, want = _nbits_case(44, m, 128, 32, 4, 32, "uint8", False, F32)
+    rebuilt = _model(
+        "MatMulNBits",
+        inp,
+        ["A", "B", "scales", "zero_points"],
+        ["Y"],
+        [F32],
+        consts=consts,
+        K=128,
+        N=32,
+        bits=4,
+        block_size=32,
+    )
+    sess = InferenceSession(rebuilt, providers=[("cpu", {"nbits_cache": True})])
+    feeds = _feeds(rebuilt, inp)
+    builds = contrib_quant.DEQUANT_CACHE.builds
+    for _ in range(3):
+        (got,) = sess.run(None, feeds)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert contrib_quant.DEQUANT_CACHE.builds == builds + 1
     cached = len(contrib_quant.DEQUANT_CACHE)
-    del sess
+    del sess, feeds
     import gc
 
     gc.collect()
-    assert len(contrib_quant.DEQUANT_CACHE) < cached  # entries die with their weights
+    assert len(contrib_quant.DEQUANT_CACHE) < cached
 
 
 @pytest.mark.parametrize("m", [1, 4])
@@ -65,12 +110,9 @@ def test_int4_matmul_parallel_matches_serial(m: int) -> None:
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch, keep: bool) -> None:
-    """Decode-sized calls never build the float32 weight; each large call does, unless the
-    cache keeps it (then once). The packed row tiles are kept either way."""
-    model, inp, _ = _nbits_case(50, 1, 128, 32, 4, 32, "none", False, F32)
-    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "m"
-    sess = InferenceSession(model, providers=[("cpu", {"nbits_cache": keep})])
-    real_dequant, real_tiles = contrib_quant.dequantize_nbits, contrib_quant.int4_tiles
+    """Decode-sized calls never build the float32 weight; each large call does (from the
+    tiles), unless the cache keeps it (then once). The weight is tiled once, at load."""
+    real_dequant, real_tiles = contrib_quant.dequantize_tiles, contrib_quant.tile_weight
     built: list[str] = []
 
     def counting(real, what):
@@ -80,8 +122,11 @@ def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch, keep: bool
 
         return build
 
-    monkeypatch.setattr(contrib_quant, "dequantize_nbits", counting(real_dequant, "float"))
-    monkeypatch.setattr(contrib_quant, "int4_tiles", counting(real_tiles, "tiles"))
+    monkeypatch.setattr(contrib_quant, "dequantize_tiles", counting(real_dequant, "float"))
+    monkeypatch.setattr(contrib_quant, "tile_weight", counting(real_tiles, "tiles"))
+    model, inp, _ = _nbits_case(50, 1, 128, 32, 4, 32, "none", False, F32)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "m"
+    sess = InferenceSession(model, providers=[("cpu", {"nbits_cache": keep})])
     a = _rng(51).standard_normal((40, 128)).astype(np.float32)
     want = _f64(a) @ _quantize_nbits(_rng(50).standard_normal((32, 128)), 4, 32, "none")["ref"].T
     for rows in (1, 16, 2):
@@ -93,6 +138,41 @@ def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch, keep: bool
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert built.count("float") == (1 if keep else 2)
     assert built.count("tiles") == 1
+
+
+@pytest.mark.parametrize("zero", ["none", "uint8", "float"])
+@pytest.mark.parametrize("k", [256, 200])
+def test_int4_tiles_dequantize_to_the_packed_weight(zero: str, k: int) -> None:
+    """Dequantizing the tiles gives the bits of dequantizing the packed weight, transposed
+    (K not a multiple of the block included), and ``Int4Input.plain`` gives the inputs
+    back."""
+    from onnx_genrt.core.kernels import NodeInfo
+    from onnx_genrt.providers.cpu.kernels import _int4_matmul as im
+
+    rng = _rng(53)
+    n, block = 150, 64
+    qw = _quantize_nbits(rng.standard_normal((n, k)), 4, block, zero)
+    nb = -(-k // block)
+    node = NodeInfo("MatMulNBits", "mm", MS, 1, {"K": k, "N": n, "bits": 4, "block_size": block})
+    node.input_names = ("A", "B", "scales", "zero_points")
+    packed = [
+        contrib_quant.prepack_int4(None, node, i, qw[name])
+        for i, name in ((1, "B"), (2, "scales"), (3, "zero_points"))
+        if name in qw
+    ]
+    zp = packed[2] if len(packed) == 3 else None
+    w4 = contrib_quant._int4_weight(packed[0], packed[1], zp, k, n, block)
+    from_tiles = im.dequantize_tiles(w4, k)
+    direct = contrib_quant.dequantize_nbits(
+        qw["B"], qw["scales"], qw.get("zero_points"), k, n, 4, block
+    )
+    np.testing.assert_array_equal(from_tiles, direct.T)
+    np.testing.assert_allclose(from_tiles.T, qw["ref"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(packed[0].plain(), qw["B"])
+    np.testing.assert_array_equal(packed[1].plain(), qw["scales"])
+    if zp is not None:
+        want_zp = contrib_quant._nbits_zeros(qw["zero_points"], n, nb, 4)
+        np.testing.assert_array_equal(zp.plain(), want_zp)
 
 
 @pytest.mark.parametrize("zero", ["none", "uint8", "float"])
