@@ -48,12 +48,18 @@ def tile_rows(n: int) -> int:
 
 
 def pack_int4(
-    packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, n: int, block: int
+    packed: np.ndarray,
+    scales: np.ndarray,
+    zeros: np.ndarray | None,
+    n: int,
+    block: int,
+    rows: int | None = None,
 ) -> Int4Tiles:
-    """Tiles from (N, blocks, blob) uint8 weights, (N, blocks) float32 scales and zeros."""
+    """Tiles of ``rows`` rows (default ``tile_rows(n)``) from (N, blocks, blob) uint8 weights,
+    (N, blocks) float32 scales and zeros."""
     nb = scales.shape[1]
     half = nb * block // 2
-    rows = tile_rows(n)
+    rows = tile_rows(n) if rows is None else rows
     nt = -(-n // rows)
     pad = nt * rows
     w = np.zeros((pad, half), _U8)

@@ -1,14 +1,19 @@
 """CPU kernels: onnxruntime's MatMulNBits and GatherBlockQuantized (com.microsoft).
 
-MatMulNBits takes one of two paths (prepared weights are kept by ``DequantCache``):
+MatMulNBits takes one of three paths (prepared weights are kept by ``DequantCache``):
 
 * 4-bit weights with at most ``PACKED_MAX_M`` rows of A (decode, speculative verify,
-  short prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
-  rearranged into row tiles of the same bytes, about 1.25x the packed size.
+  short prompts) multiply the packed nibbles directly: the weight is rearranged into row
+  tiles of the same bytes, about 1.25x the packed size. At ``accuracy_level`` 4 (with uint8
+  zero points or none) A is quantized to int8 per block and the tiles are multiplied in
+  integers (``_int8_activations``), as onnxruntime does; otherwise in float32
+  (``_int4_matmul``).
 * Otherwise (prompts, other bit widths) the call dequantizes the weight into a float32
-  buffer and runs one BLAS matmul. The buffer takes 32/bits times the packed bytes (8x for
-  4-bit), so it is not kept: a 4-bit model stays near its packed size after a long prompt.
-  Dequantizing whole 4-bit blocks runs at several GB/s, a small part of such a matmul.
+  buffer and runs one BLAS matmul, on A quantized to int8 and back per block at
+  ``accuracy_level`` 4 (the same result: the scales factor out of each block). The buffer
+  takes 32/bits times the packed bytes (8x for 4-bit), so it is not kept: a 4-bit model
+  stays near its packed size after a long prompt. Dequantizing whole 4-bit blocks runs at
+  several GB/s, a small part of such a matmul.
 
 The CPU provider's ``nbits_cache`` option (or ``ONNX_GENRT_NBITS_CACHE=1``) keeps the float32
 copies instead, trading that memory for a little prompt time. The 4-bit row tiles
@@ -31,11 +36,14 @@ from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import (
     NBITS,
     check_index_range,
+    matmul_nbits_int8_activations,
     matmul_nbits_unsupported,
     normalize_axis,
 )
 
 from ._int4_matmul import Int4Tiles, int4_matmul, pack_int4
+from ._int8_activations import ROWS as INT8_TILE_ROWS
+from ._int8_activations import fake_quantize, int4_int8_matmul
 from ._registry import REGISTRY
 
 _F32 = np.dtype(np.float32)
@@ -172,14 +180,21 @@ def dequantize_nbits(
 
 
 def int4_tiles(
-    b: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, k: int, n: int, block: int
+    b: np.ndarray,
+    scales: np.ndarray,
+    zp: np.ndarray | None,
+    k: int,
+    n: int,
+    block: int,
+    rows: int | None = None,
 ) -> Int4Tiles:
-    """The 4-bit weight of a MatMulNBits node, tiled for ``int4_matmul``."""
+    """The 4-bit weight of a MatMulNBits node, tiled for ``int4_matmul`` (``rows`` per
+    tile; ``INT8_TILE_ROWS`` for ``int4_int8_matmul``)."""
     nb = -(-k // block)
     packed = np.ascontiguousarray(b, _U8).reshape(n, nb, block // 2)
     sc = np.ascontiguousarray(scales, _F32).reshape(n, nb)
     zeros = None if zp is None else _nbits_zeros(zp, n, nb, 4)
-    return pack_int4(packed, sc, zeros, n, block)
+    return pack_int4(packed, sc, zeros, n, block, rows)
 
 
 _nbits_check = matmul_nbits_unsupported
@@ -195,7 +210,9 @@ def matmul_nbits(
     g_idx: np.ndarray | None = None,
     bias: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Y = A @ dequant(B)^T (+ bias); float32 math whatever accuracy_level asks.
+    """Y = A @ dequant(B)^T (+ bias), with A quantized to int8 per block where
+    ``matmul_nbits_int8_activations`` says onnxruntime does (accuracy_level 4), in float32
+    otherwise.
 
     4-bit weights with at most ``PACKED_MAX_M`` rows of A are multiplied packed; other
     calls dequantize the weight to float32 first (kept only with the ``nbits_cache`` option).
@@ -213,17 +230,21 @@ def matmul_nbits(
         out2[...] = 0 if bias is None else bias
         return out
     a2 = a.reshape(-1, k)
+    int8 = matmul_nbits_int8_activations(
+        ctx.node, None if zero_points is None else zero_points.dtype
+    )
     sources = (b, scales, zero_points)
     direct = a.dtype == _F32 and out2.flags.c_contiguous and bias is None
+    y = out2 if direct else np.empty(out2.shape, _F32)
     if bits == 4 and a2.shape[0] <= PACKED_MAX_M:
+        rows = INT8_TILE_ROWS if int8 else None
         w4 = DEQUANT_CACHE.get(
             sources,
-            ("int4-tiles", k, n, block),
-            lambda: int4_tiles(b, scales, zero_points, k, n, block),
+            ("int4-tiles", k, n, block, rows),
+            lambda: int4_tiles(b, scales, zero_points, k, n, block, rows),
         )
-        y = int4_matmul(
-            np.ascontiguousarray(a2, _F32), w4, out2 if direct else np.empty(out2.shape, _F32)
-        )
+        x = np.ascontiguousarray(a2, _F32)
+        (int4_int8_matmul if int8 else int4_matmul)(x, w4, y)
     else:
         params = (k, n, bits, block)
         w = DEQUANT_CACHE.get(
@@ -232,10 +253,8 @@ def matmul_nbits(
             lambda: dequantize_nbits(b, scales, zero_points, *params),
             keep=ctx.option("nbits_cache", False),
         )
-        if direct:
-            np.matmul(a2, w.T, out=out2)
-            return out
-        y = np.matmul(a2.astype(_F32, copy=False), w.T)
+        x = fake_quantize(a2, block) if int8 else a2.astype(_F32, copy=False)
+        np.matmul(x, w.T, out=y)
     if direct:
         return out
     if bias is not None:
