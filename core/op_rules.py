@@ -14,6 +14,10 @@ from .kernels import KernelContext, NodeInfo, TensorType
 
 #: Bit widths MatMulNBits kernels support.
 NBITS = (2, 4, 8)
+#: MatMulNBits ``accuracy_level`` values (0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8).
+NBITS_ACCURACY_LEVELS = range(5)
+#: The ``accuracy_level`` at which onnxruntime's CPU MatMulNBits quantizes A to int8.
+NBITS_INT8_LEVEL = 4
 
 
 def reshape_target(ctx: KernelContext, in_shape: Sequence[int], shape: Sequence[int]) -> list[int]:
@@ -70,7 +74,20 @@ def matmul_nbits_unsupported(node: NodeInfo, _types: object = ()) -> str | None:
         return "MatMulNBits g_idx input is not supported"
     if node.attr("weight_prepacked", 0):
         return "MatMulNBits weight_prepacked is not supported"
+    level = int(node.attr("accuracy_level", 0))
+    if level not in NBITS_ACCURACY_LEVELS:
+        return f"MatMulNBits accuracy_level={level} is not one of 0-4"
     return None
+
+
+def matmul_nbits_int8_activations(node: NodeInfo, zero_points_dtype: np.dtype | None) -> bool:
+    """Whether a MatMulNBits node computes with A quantized to int8 per block, as
+    onnxruntime's CPU provider does: ``accuracy_level`` 4 with packed uint8 zero points or
+    none (float zero points keep float activations there). ``zero_points_dtype`` is None
+    when the node has no zero points."""
+    if int(node.attr("accuracy_level", 0)) != NBITS_INT8_LEVEL:
+        return False
+    return zero_points_dtype is None or np.dtype(zero_points_dtype) == np.uint8
 
 
 def matmul_shape(ctx: KernelContext, a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:

@@ -295,7 +295,8 @@ def test_position_ids_are_fed_alone_and_in_a_batch(qwen2_dir, tmp_path):
 
 class _ArgMaxFault(CPUProvider):
     """The CPU provider whose ArgMax adds ``shift`` to every index it gives (a device argmax
-    gone wrong), from the moment a test sets ``shift``."""
+    gone wrong), from the moment a test sets ``shift``; without its prebound replay call,
+    so replayed steps run the faulty kernel too."""
 
     name = "argmax-fault"
     shift = 0
@@ -307,7 +308,7 @@ class _ArgMaxFault(CPUProvider):
             for since in REGISTRY.versions(domain, op):
                 kernel = REGISTRY.lookup(domain, op, since)
                 if op == "ArgMax":
-                    kernel = dataclasses.replace(kernel, fn=self._shifted(kernel.fn))
+                    kernel = dataclasses.replace(kernel, fn=self._shifted(kernel.fn), bind=None)
                 registry.add(kernel)
         return registry
 

@@ -668,15 +668,6 @@ def test_matmul_nbits_bfloat16_3d_and_float_zero_8bit(tester: OpTester) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_matmul_nbits_accuracy_level_computes_in_float32(tester: OpTester) -> None:
-    """accuracy_level=4 lets onnxruntime quantize A to int8; this kernel stays in float32."""
-    model, inp, want = _nbits_case(46, 4, 128, 24, 4, 32, "uint8", False, F32, accuracy=4)
-    (got,) = _run_ours(tester, model, inp)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    (ort_y,) = _run_ort(model, inp)
-    np.testing.assert_allclose(got, ort_y, rtol=0.05, atol=0.5)
-
-
 def test_matmul_nbits_empty_weight_gives_bias(tester: OpTester) -> None:
     a = _rng(45).standard_normal((3, 32)).astype(np.float32)
     bias = np.arange(8, dtype=np.float32)

@@ -25,6 +25,9 @@ from ..llm_fixtures import (
 )
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+#: TINY_QWEN2 with an embedding table of its own, which the int4 builder keeps in float
+#: (a plain Gather): the accuracy_level 4 parity model (tests/parity/test_int4.py says why).
+UNTIED_QWEN2 = {**TINY_QWEN2, "tie_word_embeddings": False}
 NEW_TOKENS = 64
 DECODE_STEPS = 12
 
@@ -227,6 +230,18 @@ def int4_dir(hf_dir) -> Path:
 def int4_fp32acc_dir(hf_dir) -> Path:
     """The same int4 weights with ``accuracy_level=1``: onnxruntime keeps activations fp32."""
     return build_qwen2_with_options(TINY_QWEN2, "int4", options={"accuracy_level": 1})
+
+
+@pytest.fixture(scope="session")
+def int4_untied_dir() -> Path:
+    """The builder's int4 model of ``UNTIED_QWEN2`` (accuracy_level 4, float embedding)."""
+    return build_qwen2(UNTIED_QWEN2, "int4")
+
+
+@pytest.fixture(scope="session")
+def int4_untied_fp32acc_dir() -> Path:
+    """The same int4 weights with ``accuracy_level=1``."""
+    return build_qwen2_with_options(UNTIED_QWEN2, "int4", options={"accuracy_level": 1})
 
 
 @pytest.fixture(scope="session", params=[23, 18], ids=lambda o: f"opset{o}")

@@ -48,26 +48,32 @@ def tile_rows(n: int) -> int:
 
 
 def pack_int4(
-    packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, n: int, block: int
+    packed: np.ndarray,
+    scales: np.ndarray,
+    zeros: np.ndarray | None,
+    n: int,
+    block: int,
+    rows: int | None = None,
 ) -> Int4Tiles:
-    """Tiles from (N, blocks, blob) uint8 weights, (N, blocks) float32 scales and zeros."""
-    zt = np.zeros((0, 0), _F32) if zeros is None else tile_params(zeros - _F32(8), n)
-    return Int4Tiles(tile_weight(packed, n), tile_params(scales, n), zt, n, block)
+    """Tiles of ``rows`` rows (default ``tile_rows(n)``) from (N, blocks, blob) uint8 weights,
+    (N, blocks) float32 scales and zeros."""
+    zt = np.zeros((0, 0), _F32) if zeros is None else tile_params(zeros - _F32(8), n, rows)
+    return Int4Tiles(tile_weight(packed, n, rows), tile_params(scales, n, rows), zt, n, block)
 
 
-def tile_weight(packed: np.ndarray, n: int) -> np.ndarray:
+def tile_weight(packed: np.ndarray, n: int, rows: int | None = None) -> np.ndarray:
     """(N, blocks, blob) uint8 weights as (n_tiles, K/2, rows) tiles (the last padded)."""
     half = packed.shape[1] * packed.shape[2]
-    rows = tile_rows(n)
+    rows = tile_rows(n) if rows is None else rows
     nt = -(-n // rows)
     w = np.zeros((nt * rows, half), _U8)
     w[:n] = packed.reshape(n, half)
     return np.ascontiguousarray(w.reshape(nt, rows, half).transpose(0, 2, 1))
 
 
-def tile_params(p: np.ndarray, n: int) -> np.ndarray:
+def tile_params(p: np.ndarray, n: int, rows: int | None = None) -> np.ndarray:
     """(N, blocks) per-block scales or zero points as float32 (blocks, n_tiles * rows)."""
-    rows = tile_rows(n)
+    rows = tile_rows(n) if rows is None else rows
     out = np.zeros((p.shape[1], -(-n // rows) * rows), _F32)
     out[:, :n] = p.T
     return out

@@ -8,11 +8,15 @@ MatMulNBits takes one of two paths:
   weights, scales and zero points are prepacked so once, when the session is built
   (``prepack_int4``), and the session then releases the originals: the weight is held
   once, as tiles. Weights that are not constants are tiled on first use (``DequantCache``).
+  At ``accuracy_level`` 4 (with uint8 zero points or none) A is quantized to int8 per
+  block and the tiles are multiplied in integers (``_int8_activations``), as onnxruntime
+  does; otherwise in float32 (``_int4_matmul``).
 * Otherwise (prompts, other bit widths) the call dequantizes the weight (from the tiles,
-  for a prepacked one) into a float32 buffer and runs one BLAS matmul. The buffer takes
-  32/bits times the packed bytes (8x for 4-bit), so it is not kept: a 4-bit model stays
-  near its packed size after a long prompt. Dequantizing runs at several GB/s, a small
-  part of such a matmul.
+  for a prepacked one) into a float32 buffer and runs one BLAS matmul, on A quantized to
+  int8 and back per block at ``accuracy_level`` 4 (the same result: the scales factor out
+  of each block). The buffer takes 32/bits times the packed bytes (8x for 4-bit), so it is
+  not kept: a 4-bit model stays near its packed size after a long prompt. Dequantizing
+  runs at several GB/s, a small part of such a matmul.
 
 The CPU provider's ``nbits_cache`` option (or ``ONNX_GENRT_NBITS_CACHE=1``) keeps the float32
 copies instead, trading that memory for a little prompt time. The 4-bit row tiles
@@ -36,6 +40,7 @@ from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import (
     NBITS,
     check_index_range,
+    matmul_nbits_int8_activations,
     matmul_nbits_unsupported,
     normalize_axis,
 )
@@ -49,6 +54,8 @@ from ._int4_matmul import (
     tile_weight,
     untile_weight,
 )
+from ._int8_activations import ROWS as INT8_TILE_ROWS
+from ._int8_activations import fake_quantize, int4_int8_matmul
 from ._registry import REGISTRY
 
 _F32 = np.dtype(np.float32)
@@ -185,14 +192,21 @@ def dequantize_nbits(
 
 
 def int4_tiles(
-    b: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, k: int, n: int, block: int
+    b: np.ndarray,
+    scales: np.ndarray,
+    zp: np.ndarray | None,
+    k: int,
+    n: int,
+    block: int,
+    rows: int | None = None,
 ) -> Int4Tiles:
-    """The 4-bit weight of a MatMulNBits node, tiled for ``int4_matmul``."""
+    """The 4-bit weight of a MatMulNBits node, tiled for ``int4_matmul`` (``rows`` per
+    tile; ``INT8_TILE_ROWS`` for ``int4_int8_matmul``)."""
     nb = -(-k // block)
     packed = np.ascontiguousarray(b, _U8).reshape(n, nb, block // 2)
     sc = np.ascontiguousarray(scales, _F32).reshape(n, nb)
     zeros = None if zp is None else _nbits_zeros(zp, n, nb, 4)
-    return pack_int4(packed, sc, zeros, n, block)
+    return pack_int4(packed, sc, zeros, n, block, rows)
 
 
 _nbits_check = matmul_nbits_unsupported
@@ -242,16 +256,25 @@ def prepack_int4(provider, node, index: int, host: np.ndarray) -> Int4Input | No
     nb = -(-k // block)
     if host.size == 0 or n <= 0:
         return None
+    rows = _prepack_rows(node)
     try:
         if role == "weight":
-            packed = tile_weight(np.ascontiguousarray(host, _U8).reshape(n, nb, block // 2), n)
+            w = np.ascontiguousarray(host, _U8).reshape(n, nb, block // 2)
+            packed = tile_weight(w, n, rows)
         elif role == "scales":
-            packed = tile_params(np.ascontiguousarray(host, _F32).reshape(n, nb), n)
+            packed = tile_params(np.ascontiguousarray(host, _F32).reshape(n, nb), n, rows)
         else:
-            packed = tile_params(_nbits_zeros(host, n, nb, 4) - np.float32(8), n)
+            packed = tile_params(_nbits_zeros(host, n, nb, 4) - np.float32(8), n, rows)
     except ValueError:  # sizes that do not fit
         return None
     return Int4Input(role, packed, tuple(host.shape), host.dtype, n)
+
+
+def _prepack_rows(node: Any) -> int | None:
+    """Rows per tile for a node's prepacked inputs: ``int4_int8_matmul``'s at accuracy_level
+    4 (uint8 zero points assumed; float ones take the float kernel, which reads any width),
+    else the float kernel's default."""
+    return INT8_TILE_ROWS if matmul_nbits_int8_activations(node, np.dtype(_U8)) else None
 
 
 def _plain(value: Any) -> Any:
@@ -263,16 +286,19 @@ def _all_packed(b: Any, scales: Any, zp: Any) -> bool:
     return all(isinstance(v, Int4Input) for v in (b, scales, zp) if v is not None)
 
 
-def _int4_weight(b: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> Int4Tiles:
-    """The tiles of a 4-bit weight: its prepacked inputs as they are, else tiled once per
-    set of source arrays (``DequantCache``)."""
-    if _all_packed(b, scales, zp):
+def _int4_weight(
+    b: Any, scales: Any, zp: Any, k: int, n: int, block: int, rows: int | None = None
+) -> Int4Tiles:
+    """The tiles of a 4-bit weight (``rows`` per tile when given): its prepacked inputs as
+    they are when their width fits, else tiled once per set of source arrays
+    (``DequantCache``)."""
+    if _all_packed(b, scales, zp) and rows in (None, b.packed.shape[2]):
         zeros = np.zeros((0, 0), _F32) if zp is None else zp.packed
         return Int4Tiles(b.packed, scales.packed, zeros, n, block)
     return DEQUANT_CACHE.get(
         (b, scales, zp),
-        ("int4-tiles", k, n, block),
-        lambda: int4_tiles(_plain(b), _plain(scales), _plain(zp), k, n, block),
+        ("int4-tiles", k, n, block, rows),
+        lambda: int4_tiles(_plain(b), _plain(scales), _plain(zp), k, n, block, rows),
     )
 
 
@@ -304,7 +330,9 @@ def matmul_nbits(
     g_idx: np.ndarray | None = None,
     bias: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Y = A @ dequant(B)^T (+ bias); float32 math whatever accuracy_level asks.
+    """Y = A @ dequant(B)^T (+ bias), with A quantized to int8 per block where
+    ``matmul_nbits_int8_activations`` says onnxruntime does (accuracy_level 4), in float32
+    otherwise.
 
     4-bit weights with at most ``PACKED_MAX_M`` rows of A are multiplied packed; other
     calls dequantize the weight to float32 first (kept only with the ``nbits_cache`` option).
@@ -322,18 +350,19 @@ def matmul_nbits(
         out2[...] = 0 if bias is None else bias
         return out
     a2 = a.reshape(-1, k)
+    zp_dtype = None if zero_points is None else zero_points.dtype
+    int8 = matmul_nbits_int8_activations(ctx.node, zp_dtype)
     direct = a.dtype == _F32 and out2.flags.c_contiguous and bias is None
+    y = out2 if direct else np.empty(out2.shape, _F32)
     if bits == 4 and a2.shape[0] <= PACKED_MAX_M:
-        w4 = _int4_weight(b, scales, zero_points, k, n, block)
-        y = int4_matmul(
-            np.ascontiguousarray(a2, _F32), w4, out2 if direct else np.empty(out2.shape, _F32)
-        )
+        rows = INT8_TILE_ROWS if int8 else None
+        w4 = _int4_weight(b, scales, zero_points, k, n, block, rows)
+        x = np.ascontiguousarray(a2, _F32)
+        (int4_int8_matmul if int8 else int4_matmul)(x, w4, y)
     else:
         w = _float_weight(ctx, b, scales, zero_points, (k, n, bits, block))
-        if direct:
-            np.matmul(a2, w, out=out2)
-            return out
-        y = np.matmul(a2.astype(_F32, copy=False), w)
+        x = fake_quantize(a2, block) if int8 else a2.astype(_F32, copy=False)
+        np.matmul(x, w, out=y)
     if direct:
         return out
     if bias is not None:
