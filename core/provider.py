@@ -26,7 +26,7 @@ from .workspace import Workspace
 #: provider that implements ``allocate``, ``copy_from_host``, ``copy_to_host`` and
 #: ``copy`` on Tensors keeps working through adapters. ``KernelContext`` gains ``stream``,
 #: ``scratch``, ``host_value``, ``state``; the provider gains ``host_value`` and ``stream``.
-PROVIDER_API_VERSION: tuple[int, int] = (1, 1)
+PROVIDER_API_VERSION: tuple[int, int] = (1, 2)
 
 #: The 1.0 transfer methods, each with the 1.1 verb that replaces it.
 _LEGACY_TRANSFERS = {"allocate": "empty", "copy_from_host": "upload", "copy_to_host": "read"}
@@ -299,6 +299,13 @@ class ExecutionProvider(ABC):
         session asks this instead of comparing device names."""
         return isinstance(value, self.ARRAY_TYPES)
 
+    def holds_dtype(self, dtype: np.dtype) -> bool:
+        """Whether this provider's arrays can hold elements of ``dtype`` (bfloat16, int4,
+        float8 and strings are numpy dtypes some devices' arrays lack). ``supports`` refuses
+        a node whose known input types it cannot hold, so placement keeps it elsewhere
+        (API 1.2; the default holds every dtype)."""
+        return True
+
     def may_share_memory(self, a: Any, b: Any) -> bool:
         """Whether two of this provider's arrays may overlap (an output that is a view)."""
         if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
@@ -385,6 +392,10 @@ class ExecutionProvider(ABC):
                     f"model uses opset {node.opset}"
                 )
             return False, f"{self.name}: no kernel for {node.domain or 'ai.onnx'}::{node.op_type}"
+        for index, known in enumerate(input_types):
+            if known is not None and known.dtype is not None and not self.holds_dtype(known.dtype):
+                name = node.input_names[index] if index < len(node.input_names) else index
+                return False, f"{self.name}: cannot hold {known.dtype} (input {name!r})"
         if kdef.check is not None:
             reason = kdef.check(node, input_types)
             if reason:

@@ -51,6 +51,11 @@ class CUDAProvider(ExecutionProvider):
     def holds(self, value: Any) -> bool:
         return isinstance(value, cupy.ndarray) and value.device.id == self._index
 
+    def holds_dtype(self, dtype: np.dtype) -> bool:
+        """CuPy arrays hold booleans, integers, floats and complex numbers of numpy's own
+        widths; not ml_dtypes' bfloat16, float8 or int4, nor strings and objects."""
+        return np.dtype(dtype).kind in "biufc"
+
     def may_share_memory(self, a: Any, b: Any) -> bool:
         return self.holds(a) and self.holds(b) and bool(cupy.may_share_memory(a, b))
 

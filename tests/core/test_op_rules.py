@@ -20,6 +20,7 @@ from onnx_genrt.core.op_rules import (
     cast_target_code,
     constant_problem,
     constant_value,
+    gqa_attribute_problem,
     gqa_input_problem,
     gqa_shapes,
     mtp_accept_drafts,
@@ -353,7 +354,9 @@ print(json.dumps([
     check("", "Cast", {"to": TensorProto.FLOAT}, ("x",), (TensorType(np.dtype("complex64"), None),)),
     check("com.microsoft", "RotaryEmbedding", {"is_packed_batching": 1}),
     check("com.microsoft", "GroupQueryAttention", {}, ("q", "", "", "pk", "pv", "s", "t", "", "", "p")),
-    check("com.microsoft", "GroupQueryAttention", {}, ("q", "", "", "", "", "s", "t")),
+    check("com.microsoft", "GroupQueryAttention", {"num_heads": 2, "kv_num_heads": 1},
+          ("q", "", "", "", "", "s", "t")),
+    check("com.microsoft", "GroupQueryAttention", {"softcap": -1.0}, ("q", "", "", "", "", "s", "t")),
 ]))
 """
 
@@ -368,5 +371,6 @@ def test_cuda_checks_are_the_shared_rules():
         "Cast from element type COMPLEX64 is not supported",
         "RotaryEmbedding is_packed_batching=1 is not supported",
         "GroupQueryAttention input 'position_ids' is not supported on CUDA",
-        "GroupQueryAttention without past_key/past_value (concat mode) is not supported on CUDA",
+        None,  # concat mode: no past, a present buffer is made
+        gqa_attribute_problem(_node("GroupQueryAttention", softcap=-1.0)),
     ]

@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "tests" / "plugins"
 FAULTY = "onnx-genrt-faulty-plugins 0.3.1"
 
+API = ".".join(map(str, PROVIDER_API_VERSION))
+API_RE = re.escape(API)
+
 
 def test_builtins_register_through_the_package_entry_points():
     eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
@@ -420,14 +423,16 @@ def test_plugin_cannot_take_over_the_cpu_name(installed_plugins, providers_outpu
     )
     assert type(reg.create("cpu")) is CPUProvider
     assert type(get_registry().create("cpu")) is CPUProvider
-    assert re.search(r"^cpu\s+available\s+1\.1\s.*\sonnx-genrt 0\.1\.0\s", providers_output, re.M)
+    assert re.search(
+        rf"^cpu\s+available\s+{API_RE}\s.*\sonnx-genrt 0\.1\.0\s", providers_output, re.M
+    )
 
 
 def test_incompatible_major_api_version_is_refused(installed_plugins, providers_output):
     _check_refused(
         "api_major",
         "provider 'future_major': written for provider API 2.0, but this onnx-genrt implements "
-        "1.1; a different major version is incompatible",
+        f"{API}; a different major version is incompatible",
         providers_output,
     )
     with pytest.raises(ProviderUnavailableError, match="'future_major' .* is not used: .* API 2.0"):
@@ -437,7 +442,7 @@ def test_incompatible_major_api_version_is_refused(installed_plugins, providers_
 def test_newer_minor_api_version_is_refused(installed_plugins, providers_output):
     _check_refused(
         "api_minor",
-        "provider 'future_minor': written for provider API 1.7, newer than the 1.1 this "
+        f"provider 'future_minor': written for provider API 1.7, newer than the {API} this "
         "onnx-genrt implements: upgrade onnx-genrt",
         providers_output,
     )
@@ -446,7 +451,7 @@ def test_newer_minor_api_version_is_refused(installed_plugins, providers_output)
 def test_spec_without_api_version_is_refused(installed_plugins, providers_output):
     _check_refused(
         "no_version",
-        "provider 'unversioned': declares no provider API version; this onnx-genrt implements 1.1",
+        f"provider 'unversioned': declares no provider API version; this onnx-genrt implements {API}",
         providers_output,
     )
 
@@ -513,7 +518,7 @@ def test_providers_command_in_process_lists_broken_plugins(installed_plugins, ca
     assert cli_main(["providers"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^cpu\s+available\s", out, re.MULTILINE)
-    assert re.search(r"^cuda\s+(available|unavailable)\s+1\.1\s", out, re.MULTILINE)
+    assert re.search(rf"^cuda\s+(available|unavailable)\s+{API_RE}\s", out, re.MULTILINE)
     assert "broken plugins (8, not used):" in out
 
 
@@ -540,5 +545,5 @@ def test_providers_command_reports_a_factory_that_raises(monkeypatch, capsys):
         re.MULTILINE,
     )
     assert 'raise RuntimeError("driver said no")' in out  # --verbose: the traceback
-    assert re.search(r"^cpu\s+available\s+1\.1\s+primary, verify, draft\s", out, re.MULTILINE)
+    assert re.search(rf"^cpu\s+available\s+{API_RE}\s+primary, verify, draft\s", out, re.MULTILINE)
     assert "broken plugins" not in out  # a factory that raises is not a broken plugin

@@ -105,8 +105,8 @@ def small_server(tmp_path: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture
 def impatient_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    """One row and a grace period of half a second: SIGTERM cancels a long request."""
-    proc = ServerProcess("--max-batch", "1", "--grace-period", "0.5", log=tmp_path / "server.log")
+    """One row and a grace period of 0.2 s: SIGTERM cancels long requests."""
+    proc = ServerProcess("--max-batch", "1", "--grace-period", "0.2", log=tmp_path / "server.log")
     yield proc
     code = proc.stop()
     assert code == 0, f"exit code {code} after SIGTERM:\n{proc.output()}"

@@ -71,6 +71,33 @@ def test_placement_sees_input_types_and_the_cpu_provider_takes_the_rest():
     np.testing.assert_array_equal(fi, [4, 5])
 
 
+class NoInt64Arrays(CPUProvider):
+    """Claims Add for every dtype, but its arrays cannot hold int64 (``holds_dtype``), as
+    CuPy's cannot hold bfloat16: placement must not give it the int64 Add."""
+
+    name = "no-int64"
+
+    @property
+    def kernels(self) -> KernelRegistry:
+        return _registry(("", "Add"))
+
+    def holds_dtype(self, dtype: np.dtype) -> bool:
+        return np.dtype(dtype) != np.int64
+
+
+def test_a_dtype_the_provider_cannot_hold_is_placed_elsewhere():
+    sess = InferenceSession(_two_adds(), providers=[NoInt64Arrays()])
+    where = {p.node: p.provider for p in sess.placement()}
+    assert where == {"float_add": "no-int64", "int_add": "cpu"}
+    fx, fi = sess.run(None, {"x": np.array([1.5, 2], np.float32), "i": np.array([3, 4])})
+    np.testing.assert_array_equal(fx, [3.0, 4.0])
+    np.testing.assert_array_equal(fi, [4, 5])
+    with pytest.raises(
+        UnsupportedOpError, match=r"'int_add'.*no-int64: cannot hold int64 \(input 'i'\)"
+    ):
+        InferenceSession(_two_adds(), providers=[NoInt64Arrays()], cpu_fallback=False)
+
+
 def test_without_the_fallback_the_refusal_names_the_node_and_the_reason():
     with pytest.raises(UnsupportedOpError, match=r"'int_add'.*float32 only"):
         InferenceSession(_two_adds(), providers=[FloatAddOnly()], cpu_fallback=False)

@@ -736,15 +736,7 @@ _REFUSED_INPUTS = (
 
 
 def _gqa_check(node: NodeInfo, _types: object) -> str | None:
-    reason = gqa_input_problem(node, _REFUSED_INPUTS, " on CUDA")
-    if reason:
-        return reason
-    names = node.input_names
-    if len(names) < 5 or not names[3] or not names[4]:
-        return (
-            "GroupQueryAttention without past_key/past_value (concat mode) is not supported on CUDA"
-        )
-    return gqa_attribute_problem(node)
+    return gqa_input_problem(node, _REFUSED_INPUTS, " on CUDA") or gqa_attribute_problem(node)
 
 
 def gqa_splits(rows: int, cap: int, sms: int, most: int = MAX_SPLITS) -> int:
@@ -837,11 +829,9 @@ def group_query_attention(
         raise NotImplementedError(f"{desc}: {reason or 'position_ids / attention_bias'}")
     if any(r is not None for r in rest):
         raise NotImplementedError(f"{desc}: quantized KV, QK norm or query_seqlens inputs")
-    if past_key is None or past_value is None:
-        raise NotImplementedError(
-            f"{desc}: concat mode (no past_key/past_value) is not supported on CUDA; bind the "
-            "KV cache as both past and present"
-        )
+    if _gqa_concat_mode(ctx, past_key, past_value, total_sequence_length):
+        past_key, past_value = _gqa_concat_present(ctx, query, key, value, past_key, past_value,
+                                                   seqlens_k, total_sequence_length)  # fmt: skip
     call = _gqa_call(ctx, query, key, value, past_key, past_value, seqlens_k,
                      total_sequence_length, cos_cache, sin_cache, head_sink)  # fmt: skip
     y = out(ctx, 0, (call.batch, call.new, call.heads * call.head_size), call.dtype)
@@ -854,6 +844,60 @@ def group_query_attention(
     if call.wcache and fuse:  # the new rows were kept out of the cache: compact, then store them
         _gqa_window_store(call)
     return y, past_key, past_value
+
+
+def _gqa_concat_mode(ctx: KernelContext, past_key, past_value, total_sequence_length) -> bool:
+    """Whether the call has no shared cache to write in place: no past, or (without a
+    window-sized cache) a past shorter than total_sequence_length."""
+    if past_key is None or past_value is None:
+        return True
+    if ctx.attr("sliding_window_cache", 0):
+        return False
+    total = _host_scalar(ctx, total_sequence_length)
+    return total is not None and total > int(past_key.shape[2])
+
+
+def _gqa_concat_present(
+    ctx: KernelContext,
+    query,
+    key,
+    value,
+    past_key,
+    past_value,
+    seqlens_k,
+    total_sequence_length,
+) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """Concat mode: new present buffers of max(past, total_sequence_length) rows holding
+    each entry's cached tokens (rows from seqlens_k + 1 on zeroed, as the CPU provider and
+    onnxruntime leave them), which the shared-cache kernels then write in place. Not
+    captured: the buffers' length follows a host value."""
+    desc = ctx.node.describe()
+    refuse_in_capture(ctx, "concat mode (a present buffer sized by total_sequence_length)")
+    total = _host_scalar(ctx, total_sequence_length)
+    if total is None:
+        total = int(np.asarray(cupy.asnumpy(total_sequence_length)).reshape(-1)[0])
+    geom = gqa_shapes(ctx.node, query, key, value, past_key, past_value)
+    cap = 0 if past_key is None else int(past_key.shape[2])
+    length = max(cap, total)
+    lens = _device(ctx, seqlens_k, "seqlens_k").astype(np.int64).reshape(-1, 1, 1, 1)
+    need = int(lens.max()) + 1 if lens.size else 0
+    if need > length:
+        raise ValueError(f"{desc}: seqlens_k needs {need} rows, present has {length}")
+    keep = cupy.arange(length).reshape(1, 1, -1, 1) <= lens
+    presents = []
+    for index, past in ((1, past_key), (2, past_value)):
+        shape = (geom.batch, geom.kv_heads, length, geom.head_size)
+        present = out(ctx, index, shape, query.dtype)
+        present.fill(0)
+        if past is not None:
+            if past.dtype != query.dtype:
+                raise ValueError(
+                    f"{desc}: past dtype {past.dtype} differs from query's {query.dtype}"
+                )
+            present[:, :, :cap] = past
+            cupy.copyto(present, 0, where=~keep)  # past rows past each entry's total
+        presents.append(present)
+    return presents[0], presents[1]
 
 
 def _gqa_call(
@@ -970,11 +1014,6 @@ def _gqa_cache(
                 f"(total_sequence_length {total_len}) are not supported on CUDA; feed at most "
                 f"{FUSE_MAX_NEW} tokens per call once the cache is full"
             )
-    elif total_len is not None and total_len > cap:
-        raise NotImplementedError(
-            f"{desc}: total_sequence_length {total_len} exceeds the past buffer of {cap} "
-            "(concat mode is not supported on CUDA)"
-        )
     return cap, window, wcache
 
 

@@ -239,8 +239,13 @@ def cast(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
 
 
 @REGISTRY.register("Identity", since=1)
-def identity(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
-    """A copy of the input."""
+def identity(ctx: KernelContext, x: cupy.ndarray | list | None) -> cupy.ndarray | list | None:
+    """A copy of the input: a tensor, a sequence of tensors (each copied) or an absent
+    optional (None)."""
+    if x is None:
+        return None
+    if isinstance(x, list):
+        return [item.copy() for item in x]
     y = out(ctx, 0, x.shape, x.dtype)
     if y.size:
         cupy.copyto(y, x)

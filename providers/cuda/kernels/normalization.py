@@ -72,9 +72,28 @@ __global__ void layer_norm_rows(const S* __restrict__ x, const W* __restrict__ s
 
 
 def _stash_check(node: NodeInfo, input_types) -> str | None:
+    """Refuses a stash_type other than float32 and, where the shapes are known, a scale or
+    bias that broadcasts over more than the normalized elements (``_param_step``)."""
     stash = int(node.attr("stash_type", TensorProto.FLOAT))
     if stash != TensorProto.FLOAT:
         return f"{node.op_type} stash_type={stash} is not supported on CUDA (float32 only)"
+    x = input_types[0] if input_types else None
+    if x is None or x.shape is None or not all(isinstance(d, int) for d in x.shape):
+        return None
+    axis = int(node.attr("axis", -1))
+    if not -len(x.shape) <= axis < len(x.shape):
+        return None  # the kernel names the bad axis
+    cols = int(np.prod(x.shape[axis:], dtype=np.int64))
+    for index, what in ((1, "scale"), (2, "bias")):
+        p = input_types[index] if len(input_types) > index else None
+        if p is None or p.shape is None or not all(isinstance(d, int) for d in p.shape):
+            continue
+        size = int(np.prod(p.shape, dtype=np.int64))
+        if size not in (cols, 1):
+            return (
+                f"{what} of shape {list(p.shape)} broadcasts over more than the {cols} "
+                f"normalized elements; only per-element or scalar {what} run on CUDA"
+            )
     return None
 
 
