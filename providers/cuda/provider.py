@@ -53,8 +53,10 @@ class CUDAProvider(ExecutionProvider):
 
     def holds_dtype(self, dtype: np.dtype) -> bool:
         """CuPy arrays hold booleans, integers, floats and complex numbers of numpy's own
-        widths; not ml_dtypes' bfloat16, float8 or int4, nor strings and objects."""
-        return np.dtype(dtype).kind in "biufc"
+        widths, and bfloat16 where CuPy has it (``bf16_unsupported``); not float8 or int4,
+        nor strings and objects."""
+        dt = np.dtype(dtype)
+        return dt.kind in "biufc" or (dt == BF16 and bf16_unsupported() is None)
 
     def may_share_memory(self, a: Any, b: Any) -> bool:
         return self.holds(a) and self.holds(b) and bool(cupy.may_share_memory(a, b))

@@ -830,8 +830,10 @@ def group_query_attention(
     if any(r is not None for r in rest):
         raise NotImplementedError(f"{desc}: quantized KV, QK norm or query_seqlens inputs")
     if _gqa_concat_mode(ctx, past_key, past_value, total_sequence_length):
-        past_key, past_value = _gqa_concat_present(ctx, query, key, value, past_key, past_value,
-                                                   seqlens_k, total_sequence_length)  # fmt: skip
+        past_key, past_value = _gqa_concat_present(
+            ctx, total_sequence_length, query, key, value, past_key, past_value, seqlens_k,
+            cos_cache, sin_cache, head_sink,
+        )  # fmt: skip
     call = _gqa_call(ctx, query, key, value, past_key, past_value, seqlens_k,
                      total_sequence_length, cos_cache, sin_cache, head_sink)  # fmt: skip
     y = out(ctx, 0, (call.batch, call.new, call.heads * call.head_size), call.dtype)
@@ -858,25 +860,20 @@ def _gqa_concat_mode(ctx: KernelContext, past_key, past_value, total_sequence_le
 
 
 def _gqa_concat_present(
-    ctx: KernelContext,
-    query,
-    key,
-    value,
-    past_key,
-    past_value,
-    seqlens_k,
-    total_sequence_length,
+    ctx: KernelContext, total_sequence_length, *inputs
 ) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Concat mode: new present buffers of max(past, total_sequence_length) rows holding
     each entry's cached tokens (rows from seqlens_k + 1 on zeroed, as the CPU provider and
     onnxruntime leave them), which the shared-cache kernels then write in place. Not
-    captured: the buffers' length follows a host value."""
+    captured: the buffers' length follows a host value. ``inputs``: query, key, value,
+    past_key, past_value, seqlens_k, cos_cache, sin_cache, head_sink (``gqa_shapes``'s)."""
     desc = ctx.node.describe()
+    query, _, _, past_key, past_value, seqlens_k = inputs[:6]
     refuse_in_capture(ctx, "concat mode (a present buffer sized by total_sequence_length)")
     total = _host_scalar(ctx, total_sequence_length)
     if total is None:
         total = int(np.asarray(cupy.asnumpy(total_sequence_length)).reshape(-1)[0])
-    geom = gqa_shapes(ctx.node, query, key, value, past_key, past_value)
+    geom = gqa_shapes(ctx.node, *inputs)
     cap = 0 if past_key is None else int(past_key.shape[2])
     length = max(cap, total)
     lens = _device(ctx, seqlens_k, "seqlens_k").astype(np.int64).reshape(-1, 1, 1, 1)

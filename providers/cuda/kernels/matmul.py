@@ -26,7 +26,9 @@ from onnx_genrt.core.kernels import KernelContext, TransposedWeight
 from onnx_genrt.core.op_rules import matmul_shape
 
 from ._common import (
+    BF16,
     DEVICE_COMMON,
+    F32,
     FLOAT_DTYPES,
     CaptureUnsupported,
     capturing,
@@ -436,5 +438,8 @@ def matmul(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray, norm: Any = Non
             f"{ctx.node.describe()}: MatMul {list(a.shape)} @ {list(b.shape)} needs cuBLAS "
             f"({why}), and CuPy refuses cuBLAS during stream capture; this shape runs eagerly"
         )
+    if a.dtype == BF16:  # CuPy's matmul has no bfloat16: float32 products, rounded once
+        cupy.copyto(c, cupy.matmul(a.astype(F32), b.astype(F32)), casting="unsafe")
+        return c
     cupy.matmul(a, b, out=c)
     return c

@@ -12,6 +12,7 @@ two tiny builder models (fp32 and int4) and the CPU provider's logits and greedy
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -99,8 +100,13 @@ def cpu_run(info, inputs):
 
 
 def reference(info, inputs, numpy_ref):
-    """CPU kernel results when the CPU provider imports, else ``numpy_ref(*inputs)``."""
+    """CPU kernel results when the CPU provider imports, else ``numpy_ref(*inputs)``.
+    MatMulNBits is taken at accuracy_level 0: the CPU provider quantizes activations to
+    int8 at level 4 as onnxruntime's CPU provider does, while the CUDA provider (like
+    onnxruntime's) keeps float activations at every level."""
     inputs = [None if x is None else np.array(x, copy=True) for x in inputs]
+    if info.op_type == "MatMulNBits":
+        info = dataclasses.replace(info, attrs={**info.attrs, "accuracy_level": 0})
     if cpu_registry() is not None:
         return cpu_run(info, inputs)
     res = numpy_ref(*inputs)
