@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -142,16 +143,9 @@ def _make_mtp(model: Model, min_confidence: float) -> MTPProposer:
     key = f"{SPECULATIVE_FILE}: mtp.filename"
     head_path = model.config.path_of(mtp.get("filename", "mtp/model.onnx"), key)
     head = load_model(head_path, folder=model.folder)
-    vocab = mtp.get("draft_vocab")
+    vocab = _draft_vocab(model, mtp.get("draft_vocab"))
+    draft_ids = None if vocab is None or isinstance(vocab, int) else vocab
     if vocab is not None:
-        vocab = check_int(
-            vocab,
-            f"{model.folder}/{SPECULATIVE_FILE}: mtp.draft_vocab",
-            minimum=1,
-            maximum=model.config.vocab_size,
-            integral_floats=True,
-            error=ModelLoadError,
-        )
         try:
             head = restrict_draft_vocab(head, vocab, outputs.get("logits", "logits"))
         except ValueError as exc:
@@ -168,7 +162,43 @@ def _make_mtp(model: Model, min_confidence: float) -> MTPProposer:
             "hidden_output": outputs.get("hidden_states", "mtp_hidden_states"),
         },
         min_confidence=min_confidence,
+        draft_ids=draft_ids,
     )
+
+
+def _draft_vocab(model: Model, value: Any) -> int | np.ndarray | None:
+    """speculative.json's ``mtp.draft_vocab``: a count of first token ids, or the path (in
+    the model folder) of a JSON list of token ids, most frequent first; checked."""
+    key = f"{model.folder}/{SPECULATIVE_FILE}: mtp.draft_vocab"
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return check_int(
+            value,
+            key,
+            minimum=1,
+            maximum=model.config.vocab_size,
+            integral_floats=True,
+            error=ModelLoadError,
+        )
+    path = model.config.path_of(value, f"{SPECULATIVE_FILE}: mtp.draft_vocab")
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{key}: cannot read {path}: {exc}") from None
+    vocab = model.config.vocab_size
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
+        raise ModelLoadError(f"{key}: {path} must hold a non-empty JSON list of token ids")
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise ModelLoadError(f"{key}: {path} lists token id {bad}, outside 0..{vocab - 1}")
+    if len(set(ids)) != len(ids):
+        raise ModelLoadError(f"{key}: {path} lists a token id twice")
+    return np.array(ids, np.int64)
 
 
 def _draft_model(model: Model) -> Model:

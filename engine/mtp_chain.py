@@ -30,9 +30,12 @@ def unroll_mtp_head(
     ids_input: str = "input_ids",
     logits_output: str = "logits",
     hidden_output: str = "mtp_hidden_states",
+    draft_ids: np.ndarray | None = None,
 ) -> onnx.ModelProto:
     """A model with inputs (hidden_input [1,1,H], ids_input [1,1]) and outputs drafts and
-    confidences, running ``head`` k times in a chain. Weights are shared, not copied."""
+    confidences, running ``head`` k times in a chain. Weights are shared, not copied.
+    ``draft_ids``: the token id of each logit column (a head restricted to a ranked draft
+    vocabulary, ``restrict_draft_vocab``); each step's argmax is mapped through it."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -48,6 +51,9 @@ def unroll_mtp_head(
     nodes: list[onnx.NodeProto] = []
     axes = "mtp_chain/axes_last"
     extra_inits = [numpy_helper.from_array(np.array([-1], np.int64), axes)]
+    id_map = "mtp_chain/draft_ids"
+    if draft_ids is not None:
+        extra_inits.append(numpy_helper.from_array(np.asarray(draft_ids, np.int64), id_map))
     drafts, confs = [], []
     hidden, ids = hidden_input, ids_input
     for step in range(k):
@@ -73,7 +79,18 @@ def unroll_mtp_head(
         token = prefix + "draft"
         probs, conf = prefix + "probs", prefix + "confidence"
         named = {"name": prefix + "chain"}
-        nodes.append(helper.make_node("ArgMax", [logits], [token], axis=-1, keepdims=0, **named))
+        if draft_ids is None:
+            nodes.append(
+                helper.make_node("ArgMax", [logits], [token], axis=-1, keepdims=0, **named)
+            )
+        else:  # the argmax is a column of the ranked vocabulary: its id
+            column = prefix + "draft_column"
+            nodes.append(
+                helper.make_node("ArgMax", [logits], [column], axis=-1, keepdims=0, **named)
+            )
+            nodes.append(
+                helper.make_node("Gather", [id_map, column], [token], name=prefix + "draft_id")
+            )
         nodes.append(
             helper.make_node("Softmax", [logits], [probs], axis=-1, name=prefix + "softmax")
         )
@@ -119,19 +136,21 @@ def unroll_mtp_head(
 
 
 def restrict_draft_vocab(
-    head: onnx.ModelProto, vocab: int, logits_output: str = "logits"
+    head: onnx.ModelProto, vocab: int | np.ndarray, logits_output: str = "logits"
 ) -> onnx.ModelProto:
-    """``head`` drafting only from the first ``vocab`` token ids (a frequency-ranked draft
-    vocabulary, as in FR-Spec: byte-level BPE ids come roughly in merge order, so the first
-    ones are the common tokens). The MatMul making ``logits_output`` reads the first
-    ``vocab`` columns of its weight, which constant folding then cuts, so each chained head
-    step multiplies by a smaller lm_head. Drafts stay token ids (a prefix keeps ids as
-    indices); verification is unchanged, so the output is too."""
+    """``head`` drafting only from a draft vocabulary (as in FR-Spec): ``vocab`` an int, the
+    first that many token ids; an array, those token ids (ranked by frequency, say; the
+    chain then maps each argmax column back through them: ``unroll_mtp_head``'s
+    ``draft_ids``). The MatMul making ``logits_output`` reads only those columns of its
+    weight, which constant folding then cuts, so each chained head step multiplies by a
+    smaller lm_head. Verification is unchanged, so the output is too."""
     import onnx
     from onnx import helper, numpy_helper
 
-    if vocab < 1:
-        raise InvalidInputError(f"a draft vocabulary needs at least 1 token, got {vocab}")
+    ranked = None if isinstance(vocab, int) else np.asarray(vocab, np.int64).reshape(-1)
+    size = vocab if ranked is None else int(ranked.size)
+    if size < 1:
+        raise InvalidInputError(f"a draft vocabulary needs at least 1 token, got {size}")
     h = onnx.ModelProto()
     h.CopyFrom(head)
     g = h.graph
@@ -142,20 +161,27 @@ def restrict_draft_vocab(
             f"a draft vocabulary needs {logits_output!r} to come from a MatMul; {kind} makes it"
         )
     weight = producer.input[1]
-    names = [f"draft_vocab/{n}" for n in ("starts", "ends", "axes")]
-    g.initializer.extend(
-        numpy_helper.from_array(np.array([v], np.int64), n)
-        for n, v in zip(names, (0, vocab, -1), strict=True)
-    )
     sliced = f"{weight}/draft_vocab"
     index = list(g.node).index(producer)
-    g.node.insert(index, helper.make_node("Slice", [weight, *names], [sliced], name="draft_vocab"))
+    if ranked is None:
+        names = [f"draft_vocab/{n}" for n in ("starts", "ends", "axes")]
+        g.initializer.extend(
+            numpy_helper.from_array(np.array([v], np.int64), n)
+            for n, v in zip(names, (0, size, -1), strict=True)
+        )
+        cut = helper.make_node("Slice", [weight, *names], [sliced], name="draft_vocab")
+    else:
+        g.initializer.append(numpy_helper.from_array(ranked, "draft_vocab/ids"))
+        cut = helper.make_node(
+            "Gather", [weight, "draft_vocab/ids"], [sliced], axis=-1, name="draft_vocab"
+        )
+    g.node.insert(index, cut)
     producer.input[1] = sliced
     for out in g.output:
         dims = out.type.tensor_type.shape.dim
         if out.name == logits_output and dims:
             dims[-1].Clear()
-            dims[-1].dim_value = vocab
+            dims[-1].dim_value = size
     return h
 
 

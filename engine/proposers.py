@@ -189,11 +189,13 @@ class MTPProposer(Proposer):
         make_session: Callable[[onnx.ModelProto], InferenceSession],
         names: dict[str, str] | None = None,
         min_confidence: float = 0.0,
+        draft_ids: np.ndarray | None = None,
     ) -> None:
         self.head = head
         self.make_session = make_session
         self.names = names or {}
         self.min_confidence = min_confidence
+        self.draft_ids = draft_ids  # token id per logit column of a ranked draft vocabulary
         self._chains: dict[int, tuple[InferenceSession, Any, Any, Any, Any]] = {}
         self._after: dict[tuple[int, int], Any] = {}
         self._after_sessions: list[InferenceSession] = []
@@ -204,7 +206,7 @@ class MTPProposer(Proposer):
         if longer:
             return self._chains[min(longer)]
         if k not in self._chains:
-            model = unroll_mtp_head(self.head, k, **self.names)
+            model = unroll_mtp_head(self.head, k, draft_ids=self.draft_ids, **self.names)
             session = self.make_session(model)
             hidden_name = self.names.get("hidden_input", "hidden_states")
             hidden_size = int(session.input_spec(hidden_name).shape[-1])
@@ -295,7 +297,7 @@ class MTPProposer(Proposer):
 
     def _build_after(self, runner: Any, bufs: StepBuffers, k: int, next_inputs: bool):
         names = {n: v for n, v in self.names.items()}
-        chain = unroll_mtp_head(self.head, k, **names)
+        chain = unroll_mtp_head(self.head, k, draft_ids=self.draft_ids, **names)
         hidden_type = DType.from_numpy(bufs.hidden.dtype).value
         ids_input = names.get("ids_input", "input_ids")
         model = after_verify(

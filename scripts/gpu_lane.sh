@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU lane: run from the repository root on the GPU machine (no network there).
-#   bash scripts/gpu_lane.sh [tests] [bench]
+#   bash scripts/gpu_lane.sh [tests] [kit] [bench]
 # Installs the project without fetching anything, runs the GPU tests with the GPU required,
-# lists providers, runs the dispatch and LLM benches and prints a summary. Logs go to $OUT when
-# set. With no argument both parts run; `tests` or `bench` runs one (each fits a 10-minute call).
+# runs the provider test kit on CUDA, lists providers, runs the dispatch and LLM benches and
+# prints a summary. Logs go to $OUT when set. With no argument all parts run; `tests`, `kit`
+# (`onnx-genrt check-provider cuda`) or `bench` runs one (each fits a 10-minute call).
 # GPU_LANE_PYTEST_ARGS overrides the extra pytest arguments (default: -x).
 set -euo pipefail
 
@@ -11,11 +12,11 @@ PY="${PYTHON:-python3}"
 LOGDIR="${OUT:-/tmp/gpu_lane}"
 mkdir -p "$LOGDIR"
 LOG="$LOGDIR/gpu_lane.log"
-PARTS="${*:-tests bench}"
+PARTS="${*:-tests kit bench}"
 for part in $PARTS; do
   case "$part" in
-    tests | bench) ;;
-    *) echo "gpu_lane.sh: unknown part '$part' (expected: tests, bench)" >&2; exit 2 ;;
+    tests | kit | bench) ;;
+    *) echo "gpu_lane.sh: unknown part '$part' (expected: tests, kit, bench)" >&2; exit 2 ;;
   esac
 done
 has_part() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -54,10 +55,12 @@ EOF
   fi
 
   TESTS_RC=0
+  KIT_RC=0
   if has_part tests; then run_tests; fi
+  if has_part kit; then run_kit; fi
   if has_part bench; then run_benches; fi
   summary
-  return "$TESTS_RC"
+  return $((TESTS_RC != 0 || KIT_RC != 0))
 }
 
 run_tests() {
@@ -91,6 +94,14 @@ run_tests() {
   set -e
 }
 
+run_kit() {
+  echo "== provider test kit (onnx-genrt check-provider cuda)"
+  set +e
+  "${CLI[@]}" check-provider cuda 2>&1 | tee "$LOGDIR/check_provider.txt"
+  KIT_RC=${PIPESTATUS[0]}
+  set -e
+}
+
 run_benches() {
   echo "== providers"
   "${CLI[@]}" providers || echo "onnx-genrt providers failed"
@@ -114,6 +125,7 @@ summary() {
   echo "== summary ($PARTS)"
   echo "numba: $NUMBA; CPU provider: $CPU_PROVIDER"
   if has_part tests; then summarize_tests; fi
+  if has_part kit; then echo "kit: $(tail -n 1 "$LOGDIR/check_provider.txt") (exit $KIT_RC)"; fi
   if has_part bench; then summarize_benches; fi
 }
 

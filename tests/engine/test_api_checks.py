@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -51,12 +53,57 @@ def test_a_proposer_the_model_folder_does_not_have_is_a_model_load_error(
         generate(model, "def", 4, spec=spec)
 
 
-@pytest.mark.parametrize("value", [0, 4097, True, "300", 1.5])
+@pytest.mark.parametrize("value", [0, 4097, True, 1.5, [300]])
 def test_a_draft_vocabulary_outside_the_vocabulary_or_not_an_integer_is_refused(model, value):
     assert model.config.vocab_size == 4096
     mtp = {**model.config.speculative["mtp"], "draft_vocab": value}
     _with_speculative(model, {"mtp": mtp})
     with pytest.raises(ModelLoadError, match=r"speculative\.json: mtp\.draft_vocab must be"):
+        make_proposer(model, "mtp", 64)
+
+
+@pytest.fixture(scope="module")
+def folder_copy(tmp_path_factory) -> Path:
+    """A copy of the embedded model's folder (without its draft model) to put files in."""
+    folder = tmp_path_factory.mktemp("model") / "default"
+    shutil.copytree(default_model_dir(), folder, ignore=shutil.ignore_patterns("draft"))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, r"cannot read .*ranked\.json"),
+        ("[1, 2,", r"cannot read .*ranked\.json"),
+        ('{"ids": [1]}', r"ranked\.json must hold a non-empty JSON list of token ids"),
+        ("[]", r"must hold a non-empty JSON list of token ids"),
+        ("[1, 2.5]", r"must hold a non-empty JSON list of token ids"),
+        ("[1, true]", r"must hold a non-empty JSON list of token ids"),
+        ("[5, 4096]", r"lists token id 4096, outside 0\.\.4095"),
+        ("[5, -1]", r"lists token id -1, outside"),
+        ("[5, 7, 5]", r"lists a token id twice"),
+    ],
+)
+def test_a_ranked_draft_vocabulary_file_is_checked(folder_copy, content, message):
+    """``mtp.draft_vocab`` naming a file: each fault is a ModelLoadError naming the key, the
+    file and what is wrong."""
+    ranked = folder_copy / "ranked.json"
+    ranked.unlink(missing_ok=True)
+    if content is not None:
+        ranked.write_text(content)
+    model = Model(folder_copy)
+    mtp = {**model.config.speculative["mtp"], "draft_vocab": "ranked.json"}
+    _with_speculative(model, {"mtp": mtp})
+    with pytest.raises(ModelLoadError, match=r"speculative\.json: mtp\.draft_vocab: .*" + message):
+        make_proposer(model, "mtp", 64)
+
+
+def test_a_draft_vocabulary_file_outside_the_model_folder_is_refused(folder_copy):
+    (folder_copy.parent / "ranked.json").write_text("[1, 2]")
+    model = Model(folder_copy)
+    mtp = {**model.config.speculative["mtp"], "draft_vocab": "../ranked.json"}
+    _with_speculative(model, {"mtp": mtp})
+    with pytest.raises(ModelLoadError, match=r"mtp\.draft_vocab = '\.\./ranked\.json' .*outside"):
         make_proposer(model, "mtp", 64)
 
 

@@ -168,6 +168,52 @@ def test_draft_vocabulary_cuts_the_head_lm_head_and_keeps_output_identical():
         make_proposer(model, "mtp", 64)
 
 
+def test_a_ranked_draft_vocabulary_drafts_its_ids_and_keeps_output_identical(tmp_path):
+    """A ranked draft vocabulary (a JSON list of ids named by ``mtp.draft_vocab``): the
+    chain's lm_head is folded to those columns, every draft is one of those ids (mapped
+    back from the column), drafts equal an independent numpy reading of the same chain, and
+    speculative output equals greedy."""
+    import json
+    import shutil
+
+    from onnx_genrt.engine import Model, generate
+    from onnx_genrt.engine.mtp_chain import restrict_draft_vocab
+
+    ids = np.random.default_rng(1).permutation(4096)[:300]
+    head = load_model(default_model_dir() / "mtp" / "model.onnx")
+    full = InferenceSession(unroll_mtp_head(head, 1))
+    ranked = InferenceSession(unroll_mtp_head(restrict_draft_vocab(head, ids), 3, draft_ids=ids))
+    weights = [v for v in ranked.plan.constants.values() if v.ndim == 2 and v.shape[-1] == 300]
+    assert weights, "the lm_head weight is folded to the 300 ranked columns"
+    one = InferenceSession(unroll_mtp_head(restrict_draft_vocab(head, ids), 1, draft_ids=ids))
+    rng = np.random.default_rng(2)
+    for _ in range(5):
+        feeds = {
+            "hidden_states": rng.standard_normal((1, 1, 256)).astype(np.float32),
+            "input_ids": rng.integers(0, 4096, (1, 1)),
+        }
+        (drafts,) = ranked.run([DRAFTS], feeds)
+        assert set(drafts.reshape(-1).tolist()) <= set(ids.tolist())
+        # the first draft: the ranked id whose full-vocabulary logit is highest
+        (logits,) = InferenceSession(head).run(["logits"], feeds)
+        assert drafts[0, 0] == ids[np.argmax(logits.reshape(-1)[ids])]
+        assert one.run([DRAFTS], feeds)[0][0, 0] == drafts[0, 0]
+        assert full.run([DRAFTS], feeds)[0].shape == (1, 1)
+
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_dir(), folder, ignore=shutil.ignore_patterns("draft"))
+    (folder / "mtp" / "draft_vocab.json").write_text(json.dumps(ids.tolist()))
+    spec = json.loads((folder / "speculative.json").read_text())
+    spec["mtp"]["draft_vocab"] = "mtp/draft_vocab.json"
+    spec.pop("draft")
+    (folder / "speculative.json").write_text(json.dumps(spec))
+    model = Model(folder, ["cpu"])
+    prompt = "class Foo:\n"
+    want = generate(model, prompt, max_new_tokens=40, ignore_eos=True).tokens
+    got = generate(model, prompt, max_new_tokens=40, ignore_eos=True, spec="mtp")
+    assert got.tokens == want and got.speculation["verify_steps"] > 0
+
+
 @pytest.mark.parametrize("pipeline", [False, True], ids=["host-fed", "pipelined"])
 def test_speculative_mtp_without_the_fused_mtp_ops_equals_greedy(pipeline, monkeypatch):
     """On a provider without MTPAccept / MTPNextInputs kernels the chain runs their bodies
