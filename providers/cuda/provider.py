@@ -26,6 +26,7 @@ from .host_shadow import HostShadow
 from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
 from .kernels.genrt import PROLOGUE_MAX_ROWS
+from .kernels.matmul import MMA_MAX_M, MMA_MIN_ROWS
 from .staging import MEMCPY_DEVICE_TO_DEVICE, StagingRing
 
 #: Fused ops whose GEMV makes its own activations (an RMS norm or SiluMul, staged per block
@@ -75,6 +76,13 @@ class CUDAProvider(ExecutionProvider):
             "rows (M) up to which a GEMV makes its fused norm or SiluMul itself; more rows "
             "run that prologue as its own kernel before the GEMV",
             env="ONNX_GENRT_PROLOGUE_MAX_ROWS",
+        ),
+        ProviderOption(
+            "mma_min_rows",
+            MMA_MIN_ROWS,
+            "rows (M) from which MatMul on a transposed fp16/bf16 weight runs on the tensor "
+            f"cores, up to {MMA_MAX_M} rows (0: never; gemv_nk up to 16 rows, then cuBLAS)",
+            env="ONNX_GENRT_MMA_MIN_ROWS",
         ),
         ProviderOption(
             "nbits_stream",

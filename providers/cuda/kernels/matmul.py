@@ -28,6 +28,7 @@ from onnx_genrt.core.op_rules import matmul_shape
 from ._common import (
     BF16,
     DEVICE_COMMON,
+    F16,
     F32,
     FLOAT_DTYPES,
     CaptureUnsupported,
@@ -254,6 +255,170 @@ __global__ void splitk_sum(const float* __restrict__ P, S* __restrict__ C, long 
 )
 
 
+#: Rows (M) up to which ``gemm_mma`` runs a transposed fp16/bf16 weight (4 tiles of 16).
+MMA_MAX_M = 64
+#: Default of the CUDA provider's ``mma_min_rows``: rows from which a transposed fp16/bf16
+#: weight runs on the tensor cores (``gemm_mma``) rather than ``gemv_nk``.
+MMA_MIN_ROWS = 3
+
+_MMA_SOURCE = (
+    DEVICE_COMMON
+    + r"""
+// D = A * B + D for one 16x8x16 tile on the tensor cores (fp32 accumulators); a0..a3 and
+// b0, b1 hold two 16-bit values each, in the fragment layout of mma.m16n8k16.
+template <typename S> struct Mma;
+template <> struct Mma<half_t> {
+  static DEVI void run(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                       unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Mma<bf16_t> {
+  static DEVI void run(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                       unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+// 32 bytes (16 values of 16 bits) at p as 8 words; zeros when !ok.
+DEVI void ld32(const void* p, bool ok, unsigned (&w)[8]) {
+  if (ok) {
+    const uint4 x = reinterpret_cast<const uint4*>(p)[0];
+    const uint4 y = reinterpret_cast<const uint4*>(p)[1];
+    w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w;
+    w[4] = y.x; w[5] = y.y; w[6] = y.z; w[7] = y.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = 0u;
+  }
+}
+
+// C[m, n] = sum_k A[m, k] * W[n, k] on the tensor cores: W a transposed weight [N, K], A
+// [M, K] (M <= 16 * MT), both 16-byte aligned, K a multiple of 64, N of 8. A block owns 8
+// columns of N and the K range [y * k_per_split, +k_per_split); its 8 warps take the range's
+// 64-wide chunks in turn. In a chunk, lane (g, t) = (lane / 4, lane % 4) loads 16 values at
+// k + 16 t of W's row n0 + g and of A's rows g and g + 8 of each 16-row tile, one 32-byte
+// load each, and feeds them to four mma.m16n8k16: the dot products sum over k in another
+// order than the fragment layout's, the same for A and W, so each weight byte is read once
+// in whole 128-byte lines. The 8 warps' sums meet in shared memory; with splits > 1 the
+// block writes fp32 partials P[y][m][n] (summed by splitk_sum), else C.
+template <typename S, int MT>
+__global__ void __launch_bounds__(256) gemm_mma(
+    const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, float* __restrict__ P,
+    int M, int K, int N, int k_per_split, int splits) {
+  __shared__ float red[8][MT][32][4];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * 8;
+  const int kb = blockIdx.y * k_per_split;
+  const int ke = min(K, kb + k_per_split);
+  float acc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[mt][e] = 0.f;
+  const S* wrow = W + (long long)(n0 + g) * K + 16 * t;
+  const S* arow = A + (long long)g * K + 16 * t;
+  for (int k = kb + warp * 64; k < ke; k += 8 * 64) {
+    unsigned b[8];
+    ld32(wrow + k, true, b);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int r0 = mt * 16 + g;
+      unsigned lo[8], hi[8];
+      ld32(arow + (long long)(mt * 16) * K + k, r0 < M, lo);
+      ld32(arow + (long long)(mt * 16 + 8) * K + k, r0 + 8 < M, hi);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        Mma<S>::run(acc[mt], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1], b[2 * j],
+                    b[2 * j + 1]);
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) red[warp][mt][lane][e] = acc[mt][e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < MT * 128; i += 256) {
+    const int mt = i >> 7, ln = (i >> 2) & 31, e = i & 3;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) s += red[w][mt][ln][e];
+    const int row = mt * 16 + (ln >> 2) + (e >= 2 ? 8 : 0);
+    const long long col = n0 + 2 * (ln & 3) + (e & 1);
+    if (row < M) {
+      if (splits > 1) {
+        P[(long long)blockIdx.y * M * N + (long long)row * N + col] = s;
+      } else {
+        st(C, (long long)row * N + col, s);
+      }
+    }
+  }
+}
+"""
+)
+
+
+def mma_fits(a: cupy.ndarray, w: TransposedWeight, m: int) -> bool:
+    """Whether ``gemm_mma`` runs ``a @ w``: fp16 or bf16, 1..MMA_MAX_M rows, K a multiple of
+    64, N of 8, and both operands 16-byte aligned."""
+    k, n = w.shape
+    return (
+        a.dtype in (F16, BF16)
+        and 0 < m <= MMA_MAX_M
+        and k % 64 == 0
+        and n % 8 == 0
+        and a.data.ptr % 16 == 0
+        and w.t.data.ptr % 16 == 0
+    )
+
+
+def mma_config(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
+    """(MT, splits, k_per_split) for ``gemm_mma``: 16-row tiles, and K split across blocks
+    toward two blocks per SM while each split keeps at least four 64-wide chunks."""
+    mt = -(-m // 16)
+    chunks, blocks = k // 64, n // 8
+    splits = max(1, min(-(-2 * sms // blocks), chunks // 4, 16))
+    per = -(-chunks // splits)
+    return mt, -(-chunks // per), per * 64
+
+
+def gemm_mma(ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, c: cupy.ndarray) -> None:
+    """c = a @ w on the tensor cores (``mma_fits`` must hold; ``a`` contiguous)."""
+    k, n = w.shape
+    m = int(c.size // n)
+    mt, splits, k_per = mma_config(m, k, n, sm_count())
+    s_type = storage(ctx, a.dtype)
+    partial = c
+    if splits > 1:
+        partial = scratch(ctx, splits * m * n * 4).view(np.float32)
+    fn = function(_MMA_SOURCE, f"gemm_mma<{s_type}, {mt}>")
+    args = (a, w.t, c, partial, np.int32(m), np.int32(k), np.int32(n), np.int32(k_per))
+    fn((n // 8, splits), (256,), (*args, np.int32(splits)))
+    if splits > 1:
+        total = m * n
+        reduce = function(_SOURCE, f"splitk_sum<{s_type}>")
+        reduce(
+            (-(-total // 256),),
+            (256,),
+            (partial, c, np.int64(total), np.int32(splits), np.int64(total)),
+        )
+
+
+def mma_min_rows(ctx: KernelContext) -> int:
+    """Rows from which transposed fp16/bf16 weights run on the tensor cores (the CUDA
+    provider's ``mma_min_rows``; 0: never)."""
+    return int(ctx.option("mma_min_rows", MMA_MIN_ROWS))
+
+
 def skinny_dims(a_shape: tuple[int, ...], b_shape: tuple[int, ...]):
     """(batch, M, K, N, b_batch_elems) for the skinny kernel, or None when it does not apply.
 
@@ -363,7 +528,8 @@ def gemv_layout(m: int, k_chunks: int, n: int, sms: int) -> tuple[int, int, int]
 def _gemv_transposed(
     ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
 ) -> cupy.ndarray:
-    """``a @ w`` on ``gemv_nk`` for M <= 16 (else cuBLAS, eager only). ``norm`` (a
+    """``a @ w`` on the tensor cores (``gemm_mma``) for fp16/bf16 from ``mma_min_rows`` rows
+    up to MMA_MAX_M, else on ``gemv_nk`` for M <= 16, else cuBLAS (eager only). ``norm`` (a
     ``genrt.FusedNorm`` or ``FusedSilu``): the GEMV's blocks make the activations in
     shared memory, or the unfused kernel makes them first for shapes that do not fit."""
     k, n = w.shape
@@ -374,6 +540,14 @@ def _gemv_transposed(
         a, norm = norm.unfused(), None
     if c.size == 0:
         return c
+    least = mma_min_rows(ctx)
+    if least and least <= m <= MMA_MAX_M and a.dtype in (F16, BF16):
+        if norm is not None:  # tensor-core rows: the prologue runs as its own kernel
+            a, norm = norm.unfused(), None
+        a = contiguous(ctx, a)
+        if mma_fits(a, w, m):
+            gemm_mma(ctx, a, w, c)
+            return c
     if norm is None:  # the prologue reads the fused inputs itself
         a = contiguous(ctx, a)
     if m <= SKINNY_MAX_M and a.data.ptr % 16 == 0:

@@ -76,6 +76,64 @@ def test_prepacked_matmul_graphs_and_eager(cp, rng, dtype, k, n):
     _check(np.asarray(got), host.astype(np.float64) @ w64, dtype, k)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m", [1, 3, 5, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("k,n", [(64, 8), (896, 1152), (4864, 896), (896, 20000), (192, 40)])
+def test_tensor_core_gemm_matches_float64(cp, rng, dtype, m, k, n):
+    """``gemm_mma`` (K split across blocks or not, partial 16-row tiles) against float64."""
+    from onnx_genrt.core.kernels import KernelContext, NodeInfo
+    from onnx_genrt.providers.cuda.kernels.matmul import (
+        TransposedWeight,
+        gemm_mma,
+        mma_config,
+        mma_fits,
+    )
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
+
+    prov = CUDAProvider()
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    with prov.stream:
+        tw = TransposedWeight(cp.asarray(np.ascontiguousarray(w.T)))
+        da = cp.asarray(a)
+        c = cp.full((m, n), np.nan, dtype)
+    assert mma_fits(da, tw, m)
+    ctx = KernelContext(NodeInfo("MatMul", "mm", "", 21, {}), prov, [])
+    with prov.stream:
+        gemm_mma(ctx, da, tw, c)
+    prov.synchronize()
+    _check(prov.to_numpy(c), a.astype(np.float64) @ w.astype(np.float64), dtype, k)
+    assert mma_config(m, k, n, 132)[1] >= 1
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
+def test_tensor_core_rows_capture_and_replay(cp, rng, dtype):
+    """With ``mma_min_rows`` 3: M=1 stays on gemv_nk, M=5 (VERIFY) and M=32 (a batched step,
+    past the 16 rows gemv_nk takes) run on the tensor cores, captured and replayed."""
+    from onnx_genrt.session import InferenceSession
+
+    k, n = 896, 1152
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+    sess = InferenceSession(_matmul_model(w, dtype), providers=[("cuda", {"mma_min_rows": 3})])
+    prov = sess.main_provider
+    w64 = w.astype(np.float64)
+    for slot, m in ((PRIMARY, 1), (VERIFY, 5), (DeviceGraphSlot.DRAFT, 32)):
+        binding = sess.io_binding()
+        with prov.stream:
+            x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
+        y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
+        for _ in range(3):
+            host = rng.standard_normal((1, m, k)).astype(dtype)
+            x.set(host, stream=prov.stream)
+            with prov.stream:
+                y.fill(np.nan)
+            sess.run_with_iobinding(binding, slot)
+            _check(prov.to_numpy(y), host.astype(np.float64) @ w64, dtype, k)
+        stats = sess.graph_stats(slot)
+        assert stats.captures == 1 and stats.replays >= 1, (slot, stats)
+        assert stats.fallbacks == 0, dict(stats.fallback_reasons)
+
+
 def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool):
     nb = -(-k // block)
     blob = block // 2
