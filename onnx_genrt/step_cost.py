@@ -57,15 +57,10 @@ def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> di
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .cli_args import POSITIVE_INT
-    from .generate_cli import add_provider_argument
+    from .step_profile import add_step_arguments
 
-    p.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
-    add_provider_argument(p)
+    add_step_arguments(p)
     p.add_argument("-k", type=POSITIVE_INT, default=4, help="drafts per verify step (default: 4)")
-    p.add_argument(
-        "--context", type=POSITIVE_INT, default=256, help="cached positions before each step"
-    )
-    p.add_argument("--steps", type=POSITIVE_INT, default=50, help="timed steps (default: 50)")
 
 
 def run(a: argparse.Namespace) -> int:

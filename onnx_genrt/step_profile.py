@@ -199,17 +199,25 @@ def report(result: dict[str, Any], top: int) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags the step timers share (``profile``, ``step-cost``): model, providers,
+    cached positions and timed steps."""
     from .cli_args import POSITIVE_INT
     from .generate_cli import add_provider_argument
 
     p.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
     add_provider_argument(p)
-    p.add_argument("--width", type=POSITIVE_INT, default=1, help="tokens per step (1 = decode)")
     p.add_argument(
-        "--context", type=POSITIVE_INT, default=256, help="cached positions before the step"
+        "--context", type=POSITIVE_INT, default=256, help="cached positions before each step"
     )
     p.add_argument("--steps", type=POSITIVE_INT, default=50, help="timed steps (default: 50)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli_args import POSITIVE_INT
+
+    add_step_arguments(p)
+    p.add_argument("--width", type=POSITIVE_INT, default=1, help="tokens per step (1 = decode)")
     p.add_argument("--top", type=POSITIVE_INT, default=12, help="slowest nodes listed")
     p.add_argument("--mtp", action="store_true", help="verify step + the MTP chain after it")
 
