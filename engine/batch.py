@@ -316,7 +316,8 @@ class SequencesGenerator:
     ``append_tokens`` takes the prompts once (one token list per sequence, lengths may
     differ); each ``generate_next_token`` adds a token to every sequence not done;
     ``get_next_tokens`` gives one token per sequence (the pad token for a sequence that was
-    done before the call); ``is_done`` is true when every sequence is. One thread at a time.
+    done before the call: genai_config's ``pad_token_id``, else the smallest end-of-sequence
+    id, else 0); ``is_done`` is true when every sequence is. One thread at a time.
     """
 
     def __init__(self, model: Model, params: GeneratorParams) -> None:
