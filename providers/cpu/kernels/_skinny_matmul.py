@@ -31,8 +31,10 @@ _FM = {"reassoc", "contract"}
 #: Rows of X up to which a prepacked weight runs the skinny kernel; more rows use BLAS.
 SKINNY_MAX_M = 16
 # Multiply-adds (M * N * K) below which a call stays on one thread: waking a second one
-# costs about as much as the work.
-PARALLEL_MIN_WORK = 1 << 18
+# (about 20 us with Numba's OpenMP layer) costs about as much as the work. 1 << 18 made the
+# embedded model's greedy decode at two threads 0.64x one thread; 1 << 20 1.12x
+# (docs/performance.md).
+PARALLEL_MIN_WORK = 1 << 20
 _NO_BIAS = np.zeros(0, _F32)
 
 
