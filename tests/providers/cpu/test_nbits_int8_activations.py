@@ -22,6 +22,8 @@ from onnx_genrt.providers.cpu.kernels import _int8_activations as q8
 from onnx_genrt.providers.cpu.kernels import contrib_quant
 from onnx_genrt.session import InferenceSession
 
+from ...ops.test_contrib import _pack
+
 ort = pytest.importorskip("onnxruntime")
 ort.set_default_logger_severity(3)
 
@@ -29,16 +31,6 @@ F32 = np.float32
 #: Our level-4 error against onnxruntime's level 4, as a fraction of onnxruntime's own
 #: level-4 minus level-1 difference on the same inputs.
 OF_INT8_EFFECT = 0.01
-
-
-def _pack(vals: np.ndarray, bits: int) -> np.ndarray:
-    """Integers < 2**bits -> uint8, packed low bits first along the last axis."""
-    per = 8 // bits
-    v = vals.astype(np.uint16).reshape(*vals.shape[:-1], -1, per)
-    out = np.zeros(v.shape[:-1], np.uint16)
-    for i in range(per):
-        out |= v[..., i] << (i * bits)
-    return out.astype(np.uint8)
 
 
 def _weights(

@@ -40,6 +40,27 @@ def _check(got, want, dtype, k):
     assert np.isfinite(got).all()
 
 
+def _replay_against_float64(cp, rng, sess, slot, m: int, w64: np.ndarray, dtype) -> None:
+    """Bind x [1, m, K] and y, run four times in ``slot`` (eager, capture, replays) with new
+    inputs each time against x @ w in float64; one capture, replays, no fallback."""
+    prov = sess.main_provider
+    k, n = w64.shape
+    binding = sess.io_binding()
+    with prov.stream:
+        x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
+    y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
+    for _ in range(4):
+        host = rng.standard_normal((1, m, k)).astype(dtype)
+        x.set(host, stream=prov.stream)
+        with prov.stream:
+            y.fill(np.nan)
+        sess.run_with_iobinding(binding, slot)
+        _check(prov.to_numpy(y), host.astype(np.float64) @ w64, dtype, k)
+    stats = sess.graph_stats(slot)
+    assert stats.captures == 1 and stats.replays >= 2, (slot, stats)
+    assert stats.fallbacks == 0, dict(stats.fallback_reasons)
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize(
     "k,n", [(64, 1), (896, 1152), (896, 896), (4864, 896), (896, 20000), (24, 7)]
@@ -52,25 +73,11 @@ def test_prepacked_matmul_graphs_and_eager(cp, rng, dtype, k, n):
 
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
     sess = InferenceSession(_matmul_model(w, dtype), providers=["cuda"])
-    prov = sess.main_provider
     packed = [a for a in sess.executor.constants.values() if isinstance(a, TransposedWeight)]
     assert len(packed) == (1 if (k * np.dtype(dtype).itemsize) % 16 == 0 else 0)
     w64 = w.astype(np.float64)
     for slot, m in ((PRIMARY, 1), (VERIFY, 5)):
-        binding = sess.io_binding()
-        with prov.stream:
-            x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
-        y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
-        for _ in range(4):
-            host = rng.standard_normal((1, m, k)).astype(dtype)
-            x.set(host, stream=prov.stream)
-            with prov.stream:
-                y.fill(np.nan)
-            sess.run_with_iobinding(binding, slot)
-            _check(prov.to_numpy(y), host.astype(np.float64) @ w64, dtype, k)
-        stats = sess.graph_stats(slot)
-        assert stats.captures == 1 and stats.replays >= 2, (slot, stats)
-        assert stats.fallbacks == 0, dict(stats.fallback_reasons)
+        _replay_against_float64(cp, rng, sess, slot, m, w64, dtype)
     host = rng.standard_normal((1, 40, k)).astype(dtype)
     (got,) = sess.run(["y"], {"x": host})
     _check(np.asarray(got), host.astype(np.float64) @ w64, dtype, k)
@@ -115,23 +122,9 @@ def test_tensor_core_rows_capture_and_replay(cp, rng, dtype):
     k, n = 896, 1152
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
     sess = InferenceSession(_matmul_model(w, dtype), providers=[("cuda", {"mma_min_rows": 3})])
-    prov = sess.main_provider
     w64 = w.astype(np.float64)
     for slot, m in ((PRIMARY, 1), (VERIFY, 5), (DeviceGraphSlot.DRAFT, 32)):
-        binding = sess.io_binding()
-        with prov.stream:
-            x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
-        y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
-        for _ in range(3):
-            host = rng.standard_normal((1, m, k)).astype(dtype)
-            x.set(host, stream=prov.stream)
-            with prov.stream:
-                y.fill(np.nan)
-            sess.run_with_iobinding(binding, slot)
-            _check(prov.to_numpy(y), host.astype(np.float64) @ w64, dtype, k)
-        stats = sess.graph_stats(slot)
-        assert stats.captures == 1 and stats.replays >= 1, (slot, stats)
-        assert stats.fallbacks == 0, dict(stats.fallback_reasons)
+        _replay_against_float64(cp, rng, sess, slot, m, w64, dtype)
 
 
 def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool):
