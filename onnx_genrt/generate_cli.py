@@ -103,7 +103,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--no-graphs", action="store_true", help="disable graph capture (for comparison)"
     )
     p.add_argument(
-        "--threads", type=POSITIVE_INT, default=None, help="CPU provider threads (default 1)"
+        "--threads",
+        type=POSITIVE_INT,
+        default=None,
+        help="CPU provider threads (default 1; more help only on otherwise idle cores: "
+        "a core busy with other work stalls every parallel kernel)",
     )
     p.add_argument(
         "--stats", action="store_true", help="print timings and graph statistics to stderr"
