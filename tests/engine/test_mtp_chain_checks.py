@@ -143,7 +143,7 @@ def test_draft_vocabularies_equal_a_float64_chain_over_their_columns(opset):
     output is declared with the vocabulary's width."""
     head = _head_with_matmul_logits(opset)
     ranked = np.array([9, 2, 11, 5, 0], np.int64)
-    for vocab, columns in ((7, np.arange(7)), (ranked, ranked)):
+    for vocab, columns in ((7, np.arange(7)), (1, np.arange(1)), (ranked, ranked)):
         cut = restrict_draft_vocab(head, vocab)
         (logits,) = [o for o in cut.graph.output if o.name == "logits"]
         dims = [d.dim_value for d in logits.type.tensor_type.shape.dim]
@@ -179,3 +179,32 @@ def test_bad_arguments_are_refused_by_name():
         after_verify(chain, 2, hidden_input="hidden")
     with pytest.raises(ModelLoadError, match="no inputs 'hidden_states' and 'ids'"):
         after_verify(chain, 2, ids_input="ids")
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_after_verify_declares_the_verify_step_inputs(k):
+    """The after-verify graph's inputs are declared as the verify step writes them: ids and
+    argmax [1, k+1] int64, hidden states [1, k+1, H] of the given type (H from the head's
+    hidden input, or a symbolic dimension when the head leaves it unnamed), count [1]."""
+    from onnx_genrt.engine.mtp_chain import DRAFT_COUNT, VERIFY_ARGMAX, VERIFY_HIDDEN, VERIFY_IDS
+
+    def declared(model: onnx.ModelProto) -> dict[str, tuple[int, list]]:
+        return {
+            i.name: (
+                i.type.tensor_type.elem_type,
+                [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim],
+            )
+            for i in model.graph.input
+        }
+
+    model = after_verify(unroll_mtp_head(_head(), k), k, verify_hidden_type=TensorProto.FLOAT16)
+    assert declared(model) == {
+        VERIFY_IDS: (TensorProto.INT64, [1, k + 1]),
+        VERIFY_ARGMAX: (TensorProto.INT64, [1, k + 1]),
+        VERIFY_HIDDEN: (TensorProto.FLOAT16, [1, k + 1, HIDDEN]),
+        DRAFT_COUNT: (TensorProto.INT64, [1]),
+    }
+    head = _head()
+    head.graph.input[0].type.tensor_type.shape.dim[-1].dim_param = "h"
+    model = after_verify(unroll_mtp_head(head, k), k)
+    assert declared(model)[VERIFY_HIDDEN] == (TensorProto.FLOAT, [1, k + 1, "hidden"])

@@ -1,0 +1,83 @@
+"""Proposers' defaults and refusals: prompt lookup against a brute-force n-gram search, the
+MTP proposer's errors for a missing hidden state and an impossible chain hook."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
+from onnx_genrt.engine.proposers import MTPProposer, PromptLookupProposer
+from onnx_genrt.session import InferenceSession
+
+
+def _lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Brute force: the longest suffix (max_ngram down to min_ngram) seen earlier; continue
+    its latest earlier occurrence by up to k tokens."""
+    last = len(tokens)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n > last - 1:
+            continue
+        suffix = tokens[last - n :]
+        for start in range(last - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+                break
+    return []
+
+
+def test_prompt_lookup_defaults_match_a_brute_force_search():
+    """The default proposer (3-grams down to 1-grams) drafts what the brute-force search
+    finds, on random texts over a small alphabet (where 4-, 3- and 2-gram matches differ)."""
+    rng = np.random.default_rng(0)
+    proposer = PromptLookupProposer()
+    differs = {2: 0, 4: 0}
+    for _ in range(300):
+        tokens = rng.integers(0, 3, int(rng.integers(2, 30))).tolist()
+        k = int(rng.integers(1, 6))
+        want = _lookup(tokens, k, 3, 1)
+        assert proposer.propose(tokens, None, k) == want
+        for other in differs:
+            differs[other] += _lookup(tokens, k, other, 1) != want
+    assert all(differs.values()), "the texts tell the default 3 from 2 and 4"
+
+
+def _tiny_head():
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["embed", "input_ids"], ["emb"]),
+            helper.make_node("Add", ["hidden_states", "emb"], ["mtp_hidden_states"]),
+            helper.make_node("MatMul", ["mtp_hidden_states", "lm_head"], ["logits"]),
+        ],
+        "tiny_mtp",
+        [
+            helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, 1, 4]),
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 1]),
+        ],
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, 6]),
+            helper.make_tensor_value_info("mtp_hidden_states", TensorProto.FLOAT, [1, 1, 4]),
+        ],
+        [
+            numpy_helper.from_array(rng.standard_normal((6, 4)).astype(np.float32), "embed"),
+            numpy_helper.from_array(rng.standard_normal((4, 6)).astype(np.float32), "lm_head"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_mtp_proposer_refuses_a_missing_hidden_state_and_a_device_fed_step_without_next():
+    proposer = MTPProposer(_tiny_head(), InferenceSession)
+    with pytest.raises(ModelLoadError, match="needs the target model's hidden states"):
+        proposer.propose([1, 2], None, 2)
+    with pytest.raises(InvalidInputError, match="fed on the device needs the chain's next"):
+        proposer.chain_hook(None, 2, None, None, next_inputs=False)
