@@ -113,6 +113,7 @@ def test_chain_equals_a_float64_chain(opset, k):
     before opset 18, as an input from 18) equal the chain computed in float64."""
     model = unroll_mtp_head(_head(opset), k)
     assert model.opset_import[0].version == opset
+    onnx.checker.check_model(model, full_check=True)  # declared shapes agree with inferred
     for seed in range(4):
         feeds = _feeds(seed)
         want_drafts, want_confs = _reference(k, feeds["hidden_states"], feeds["input_ids"][0, 0])

@@ -81,3 +81,30 @@ def test_mtp_proposer_refuses_a_missing_hidden_state_and_a_device_fed_step_witho
         proposer.propose([1, 2], None, 2)
     with pytest.raises(InvalidInputError, match="fed on the device needs the chain's next"):
         proposer.chain_hook(None, 2, None, None, next_inputs=False)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_model_drafts_its_greedy_tokens_up_to_its_cache_length_exactly(qwen2_dir, k):
+    """k drafts that end exactly at the draft runner's cache length are proposed, and they
+    are the draft model's own greedy continuation (a plain Generator); with one token more
+    in the text they would not fit: none then."""
+    from onnx_genrt.engine import DraftModelProposer, Generator, GeneratorParams, Model
+
+    draft = Model(qwen2_dir / "draft")
+    proposer = DraftModelProposer(draft, 8)
+    length = proposer.runner.max_length  # the pooled cache: at least 256 positions
+    prompt = np.random.default_rng(k).integers(0, 250, length - k).tolist()
+    params = GeneratorParams(draft)
+    params.set_search_options(max_length=length)
+    greedy = Generator(draft, params)
+    greedy.eos = set()
+    greedy.append_tokens(prompt)
+    while not greedy.is_done():
+        greedy.generate_next_token()
+    want = list(greedy.get_sequence())[len(prompt) :]
+    assert len(want) == k
+    try:
+        assert proposer.propose(prompt, None, k) == want
+        assert proposer.propose([*prompt, want[0]], None, k) == []
+    finally:
+        proposer.close()
