@@ -108,3 +108,50 @@ def test_draft_model_drafts_its_greedy_tokens_up_to_its_cache_length_exactly(qwe
         assert proposer.propose([*prompt, want[0]], None, k) == []
     finally:
         proposer.close()
+
+
+def test_draft_model_feeds_only_the_tokens_accepted_since_its_last_call(qwen2_dir):
+    """After a first proposal, the next call keeps the common prefix in the draft cache and
+    feeds only the new tokens; its drafts still equal a fresh proposer's."""
+    from onnx_genrt.engine import DraftModelProposer, Model
+
+    draft = Model(qwen2_dir / "draft")
+    prompt, k = [5, 17, 99, 3, 250, 7], 3
+    proposer = DraftModelProposer(draft, 64)
+    fed: list[list[int]] = []
+    forward = proposer.runner.forward
+
+    def recording(tokens, *args, **kwargs):
+        fed.append(list(tokens))
+        return forward(tokens, *args, **kwargs)
+
+    proposer.runner.forward = recording
+    try:
+        first = proposer.propose(prompt, None, k)
+        fed.clear()
+        text = [*prompt, first[0], 42]  # one draft accepted, then a correction
+        second = proposer.propose(text, None, k)
+    finally:
+        proposer.close()
+    assert fed[0] == [42]  # the accepted draft is in the cache already
+    fresh = DraftModelProposer(draft, 64)
+    try:
+        assert second == fresh.propose(text, None, k)
+    finally:
+        fresh.close()
+
+
+def test_a_host_fed_chain_hook_needs_its_start(qwen2_dir):
+    from onnx_genrt.engine import Model
+    from onnx_genrt.session import load_model
+
+    model = Model(qwen2_dir)
+    head = load_model(qwen2_dir / "mtp" / "model.onnx")
+    proposer = MTPProposer(head, model.session_from_proto)
+    owner = proposer  # any object the pool can hold weakly
+    runner = model.acquire_runner(owner, 64)
+    try:
+        with pytest.raises(InvalidInputError, match="host-fed verify step needs its start"):
+            proposer.chain_hook(runner, 2, 1, None, next_inputs=False)
+    finally:
+        model.release_runner(owner)
