@@ -209,3 +209,39 @@ def test_after_verify_declares_the_verify_step_inputs(k):
     head.graph.input[0].type.tensor_type.shape.dim[-1].dim_param = "h"
     model = after_verify(unroll_mtp_head(head, k), k)
     assert declared(model)[VERIFY_HIDDEN] == (TensorProto.FLOAT, [1, k + 1, "hidden"])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["body", "fused"])
+def test_next_inputs_graph_declares_the_shapes_it_produces(fused):
+    """Every input and output ``after_verify`` + ``with_next_inputs`` declare has the shape
+    and type the arrays fed to and produced by a run have (fused kernels and their
+    standard-op bodies)."""
+    from onnx_genrt.engine.mtp_chain import (
+        DRAFT_COUNT,
+        VERIFY_ARGMAX,
+        VERIFY_HIDDEN,
+        VERIFY_IDS,
+        VERIFY_START,
+        with_next_inputs,
+    )
+    from tests.models import standard_ops_cpu
+
+    k, length = 3, 20
+    model = with_next_inputs(after_verify(unroll_mtp_head(_head(), k), k), k, 0.2, length, True)
+    rng = np.random.default_rng(0)
+    feeds = {
+        VERIFY_IDS: rng.integers(0, VOCAB, (1, k + 1)),
+        VERIFY_ARGMAX: rng.integers(0, VOCAB, (1, k + 1)),
+        VERIFY_HIDDEN: rng.standard_normal((1, k + 1, HIDDEN)).astype(np.float32),
+        DRAFT_COUNT: np.array([2], np.int64),
+        VERIFY_START: np.array([5], np.int64),
+    }
+    session = InferenceSession(model, ["cpu" if fused else standard_ops_cpu()])
+    names = [o.name for o in model.graph.output]
+    produced = dict(zip(names, session.run(names, feeds), strict=True))
+    arrays = {**feeds, **produced}
+    for value in [*model.graph.input, *model.graph.output]:
+        tensor = value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        dims = tuple(d.dim_value for d in tensor.shape.dim)
+        assert (arrays[value.name].dtype, arrays[value.name].shape) == (dtype, dims), value.name
