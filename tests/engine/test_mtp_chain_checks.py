@@ -211,8 +211,9 @@ def test_after_verify_declares_the_verify_step_inputs(k):
     assert declared(model)[VERIFY_HIDDEN] == (TensorProto.FLOAT, [1, k + 1, "hidden"])
 
 
+@pytest.mark.parametrize("positions, length", [(True, 20), (False, None)])
 @pytest.mark.parametrize("fused", [False, True], ids=["body", "fused"])
-def test_next_inputs_graph_declares_the_shapes_it_produces(fused):
+def test_next_inputs_graph_declares_the_shapes_it_produces(fused, positions, length):
     """Every input and output ``after_verify`` + ``with_next_inputs`` declare has the shape
     and type the arrays fed to and produced by a run have (fused kernels and their
     standard-op bodies)."""
@@ -226,8 +227,9 @@ def test_next_inputs_graph_declares_the_shapes_it_produces(fused):
     )
     from tests.models import standard_ops_cpu
 
-    k, length = 3, 20
-    model = with_next_inputs(after_verify(unroll_mtp_head(_head(), k), k), k, 0.2, length, True)
+    k = 3
+    chain = after_verify(unroll_mtp_head(_head(), k), k)
+    model = with_next_inputs(chain, k, 0.2, length, positions)
     rng = np.random.default_rng(0)
     feeds = {
         VERIFY_IDS: rng.integers(0, VOCAB, (1, k + 1)),

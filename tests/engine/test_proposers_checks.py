@@ -128,17 +128,38 @@ def test_draft_model_feeds_only_the_tokens_accepted_since_its_last_call(qwen2_di
     proposer.runner.forward = recording
     try:
         first = proposer.propose(prompt, None, k)
+        assert len(fed) == 1 + (k - 1)  # the prompt, then one step per further draft
         fed.clear()
         text = [*prompt, first[0], 42]  # one draft accepted, then a correction
         second = proposer.propose(text, None, k)
+        assert fed[0] == [42]  # the accepted draft is in the cache already
+        again = proposer.propose(text, None, k)  # the same text: its drafts are in the cache
     finally:
         proposer.close()
-    assert fed[0] == [42]  # the accepted draft is in the cache already
-    fresh = DraftModelProposer(draft, 64)
-    try:
-        assert second == fresh.propose(text, None, k)
-    finally:
-        fresh.close()
+    for got in (second, again):
+        fresh = DraftModelProposer(draft, 64)
+        try:
+            assert got == fresh.propose(text, None, k)
+        finally:
+            fresh.close()
+
+
+def test_mtp_confident_keeps_drafts_up_to_the_first_below_min_confidence():
+    """Drafts at exactly ``min_confidence`` are kept (as MTPNextInputs counts them,
+    confidence >= min_confidence); the first below it ends the list."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        threshold = float(np.float32(rng.uniform(0.2, 0.8)))
+        confs = rng.choice([threshold, threshold / 2, min(1.0, threshold * 1.2)], 4)
+        confs = confs.astype(np.float32)
+        drafts = rng.integers(0, 100, 4)
+        proposer = MTPProposer(_tiny_head(), InferenceSession, min_confidence=threshold)
+        want = []
+        for token, p in zip(drafts.tolist(), confs.tolist(), strict=True):
+            if not p >= threshold:
+                break
+            want.append(token)
+        assert proposer.confident(drafts, confs) == want
 
 
 def test_a_host_fed_chain_hook_needs_its_start(qwen2_dir):
