@@ -134,6 +134,9 @@ def test_draft_model_feeds_only_the_tokens_accepted_since_its_last_call(qwen2_di
         second = proposer.propose(text, None, k)
         assert fed[0] == [42]  # the accepted draft is in the cache already
         again = proposer.propose(text, None, k)  # the same text: its drafts are in the cache
+        once = proposer.propose([*text, 7], None, 1)
+        fed.clear()
+        assert proposer.propose([*text, 7], None, 1) == once and fed == []  # logits kept
     finally:
         proposer.close()
     for got in (second, again):
