@@ -179,3 +179,23 @@ def test_a_host_fed_chain_hook_needs_its_start(qwen2_dir):
             proposer.chain_hook(runner, 2, 1, None, next_inputs=False)
     finally:
         model.release_runner(owner)
+
+
+def test_mtp_proposer_drafts_from_the_pending_token_as_a_float64_chain():
+    """``propose`` feeds the head the hidden row and the pending (last) token; its drafts
+    equal the head's chain computed in float64."""
+    import onnx.numpy_helper as nh
+
+    head = _tiny_head()
+    w = {i.name: nh.to_array(i).astype(np.float64) for i in head.graph.initializer}
+    proposer = MTPProposer(head, InferenceSession)
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        hidden = rng.standard_normal((1, 1, 4)).astype(np.float32)
+        tokens = rng.integers(0, 6, 3).tolist()
+        h, token, want = hidden.reshape(-1).astype(np.float64), tokens[-1], []
+        for _step in range(3):
+            h = h + w["embed"][token]
+            token = int(np.argmax(h @ w["lm_head"]))
+            want.append(token)
+        assert proposer.propose(tokens, hidden, 3) == want
