@@ -245,12 +245,16 @@ def _int4_parallel(x, tiles, scales, zeros, block, parts, out):
             _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out)
 
 
+def tile_parts(m: int, k: int, w: Int4Tiles) -> int:
+    """Threads an (M, K) @ tiles call splits its tiles over: 1 below PARALLEL_MIN_WORK."""
+    if m * w.n * k < PARALLEL_MIN_WORK:
+        return 1
+    return min(w.tiles.shape[0], numba.get_num_threads())
+
+
 def int4_matmul(x: np.ndarray, w: Int4Tiles, out: np.ndarray) -> np.ndarray:
     """``out`` (M, N) float32 = ``x`` (M, K) float32 @ dequant(W)^T, on Numba's threads."""
-    m, k = x.shape
-    parts = min(w.tiles.shape[0], numba.get_num_threads())
-    if m * w.n * k < PARALLEL_MIN_WORK:
-        parts = 1
+    parts = tile_parts(*x.shape, w)
     if parts == 1:
         _int4_serial(x, w.tiles, w.scales, w.zeros, w.block, out)
     else:

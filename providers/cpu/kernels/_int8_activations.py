@@ -24,7 +24,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._int4_matmul import PARALLEL_MIN_WORK, Int4Tiles
+from ._int4_matmul import Int4Tiles, tile_parts
 
 _F32 = np.float32
 _I8 = np.int8
@@ -189,10 +189,7 @@ def int4_int8_matmul(x: np.ndarray, w: Int4Tiles, out: np.ndarray) -> np.ndarray
     per block (accuracy_level 4), on Numba's threads. ``w`` has ``ROWS`` rows per tile."""
     if w.tiles.shape[2] != ROWS:
         raise ValueError(f"int8-activation tiles need {ROWS} rows, got {w.tiles.shape[2]}")
-    m, k = x.shape
-    parts = min(w.tiles.shape[0], numba.get_num_threads())
-    if m * w.n * k < PARALLEL_MIN_WORK:
-        parts = 1
+    parts = tile_parts(*x.shape, w)
     if parts == 1:
         _q8_serial(x, w.block, w.tiles, w.scales, w.zeros, out)
     else:
