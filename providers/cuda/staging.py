@@ -69,10 +69,9 @@ class StagingRing:
         """Bytes of pinned memory held (0 before the first transfer)."""
         return 0 if self._ring is None else int(self._ring.size)
 
-    def _view(self, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        """The next free bytes of the ring as an array; waits for the stream and starts
+    def _reserve(self, need: int) -> int:
+        """The offset of ``need`` free bytes of the ring; waits for the stream and starts
         over when they do not fit (growing the ring when one transfer needs more)."""
-        need = aligned_size(nbytes)
         if self._ring is None or self._used + need > self._ring.size:
             self.stream.synchronize()  # every queued copy from the ring is done
             self.restart()
@@ -83,7 +82,15 @@ class StagingRing:
                 self._ring = np.frombuffer(self._memory, np.uint8, size)
         start = self._used
         self._used += need
+        return start
+
+    def _slice(self, start: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]):
+        assert self._ring is not None
         return self._ring[start : start + nbytes].view(dtype).reshape(shape)
+
+    def _view(self, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The next free bytes of the ring as an array (see ``_reserve``)."""
+        return self._slice(self._reserve(aligned_size(nbytes)), nbytes, dtype, shape)
 
     def restart(self) -> None:
         """After a full stream sync: pending reads keep copies, and the ring starts over."""
@@ -127,12 +134,16 @@ class StagingRing:
         total = sum(aligned_size(int(a.nbytes)) for a in srcs)
         if total > STAGING_MAX or any(not a.flags.c_contiguous for a in srcs):
             return None
+        # One reservation for them all: a ring that started over between two of them
+        # would hand later arrays the bytes of earlier ones, still waiting to be read.
+        at = self._reserve(total) if total else 0
         views: list[np.ndarray] = []
         for a in arrays:
             if not isinstance(a, cupy.ndarray):
                 views.append(np.array(a, copy=True))
                 continue
-            view = self._view(int(a.nbytes), a.dtype, tuple(a.shape))
+            view = self._slice(at, int(a.nbytes), a.dtype, tuple(a.shape))
+            at += aligned_size(int(a.nbytes))
             if a.nbytes:
                 cupy.cuda.runtime.memcpyAsync(
                     view.ctypes.data, a.data.ptr, int(a.nbytes), MEMCPY_DEVICE_TO_HOST,
