@@ -233,16 +233,31 @@ class BatchGenerator:
         for i, row in live.items():
             tokens[i] = row.tokens[-1]
             lengths[i] = len(row.tokens) - 1
-        need_logits = any(not plain_greedy(r.search) or r.search.min_length for r in live.values())
+        # Greedy rows take the device argmax; one whose argmax is end of sequence before its
+        # min_length reads its own logits row after the step (``_row_logits``).
+        need_logits = any(not plain_greedy(r.search) for r in live.values())
         with self.model.session.exclusive():
             argmax, logits = self._step_pieces(tokens, lengths, need_logits)
-        new = {}
-        for i, row in live.items():
-            token = self._pick(row, int(argmax[i]), lambda i=i, lg=logits: lg[i])
-            row.tokens.append(token)
-            row.new = [token]
-            new[i] = [token]
+            new = {}
+            for i, row in live.items():
+                token = self._pick(
+                    row,
+                    int(argmax[i]),
+                    lambda i=i, lg=logits: lg[i] if lg is not None else self._row_logits(size, i),
+                )
+                row.tokens.append(token)
+                row.new = [token]
+                new[i] = [token]
         return new
+
+    def _row_logits(self, size: int, index: int) -> np.ndarray:
+        """Row ``index``'s logits [vocab] from the last step of ``size`` rows (read now)."""
+        most = self.max_graph_rows
+        if size <= most:
+            return self.runner.row_logits(size, index)
+        start = index - index % most
+        piece = self.runner if start == 0 else self._piece(start, min(size, start + most) - start)
+        return piece.row_logits(min(size, start + most) - start, index - start)
 
     def _step_pieces(
         self, tokens: np.ndarray, lengths: np.ndarray, need_logits: bool
