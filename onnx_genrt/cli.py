@@ -78,10 +78,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if not args.dispatch:
-        from onnx_genrt.measure import llm_bench
+        from onnx_genrt import llm_bench
 
         return llm_bench.run_bench(args)
-    from onnx_genrt.measure import dispatch_bench
+    from onnx_genrt import dispatch_bench
 
     results = []
     for providers in args.provider:
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="decode speed side by side with onnxruntime-genai and an onnxruntime loop (--dispatch: per-node cost)",
     )
-    from onnx_genrt.measure import llm_bench
+    from onnx_genrt import llm_bench
 
     llm_bench.add_arguments(p)
     p.set_defaults(func=_cmd_bench)
@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_cli.add_parser(sub)
     serve_cli.add_parser(sub)
 
-    from onnx_genrt.measure import step_cost, step_profile
+    from onnx_genrt import step_cost, step_profile
 
     step_profile.add_parser(sub)
     step_cost.add_parser(sub)

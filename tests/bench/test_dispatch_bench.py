@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
-from onnx_genrt.measure.dispatch_bench import bound_session, elementwise_chain
+from onnx_genrt.dispatch_bench import bound_session, elementwise_chain
 
 from ..models import chain_reference
 

@@ -979,7 +979,7 @@ def test_session_large_m_falls_back_to_eager_with_reason(cp, rng):
 
 def test_eager_vs_replay_host_time_per_step(cp, rng):
     """Prints host time per bound step, eager against replay (no timing asserts)."""
-    from onnx_genrt.measure import dispatch_bench
+    from onnx_genrt import dispatch_bench
     from onnx_genrt.session import InferenceSession
 
     hidden, vocab = 896, 1000

@@ -19,7 +19,7 @@ import numpy as np
 
 from onnx_genrt.core.errors import InvalidInputError
 
-from ..cli_args import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, positive_int_list, provider_list
+from .cli_args import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, positive_int_list, provider_list
 
 
 @dataclass

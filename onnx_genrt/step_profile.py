@@ -1,6 +1,6 @@
 """Where one decode step's time goes: the whole step, the graph replay alone, and each op.
 
-    python -m onnx_genrt.measure.step_profile --model DIR --provider cuda [--width 1] [--top 12]
+    python -m onnx_genrt.step_profile --model DIR --provider cuda [--width 1] [--top 12]
 
 - ``step``: a graphed step as generation runs it (write ids and mask, replay, read back the
   token ids and the non-finite probe);
@@ -202,8 +202,8 @@ def report(result: dict[str, Any], top: int) -> str:
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
     """The flags the step timers share (``profile``, ``step-cost``): model, providers,
     cached positions and timed steps."""
-    from ..cli_args import POSITIVE_INT
-    from ..generate_cli import add_provider_argument
+    from .cli_args import POSITIVE_INT
+    from .generate_cli import add_provider_argument
 
     p.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
     add_provider_argument(p)
@@ -214,7 +214,7 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli_args import POSITIVE_INT
+    from .cli_args import POSITIVE_INT
 
     add_step_arguments(p)
     p.add_argument("--width", type=POSITIVE_INT, default=1, help="tokens per step (1 = decode)")
@@ -250,9 +250,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m onnx_genrt.measure.step_profile", description=DESCRIPTION
-    )
+    p = argparse.ArgumentParser(prog="python -m onnx_genrt.step_profile", description=DESCRIPTION)
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -56,7 +56,7 @@ def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> di
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli_args import POSITIVE_INT
+    from .cli_args import POSITIVE_INT
     from .step_profile import add_step_arguments
 
     add_step_arguments(p)
@@ -92,7 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m onnx_genrt.measure.step_cost", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m onnx_genrt.step_cost", description=__doc__)
     add_arguments(p)
     return run(p.parse_args(argv))
 
