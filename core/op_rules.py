@@ -80,6 +80,35 @@ def matmul_nbits_unsupported(node: NodeInfo, _types: object = ()) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class NBitsDims:
+    """A MatMulNBits node's sizes: Y[..., n] = A[..., k] @ dequant(B[n, k / block, ...])^T."""
+
+    k: int
+    n: int
+    bits: int
+    block: int
+
+
+def matmul_nbits_dims(node: NodeInfo, a_columns: int, has_g_idx: bool) -> NBitsDims:
+    """The sizes of a MatMulNBits node about to run on A with ``a_columns`` columns.
+
+    Raises NotImplementedError for what :func:`matmul_nbits_unsupported` refuses (or a
+    ``g_idx`` input given at run time) and ValueError when A does not have K columns."""
+    reason = matmul_nbits_unsupported(node)
+    if reason or has_g_idx:
+        raise NotImplementedError(f"{node.describe()}: {reason or 'g_idx'}")
+    dims = NBitsDims(
+        int(node.attr("K")),
+        int(node.attr("N")),
+        int(node.attr("bits", 4)),
+        int(node.attr("block_size")),
+    )
+    if a_columns != dims.k:
+        raise ValueError(f"{node.describe()}: A has {a_columns} columns, K is {dims.k}")
+    return dims
+
+
 def matmul_nbits_int8_activations(node: NodeInfo, zero_points_dtype: np.dtype | None) -> bool:
     """Whether a MatMulNBits node computes with A quantized to int8 per block, as
     onnxruntime's CPU provider does: ``accuracy_level`` 4 with packed uint8 zero points or

@@ -26,7 +26,12 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import NBITS, check_index_range, matmul_nbits_unsupported
+from onnx_genrt.core.op_rules import (
+    NBITS,
+    check_index_range,
+    matmul_nbits_dims,
+    matmul_nbits_unsupported,
+)
 
 from ..gemv_split import nbits4_small_k_split, small_k_blocks
 from ._common import (
@@ -688,13 +693,8 @@ def matmul_nbits(
     ``norm`` (a ``genrt.FusedNorm``): A is normalized first, inside the 16-byte-chunk
     GEMVs when they apply, else by the norm kernel before any other path."""
     desc = ctx.node.describe()
-    reason = _nbits_check(ctx.node, ())
-    if reason or g_idx is not None:
-        raise NotImplementedError(f"{desc}: {reason or 'g_idx'}")
-    k, n = int(ctx.attr("K")), int(ctx.attr("N"))
-    bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size"))
-    if a.shape[-1] != k:
-        raise ValueError(f"{desc}: A has {a.shape[-1]} columns, K is {k}")
+    dims = matmul_nbits_dims(ctx.node, a.shape[-1], g_idx is not None)
+    k, n, bits, block = dims.k, dims.n, dims.bits, dims.block
     s_type, w_type = storage(ctx, a.dtype), storage(ctx, scales.dtype)
     y = out(ctx, 0, (*a.shape[:-1], n), a.dtype)
     m = int(y.size // n) if n else 0

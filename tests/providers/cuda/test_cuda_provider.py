@@ -979,8 +979,8 @@ def test_session_large_m_falls_back_to_eager_with_reason(cp, rng):
 
 def test_eager_vs_replay_host_time_per_step(cp, rng):
     """Prints host time per bound step, eager against replay (no timing asserts)."""
-    from onnx_genrt import dispatch_bench
     from onnx_genrt.session import InferenceSession
+    from onnx_genrt.tools import dispatch_bench
 
     hidden, vocab = 896, 1000
     model = mlp_model(hidden=hidden, inter=4864, vocab=vocab, dtype=np.float16)
