@@ -26,10 +26,11 @@ from .decoder import DecoderRunner
 from .model import GeneratorParams, Model
 from .sampling import choose, plain_greedy
 
-#: The most rows one captured step holds by default. The CUDA provider's capturable
-#: matmuls (skinny GEMV kernels) cover up to 16 rows; a larger step would need cuBLAS,
-#: which CuPy refuses inside a stream capture, so it runs as pieces of 16 rows.
-MAX_GRAPH_ROWS = 16
+#: The most rows one captured step holds by default; a larger step runs as pieces of this
+#: many rows. The CUDA provider's matmuls capture up to 64 rows (tensor cores, or GEMV
+#: kernels in pieces of 16 rows); more would need cuBLAS, which CuPy refuses inside a
+#: stream capture.
+MAX_GRAPH_ROWS = 64
 
 
 def buckets(max_batch: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> tuple[int, ...]:

@@ -22,6 +22,9 @@ with cuBLAS, which CuPy refuses inside a stream capture, so that case raises whi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import cupy
 import numpy as np
 
@@ -50,6 +53,8 @@ from .matmul import gemv_layout
 
 #: Largest M that runs on the GEMV kernel.
 GEMV_MAX_M = 16
+#: Rows up to which MatMulNBits runs the GEMV in pieces of GEMV_MAX_M rows (capturable).
+CHUNKED_GEMV_MAX_M = 64
 # Kernel variants, each a CUDA provider option (``CUDAProvider.OPTIONS``; the environment
 # variable in brackets is its default):
 # - packed rows of at most STREAM_MAX_WORDS 32-bit words (K <= 1024 at 4 bits) run on the
@@ -684,6 +689,112 @@ def _chunk16_fits(ctx: KernelContext, bits: int, block: int, k: int, row_bytes: 
     )
 
 
+@dataclass
+class _NbitsCall:
+    """One MatMulNBits call, checked, for the GEMV paths (M <= GEMV_MAX_M rows a launch)."""
+
+    b: Any
+    scales: Any
+    zp_u8: Any
+    zp_f: Any
+    bias_arg: Any
+    has_bias: bool
+    k: int
+    n: int
+    nb: int
+    blob: int
+    block: int
+    bits: int
+    zrow: int
+    zp_mode: int
+    norm: Any
+    s_type: str
+    w_type: str
+
+
+def _nbits_gemv(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) -> None:
+    """``m`` <= GEMV_MAX_M rows of ``a`` into ``y`` on the GEMV kernels."""
+    if _chunk16_fits(ctx, call.bits, call.block, call.k, call.nb * call.blob, call.b, a):
+        args = (
+            a,
+            call.b,
+            call.scales,
+            call.zp_u8,
+            call.zp_f,
+            call.bias_arg,
+            y,
+            np.int32(m),
+            np.int32(call.k),
+            np.int32(call.n),
+        )
+        args += (
+            np.int32(call.nb),
+            np.int32(call.block),
+            np.int32(call.nb * call.blob // 16),
+            np.int32(call.zrow),
+        )
+        args += (np.int32(call.zp_mode), np.int32(call.has_bias))
+        fused = call.norm.ON_THE_FLY if call.norm is not None else 0
+        if call.norm is not None:
+            norm_args, shared = call.norm.kernel_args(a), call.norm.stage_bytes(a)
+        else:
+            norm_args, shared = (a, a, y, np.float32(0.0), np.int32(0)), 0
+        split = None
+        if ctx.option("nbits_small_k", True) and m <= SMALL_K_MAX_M:
+            split = nbits4_small_k_split(call.k // 32, call.n, sm_count())
+        if split is not None:
+            lpc, cpl = split
+            mt = next(t for t in (1, 2, 4, 8) if t >= m)
+            name = (
+                f"nbits4_gemv16_small_k<{call.s_type}, {call.w_type}, {mt}, {lpc}, {cpl}, {fused}>"
+            )
+            grid = (small_k_blocks(call.n, lpc),)
+            function(_source(ctx), name)(grid, (32, 8), (*args, *norm_args), shared_mem=shared)
+            return
+        mt, nr, wpc = gemv_layout(m, call.k // 32, call.n, sm_count())
+        fn = function(
+            _source(ctx), f"nbits4_gemv16<{call.s_type}, {call.w_type}, {mt}, {nr}, {fused}>"
+        )
+        groups = -(-call.n // nr)
+        grid = (-(-groups * wpc // 8),)
+        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=shared)
+        return
+    if call.b.data.ptr % 4:
+        refuse_in_capture(ctx, "copying a misaligned packed weight")
+        call.b = call.b.copy()
+    words = call.nb * call.blob // 4
+    mt = next(t for t in (1, 2, 4, 8, 16) if t >= m)
+    sms = sm_count()
+    nr = 2 if call.n >= 16 * 8 * sms else 1  # columns per warp: more bytes in flight
+    groups = -(-call.n // nr)
+    wpr = gemv_wpr(groups, words, sms)
+    vec_elems = 16 // a.dtype.itemsize
+    a_vec = int(a.data.ptr % 16 == 0 and call.k % vec_elems == 0)
+    args = (
+        a,
+        call.b,
+        call.scales,
+        call.zp_u8,
+        call.zp_f,
+        call.bias_arg,
+        y,
+        np.int32(m),
+        np.int32(call.k),
+        np.int32(call.n),
+    )
+    args += (np.int32(call.nb), np.int32(call.block), np.int32(words), np.int32(call.zrow))
+    args += (np.int32(call.zp_mode), np.int32(call.has_bias))
+    if ctx.option("nbits_stream", True) and words <= STREAM_MAX_WORDS:
+        name = f"nbits_gemv_stream<{call.s_type}, {call.w_type}, {mt}, {call.bits}, {nr}>"
+        fn = function(_source(ctx), name)
+        fn((stream_blocks(fn, groups, sms),), (32, 8), (*args, np.int32(a_vec)))
+        return
+    fn = function(
+        _source(ctx), f"nbits_gemv<{call.s_type}, {call.w_type}, {mt}, {call.bits}, {nr}>"
+    )
+    fn((-(-groups * wpr // 8),), (32, 8), (*args, np.int32(wpr), np.int32(a_vec)))
+
+
 @REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
 def matmul_nbits(
     ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None, bias=None, norm=None
@@ -724,53 +835,21 @@ def matmul_nbits(
     bias_arg = contiguous(ctx, bias) if bias is not None else y
     if norm is None:  # the prologue reads the fused inputs itself
         a = contiguous(ctx, a)
-    if m <= GEMV_MAX_M and _chunk16_fits(ctx, bits, block, k, nb * blob, b, a):
-        args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
-        args += (np.int32(nb), np.int32(block), np.int32(nb * blob // 16), np.int32(zrow))
-        args += (np.int32(zp_mode), np.int32(bias is not None))
-        fused = norm.ON_THE_FLY if norm is not None else 0
-        if norm is not None:
-            norm_args, shared = norm.kernel_args(a), norm.stage_bytes(a)
-        else:
-            norm_args, shared = (a, a, y, np.float32(0.0), np.int32(0)), 0
-        split = None
-        if ctx.option("nbits_small_k", True) and m <= SMALL_K_MAX_M:
-            split = nbits4_small_k_split(k // 32, n, sm_count())
-        if split is not None:
-            lpc, cpl = split
-            mt = next(t for t in (1, 2, 4, 8) if t >= m)
-            name = f"nbits4_gemv16_small_k<{s_type}, {w_type}, {mt}, {lpc}, {cpl}, {fused}>"
-            grid = (small_k_blocks(n, lpc),)
-            function(_source(ctx), name)(grid, (32, 8), (*args, *norm_args), shared_mem=shared)
-            return y
-        mt, nr, wpc = gemv_layout(m, k // 32, n, sm_count())
-        fn = function(_source(ctx), f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}, {fused}>")
-        groups = -(-n // nr)
-        grid = (-(-groups * wpc // 8),)
-        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=shared)
-        return y
+    call = _NbitsCall(
+        b, scales, zp_u8, zp_f, bias_arg, bias is not None, k, n, nb, blob, block, bits,
+        zrow, zp_mode, norm, s_type, w_type,
+    )  # fmt: skip
     if m <= GEMV_MAX_M:
-        if b.data.ptr % 4:
-            refuse_in_capture(ctx, "copying a misaligned packed weight")
-            b = b.copy()
-        words = nb * blob // 4
-        mt = next(t for t in (1, 2, 4, 8, 16) if t >= m)
-        sms = sm_count()
-        nr = 2 if n >= 16 * 8 * sms else 1  # columns per warp: more bytes in flight
-        groups = -(-n // nr)
-        wpr = gemv_wpr(groups, words, sms)
-        vec_elems = 16 // a.dtype.itemsize
-        a_vec = int(a.data.ptr % 16 == 0 and k % vec_elems == 0)
-        args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
-        args += (np.int32(nb), np.int32(block), np.int32(words), np.int32(zrow))
-        args += (np.int32(zp_mode), np.int32(bias is not None))
-        if ctx.option("nbits_stream", True) and words <= STREAM_MAX_WORDS:
-            name = f"nbits_gemv_stream<{s_type}, {w_type}, {mt}, {bits}, {nr}>"
-            fn = function(_source(ctx), name)
-            fn((stream_blocks(fn, groups, sms),), (32, 8), (*args, np.int32(a_vec)))
-            return y
-        fn = function(_source(ctx), f"nbits_gemv<{s_type}, {w_type}, {mt}, {bits}, {nr}>")
-        fn((-(-groups * wpr // 8),), (32, 8), (*args, np.int32(wpr), np.int32(a_vec)))
+        _nbits_gemv(ctx, call, a, y, m)
+        return y
+    if m <= CHUNKED_GEMV_MAX_M:
+        # Pieces of GEMV_MAX_M rows through the GEMV: capturable, so a batched decode
+        # step of up to CHUNKED_GEMV_MAX_M rows replays one graph (and runs the kernels of
+        # steps of at most GEMV_MAX_M rows); the weight is read once per piece.
+        a2, y2 = a.reshape(m, k), y.reshape(m, n)
+        for r0 in range(0, m, GEMV_MAX_M):
+            r1 = min(m, r0 + GEMV_MAX_M)
+            _nbits_gemv(ctx, call, a2[r0:r1], y2[r0:r1], r1 - r0)
         return y
     if capturing(ctx):
         raise CaptureUnsupported(

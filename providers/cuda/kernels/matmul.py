@@ -257,6 +257,8 @@ __global__ void splitk_sum(const float* __restrict__ P, S* __restrict__ C, long 
 
 #: Rows (M) up to which ``gemm_mma`` runs a transposed fp16/bf16 weight (4 tiles of 16).
 MMA_MAX_M = 64
+#: Rows up to which a prepacked MatMul runs ``gemv_nk`` in pieces of SKINNY_MAX_M rows.
+PIECES_MAX_M = 64
 #: Default of the CUDA provider's ``mma_min_rows``: rows from which a transposed fp16/bf16
 #: weight runs on the tensor cores (``gemm_mma``) rather than ``gemv_nk``.
 MMA_MIN_ROWS = 3
@@ -550,7 +552,8 @@ def _gemv_transposed(
             return c
     if norm is None:  # the prologue reads the fused inputs itself
         a = contiguous(ctx, a)
-    if m <= SKINNY_MAX_M and a.data.ptr % 16 == 0:
+
+    def gemv(a: cupy.ndarray, c: cupy.ndarray, m: int) -> None:
         v = 16 // a.dtype.itemsize
         mt, nr, wpc = gemv_layout(m, k // v, n, sm_count())
         fused = norm.ON_THE_FLY if norm is not None else 0
@@ -563,6 +566,18 @@ def _gemv_transposed(
             args += (a, a, c, np.float32(0.0), np.int32(0))
         shared = norm.stage_bytes(a) if norm is not None else 0
         fn((-(-groups * wpc // 8),), (32, 8), args, shared_mem=shared)
+
+    aligned = a.data.ptr % 16 == 0
+    if m <= SKINNY_MAX_M and aligned:
+        gemv(a, c, m)
+        return c
+    if m <= PIECES_MAX_M and aligned and (k * a.dtype.itemsize) % 16 == 0:
+        # Pieces of SKINNY_MAX_M rows through the GEMV: capturable, so a batched decode
+        # step of up to PIECES_MAX_M rows replays one graph; the weight is read per piece.
+        a2, c2 = a.reshape(m, k), c.reshape(m, n)
+        for r0 in range(0, m, SKINNY_MAX_M):
+            r1 = min(m, r0 + SKINNY_MAX_M)
+            gemv(a2[r0:r1], c2[r0:r1], r1 - r0)
         return c
     if capturing(ctx):
         raise CaptureUnsupported(

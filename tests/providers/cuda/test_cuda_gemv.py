@@ -66,8 +66,9 @@ def _replay_against_float64(cp, rng, sess, slot, m: int, w64: np.ndarray, dtype)
     "k,n", [(64, 1), (896, 1152), (896, 896), (4864, 896), (896, 20000), (24, 7)]
 )
 def test_prepacked_matmul_graphs_and_eager(cp, rng, dtype, k, n):
-    """Weights as initializers are prepacked; M=1 (PRIMARY) and M=5 (VERIFY) capture and
-    replay, M=40 runs cuBLAS on the transposed view eagerly; all against float64."""
+    """Weights as initializers are prepacked; M=1 (PRIMARY), M=5 (VERIFY) and, prepacked,
+    M=40 (a batched step: GEMV pieces of 16 rows, or the tensor cores) capture and replay;
+    M=80 runs cuBLAS on the transposed view eagerly; all against float64."""
     from onnx_genrt.providers.cuda.kernels.matmul import TransposedWeight
     from onnx_genrt.session import InferenceSession
 
@@ -76,9 +77,10 @@ def test_prepacked_matmul_graphs_and_eager(cp, rng, dtype, k, n):
     packed = [a for a in sess.executor.constants.values() if isinstance(a, TransposedWeight)]
     assert len(packed) == (1 if (k * np.dtype(dtype).itemsize) % 16 == 0 else 0)
     w64 = w.astype(np.float64)
-    for slot, m in ((PRIMARY, 1), (VERIFY, 5)):
+    steps = [(PRIMARY, 1), (VERIFY, 5)] + ([(DeviceGraphSlot.DRAFT, 40)] if packed else [])
+    for slot, m in steps:
         _replay_against_float64(cp, rng, sess, slot, m, w64, dtype)
-    host = rng.standard_normal((1, 40, k)).astype(dtype)
+    host = rng.standard_normal((1, 80, k)).astype(dtype)
     (got,) = sess.run(["y"], {"x": host})
     _check(np.asarray(got), host.astype(np.float64) @ w64, dtype, k)
 
@@ -171,12 +173,13 @@ def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool):
     [(896, 1152, 32, False), (4864, 896, 32, True), (896, 20000, 64, False), (512, 33, 128, True)],
 )
 def test_nbits_chunk16_graphs(cp, rng, dtype, k, n, block, zp):
-    """4-bit weights on 16-byte chunks: M=1 and M=5 captured and replayed against float64."""
+    """4-bit weights on 16-byte chunks: M=1, M=5 and M=33 (a batched step: GEMV pieces of
+    16 rows) captured and replayed against float64."""
     from onnx_genrt.session import InferenceSession
 
     model, w64 = _nbits_model(k, n, block, dtype, rng, zp)
     sess = InferenceSession(model, providers=["cuda"])
-    for slot, m in ((PRIMARY, 1), (VERIFY, 5)):
+    for slot, m in ((PRIMARY, 1), (VERIFY, 5), (DeviceGraphSlot.DRAFT, 33)):
         _replay_against_float64(cp, rng, sess, slot, m, w64, dtype)
 
 
