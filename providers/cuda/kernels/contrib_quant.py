@@ -74,9 +74,8 @@ STREAM_MAX_WORDS = 128
 SMALL_K_MAX_M = 8
 _NBITS = NBITS
 
-_BODY = (
-    DEVICE_COMMON
-    + r"""
+#: The zero point of a block, shared by the GEMV and tensor-core sources.
+_ZERO_AT = r"""
 // Zero point of block blk of row n. zp_mode 0: 2^(bits-1); 1: packed uint8 (zrow bytes per
 // row, low bits first); 2: one float per block (same type as the scales).
 template <typename W, int BITS>
@@ -91,6 +90,12 @@ DEVI float zero_at(const unsigned char* zp_u8, const W* zp_f, int zp_mode, long 
   return (float)(1 << (BITS - 1));
 }
 
+"""
+
+_BODY = (
+    DEVICE_COMMON
+    + _ZERO_AT
+    + r"""
 // E = 32 / BITS activations of row pointer a from k0 as floats (zeros past K); vector
 // loads when vec says the rows are 16-byte aligned.
 template <int E>
