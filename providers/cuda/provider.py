@@ -25,6 +25,7 @@ from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 from .host_shadow import HostShadow
 from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
+from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
 from .kernels.matmul import MMA_MAX_M, MMA_MIN_ROWS
 from .staging import MEMCPY_DEVICE_TO_DEVICE, StagingRing
@@ -83,6 +84,13 @@ class CUDAProvider(ExecutionProvider):
             "rows (M) from which MatMul on a transposed fp16/bf16 weight runs on the tensor "
             f"cores, up to {MMA_MAX_M} rows (0: never; gemv_nk up to 16 rows, then cuBLAS)",
             env="ONNX_GENRT_MMA_MIN_ROWS",
+        ),
+        ProviderOption(
+            "nbits_mma_min_rows",
+            NBITS_MMA_MIN_ROWS,
+            "rows (M) from which 4-bit MatMulNBits with fp16/bf16 activations runs on the "
+            f"tensor cores, up to {MMA_MAX_M} rows (0: never; the GEMVs instead)",
+            env="ONNX_GENRT_NBITS_MMA_MIN_ROWS",
         ),
         ProviderOption(
             "nbits_stream",

@@ -38,23 +38,29 @@ from onnx_genrt.core.op_rules import (
 
 from ..gemv_split import nbits4_small_k_split, small_k_blocks
 from ._common import (
+    BF16,
     DEVICE_COMMON,
+    F16,
     CaptureUnsupported,
     capturing,
     contiguous,
     function,
     out,
     refuse_in_capture,
+    scratch,
     sm_count,
     storage,
 )
 from ._registry import REGISTRY
-from .matmul import gemv_layout
+from .matmul import MMA_MAX_M, MMA_TILES, gemv_layout, mma_config, sum_splits
 
 #: Largest M that runs on the GEMV kernel.
 GEMV_MAX_M = 16
 #: Rows up to which MatMulNBits runs the GEMV in pieces of GEMV_MAX_M rows (capturable).
 CHUNKED_GEMV_MAX_M = 64
+#: Default of the CUDA provider's ``nbits_mma_min_rows``: rows from which 4-bit weights with
+#: fp16/bf16 activations run on the tensor cores (``gemm_mma_nbits4``), up to MMA_MAX_M.
+NBITS_MMA_MIN_ROWS = 3
 # Kernel variants, each a CUDA provider option (``CUDAProvider.OPTIONS``; the environment
 # variable in brackets is its default):
 # - packed rows of at most STREAM_MAX_WORDS 32-bit words (K <= 1024 at 4 bits) run on the
@@ -593,6 +599,52 @@ __global__ void gather_block_quant(const unsigned char* __restrict__ data,
 )
 
 
+#: The 4-bit tensor-core GEMM: ``mma_tiles`` (``matmul.MMA_TILES``) with a loader that
+#: dequantizes. sm_80 or newer, so a source of its own.
+_MMA4_SOURCE = (
+    DEVICE_COMMON
+    + _ZERO_AT
+    + MMA_TILES
+    + r"""
+// 4-bit weights B [N, nb, block / 2] (value k of a block at byte k / 2, low nibble first),
+// blocks of a multiple of 16 values: a lane's 16 values come from one 8-byte load, one scale
+// and one zero point, each (q - z) * s in float rounded once to S.
+template <typename S, typename W>
+struct Nibbles4 {
+  const unsigned char* B;
+  const W* scales;
+  const unsigned char* zp_u8;
+  const W* zp_f;
+  int nb, block, zrow, zp_mode;
+  DEVI void operator()(int n, int k, unsigned (&b)[8]) const {
+    const int blk = k / block;
+    const long long at = ((long long)n * nb + blk) * (block >> 1) + ((k - blk * block) >> 1);
+    const uint2 q = *reinterpret_cast<const uint2*>(B + at);
+    const float s = ld(scales, (long long)n * nb + blk);
+    const float z = zero_at<W, 4>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const unsigned int byte = ((i < 4 ? q.x : q.y) >> (8 * (i & 3))) & 0xffu;
+      b[i] = pack2((const S*)nullptr, ((float)(byte & 15u) - z) * s, ((float)(byte >> 4) - z) * s);
+    }
+  }
+};
+
+// C = A @ dequant(B)^T (+ bias) on the tensor cores (see mma_tiles and Nibbles4).
+template <typename S, typename W, int MT>
+__global__ void __launch_bounds__(256) gemm_mma_nbits4(
+    const S* __restrict__ A, const unsigned char* __restrict__ B, const W* __restrict__ scales,
+    const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
+    const S* __restrict__ bias, int has_bias, S* __restrict__ C, float* __restrict__ P, int M,
+    int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits) {
+  const Nibbles4<S, W> load{B, scales, zp_u8, zp_f, nb, block, zrow, zp_mode};
+  mma_tiles<S, MT>(A, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N, k_per_split,
+                   splits);
+}
+"""
+)
+
+
 def _source(ctx: KernelContext) -> str:
     """The kernels' source in the form the provider's ``nbits_half2`` option asks for."""
     return f"#define NBITS_HALF2 {int(ctx.option('nbits_half2', True))}\n" + _BODY
@@ -715,6 +767,45 @@ class _NbitsCall:
     norm: Any
     s_type: str
     w_type: str
+
+
+def nbits_mma_min_rows(ctx: KernelContext) -> int:
+    """Rows from which 4-bit weights with fp16/bf16 activations run on the tensor cores (the
+    CUDA provider's ``nbits_mma_min_rows``; 0: never)."""
+    return int(ctx.option("nbits_mma_min_rows", NBITS_MMA_MIN_ROWS))
+
+
+def _mma4_fits(ctx: KernelContext, call: _NbitsCall, a: Any, m: int) -> bool:
+    """Whether ``gemm_mma_nbits4`` runs these ``m`` rows: 4 bits, fp16/bf16 activations and
+    scales, blocks of a multiple of 16, K a multiple of 64, N of 8, aligned operands."""
+    least = nbits_mma_min_rows(ctx)
+    return (
+        bool(least)
+        and least <= m <= MMA_MAX_M
+        and call.bits == 4
+        and a.dtype in (F16, BF16)
+        and call.s_type == call.w_type
+        and call.block % 16 == 0
+        and call.k % 64 == 0
+        and call.n % 8 == 0
+        and call.b.data.ptr % 8 == 0
+        and a.data.ptr % 16 == 0
+    )
+
+
+def _nbits_mma(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) -> None:
+    """``y`` = the ``m`` rows of ``a`` times the 4-bit weight on the tensor cores."""
+    k, n = call.k, call.n
+    mt, splits, k_per = mma_config(m, k, n, sm_count())
+    partial = y if splits == 1 else scratch(ctx, splits * m * n * 4).view(np.float32)
+    fn = function(_MMA4_SOURCE, f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}>")
+    args = (a, call.b, call.scales, call.zp_u8, call.zp_f, call.bias_arg)
+    args += (np.int32(call.has_bias), y, partial, np.int32(m), np.int32(k), np.int32(n))
+    args += (np.int32(call.nb), np.int32(call.block), np.int32(call.zrow))
+    args += (np.int32(call.zp_mode), np.int32(k_per), np.int32(splits))
+    fn((n // 8, splits), (256,), args)
+    if splits > 1:
+        sum_splits(ctx, partial, y, splits)
 
 
 def _nbits_gemv(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) -> None:
@@ -844,6 +935,13 @@ def matmul_nbits(
         b, scales, zp_u8, zp_f, bias_arg, bias is not None, k, n, nb, blob, block, bits,
         zrow, zp_mode, norm, s_type, w_type,
     )  # fmt: skip
+    mma = _mma4_fits(ctx, call, a, m)
+    if mma and norm is not None:  # tensor-core rows: the prologue runs as its own kernel
+        a, call.norm = contiguous(ctx, norm.unfused()), None
+        mma = _mma4_fits(ctx, call, a, m)
+    if mma:
+        _nbits_mma(ctx, call, a, y, m)
+        return y
     if m <= GEMV_MAX_M:
         _nbits_gemv(ctx, call, a, y, m)
         return y
