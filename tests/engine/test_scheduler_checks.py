@@ -184,8 +184,8 @@ def test_submit_makes_as_many_tokens_as_generate_by_default(model):
 
 def test_free_rows_take_requests_and_max_queue_counts_those_that_wait(model):
     """Requests that will find a free row do not count against max_queue: a scheduler with
-    max_queue=0 serves one request per free row and refuses the rest; cancelled queued
-    requests are counted once each."""
+    max_queue=0 serves one request per free row and refuses the rest. Cancelled requests,
+    queued or running, count once each, and not as finished."""
     sched = Scheduler(model, max_batch=2, max_queue=1)  # not started: nothing leaves the queue
     queued = [sched.submit("x", max_new_tokens=2) for _ in range(3)]  # two rows, one waits
     with pytest.raises(QueueFullError, match=r"1 requests already wait .*max_queue=1"):
@@ -203,3 +203,6 @@ def test_free_rows_take_requests_and_max_queue_counts_those_that_wait(model):
         running.cancel()
         assert running.result(60).finish_reason == "cancelled"
         assert sched.submit(ids, max_new_tokens=3).result(60).token_ids == _og_greedy(ids, 3)
+        metrics = sched.metrics()
+    assert (metrics.requests_finished, metrics.requests_cancelled) == (1, 1)
+    assert metrics.requests_failed == 0
