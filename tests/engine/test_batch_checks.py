@@ -334,3 +334,27 @@ def test_rows_of_a_model_whose_prefill_computes_every_row(qwen2_dir, tmp_path):
         batch.step()
     for row, prompt, opts in zip(rows, PROMPTS, options, strict=True):
         assert batch.sequence(row) == _onnxruntime_genai(folder, prompt, 8, **opts), opts
+
+
+def test_a_prompt_that_fails_its_prefill_leaves_its_row_free(qwen2_dir, tmp_path):
+    """``add`` whose prefill raises (a NaN embedding row in the prompt) frees the row it
+    took: the next prompt takes that row and decodes as onnxruntime-genai does, with no
+    prefilling row left behind."""
+    from onnx_genrt.core.errors import NonFiniteError
+
+    from ..llm_fixtures import nan_token_copy
+
+    bad = 42
+    folder = nan_token_copy(qwen2_dir, tmp_path / "nan", bad)
+    model = Model(folder)
+    batch = BatchGenerator(model, 2, 32)
+    with pytest.raises(NonFiniteError):
+        batch.add([5, bad, 7], _params(model, 12))
+    assert batch.free_rows() == 2 and not batch.rows
+    prompt = PROMPTS[1]
+    assert bad not in prompt
+    row = batch.add(prompt, _params(model, 12), ignore_eos=True)
+    while not batch.is_done(row):
+        batch.step()
+    assert row == 0
+    assert batch.sequence(row) == _onnxruntime_genai(folder, prompt, 12 - len(prompt))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,8 @@ from onnx_genrt.engine.batch import BatchGenerator
 from onnx_genrt.engine.scheduler import QueueFullError, RequestHandle, Scheduler
 from onnx_genrt.generate_cli import default_model_dir
 
+from ..llm_fixtures import nan_token_copy
+
 SHORT = "import os\n"
 LONG = "    def __init__(self, name, value=None):\n        self.name = name\n        self.value"
 
@@ -27,15 +30,16 @@ def model() -> Model:
 
 
 @cache
-def _og_model():
+def _og_model(folder: Path | None = None):
     og = pytest.importorskip("onnxruntime_genai")
-    return og, og.Model(str(default_model_dir()))
+    return og, og.Model(str(folder or default_model_dir()))
 
 
-def _og_greedy(ids: list[int], new: int) -> list[int]:
-    """onnxruntime-genai's greedy continuation of ``ids``: ``new`` tokens, checked to hold
-    no end-of-sequence token (onnxruntime-genai leaves it out of its sequence)."""
-    og, og_model = _og_model()
+def _og_greedy(ids: list[int], new: int, folder: Path | None = None) -> list[int]:
+    """onnxruntime-genai's greedy continuation of ``ids`` (the embedded model unless
+    ``folder``): ``new`` tokens, checked to hold no end-of-sequence token (onnxruntime-genai
+    leaves it out of its sequence)."""
+    og, og_model = _og_model(folder)
     params = og.GeneratorParams(og_model)
     params.set_search_options(max_length=len(ids) + new)
     gen = og.Generator(og_model, params)
@@ -206,3 +210,36 @@ def test_free_rows_take_requests_and_max_queue_counts_those_that_wait(model):
         metrics = sched.metrics()
     assert (metrics.requests_finished, metrics.requests_cancelled) == (1, 1)
     assert metrics.requests_failed == 0
+
+
+def test_a_model_fault_ends_its_requests_with_an_error_and_the_scheduler_goes_on(
+    qwen2_dir, tmp_path
+):
+    """In a copy of the builder model whose embedding row of one token is NaN: a prompt
+    holding that token fails at its prefill (that request alone), a row whose first token is
+    that token fails the next decode step (every running row with it). Each ends with
+    finish_reason 'error' and the error's class; the failures are counted, and the next
+    request is served as onnxruntime-genai serves it."""
+    healthy = [5, 17, 99, 3]
+    bad_token = _og_greedy(healthy, 1, qwen2_dir)[0]
+    folder = nan_token_copy(qwen2_dir, tmp_path / "nan", bad_token)
+    model = Model(folder)
+    other = next(p for p in ([7, 8, 9], [11, 12], [21, 22, 23]) if bad_token not in p)
+
+    sched = Scheduler(model, max_batch=2)
+    at_prefill = sched.submit([5, bad_token, 7], max_new_tokens=4)
+    running = sched.submit(other, max_new_tokens=40, ignore_eos=True)
+    at_step = sched.submit(healthy, max_new_tokens=4)
+    sched.start()  # the first fails at admission, the other two share the failing step
+    try:
+        results = [h.result(60) for h in (at_prefill, running, at_step)]
+        after = sched.submit(other, max_new_tokens=6).result(60)
+        metrics = sched.metrics()
+    finally:
+        sched.close(timeout=60)
+    for result in results:
+        assert result.finish_reason == "error" and result.error.startswith("NonFiniteError")
+    assert results[2].token_ids == [bad_token]  # its first token, then the failed step
+    assert metrics.requests_failed == 3 and metrics.running_rows == 0
+    assert after.finish_reason == "length" and after.error is None
+    assert after.token_ids == _og_greedy(other, 6, folder)
