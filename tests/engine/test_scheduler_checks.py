@@ -68,31 +68,33 @@ def _spy(monkeypatch, cls, name: str, log: list, describe) -> None:
     monkeypatch.setattr(cls, name, wrapper)
 
 
-def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_a_row_decodes(model, monkeypatch):
-    """With prefill_chunk=4 a long prompt goes in 4 tokens per scheduler step, a decode step
-    of the running row after each chunk, and both answers equal onnxruntime-genai's."""
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_a_row_decodes(model, monkeypatch, chunk):
+    """With ``prefill_chunk`` a long prompt goes in that many tokens per scheduler step, a
+    decode step of the running row after each chunk, and both answers equal
+    onnxruntime-genai's."""
     log: list[tuple] = []
     _spy(monkeypatch, BatchGenerator, "add", log, lambda a, k, r: ("add", r, k["chunk"]))
     _spy(monkeypatch, BatchGenerator, "prefill_step", log, lambda a, k, r: ("prefill", a[1], r))
     _spy(monkeypatch, BatchGenerator, "step", log, lambda a, k, r: ("step", sorted(r)))
-    short, long = model.tokenizer.encode(SHORT), model.tokenizer.encode(LONG)
-    assert len(short) <= 4 < 20 < len(long)
-    sched = Scheduler(model, max_batch=2, prefill_chunk=4)
-    running = sched.submit(short, max_new_tokens=24)
+    short, long = model.tokenizer.encode(SHORT)[:chunk], model.tokenizer.encode(LONG)
+    assert len(short) <= chunk and len(long) > 20
+    sched = Scheduler(model, max_batch=2, prefill_chunk=chunk)
+    running = sched.submit(short, max_new_tokens=40)
     chunked = sched.submit(long, max_new_tokens=6)
     sched.start()  # both are queued: the loop admits them in order
     try:
         first, second = running.result(60), chunked.result(60)
     finally:
         sched.close(timeout=60)
-    assert first.token_ids == _og_greedy(short, 24)
+    assert first.token_ids == _og_greedy(short, 40)
     assert second.token_ids == _og_greedy(long, 6)
     assert second.text == _og_text(second.token_ids)
     adds = [entry for entry in log if entry[0] == "add"]
-    assert adds == [("add", 0, 4), ("add", 1, 4)]
+    assert adds == [("add", 0, chunk), ("add", 1, chunk)]
     prefills = [entry for entry in log if entry[0] == "prefill"]
-    chunks = math.ceil(len(long) / 4) - 1  # the first chunk went in with add
-    assert prefills[:chunks] == [("prefill", 4, None)] * (chunks - 1) + [("prefill", 4, 1)]
+    chunks = math.ceil(len(long) / chunk) - 1  # the first chunk went in with add
+    assert prefills[:chunks] == [("prefill", chunk, None)] * (chunks - 1) + [("prefill", chunk, 1)]
     start, end = log.index(adds[1]), log.index(prefills[chunks - 1])
     between = [entry for entry in log[start:end] if entry[0] == "step"]
     assert between == [("step", [0])] * (chunks - 1)  # row 0 decoded between the chunks
@@ -172,7 +174,9 @@ def test_the_smallest_max_length_runs_a_one_token_prompt(model):
         Scheduler(model, max_length=1)
 
 
-@pytest.mark.parametrize(("option", "value"), [("max_batch", 0), ("max_queue", -1)])
+@pytest.mark.parametrize(
+    ("option", "value"), [("max_batch", 0), ("max_queue", -1), ("prefill_chunk", 0)]
+)
 def test_sizes_out_of_range_are_refused_at_construction(model, option, value):
     with pytest.raises(InvalidInputError, match=option):
         Scheduler(model, **{option: value})
