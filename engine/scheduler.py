@@ -418,7 +418,7 @@ class Scheduler:
             row = batch.add(
                 pending.ids, pending.params, ignore_eos=pending.ignore_eos, chunk=self.prefill_chunk
             )
-        except OnnxGenrtError as exc:
+        except Exception as exc:  # this prompt failed (its row stays free); others go on
             with self._cv:
                 self._failed += 1
             handle._emit("", (), "error", f"{type(exc).__name__}: {exc}")

@@ -247,3 +247,24 @@ def test_a_model_fault_ends_its_requests_with_an_error_and_the_scheduler_goes_on
     assert metrics.requests_failed == 3 and metrics.running_rows == 0
     assert after.finish_reason == "length" and after.error is None
     assert after.token_ids == _og_greedy(other, 6, folder)
+
+
+def test_any_fault_at_admission_ends_that_request_alone(model, monkeypatch):
+    """An exception outside the project's hierarchy while a prompt is prefilled ends that
+    request with 'error' (its consumer is not left waiting) and the next is served."""
+    real_add = BatchGenerator.add
+
+    def add(self, prompt, *args, **kwargs):
+        if list(prompt) == [1, 2, 3]:
+            raise RuntimeError("prefill exploded")
+        return real_add(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(BatchGenerator, "add", add)
+    ids = model.tokenizer.encode(SHORT)
+    with Scheduler(model, max_batch=1) as sched:
+        failed = sched.submit([1, 2, 3], max_new_tokens=4).result(30)
+        served = sched.submit(ids, max_new_tokens=4).result(30)
+        metrics = sched.metrics()
+    assert failed.finish_reason == "error" and failed.error == "RuntimeError: prefill exploded"
+    assert served.token_ids == _og_greedy(ids, 4)
+    assert (metrics.requests_failed, metrics.requests_finished) == (1, 1)
