@@ -139,6 +139,10 @@ def _peak_of_last_row(ref: dict[str, np.ndarray], name: str) -> np.ndarray:
     return ref["logits"][0, -1].astype(np.float64).max().astype(ref[name].dtype)
 
 
+def _capped_peak_of_last_row(ref: dict[str, np.ndarray], name: str) -> np.ndarray:
+    return (3.0 * _peak_of_last_row(ref, "peak").astype(np.float64)).astype(ref[name].dtype)
+
+
 CAP = _const("cap", 3.0)
 BIAS_1D = _const("bias", np.linspace(-1, 1, VOCAB))
 BIAS_2D = _const("bias", np.linspace(-1, 1, ROWS * VOCAB).reshape(ROWS, VOCAB))
@@ -198,9 +202,16 @@ def _cases():
     )
     first_axis.graph.node.append(helper.make_node("ArgMax", ["logits"], ["best"], keepdims=0))
     yield "argmax_default_axis", first_axis, None
-    peak = _projected([], outputs={"logits": F, "peak": F})
-    peak.graph.node.append(helper.make_node("ReduceMax", ["logits"], ["peak"], keepdims=0))
-    yield "full_reduction", peak, ("MatMul", {"logits", "peak"}), {"peak": _peak_of_last_row}
+    # a full reduction, and a value made from it and a constant: both cover the last row
+    peak = _projected([], [CAP], {"logits": F, "peak": F, "capped": F})
+    peak.graph.node.extend(
+        [
+            helper.make_node("ReduceMax", ["logits"], ["peak"], keepdims=0),
+            helper.make_node("Mul", ["peak", "cap"], ["capped"]),
+        ]
+    )
+    of_last_row = {"peak": _peak_of_last_row, "capped": _capped_peak_of_last_row}
+    yield "full_reduction", peak, ("MatMul", {"logits", "peak", "capped"}), of_last_row
     kept = _projected([], outputs={"logits": F, "peak": F})
     kept.graph.node.append(helper.make_node("ReduceMax", ["logits"], ["peak"]))  # keepdims=1
     yield "full_reduction_keepdims", kept, None
@@ -226,6 +237,10 @@ def _cases():
     )
     after.graph.node.append(helper.make_node("MatMul", ["logits", "W2"], ["extra"]))
     yield "projection_after", after, ("MatMul", {"logits", "extra"})
+    # a step after the start that reads no row value is not part of the tail
+    unrelated = _projected([], outputs={"logits": F, "xt": F})
+    unrelated.graph.node.append(helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]))
+    yield "unrelated_after", unrelated, mat
     # a com.microsoft op after the start: rotary reads every row's position
     half = VOCAB // 4  # two heads of VOCAB // 2
     angles = np.outer(np.arange(16), 1.0 / 10000 ** (np.arange(half) / half))
