@@ -379,13 +379,13 @@ def test_threaded_step_equals_serial(monkeypatch: pytest.MonkeyPatch) -> None:
     split follows the CPU provider's ``threads`` (Numba's thread count) and the work."""
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one Numba thread on this machine")
-    attrs = {"do_rotary": 1, "local_window_size": 9, "softcap": 5.0}
-    model = _model(3, 40, attrs, F32)
+    b, m, cap = 8, 4, ROPE_LEN
+    model = _model(m, cap, {"do_rotary": 1, "softcap": 5.0}, F32)
     rng = np.random.default_rng(6)
-    q = rng.standard_normal((5, 3, HEADS * H)).astype(F32)
-    k, v = (rng.standard_normal((5, 3, KV_HEADS * H)).astype(F32) for _ in range(2))
-    caches = [rng.standard_normal((5, KV_HEADS, 40, H)).astype(F32) for _ in range(2)]
-    seqlens = np.array([4, 30, 11, 2, 22], np.int32)
+    q = rng.standard_normal((b, m, HEADS * H)).astype(F32)
+    k, v = (rng.standard_normal((b, m, KV_HEADS * H)).astype(F32) for _ in range(2))
+    caches = [rng.standard_normal((b, KV_HEADS, cap, H)).astype(F32) for _ in range(2)]
+    seqlens = (cap - 1 - np.arange(b) * 3).astype(np.int32)
     tables = [numpy_helper.to_array(t) for t in model.graph.initializer]
     info = NodeInfo.from_proto(model.graph.node[0], 1)
     parallel_calls = []
@@ -394,7 +394,7 @@ def test_threaded_step_equals_serial(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def run(threads: int) -> list[np.ndarray]:
         numba.set_num_threads(threads)
-        args = (q, k, v, *(c.copy() for c in caches), seqlens, np.array(40, np.int32), *tables)
+        args = (q, k, v, *(c.copy() for c in caches), seqlens, np.array(cap, np.int32), *tables)
         step = ca._GqaStep.build(KernelContext(info), args, None)
         assert isinstance(step, ca._GqaStep) and step.run()
         return [x.copy() for x in step.results]
