@@ -12,10 +12,13 @@ them) past/present are a window-sized cache instead: present is as long as past,
 ``core.op_rules.windowed_cache_length``); the queries attend to those rows and the new keys,
 and the rows are then compacted in place. RoPE keeps absolute positions.
 
-A decode or verify step (batch 1, up to 16 new tokens, float32, shared buffers) runs as a
-_GqaStep built once per node and buffers: the kernel's ``bind`` (KernelDef.bind) hands it to a recorded CPU
-graph, and eager calls keep one in ``ctx.state``. It does the general path's arithmetic
-on the valid prefix, so both give equal results; anything else takes the general path.
+A decode or verify step (B >= 1 rows of up to 16 new tokens each, every row at its own
+length, float32, shared buffers) runs as a _GqaStep built once per node and buffers: the
+kernel's ``bind`` (KernelDef.bind) hands it to a recorded CPU graph, and eager calls keep one
+in ``ctx.state``. Its arithmetic (Numba, ``_gqa_step``) is per row and head, so a row gives
+the same bits in any batch; it agrees with the general path to float32 rounding. Anything
+else takes the general path, and a step-shaped call that does is counted
+(``general_path_steps``).
 """
 
 from __future__ import annotations
