@@ -15,7 +15,7 @@ Passes (:func:`attend_rows`):
 2. ``_scores``: Q·K (scaled, rotated queries), softcap, minus the row max; each item has one
    more slot holding ``sink - max`` (-inf without a head sink).
 3. numpy's exp over every slot at once: its SIMD exp (Numba calls scalar libm ``expf`` here,
-   about 4x slower on these sizes).
+   3-5x slower per element on these sizes, measured here).
 4. ``_values``: the sum of the exps (float64), ``1/sum``, and the exp-weighted sum of values.
 
 Passes 2 and 4 run items on Numba's threads when there are several and the work is large
