@@ -230,6 +230,16 @@ def _cases():
         ]
     )
     yield "full_reduction_read_by_rows", shifted, None
+    # the same through a value made from the reduction
+    shifted_scaled = _projected([], [CAP], {"logits": F, "shifted": F})
+    shifted_scaled.graph.node.extend(
+        [
+            helper.make_node("ReduceMax", ["logits"], ["peak"], keepdims=0),
+            helper.make_node("Mul", ["peak", "cap"], ["capped"]),
+            helper.make_node("Sub", ["logits", "capped"], ["shifted"]),
+        ]
+    )
+    yield "scaled_reduction_read_by_rows", shifted_scaled, None
     after = _projected(
         [],
         [numpy_helper.from_array(_weights(rng, VOCAB, 4), "W2")],
