@@ -251,7 +251,8 @@ def test_a_model_fault_ends_its_requests_with_an_error_and_the_scheduler_goes_on
 
 def test_any_fault_at_admission_ends_that_request_alone(model, monkeypatch):
     """An exception outside the project's hierarchy while a prompt is prefilled ends that
-    request with 'error' (its consumer is not left waiting) and the next is served."""
+    request with 'error' (its consumer is not left waiting); the row already running and
+    the next request are served."""
     real_add = BatchGenerator.add
 
     def add(self, prompt, *args, **kwargs):
@@ -261,10 +262,17 @@ def test_any_fault_at_admission_ends_that_request_alone(model, monkeypatch):
 
     monkeypatch.setattr(BatchGenerator, "add", add)
     ids = model.tokenizer.encode(SHORT)
-    with Scheduler(model, max_batch=1) as sched:
-        failed = sched.submit([1, 2, 3], max_new_tokens=4).result(30)
+    sched = Scheduler(model, max_batch=2)
+    running = sched.submit(ids, max_new_tokens=12)
+    failing = sched.submit([1, 2, 3], max_new_tokens=4)
+    sched.start()  # both are queued: the first is running when the second fails
+    try:
+        failed, first = failing.result(30), running.result(30)
         served = sched.submit(ids, max_new_tokens=4).result(30)
         metrics = sched.metrics()
+    finally:
+        sched.close(timeout=30)
     assert failed.finish_reason == "error" and failed.error == "RuntimeError: prefill exploded"
+    assert first.finish_reason == "length" and first.token_ids == _og_greedy(ids, 12)
     assert served.token_ids == _og_greedy(ids, 4)
-    assert (metrics.requests_failed, metrics.requests_finished) == (1, 1)
+    assert (metrics.requests_failed, metrics.requests_finished) == (1, 2)
