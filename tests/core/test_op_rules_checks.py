@@ -1,0 +1,218 @@
+"""Boundaries of the shared op rules (``core.op_rules``) that tests/core/test_op_rules.py
+left open (found by a mutation run): each against ONNX's reference evaluator or onnxruntime
+where the rule mirrors an op, else against the refusal it promises."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from onnx_genrt.core.kernels import NodeInfo
+from onnx_genrt.core.op_rules import (
+    constant_value,
+    gqa_input_problem,
+    gqa_shapes,
+    rotary_layout,
+    shape_value,
+    slice_index,
+)
+
+
+def _node(op: str, opset: int = 17, inputs: tuple[str, ...] = (), **attrs) -> NodeInfo:
+    return NodeInfo(op, "n0", "", opset, attrs, inputs, ("y",))
+
+
+def _shaped(*shape: int) -> SimpleNamespace:
+    return SimpleNamespace(shape=shape)
+
+
+def _reference(node, opset: int, feeds: dict[str, np.ndarray], out_type=TensorProto.FLOAT):
+    """Run one node with ONNX's reference evaluator at ``opset``."""
+    graph = helper.make_graph(
+        [node],
+        "one",
+        [
+            helper.make_tensor_value_info(
+                n, helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)
+            )
+            for n, v in feeds.items()
+        ],
+        [helper.make_tensor_value_info("y", out_type, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return ReferenceEvaluator(model).run(None, feeds)[0]
+
+
+# -- Slice at opset 10: bounds come from the inputs --------------------------------------
+
+
+def test_slice_at_opset_10_reads_its_bounds_from_the_inputs():
+    x = np.arange(4 * 5, dtype=np.float32).reshape(4, 5)
+    starts, ends, axes, steps = [1, -4], [4, 5], [0, 1], [2, 1]
+    proto = helper.make_node("Slice", ["x", "s", "e", "a", "st"], ["y"])
+    feeds = {
+        "x": x,
+        "s": np.array(starts, np.int64),
+        "e": np.array(ends, np.int64),
+        "a": np.array(axes, np.int64),
+        "st": np.array(steps, np.int64),
+    }
+    want = _reference(proto, 10, feeds)
+    # attributes a pre-10 Slice would read (here ignored): a different slice
+    node = _node("Slice", 10, starts=[0], ends=[1])
+    np.testing.assert_array_equal(x[slice_index(node, 2, starts, ends, axes, steps)], want)
+
+
+# -- Shape at opset 15: start and end --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("opset", "attrs"),
+    [(13, {}), (14, {}), (15, {"start": 1}), (15, {"end": -1}), (21, {"start": -2})],
+)
+def test_shape_value_against_onnx_reference(opset, attrs):
+    x = np.zeros((2, 3, 4), np.float32)
+    proto = helper.make_node("Shape", ["x"], ["y"], **attrs)
+    want = _reference(proto, opset, {"x": x}, TensorProto.INT64)
+    got = shape_value(_node("Shape", opset, **attrs), x.shape)
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int64
+
+
+# -- Constant -----------------------------------------------------------------------------
+
+
+def test_a_string_constant_value_is_refused_naming_the_node():
+    tensor = numpy_helper.from_array(np.array([b"a", b"b"], dtype=object), "v")
+    node = NodeInfo.from_proto(
+        helper.make_node("Constant", [], ["y"], name="words", value=tensor), 17
+    )
+    with pytest.raises(NotImplementedError, match="'words'.*string constants are not supported"):
+        constant_value(node)
+
+
+# -- RotaryEmbedding and GroupQueryAttention shapes -------------------------------------------
+
+
+def test_rotary_layout_refuses_a_cos_cache_that_is_not_2d():
+    with pytest.raises(ValueError, match=r"'n0'.*cos_cache must be 2-D, got \[8, 4, 1\]"):
+        rotary_layout(_node("RotaryEmbedding", num_heads=2), (1, 3, 16), (8, 4, 1))
+
+
+def _gqa(**attrs) -> NodeInfo:
+    return NodeInfo("GroupQueryAttention", "attn", "com.microsoft", 1, attrs)
+
+
+def test_gqa_shapes_refuse_a_key_without_its_value_and_an_uneven_query():
+    node = _gqa(num_heads=4, kv_num_heads=2)
+    k, sl = _shaped(2, 3, 16), _shaped(2)
+    with pytest.raises(ValueError, match=r"'attn'.*query width 32 not divisible.*value missing"):
+        gqa_shapes(node, _shaped(2, 3, 32), k, None, seqlens_k=sl)
+    with pytest.raises(ValueError, match="query width 30 not divisible by 4 heads"):
+        gqa_shapes(node, _shaped(2, 3, 30), k, k, seqlens_k=sl)
+
+
+def test_gqa_rotary_caches_must_be_equal_and_two_dimensional():
+    node = _gqa(num_heads=4, kv_num_heads=2, do_rotary=1)
+    q, kv, sl = _shaped(2, 3, 32), _shaped(2, 3, 16), _shaped(2)
+    for cos, sin in (((16, 4), (16, 2)), ((16, 4, 1), (16, 4, 1))):
+        with pytest.raises(ValueError, match="cos/sin caches .* must be equal 2-D"):
+            gqa_shapes(
+                node, q, kv, kv, seqlens_k=sl, cos_cache=_shaped(*cos), sin_cache=_shaped(*sin)
+            )
+    with pytest.raises(ValueError, match="or the cache has no positions"):
+        gqa_shapes(node, q, kv, kv, seqlens_k=sl, cos_cache=_shaped(0, 4), sin_cache=_shaped(0, 4))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(0, 2), (4, 0), (-4, -2)])
+def test_gqa_head_counts_must_be_positive(heads, kv_heads):
+    node = _gqa(num_heads=heads, kv_num_heads=kv_heads)
+    with pytest.raises(ValueError, match="must be a positive multiple of kv_num_heads"):
+        gqa_shapes(node, _shaped(2, 3, 32), seqlens_k=_shaped(2))
+
+
+def test_gqa_value_must_match_the_key():
+    node = _gqa(num_heads=4, kv_num_heads=2)
+    q, k = _shaped(2, 3, 32), _shaped(2, 3, 16)
+    with pytest.raises(ValueError, match=r"key/value shapes \[2, 3, 16\], \[2, 3, 8\]"):
+        gqa_shapes(node, q, k, _shaped(2, 3, 8), seqlens_k=_shaped(2))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(1, 1), (4, 1), (4, 4)])
+def test_gqa_single_head_and_multi_query_layouts_are_accepted(heads, kv_heads):
+    """Without a past, rotary or value input the call still has a geometry: capacity 0,
+    rotary dim 0."""
+    node = _gqa(num_heads=heads, kv_num_heads=kv_heads)
+    g = gqa_shapes(node, _shaped(2, 3, (heads + 2 * kv_heads) * 8), seqlens_k=_shaped(2))
+    assert (g.heads, g.kv_heads, g.head_size, g.packed) == (heads, kv_heads, 8, True)
+    assert (g.capacity, g.rotary_dim) == (0, 0)
+
+
+def test_gqa_without_head_counts_is_refused():
+    with pytest.raises(ValueError, match="num_heads 0 must be a positive multiple"):
+        gqa_shapes(_gqa(), _shaped(2, 3, 32), seqlens_k=_shaped(2))
+
+
+def test_gqa_rotary_cache_of_one_position_is_enough():
+    node = _gqa(num_heads=4, kv_num_heads=2, do_rotary=1)
+    kv, c = _shaped(2, 3, 16), _shaped(1, 4)
+    g = gqa_shapes(node, _shaped(2, 3, 32), kv, kv, seqlens_k=_shaped(2), cos_cache=c, sin_cache=c)
+    assert g.rotary_dim == 8 == g.head_size
+
+
+def test_rotary_layout_without_heads_or_cache_width_is_refused():
+    with pytest.raises(ValueError, match="hidden 16 not divisible by 0 heads"):
+        rotary_layout(_node("RotaryEmbedding"), (1, 3, 16), (8, 0))
+
+
+def test_gqa_input_problem_ignores_inputs_past_the_nodes_last():
+    node = NodeInfo("GroupQueryAttention", "a", "com.microsoft", 1, {}, ("q", "k", "v"))
+    assert gqa_input_problem(node, ("past_key", "query_seqlens")) is None
+
+
+def test_gqa_without_kv_head_count_is_refused():
+    with pytest.raises(ValueError, match="must be a positive multiple of kv_num_heads 0"):
+        gqa_shapes(_gqa(num_heads=4), _shaped(2, 3, 32), seqlens_k=_shaped(2))
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "attrs", "heads"),
+    [((1, 3, 32), {}, 4), ((1, 3, 8), {"num_heads": 1}, 1), ((2, 5, 24), {}, 3)],
+)
+def test_rotary_layout_of_a_3d_input_takes_its_heads_from_the_attribute_or_the_cache(
+    x_shape, attrs, heads
+):
+    """Against onnxruntime: it runs the node, and the layout's heads times head size is
+    the input's width."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    cos = rng.standard_normal((16, 4)).astype(np.float32)
+    pos = np.zeros(x_shape[:2], np.int64)
+    proto = helper.make_node(
+        "RotaryEmbedding", ["x", "p", "c", "s"], ["y"], domain="com.microsoft", **attrs
+    )
+    graph = helper.make_graph(
+        [proto],
+        "rotary",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape)),
+            helper.make_tensor_value_info("p", TensorProto.INT64, list(pos.shape)),
+            helper.make_tensor_value_info("c", TensorProto.FLOAT, list(cos.shape)),
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, list(cos.shape)),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (y,) = sess.run(None, {"x": x, "p": pos, "c": cos, "s": cos})
+    lay = rotary_layout(NodeInfo.from_proto(proto, 1), x.shape, cos.shape)
+    assert y.shape == x.shape
+    assert (lay.heads, lay.head_size, lay.rotary_dim, lay.bnsh) == (heads, 8, 8, False)
