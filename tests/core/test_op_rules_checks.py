@@ -4,6 +4,7 @@ where the rule mirrors an op, else against the refusal it promises."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -216,3 +217,91 @@ def test_rotary_layout_of_a_3d_input_takes_its_heads_from_the_attribute_or_the_c
     lay = rotary_layout(NodeInfo.from_proto(proto, 1), x.shape, cos.shape)
     assert y.shape == x.shape
     assert (lay.heads, lay.head_size, lay.rotary_dim, lay.bnsh) == (heads, 8, 8, False)
+
+
+# -- GroupQueryAttention attributes and the window-sized cache ----------------------------------
+
+_PAST = ("q", "k", "v", "pk", "pv", "seqlens_k", "total")
+
+
+def _gqa_node(inputs=_PAST, outputs=("y", "pk_out", "pv_out"), **attrs) -> NodeInfo:
+    return NodeInfo(
+        "GroupQueryAttention",
+        "attn",
+        "com.microsoft",
+        1,
+        {"num_heads": 4, "kv_num_heads": 2, **attrs},
+        tuple(inputs),
+        tuple(outputs),
+    )
+
+
+@pytest.mark.parametrize(
+    ("inputs", "outputs", "attrs", "problem"),
+    [
+        (_PAST, ("y", "pk_out", "pv_out"), {}, None),
+        (_PAST, ("y", "pk_out", "pv_out", ""), {}, None),  # output_qk named empty: absent
+        (_PAST, ("y", "pk_out", "pv_out", "qk"), {}, "output_qk / qk_output"),
+        (_PAST, ("y",), {"qk_output": 1}, "output_qk / qk_output"),
+        (_PAST, ("y",), {"causal": 0}, None),
+        (_PAST, ("y",), {"causal": 1, "local_window_size": 1}, None),
+        (_PAST, ("y",), {"local_window_size": 1}, None),  # causal defaults to 1
+        (_PAST, ("y",), {"local_window_size": 0}, "local_window_size=0 must be -1"),
+        (_PAST, ("y",), {"local_window_size": -2}, "local_window_size=-2 must be -1"),
+        (_PAST, ("y",), {"causal": 0, "local_window_size": 1}, "needs causal=1"),
+        (_PAST, ("y",), {"softcap": 0.0}, None),
+        (_PAST, ("y",), {"softcap": float("nan")}, "softcap=nan must be finite"),
+        (_PAST, ("y",), {"softcap": float("inf")}, "softcap=inf must be finite"),
+        (_PAST, ("y",), {"softcap": -0.5}, "softcap=-0.5 must be finite and >= 0"),
+        (_PAST, ("y",), {"sliding_window_cache": 1, "local_window_size": 1}, None),
+        (_PAST, ("y",), {"sliding_window_cache": 1}, "needs local_window_size >= 1 \\(got -1\\)"),
+        (_PAST[:4], ("y",), {"sliding_window_cache": 1, "local_window_size": 2}, "past_key and"),
+        (
+            ("q", "k", "v", "", "pv"),
+            ("y",),
+            {"sliding_window_cache": 1, "local_window_size": 2},
+            "past_key and past_value",
+        ),
+        (
+            ("q", "k", "v", "pk", ""),
+            ("y",),
+            {"sliding_window_cache": 1, "local_window_size": 2},
+            "past_key and past_value",
+        ),
+        (
+            (*_PAST, "", "", "", "bias"),
+            ("y",),
+            {"sliding_window_cache": 1, "local_window_size": 2},
+            "with attention_bias",
+        ),
+        (
+            (*_PAST, "", "", "", ""),
+            ("y",),
+            {"sliding_window_cache": 1, "local_window_size": 2},
+            None,
+        ),
+        (
+            (*_PAST, "", "", "bias"),
+            ("y",),
+            {"sliding_window_cache": 1, "local_window_size": 2},
+            None,
+        ),
+    ],
+)
+def test_gqa_attribute_rules(inputs, outputs, attrs, problem):
+    from onnx_genrt.core.op_rules import gqa_attribute_problem
+
+    got = gqa_attribute_problem(_gqa_node(inputs, outputs, **attrs))
+    if problem is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert re.search(problem, got), got
+
+
+@pytest.mark.parametrize(("capacity", "window"), [(8, 0), (8, -1), (4, 5)])
+def test_windowed_cache_length_refuses_a_window_the_cache_cannot_hold(capacity, window):
+    from onnx_genrt.core.op_rules import windowed_cache_length
+
+    with pytest.raises(ValueError, match=f"capacity {capacity} must be at least"):
+        windowed_cache_length(3, capacity, window)
