@@ -305,3 +305,184 @@ def test_windowed_cache_length_refuses_a_window_the_cache_cannot_hold(capacity, 
 
     with pytest.raises(ValueError, match=f"capacity {capacity} must be at least"):
         windowed_cache_length(3, capacity, window)
+
+
+# -- Reshape targets and gather index ranges ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("in_shape", "target", "opset", "allowzero"),
+    [
+        ((2, 3, 4), [4, -1], 13, 0),
+        ((2, 3, 4), [0, -1], 13, 0),
+        ((2, 3, 4), [0, 0, -1], 13, 0),
+        ((2, 3, 4), [-1], 13, 0),
+        ((2, 3, 4), [24], 13, 0),
+        ((2, 0, 4), [0, -1], 13, 0),
+        ((2, 3, 4), [0, 0, 0, 0], 13, 0),  # a 0 past the input's rank
+        ((2, 3, 4), [-1, -1], 13, 0),
+        ((2, 3, 4), [5, -1], 13, 0),
+        ((2, 3, 4), [25], 13, 0),
+        ((2, 3, 4), [-2, 12], 13, 0),
+        ((2, 3, 4), [0, 12], 14, 1),
+        ((0, 3), [0, 3], 14, 1),
+        ((0, 3), [3, 0], 14, 1),
+        ((0, 3), [3, 0], 14, 0),
+        ((0, 3), [3, 0], 13, 1),  # allowzero is not an attribute before opset 14
+    ],
+)
+def test_reshape_target_against_onnxruntime(in_shape, target, opset, allowzero):
+    """onnxruntime, not ONNX's reference evaluator: numpy (and so the reference) reads any
+    negative size as -1, where ONNX allows -1 only."""
+    from onnx_genrt.core.kernels import KernelContext
+    from onnx_genrt.core.op_rules import reshape_target
+
+    ort = pytest.importorskip("onnxruntime")
+    attrs = {"allowzero": allowzero} if opset >= 14 else {}
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"], **attrs)],
+        "reshape",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, list(in_shape)),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [len(target)]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    x = np.arange(int(np.prod(in_shape)), dtype=np.float32).reshape(in_shape)
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        (y,) = sess.run(None, {"x": x, "shape": np.array(target, np.int64)})
+        want = list(y.shape)
+    except Exception:  # onnxruntime refuses it
+        want = None
+    node = _node("Reshape", opset, **({"allowzero": allowzero} if allowzero else {}))
+    if want is None:
+        with pytest.raises(ValueError, match="'n0'"):
+            reshape_target(KernelContext(node), in_shape, target)
+    else:
+        assert reshape_target(KernelContext(node), in_shape, target) == want
+
+
+@pytest.mark.parametrize(
+    ("indices", "bad"),
+    [([0, 4, -5], None), ([5], 5), ([-6], -6), ([-6, 7], -6), ([-5, 5], 5), ([], None)],
+)
+def test_check_index_range_allows_minus_dim_to_dim_and_names_the_bad_index(indices, bad):
+    from onnx_genrt.core.kernels import KernelContext
+    from onnx_genrt.core.op_rules import check_index_range
+
+    ctx = KernelContext(_node("Gather"))
+    idx = np.array(indices, np.int64)
+    if bad is None:
+        check_index_range(ctx, idx, 5)
+        return
+    with pytest.raises(IndexError, match=rf"'n0'.*index {bad} out of range .*\(valid: -5..4\)"):
+        check_index_range(ctx, idx, 5)
+
+
+def test_reshape_refuses_minus_one_beside_an_explicit_zero():
+    """ONNX's Reshape: with allowzero=1, -1 beside a 0 is invalid (no unique size); ONNX's
+    reference evaluator refuses it (onnxruntime 1.2x returns (4, 0))."""
+    from onnx_genrt.core.kernels import KernelContext
+    from onnx_genrt.core.op_rules import reshape_target
+
+    proto = helper.make_node("Reshape", ["x", "shape"], ["y"], allowzero=1)
+    feeds = {"x": np.zeros((0, 4), np.float32), "shape": np.array([-1, 0], np.int64)}
+    with pytest.raises(ValueError):
+        _reference(proto, 14, feeds)
+    ctx = KernelContext(_node("Reshape", 14, allowzero=1))
+    with pytest.raises(ValueError, match=r"'n0'.*cannot reshape \(0, 4\) to \[-1, 0\]"):
+        reshape_target(ctx, (0, 4), [-1, 0])
+
+
+def test_reshape_names_a_second_minus_one():
+    from onnx_genrt.core.kernels import KernelContext
+    from onnx_genrt.core.op_rules import reshape_target
+
+    ctx = KernelContext(_node("Reshape", 13))
+    with pytest.raises(ValueError, match=r"more than one -1 in shape \[-1, 4, -1\]"):
+        reshape_target(ctx, (2, 3, 4), [-1, 4, -1])
+
+
+# -- MatMul shapes and MatMulNBits attributes --------------------------------------------------
+
+
+def test_matmul_shape_against_numpy():
+    """Every pair of shapes of rank 0-4 (dims 1-3): numpy's matmul result shape, or a
+    ValueError naming the node where numpy refuses."""
+    from onnx_genrt.core.kernels import KernelContext
+    from onnx_genrt.core.op_rules import matmul_shape
+
+    rng = np.random.default_rng(6)
+    ctx = KernelContext(_node("MatMul"))
+    checked = refused = 0
+    for _ in range(400):
+        a = tuple(int(v) for v in rng.integers(1, 4, rng.integers(0, 5)))
+        b = tuple(int(v) for v in rng.integers(1, 4, rng.integers(0, 5)))
+        try:
+            want = np.matmul(np.zeros(a), np.zeros(b)).shape
+        except ValueError:
+            with pytest.raises(ValueError, match="'n0'"):
+                matmul_shape(ctx, a, b)
+            refused += 1
+            continue
+        assert matmul_shape(ctx, a, b) == want, (a, b)
+        checked += 1
+    assert checked > 50 and refused > 50
+
+
+@pytest.mark.parametrize(
+    ("attrs", "inputs", "problem"),
+    [
+        ({"bits": 2, "block_size": 16}, 3, None),
+        ({"bits": 4, "block_size": 32}, 3, None),
+        ({"bits": 8, "block_size": 128}, 4, None),
+        ({"block_size": 32}, 3, None),  # bits defaults to 4
+        ({"bits": 3, "block_size": 32}, 3, "bits=3 is not supported"),
+        ({"bits": 1, "block_size": 32}, 3, "bits=1 is not supported"),
+        ({"bits": 9, "block_size": 32}, 3, "bits=9 is not supported"),
+        ({"bits": 16, "block_size": 32}, 3, "bits=16 is not supported"),
+        ({"bits": 4}, 3, "block_size=0 must be a power of 2 >= 16"),
+        ({"bits": 4, "block_size": 8}, 3, "block_size=8 must be"),
+        ({"bits": 4, "block_size": 48}, 3, "block_size=48 must be"),
+        ({"bits": 4, "block_size": 32}, 5, "g_idx input is not supported"),
+        ({"bits": 4, "block_size": 32, "weight_prepacked": 1}, 3, "weight_prepacked"),
+        ({"bits": 4, "block_size": 32, "accuracy_level": 4}, 3, None),
+        ({"bits": 4, "block_size": 32, "accuracy_level": 0}, 3, None),
+        ({"bits": 4, "block_size": 32, "accuracy_level": 5}, 3, "accuracy_level=5 is not one"),
+        ({"bits": 4, "block_size": 32, "accuracy_level": -1}, 3, "accuracy_level=-1 is not one"),
+    ],
+)
+def test_matmul_nbits_attribute_rules(attrs, inputs, problem):
+    from onnx_genrt.core.op_rules import matmul_nbits_unsupported
+
+    names = ("a", "b", "scales", "zp", "g_idx")[:inputs]
+    got = matmul_nbits_unsupported(_node("MatMulNBits", 1, names, K=64, N=8, **attrs))
+    if problem is None:
+        assert got is None
+    else:
+        assert got is not None and problem in got, got
+    empty_g_idx = ("a", "b", "scales", "zp", "")
+    node = _node("MatMulNBits", 1, empty_g_idx, K=64, N=8, bits=4, block_size=32)
+    assert matmul_nbits_unsupported(node) is None
+
+
+@pytest.mark.parametrize(
+    ("level", "zero_points", "int8"),
+    [
+        (4, None, True),
+        (4, np.uint8, True),
+        (4, np.float32, False),
+        (3, None, False),
+        (None, None, False),
+    ],
+)
+def test_matmul_nbits_int8_activations_at_level_4_only(level, zero_points, int8):
+    """onnxruntime's CPU MatMulNBits quantizes A to int8 at accuracy_level 4 with packed or no
+    zero points (tests/providers/cpu/test_nbits_int8_activations.py compares the values)."""
+    from onnx_genrt.core.op_rules import matmul_nbits_int8_activations
+
+    attrs = {} if level is None else {"accuracy_level": level}
+    node = _node("MatMulNBits", 1, ("a", "b", "s"), bits=4, block_size=32, **attrs)
+    assert matmul_nbits_int8_activations(node, zero_points) is int8
