@@ -128,7 +128,13 @@ def matmul_shape(ctx: KernelContext, a: Sequence[int], b: Sequence[int]) -> tupl
     b2 = (*b, 1) if len(b) == 1 else b
     if a2[-1] != b2[-2]:
         raise ValueError(f"{ctx.node.describe()}: MatMul inner dimensions differ: {a} @ {b}")
-    shape = (*np.broadcast_shapes(a2[:-2], b2[:-2]), a2[-2], b2[-1])
+    try:
+        batch = np.broadcast_shapes(a2[:-2], b2[:-2])
+    except ValueError:
+        raise ValueError(
+            f"{ctx.node.describe()}: MatMul batch dimensions do not broadcast: {a} @ {b}"
+        ) from None
+    shape = (*batch, a2[-2], b2[-1])
     if len(a) == 1:
         shape = shape[:-2] + shape[-1:]
     if len(b) == 1:

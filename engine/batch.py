@@ -151,7 +151,11 @@ class BatchGenerator:
             row = _Row(list(ids), len(ids), search, eos, np.random.default_rng(search.seed))
             self._row_runner(index).rewind_to(0)
             self.rows[index] = row
-            self._prefill(index, len(ids) if chunk is None else chunk)
+            try:
+                self._prefill(index, len(ids) if chunk is None else chunk)
+            except BaseException:
+                del self.rows[index]  # a prompt that cannot go in leaves its row free
+                raise
             return index
 
     def prefilling(self, index: int) -> bool:

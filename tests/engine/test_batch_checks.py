@@ -368,3 +368,27 @@ def test_min_length_reads_only_the_masked_rows_logits(eos_dir, monkeypatch, grap
         ref = generate(model, prompt, 9, min_length=len(prompt) + 6)
         assert batch.sequence(row) == ref.tokens
     assert generate(model, prompts[1], 9).stop_reason == "eos"  # without min_length: EOS
+
+
+def test_a_prompt_that_fails_its_prefill_leaves_its_row_free(qwen2_dir, tmp_path):
+    """``add`` whose prefill raises (a NaN embedding row in the prompt) frees the row it
+    took: the next prompt takes that row and decodes as onnxruntime-genai does, with no
+    prefilling row left behind."""
+    from onnx_genrt.core.errors import NonFiniteError
+
+    from ..llm_fixtures import nan_token_copy
+
+    bad = 42
+    folder = nan_token_copy(qwen2_dir, tmp_path / "nan", bad)
+    model = Model(folder)
+    batch = BatchGenerator(model, 2, 32)
+    with pytest.raises(NonFiniteError):
+        batch.add([5, bad, 7], _params(model, 12))
+    assert batch.free_rows() == 2 and not batch.rows
+    prompt = PROMPTS[1]
+    assert bad not in prompt
+    row = batch.add(prompt, _params(model, 12), ignore_eos=True)
+    while not batch.is_done(row):
+        batch.step()
+    assert row == 0
+    assert batch.sequence(row) == _onnxruntime_genai(folder, prompt, 12 - len(prompt))
