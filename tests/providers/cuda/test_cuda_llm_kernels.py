@@ -698,14 +698,17 @@ def test_matmul_nbits_capture_small_m_refuse_large_m(cp, fresh, rng):
         prov.replay(PRIMARY)
         want = nbits_np(attrs)(a, *inputs[1:3])
         close(prov.to_numpy(y), want, np.float16, scale=2)
-    big = dev(prov, rng.standard_normal((1, 33, 896)).astype(np.float16))
+    from onnx_genrt.providers.cuda.kernels.contrib_quant import CHUNKED_GEMV_MAX_M
+
+    m = CHUNKED_GEMV_MAX_M + 1  # above the capturable GEMV pieces and tensor-core rows
+    big = dev(prov, rng.standard_normal((1, m, 896)).astype(np.float16))
     with prov.stream:
-        y33 = cp.empty((1, 33, 4864), np.float16)
-    launch(prov, info, [big, *d_in[1:]], [y33])  # eager: dequantize once + cuBLAS
+        y_big = cp.empty((1, m, 4864), np.float16)
+    launch(prov, info, [big, *d_in[1:]], [y_big])  # eager: dequantize once + cuBLAS
     prov.begin_capture(VERIFY)
     with pytest.raises(CaptureUnsupported, match="cuBLAS"):
-        launch(prov, info, [big, *d_in[1:]], [y33])
-    prov.abort_capture(VERIFY, "MatMulNBits M=33")
+        launch(prov, info, [big, *d_in[1:]], [y_big])
+    prov.abort_capture(VERIFY, f"MatMulNBits M={m}")
 
 
 # ----------------------------------------------------------------------------- small ops
