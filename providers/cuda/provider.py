@@ -25,7 +25,7 @@ from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 from .host_shadow import HostShadow
 from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
-from .kernels.contrib_attention import ATTENTION_GEMM_MIN_ROWS
+from .kernels.contrib_attention import ATTENTION_FLASH_MIN_ROWS, ATTENTION_GEMM_MIN_ROWS
 from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
 from .kernels.matmul import MMA_MAX_M, MMA_MIN_ROWS
@@ -85,6 +85,14 @@ class CUDAProvider(ExecutionProvider):
             "rows (M) from which MatMul on a transposed fp16/bf16 weight runs on the tensor "
             f"cores, up to {MMA_MAX_M} rows (0: never; gemv_nk up to 16 rows, then cuBLAS)",
             env="ONNX_GENRT_MMA_MIN_ROWS",
+        ),
+        ProviderOption(
+            "attention_flash_min_rows",
+            ATTENTION_FLASH_MIN_ROWS,
+            "new rows (a prompt of more than 16) from which fp16/bf16 GroupQueryAttention with "
+            "head size 64 or 128 runs the tensor-core flash kernel, eager and captured (0: "
+            "never; then attention_gemm_min_rows decides)",
+            env="ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS",
         ),
         ProviderOption(
             "attention_gemm_min_rows",

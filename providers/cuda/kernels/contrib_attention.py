@@ -78,6 +78,8 @@ from ._common import (
     sm_count,
     storage,
 )
+from ._flash import flash_attend, flash_attention_problem
+from ._gqa_device import GQA_DEVICE
 from ._registry import REGISTRY
 from .reduce import zeroed_counters
 
@@ -96,6 +98,11 @@ FUSE_MAX_NEW = 16
 #: Default of the CUDA provider's ``attention_gemm_min_rows``: new rows (a prompt) from which
 #: GroupQueryAttention runs as matrix products on eager runs (``providers/cuda/attention_gemm``).
 ATTENTION_GEMM_MIN_ROWS = 512
+#: Default of the CUDA provider's ``attention_flash_min_rows``: new rows (a prompt of more than
+#: FUSE_MAX_NEW) from which fp16/bf16 GroupQueryAttention runs the tensor-core flash kernel
+#: (``_flash``). One full query tile: shorter prompts after a long past have too few blocks
+#: (one per head and 64 rows) and are left to ``gqa_attn``'s key splits.
+ATTENTION_FLASH_MIN_ROWS = 64
 #: Decode / verify (up to FUSE_MAX_NEW new tokens) on sm_90+: the 8 splits of a (row, head)
 #: form a thread-block cluster and merge through distributed shared memory (no counter, no
 #: global round trips); False: the many-split kernel with a last-block-done merge.
@@ -107,48 +114,8 @@ _SHARED_MAX = 48 << 10
 
 _SOURCE = (
     DEVICE_COMMON
+    + GQA_DEVICE
     + r"""
-// Rotation of feature d < rot: it mixes with feature `partner` through cos / sin entry j.
-DEVI void rope_index(int d, int rot, int interleaved, int& j, int& partner, float& sign) {
-  const int half = rot >> 1;
-  if (interleaved) { j = d >> 1; partner = d ^ 1; sign = (d & 1) ? 1.f : -1.f; }
-  else if (d < half) { j = d; partner = d + half; sign = -1.f; }
-  else { j = d - half; partner = d - half; sign = 1.f; }
-}
-DEVI int rope_partner(int d, int rot, int interleaved) {
-  int j, partner;
-  float sign;
-  rope_index(d, rot, interleaved, j, partner, sign);
-  return partner;
-}
-// Rotated feature d < rot from its value v and its partner's value pv.
-template <typename C>
-DEVI float rope_mix(float v, float pv, int d, int rot, int interleaved, const C* cs, const C* sn) {
-  int j, partner;
-  float sign;
-  rope_index(d, rot, interleaved, j, partner, sign);
-  return v * ld(cs, j) + sign * pv * ld(sn, j);
-}
-// Element d of the rotated head row x (rot leading features rotated, the rest copied).
-// cs / sn point at the position's cos / sin row of rot / 2 values.
-template <typename S, typename C>
-DEVI float rope_elem(const S* x, int d, int rot, int interleaved, const C* cs, const C* sn) {
-  const float v = ld(x, d);
-  if (d >= rot) return v;
-  return rope_mix(v, ld(x, rope_partner(d, rot, interleaved)), d, rot, interleaved, cs, sn);
-}
-
-DEVI int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
-
-// Rows of a window-sized cache (sliding_window_cache=1) holding tokens after `total` tokens:
-// total until the cache is full, then compacted in blocks of cap - window + 1 rows
-// (core.op_rules.windowed_cache_length; cap >= window >= 1, checked on the host).
-DEVI int window_rows(int total, int cap, int window) {
-  if (total <= cap) return total;
-  const int block = cap - window + 1;
-  return total - block * ((total - cap + block - 1) / block);
-}
-
 // New keys (rotated) and values into the cache at their absolute positions.
 // grid (B * S, kvh); k_new / v_new rows of k_row / v_row elements, head h at h * D.
 template <typename S, typename C>
@@ -847,12 +814,11 @@ def group_query_attention(
     if y.size == 0:
         return y, past_key, past_value
     fuse = call.new <= FUSE_MAX_NEW
-    if not fuse:
-        _gqa_append(call)
-    if not fuse and _gemm_attention_fits(ctx, call):
-        _gqa_attend_gemm(ctx, call, y)
+    if fuse:
+        _gqa_attend(ctx, call, y, True)
     else:
-        _gqa_attend(ctx, call, y, fuse)
+        _gqa_append(call)
+        _gqa_attend_prompt(ctx, call, y)
     if call.wcache and fuse:  # the new rows were kept out of the cache: compact, then store them
         _gqa_window_store(call)
     return y, past_key, past_value
@@ -1074,6 +1040,32 @@ def _gqa_window_store(call: _GqaCall) -> None:
     """Compact a window-sized cache and store the new rows (after a fused attention)."""
     store = function(_SOURCE, f"gqa_window_store<{call.s_type}, {call.c_type}>")
     store((call.batch, call.kv_heads), _kv_block(call), _kv_args(call))
+
+
+def _gqa_attend_prompt(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray) -> None:
+    """A prompt's attention, its keys and values appended: the flash kernel where it takes
+    the call, else matrix products (eager, long prompts), else ``gqa_attn``."""
+    if _flash_fits(ctx, call, y):
+        flash_attend(ctx, call, y)
+    elif _gemm_attention_fits(ctx, call):
+        _gqa_attend_gemm(ctx, call, y)
+    else:
+        _gqa_attend(ctx, call, y, False)
+
+
+def attention_flash_min_rows(ctx: KernelContext) -> int:
+    """New rows from which a prompt's attention runs the flash kernel (the CUDA provider's
+    ``attention_flash_min_rows``; 0: never)."""
+    return int(ctx.option("attention_flash_min_rows", ATTENTION_FLASH_MIN_ROWS))
+
+
+def _flash_fits(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray) -> bool:
+    """Whether ``flash_attend`` takes a prompt (more than FUSE_MAX_NEW new rows): at least
+    ``attention_flash_min_rows`` of them and nothing ``flash_attention_problem`` refuses."""
+    least = attention_flash_min_rows(ctx)
+    if not least or call.new < least:
+        return False
+    return flash_attention_problem(call, y, _cc_major()) is None
 
 
 def attention_gemm_min_rows(ctx: KernelContext) -> int:

@@ -1,7 +1,7 @@
-"""Each RawKernel a CUDA kernel module launches is defined in the source it compiles, and
-each device helper those sources call is defined there too: checked on the text, with CuPy
-stubbed in a child process, so a source split between modules fails here, not only on a
-GPU (which then says so at the first compile)."""
+"""Each RawKernel a CUDA kernel module (or a helper module such as ``_flash``) launches is
+defined in the source it compiles, and each device helper those sources call is defined
+there too: checked on the text, with CuPy stubbed in a child process, so a source split
+between modules fails here, not only on a GPU (which then says so at the first compile)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ _CHILD = r"""
 import importlib, json, pathlib, re
 import onnx_genrt.providers.cuda.kernels as pkg
 found, problems = 0, []
-for path in sorted(pathlib.Path(pkg.__file__).parent.glob("[!_]*.py")):
+for path in sorted(pathlib.Path(pkg.__file__).parent.glob("*.py")):
+    if path.stem == "__init__":
+        continue
     mod = importlib.import_module(f"{pkg.__name__}.{path.stem}")
     text = path.read_text()
     for m in re.finditer(r'function\(\s*(_[A-Z_]+)\s*,\s*f?"([A-Za-z_0-9]+)', text):
