@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Long prompts on the GPU (issue 19): the Qwen2.5-0.5B shape with random fp16 weights built for
 # 32768 positions, prefill (time to first token) and decode after P prompt tokens, with the
-# prompt attention as matrix products (default) and as the attention kernels
-# (ONNX_GENRT_ATTENTION_GEMM_MIN_ROWS=0), then HF transformers (sdpa) on the same weights.
+# prompt attention on the flash-attention kernel (default), as matrix products
+# (ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0) and as the attention kernels (both options 0), then
+# HF transformers (sdpa) on the same weights.
 #   bash scripts/gpu_long_bench.sh            (GPU_LONG_PROMPTS="256 8192 30000" by default)
 # Needs the onnxruntime-genai wheel in .whl/ for the builder. Logs go to $OUT when set.
 set -uo pipefail
@@ -32,17 +33,19 @@ if [ ! -f "$dst/genai_config.json" ]; then
     || { echo "builder failed"; tail -n 20 "$LOGDIR/builder-32k.log"; exit 1; }
 fi
 for p in $PROMPTS; do
-  for gemm in default 0; do
-    tag="attention_gemm_min_rows=$gemm"
-    echo "== $p prompt tokens, $TOKENS new, $tag"
-    if [ "$gemm" = default ]; then
+  # flash: the defaults; gemm: matrix products (flash off); kernels: gqa_attn (both off).
+  for path in flash gemm kernels; do
+    case "$path" in
+      flash) flash=""; gemm="" ;;
+      gemm) flash=0; gemm="" ;;
+      kernels) flash=0; gemm=0 ;;
+    esac
+    echo "== $p prompt tokens, $TOKENS new, prompt attention: $path"
+    env ${flash:+ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=$flash} \
+      ${gemm:+ONNX_GENRT_ATTENTION_GEMM_MIN_ROWS=$gemm} \
       "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --no-reference --prompt-tokens "$p" \
-        --tokens "$TOKENS" --repeats 3 2>>"$LOGDIR/long.err" | grep -E "^onnx-genrt|^runtime" | tee -a "$LOGDIR/long.txt"
-    else
-      ONNX_GENRT_ATTENTION_GEMM_MIN_ROWS=0 "$PY" -m onnx_genrt bench --model "$dst" --provider cuda \
-        --no-reference --prompt-tokens "$p" --tokens "$TOKENS" --repeats 3 2>>"$LOGDIR/long.err" \
-        | grep -E "^onnx-genrt|^runtime" | tee -a "$LOGDIR/long.txt"
-    fi
+      --tokens "$TOKENS" --repeats 3 2>>"$LOGDIR/long.err" | grep -E "^onnx-genrt|^runtime" \
+      | tee -a "$LOGDIR/long.txt"
   done
   echo "== HF transformers (sdpa), $p prompt tokens"
   timeout "${HF_BENCH_TIMEOUT:-120}" "$PY" scripts/hf_bench.py --model "$WORK/hf-0.5b-32k" --device cuda \

@@ -1,7 +1,8 @@
 """CUDA GroupQueryAttention for long prompts as matrix products (``attention_gemm_min_rows``,
 ``providers/cuda/attention_gemm.py``) against the CPU provider's kernel on the same inputs:
 a prompt, a prompt after a past (chunked prefill), a local window, softcap, two batch entries
-of different lengths. Marked ``gpu``."""
+of different lengths; the flash kernel is off (``attention_flash_min_rows=0``), since it would
+take the fp16 calls. Marked ``gpu``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ import pytest
 from tests.providers.cuda.test_cuda_gqa_window import _close, _cpu, _gpu, _node, _rope
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gemm_prov(cp):
+    """A provider whose fp16 prompts skip the flash kernel (test_cuda_flash_attention.py)."""
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
+
+    return CUDAProvider(attention_flash_min_rows=0)
 
 
 @pytest.fixture
@@ -39,8 +48,9 @@ def gemm_calls(monkeypatch):
     ],
     ids=["prompt", "after-a-past", "window-softcap", "batch2"],
 )
-def test_long_prompt_attention_matches_cpu(cp, prov, rng, gemm_calls, dtype, steps, window,
+def test_long_prompt_attention_matches_cpu(cp, gemm_prov, rng, gemm_calls, dtype, steps, window,
                                            softcap, batch):  # fmt: skip
+    prov = gemm_prov
     dtype = np.dtype(dtype)
     h, kvh, d, cap = 8, 2, 64, 1200
     attrs = {"num_heads": h, "kv_num_heads": kvh, "do_rotary": 1, "softcap": softcap}
@@ -80,7 +90,7 @@ def test_short_prompts_and_the_option_keep_the_kernels(cp, rng, gemm_calls):
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
     for option, s in ((512, 100), (0, 600)):
-        prov = CUDAProvider(attention_gemm_min_rows=option)
+        prov = CUDAProvider(attention_gemm_min_rows=option, attention_flash_min_rows=0)
         info = _node(7, {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 0})
         cache = [prov.as_array(np.zeros((1, 2, 700, 32), np.float32)) for _ in range(2)]
         qkv = prov.as_array(rng.standard_normal((1, s, 8 * 32)).astype(np.float32))

@@ -22,6 +22,8 @@ from onnx_genrt.providers.cuda.flash_tiling import (
     Rotary,
     flash_attention,
 )
+from tests.providers.cuda.test_cuda_flash_attention import CASES as GPU_CASES
+from tests.providers.cuda.test_cuda_flash_attention import _gqa_node
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -184,3 +186,42 @@ def test_storage_rounding_stays_within_the_gpu_tests_tolerance(dtype, tol):
     got = flash_attention(q, kc, vc, seqlens, rotary=rotary, storage=dtype, **opts)
     want = _reference(q, kc, vc, seqlens, rotary=rotary, **opts)
     np.testing.assert_allclose(got, want, rtol=tol / 2, atol=tol / 2)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_mirror_matches_the_cpu_provider_on_the_gpu_tests_steps(case, dtype):
+    """Each step of the GPU tests' cases (test_cuda_flash_attention.py), with the kernel's
+    16-bit roundings, against the CPU provider's GroupQueryAttention within the tolerance
+    those tests allow: the mirror reads the same contract (padding rows of a short entry,
+    sinks, smooth softmax, not causal, partial rotary, a window-sized cache) the same way."""
+    from tests.providers.cuda.test_cuda_gqa_window import TOL, _cpu, _rope
+
+    b, h, kvh, d, cap, attrs, steps = GPU_CASES[case]
+    rng = np.random.default_rng(len(case))
+    rot = d - 16 if case == "interleaved-partial-rotary" else d
+    cos, sin = _rope(4096, rot, dtype)
+    caches = [rng.standard_normal((b, kvh, cap, d)).astype(dtype) for _ in range(2)]
+    attrs = {"num_heads": h, "kv_num_heads": kvh, "do_rotary": 1, **attrs}
+    info = _gqa_node(attrs)
+    for s, totals in steps:
+        qkv = rng.standard_normal((b, s, (h + 2 * kvh) * d)).astype(dtype)
+        seqlens = np.array(totals, np.int32) - 1
+        host = [qkv, None, None, *caches, seqlens, np.array(cap, np.int32), cos, sin]
+        want, *caches = _cpu(info, host)
+        got = flash_attention(
+            qkv[:, :, : h * d].reshape(b, s, h, d),
+            *caches,
+            seqlens,
+            scale=1.0 / math.sqrt(d),
+            softcap=float(attrs.get("softcap", 0.0)),
+            window=int(attrs.get("local_window_size", 0)),
+            causal=bool(attrs.get("causal", 1)),
+            wcache=bool(attrs.get("sliding_window_cache", 0)),
+            sinks=np.zeros(h) if attrs.get("smooth_softmax") else None,
+            rotary=Rotary(cos, sin, bool(attrs.get("rotary_interleaved", 0))),
+            storage=dtype,
+        )
+        got = got.reshape(want.shape).astype(dtype).astype(np.float64)
+        tol = TOL[dtype]
+        np.testing.assert_allclose(got, want.astype(np.float64), rtol=tol, atol=tol)
