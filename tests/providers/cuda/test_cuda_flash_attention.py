@@ -65,6 +65,14 @@ class _Prompt:
         self.sinks = None if sinks is None else sinks.astype(self.dtype)
         self.info = _gqa_node(self.attrs, sinks is not None)
 
+    def poison(self, totals: list[int]) -> None:
+        """NaN in each entry's cache rows from ``totals`` on, which no kernel may read."""
+        for i, t in enumerate(totals):
+            for host, dev in zip(self.host, self.dev, strict=True):
+                host[i, :, t:] = np.nan
+                with self.prov.stream:  # ordered with the kernels on the provider's stream
+                    dev[i, :, t:] = np.nan
+
     def inputs(self, s: int, totals: list[int]) -> tuple[list, np.ndarray, np.ndarray]:
         """(CPU inputs, the step's qkv, its seqlens) for ``s`` new rows per entry."""
         qkv = self.rng.standard_normal((self.b, s, (self.h + 2 * self.kvh) * self.d))
@@ -84,7 +92,8 @@ class _Prompt:
     def step(self, s: int, totals: list[int]) -> None:
         host, qkv, seqlens = self.inputs(s, totals)
         dev = self.device_inputs(self.prov.as_array(qkv), self.prov.as_array(seqlens))
-        y = self.cp.full((self.b, s, self.h * self.d), np.nan, self.dtype)
+        with self.prov.stream:
+            y = self.cp.full((self.b, s, self.h * self.d), np.nan, self.dtype)
         got = _gpu(self.prov, self.info, dev, [y])
         assert got[0] is y and got[1] is self.dev[0] and got[2] is self.dev[1]
         self.check(y, host, s, totals)
@@ -132,6 +141,7 @@ def test_flash_prompt_matches_cpu(cp, prov, rng, flash_calls, case, dtype):
     b, h, kvh, d, cap, attrs, steps = CASES[case]
     rot = d - 16 if case == "interleaved-partial-rotary" else None
     pair = _Prompt(cp, prov, rng, dtype, b=b, h=h, kvh=kvh, d=d, cap=cap, attrs=attrs, rot=rot)
+    pair.poison(steps[-1][1])
     for s, totals in steps:
         pair.step(s, totals)
     assert flash_calls == [s for s, _ in steps]
@@ -141,6 +151,7 @@ def test_flash_prompt_matches_cpu(cp, prov, rng, flash_calls, case, dtype):
 def test_flash_head_sinks_match_cpu(cp, prov, rng, flash_calls, dtype):
     sinks = rng.standard_normal(14) * 2
     pair = _Prompt(cp, prov, rng, dtype, b=2, h=14, kvh=2, d=64, cap=300, attrs={}, sinks=sinks)
+    pair.poison([166, 150])
     pair.step(96, [96, 80])
     pair.step(70, [166, 150])
     assert flash_calls == [96, 70]

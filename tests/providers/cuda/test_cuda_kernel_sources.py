@@ -5,6 +5,12 @@ between modules fails here, not only on a GPU (which then says so at the first c
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
+import pytest
+
 from tests.cuda_stub import run_with_cupy_stub
 
 _CHILD = r"""
@@ -34,3 +40,38 @@ def test_cuda_raw_kernels_are_defined_in_the_sources_that_launch_them():
     result = run_with_cupy_stub(_CHILD)
     assert result["found"] >= 10  # the launches were seen at all
     assert result["problems"] == []
+
+
+_FLASH_DUMP = r"""
+import json, sys
+import onnx_genrt.providers.cuda.kernels._flash as flash
+names = []
+for s in ("half_t", "bf16_t"):
+    for c in ("float", s):
+        for d in flash.HEAD_SIZES:
+            names.append(f"flash_attn<{s}, {c}, {d}, {flash.flash_min_blocks(d)}>")
+body = "".join(f"  auto k{i} = &{n}; (void)k{i};\n" for i, n in enumerate(names))
+open(sys.argv[1], "w").write(flash._SOURCE + "\nvoid instantiate() {\n" + body + "}\n")
+print(json.dumps(names))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_flash_kernel_compiles_without_spills(tmp_path, arch):
+    """The flash-attention source, every instance the provider launches, through nvcc
+    (where it is installed): it compiles, and ptxas keeps every accumulator in registers."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    source = tmp_path / "flash.cu"
+    names = run_with_cupy_stub(_FLASH_DUMP, str(source))
+    done = subprocess.run(
+        [nvcc, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-diag-suppress",
+         "550", str(source), "-o", str(tmp_path / "flash.cubin")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
+    assert len(spills) == len(names) == 8
+    assert all(s == ("0", "0") for s in spills), done.stderr

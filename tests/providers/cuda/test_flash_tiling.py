@@ -86,6 +86,9 @@ def test_mirror_matches_attend_rows(case, interleaved):
     rng = np.random.default_rng(len(case) * 7 + interleaved)
     q, kc, vc = _inputs(rng, batch, s, heads, kvh, d, cap)
     seqlens = np.array(totals, np.int32) - 1
+    for i, seqlen in enumerate(seqlens):  # rows past the length are never read
+        rows = _entry(int(seqlen), s, cap, window, wcache)[2]
+        kc[i, :, rows:] = vc[i, :, rows:] = np.nan
     rotary = _rotary(1024, d - 16, interleaved)  # rot < D: the last features pass through
     scale = 1.0 / math.sqrt(d)
     opts = dict(scale=scale, softcap=softcap, window=window, causal=causal, wcache=wcache)
