@@ -1,8 +1,8 @@
 """The tiling of the CUDA flash-attention prompt kernel (``kernels/_flash.py``), mirrored in
 numpy so that it is checked on any machine.
 
-The kernel gives each block ``BLOCK_Q`` query rows of one head of one batch entry, in
-``WARPS`` warps of ``WARP_ROWS`` rows. The block walks the key tiles of ``BLOCK_K`` cache
+The kernel gives each block ``block_rows(D)`` query rows of one head of one batch entry, in
+``WARPS`` warps of ``warp_rows(D)`` rows (one or two 16-row mma tiles). The block walks the key tiles of ``BLOCK_K`` cache
 rows that its rows can see, in ascending order; a warp skips a tile none of its rows sees,
 and applies the causal / window mask only on a tile that some of its rows see in part. Each
 warp keeps an online softmax per row in base 2 (running max and sum, the output rescaled
@@ -24,16 +24,29 @@ from onnx_genrt.core.op_rules import windowed_cache_length
 
 from .attention_gemm import rotate_rows
 
-#: Query rows of one block.
-BLOCK_Q = 64
 #: Keys of one shared-memory tile.
 BLOCK_K = 64
-#: Query rows of one warp (the M of mma.m16n8k16).
-WARP_ROWS = 16
 #: Warps of one block.
-WARPS = BLOCK_Q // WARP_ROWS
-#: Head sizes the kernel is instantiated for.
-HEAD_SIZES = (64, 128)
+WARPS = 4
+#: Query rows of one mma.m16n8k16 tile.
+MMA_ROWS = 16
+#: The head sizes the kernel is instantiated for, and the 16-row tiles each warp owns: two at
+#: 64 (a block of 128 rows then reads each K/V tile from L2 for twice the rows), one at 128
+#: (twice its accumulators would not fit in registers).
+WARP_TILES = {64: 2, 128: 1}
+HEAD_SIZES = tuple(WARP_TILES)
+
+
+def warp_rows(head_size: int) -> int:
+    """Query rows of one warp."""
+    return MMA_ROWS * WARP_TILES.get(head_size, 1)
+
+
+def block_rows(head_size: int) -> int:
+    """Query rows of one block."""
+    return WARPS * warp_rows(head_size)
+
+
 #: Scores are kept in base 2 (exp2 is one instruction): natural logits times log2(e).
 LOG2E = 1.4426950408889634
 
@@ -123,6 +136,7 @@ class _Call:
     rotary: Rotary | None
     round_to: Callable[[np.ndarray], np.ndarray]
     visits: list[tuple[int, ...]] | None
+    warp_rows: int
 
 
 def flash_attention(
@@ -140,6 +154,7 @@ def flash_attention(
     rotary: Rotary | None = None,
     storage: Any = None,
     visits: list[tuple[int, ...]] | None = None,
+    rows_per_warp: int | None = None,
 ) -> np.ndarray:
     """The kernel's output [B, S, N, D] (float64) for query rows ``q`` [B, S, N, D] as read
     from the input (before rotary), the KV caches [B, kvN, cap, D] with the new keys already
@@ -147,14 +162,17 @@ def flash_attention(
     head. ``storage`` (a numpy dtype such as float16): round the rotated query and the
     probabilities fed to the second product to it, as the kernel does; None keeps float64.
     ``visits`` (a list) collects (b, h, query tile, key tile, warp, work) for every warp of
-    every visited tile, in the kernel's order."""
-    batch, s, heads, _ = q.shape
+    every visited tile, in the kernel's order. ``rows_per_warp``: the kernel's for the head
+    size (``warp_rows``) unless given."""
+    batch, s, heads, d = q.shape
     kv_heads, cap = key_cache.shape[1], key_cache.shape[2]
 
     def round_to(x: np.ndarray) -> np.ndarray:
         return x if storage is None else x.astype(storage).astype(np.float64)
 
-    call = _Call(scale, softcap, window, causal, rotary, round_to, visits)
+    wr = warp_rows(d) if rows_per_warp is None else rows_per_warp
+    call = _Call(scale, softcap, window, causal, rotary, round_to, visits, wr)
+    bq = WARPS * wr
     y = np.zeros(q.shape)
     for b in range(batch):
         lens = entry_lengths(int(seqlens[b]), s, cap, window, wcache)
@@ -163,8 +181,8 @@ def flash_attention(
             values = value_cache[b, h // (heads // kv_heads)].astype(np.float64)
             sink = None if sinks is None else float(sinks[h])
             # The grid runs the query tiles of the most keys first (causal: the last).
-            for qt in reversed(range(math.ceil(s / BLOCK_Q))):
-                rows = slice(qt * BLOCK_Q, min(s, (qt + 1) * BLOCK_Q))
+            for qt in reversed(range(math.ceil(s / bq))):
+                rows = slice(qt * bq, min(s, (qt + 1) * bq))
                 if lens.overflow:
                     y[b, rows, h] = np.nan
                     continue
@@ -202,7 +220,8 @@ def _query_block(
     rows, d = qx.shape
     first = lens.base + i0
     last = first + rows - 1
-    warps = [slice(w * WARP_ROWS, min(rows, (w + 1) * WARP_ROWS)) for w in range(WARPS)]
+    wr = call.warp_rows
+    warps = [slice(w * wr, min(rows, (w + 1) * wr)) for w in range(WARPS)]
     warps = [w for w in warps if w.start < rows]  # a warp past the rows idles
     m = [np.full(w.stop - w.start, -np.inf) for w in warps]
     lsum = [np.zeros(w.stop - w.start) for w in warps]

@@ -49,7 +49,7 @@ names = []
 for s in ("half_t", "bf16_t"):
     for c in ("float", s):
         for d in flash.HEAD_SIZES:
-            names.append(f"flash_attn<{s}, {c}, {d}, {flash.flash_min_blocks(d)}>")
+            names.append(f"flash_attn<{flash.flash_template_args(s, c, d)}>")
 body = "".join(f"  auto k{i} = &{n}; (void)k{i};\n" for i, n in enumerate(names))
 open(sys.argv[1], "w").write(flash._SOURCE + "\nvoid instantiate() {\n" + body + "}\n")
 print(json.dumps(names))

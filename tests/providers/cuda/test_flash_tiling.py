@@ -15,10 +15,9 @@ from onnx_genrt.core.op_rules import windowed_cache_length
 from onnx_genrt.providers.cuda.attention_gemm import attend_rows, rotate_rows
 from onnx_genrt.providers.cuda.flash_tiling import (
     BLOCK_K,
-    BLOCK_Q,
     FULL,
     SKIP,
-    WARP_ROWS,
+    WARPS,
     Rotary,
     flash_attention,
 )
@@ -106,8 +105,9 @@ def _visible(row: int, key: int, keys: int, window: int, causal: bool) -> bool:
     return key <= row and (window <= 0 or key > row - window)
 
 
+@pytest.mark.parametrize("rows_per_warp", [16, 32])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tiles_visited_are_those_with_a_visible_key(case):
+def test_tiles_visited_are_those_with_a_visible_key(case, rows_per_warp):
     """Each block visits, in ascending order, exactly the key tiles where one of its rows
     sees a key; a warp skips a tile where none of its rows sees one and leaves the mask off
     only where all of its rows see all of it. Query tiles run last to first."""
@@ -116,15 +116,16 @@ def test_tiles_visited_are_those_with_a_visible_key(case):
     visits: list[tuple[int, ...]] = []
     seqlens = np.array(totals, np.int32) - 1
     opts = dict(scale=0.1, window=window, causal=causal, wcache=wcache, visits=visits)
-    flash_attention(q, kc, vc, seqlens, **opts)
-    n_qt = math.ceil(s / BLOCK_Q)
+    flash_attention(q, kc, vc, seqlens, rows_per_warp=rows_per_warp, **opts)
+    bq = WARPS * rows_per_warp
+    n_qt = math.ceil(s / bq)
     for b in range(batch):
         _, base, keys = _entry(int(seqlens[b]), s, cap, window, wcache)
         for h in range(heads):
             mine = [v[2:] for v in visits if v[:2] == (b, h)]
             assert [v[0] for v in mine] == sorted((v[0] for v in mine), reverse=True)
             for qt in range(n_qt):
-                rows = range(base + qt * BLOCK_Q, base + min(s, (qt + 1) * BLOCK_Q))
+                rows = range(base + qt * bq, base + min(s, (qt + 1) * bq))
                 want = [
                     kt
                     for kt in range(math.ceil(cap / BLOCK_K))
@@ -137,7 +138,7 @@ def test_tiles_visited_are_those_with_a_visible_key(case):
                 tiles = [v[1] for v in mine if v[0] == qt and v[2] == 0]
                 assert tiles == want, (b, h, qt)
                 for _, kt, w, work in (v for v in mine if v[0] == qt):
-                    wrows = rows[w * WARP_ROWS : (w + 1) * WARP_ROWS]
+                    wrows = rows[w * rows_per_warp : (w + 1) * rows_per_warp]
                     seen = [
                         _visible(r, k, keys, window, causal)
                         for r in wrows
