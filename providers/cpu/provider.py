@@ -17,9 +17,12 @@ from onnx_genrt.core.kernels import Bind, KernelContext, KernelDef, KernelRegist
 from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 from onnx_genrt.core.tensor import buffer_address
 
+from .cores import physical_cores
 from .kernels import REGISTRY
 
 ALIGNMENT = 64
+#: The ``threads`` option's default: one thread per physical core this process may use.
+AUTO_THREADS = "auto"
 
 
 class RecordedGraph:
@@ -111,19 +114,21 @@ class CPUProvider(ExecutionProvider):
         ),
     )
 
-    def __init__(self, threads: int | None = 1, **options: Any) -> None:
-        """``threads`` caps BLAS and Numba threads for the process (``None`` leaves them).
+    def __init__(self, threads: int | str | None = AUTO_THREADS, **options: Any) -> None:
+        """``threads`` sets the process's threads for the skinny kernels' worker pool, BLAS
+        and Numba: ``"auto"`` (the default) one per physical core this process may use
+        (:func:`~onnx_genrt.providers.cpu.cores.physical_cores`), ``None`` leaves them.
 
-        The default is 1: decode-sized matmuls gain little from a second thread, and
-        multi-threaded OpenBLAS spin-waits badly when another process holds a core (a many
-        times slower decode was measured: docs/performance.md).
+        The skinny kernels' workers never make the caller wait (``kernels/_worker_pool``),
+        so a core busy with other work costs at most the share of a step it would have
+        done (docs/performance.md).
         """
         super().__init__(**options)
         self._graphs: dict[tuple[DeviceGraphSlot, int], RecordedGraph] = {}
         self._recording: RecordedGraph | None = None
-        self.threads = threads
-        if threads is not None:
-            set_threads(threads)
+        self.threads = physical_cores() if threads == AUTO_THREADS else threads
+        if self.threads is not None:
+            set_threads(self.threads)
 
     @property
     def device(self) -> Device:
@@ -197,11 +202,14 @@ class CPUProvider(ExecutionProvider):
 
 
 def set_threads(threads: int) -> None:
-    """Cap the BLAS and Numba thread pools of this process."""
+    """Set the threads of this process's skinny kernels (their worker pool), BLAS and Numba."""
     threads = check_int(threads, "CPU provider option threads", minimum=1)
     import numba
     from threadpoolctl import threadpool_limits
 
+    from .kernels._worker_pool import set_pool_threads
+
+    set_pool_threads(threads)
     threadpool_limits(limits=threads, user_api="blas")
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 

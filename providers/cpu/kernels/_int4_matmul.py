@@ -29,6 +29,7 @@ from ._worker_pool import (
     ARGS,
     COPY,
     FIRST_ARG,
+    MAX_CHUNKS,
     OUT,
     carve,
     chunk_count,
@@ -363,11 +364,15 @@ def run_pooled(
         pool.settle(status, (x, w.tiles, w.scales, w.zeros, out), what)
 
 
-def int4_matmul(x: np.ndarray, w: Int4Tiles, out: np.ndarray) -> np.ndarray:
-    """``out`` (M, N) float32 = ``x`` (M, K) float32 @ dequant(W)^T, split over the worker
-    pool's threads for large enough calls."""
-    chunks = tile_parts(*x.shape, w)
-    if chunks == 1:
+def int4_matmul(
+    x: np.ndarray, w: Int4Tiles, out: np.ndarray, chunks: int | None = None
+) -> np.ndarray:
+    """``out`` (M, N) float32 = ``x`` (M, K) float32 @ dequant(W)^T, split into ``chunks``
+    (default ``tile_parts``) over the worker pool's threads."""
+    if chunks is None:
+        chunks = tile_parts(*x.shape, w)
+    chunks = min(chunks, w.tiles.shape[0], MAX_CHUNKS)
+    if chunks == 1 or pool_threads() < 2:
         _int4_serial(x, w.tiles, w.scales, w.zeros, w.block, out)
         return out
     m = x.shape[0]

@@ -30,11 +30,13 @@ from ._worker_pool import (
     ARGS,
     COPY,
     FIRST_ARG,
+    MAX_CHUNKS,
     OUT,
     carve,
     chunk_runner,
     enter,
     operand_address,
+    pool_threads,
     run_job,
     set_arg,
 )
@@ -279,14 +281,18 @@ def _q8_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
     return run_job(ctrl, runner, chunks)
 
 
-def int4_int8_matmul(x: np.ndarray, w: Int4Tiles, out: np.ndarray) -> np.ndarray:
+def int4_int8_matmul(
+    x: np.ndarray, w: Int4Tiles, out: np.ndarray, chunks: int | None = None
+) -> np.ndarray:
     """``out`` (M, N) float32 = ``x`` (M, K) float32 @ dequant(W)^T with x quantized to int8
-    per block (accuracy_level 4), split over the worker pool's threads for large enough
-    calls. ``w`` has ``ROWS`` rows per tile."""
+    per block (accuracy_level 4), split into ``chunks`` (default ``tile_parts``) over the
+    worker pool's threads. ``w`` has ``ROWS`` rows per tile."""
     if w.tiles.shape[2] != ROWS:
         raise ValueError(f"int8-activation tiles need {ROWS} rows, got {w.tiles.shape[2]}")
-    chunks = tile_parts(*x.shape, w)
-    if chunks == 1:
+    if chunks is None:
+        chunks = tile_parts(*x.shape, w)
+    chunks = min(chunks, w.tiles.shape[0], MAX_CHUNKS)
+    if chunks == 1 or pool_threads() < 2:
         _q8_serial(x, w.block, w.tiles, w.scales, w.zeros, out)
         return out
     m = x.shape[0]

@@ -12,7 +12,7 @@ nopython code needs them on the CPU. These emit LLVM's own instructions:
   ``numba.carray``;
 - ``call_address(addr, a, b, c)``: a call of the C function ``int64 f(int64, int64, int64)``
   at ``addr`` (a ``numba.cfunc``'s ``address``); ``call_c_int(addr, a)``: a call of ``int
-  f(void *)`` (such as libc's ``sem_post``). Addresses come in at run time, so functions
+  f(void *)`` (such as libc's ``sem_post``), ``call_c_void_int(addr)`` of ``int f(void)``. Addresses come in at run time, so functions
   using them stay cacheable (a ctypes function as a global is not).
 """
 
@@ -183,7 +183,10 @@ def call_address(typingctx, addr, a, b, c):
     def codegen(context, builder, sig, args):
         fn_type = ir.FunctionType(_I64, [_I64, _I64, _I64])
         fn = builder.inttoptr(args[0], fn_type.as_pointer())
-        values = [context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], sig.args[1:])]
+        values = [
+            context.cast(builder, v, t, types.int64)
+            for v, t in zip(args[1:], sig.args[1:], strict=True)
+        ]
         return builder.call(fn, values)
 
     return types.int64(addr, a, b, c), codegen
@@ -205,3 +208,17 @@ def call_c_int(typingctx, addr, arg):
         return builder.sext(result, _I64)
 
     return types.int64(addr, arg), codegen
+
+
+@intrinsic
+def call_c_void_int(typingctx, addr):
+    """``((int (*)(void)) addr)()``, widened to int64 (such as libc's ``sched_yield``)."""
+    if not isinstance(addr, types.Integer):
+        raise TypeError(f"call_c_void_int takes an integer, got {addr}")
+
+    def codegen(context, builder, sig, args):
+        fn_type = ir.FunctionType(ir.IntType(32), [])
+        fn = builder.inttoptr(args[0], fn_type.as_pointer())
+        return builder.sext(builder.call(fn, []), _I64)
+
+    return types.int64(addr), codegen

@@ -30,6 +30,7 @@ from ._worker_pool import (
     ARGS,
     COPY,
     FIRST_ARG,
+    MAX_CHUNKS,
     OUT,
     chunk_count,
     chunk_runner,
@@ -270,10 +271,14 @@ def skinny_chunks(m: int, k: int, n: int) -> int:
 
 
 def skinny_matmul(
-    x: np.ndarray, w: TransposedWeight, out: np.ndarray, bias: np.ndarray | None = None
+    x: np.ndarray,
+    w: TransposedWeight,
+    out: np.ndarray,
+    bias: np.ndarray | None = None,
+    chunks: int | None = None,
 ) -> np.ndarray:
     """``out`` (M, N) = ``x`` (M, K) @ W (+ ``bias`` (N,)), all float32 and C-contiguous;
-    split over the worker pool's threads for large enough calls."""
+    split into ``chunks`` (default ``skinny_chunks``) over the worker pool's threads."""
     m, k = x.shape
     n = w.t.shape[0]
     b = _NO_BIAS if bias is None else bias
@@ -282,10 +287,12 @@ def skinny_matmul(
     if k == 0:
         out[...] = 0 if bias is None else bias
         return out
-    chunks = skinny_chunks(m, k, n)
-    if chunks == 1:
+    if chunks is None:
+        chunks = skinny_chunks(m, k, n)
+    if chunks == 1 or pool_threads() < 2:
         _skinny_serial(x, w.t, b, out)
         return out
+    chunks = min(chunks, n // 4, MAX_CHUNKS)
     pool = worker_pool()
     pool.reserve(m * n)
     status = _skinny_pooled(x, w.t, b, out, pool.ctrl, _skinny_runner(), chunks)

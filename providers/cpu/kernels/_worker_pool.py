@@ -19,9 +19,10 @@ from 2900). Here the caller never waits for a worker:
   costs at most the chunks it holds, and it never writes the output after the call returns.
   Every chunk is computed by the same code in any thread, so results are identical to the
   serial kernel's.
-- A worker that went without work spins on the job word (with the CPU's pause hint) for
-  ``IDLE_SPIN_US``, then sleeps on a POSIX semaphore; the caller posts it when it publishes
-  a job to a sleeping worker. A sleeping worker costs no waiting either: the caller takes
+- A worker that went without work spins on the job word with the CPU's pause hint for
+  ``IDLE_PAUSE_US``, then with ``sched_yield`` (so that a thread waiting for its core, the
+  caller's for one, runs first), then sleeps on a POSIX semaphore; the caller posts it when
+  it publishes a job to a sleeping worker. A sleeping worker costs no waiting either: the caller takes
   all the chunks itself.
 - The arrays a job points to must outlive every worker's use of them: a call whose chunks
   all came back needs nothing; otherwise (a late worker) the caller's wrapper hands its
@@ -56,6 +57,7 @@ from ._intrinsics import (
     atomic_xchg,
     call_address,
     call_c_int,
+    call_c_void_int,
     cpu_pause,
     load_acquire,
     load_relaxed,
@@ -73,14 +75,25 @@ OUT, SCRATCH, COPY = 0, 1, 2
 #: int64 words of a job's arguments: word 0 is the scratch address the runner writes (set
 #: by the pool: each worker has its own region), word 1 the number of chunks; a kernel's
 #: own arguments start at ``FIRST_ARG``.
-ARGS = 24
+ARGS = 21
 FIRST_ARG = 2
 #: Most chunks a job may have (the job word holds the count in 16 bits).
 MAX_CHUNKS = 256
 #: Most workers (a done flag holds the worker in 8 bits).
 MAX_WORKERS = 255
-#: Microseconds a worker spins without work before it sleeps.
-IDLE_SPIN_US = 2000.0
+#: An idle worker spins with the pause hint for ``IDLE_PAUSE_US`` (the gaps between the
+#: matmuls of a step), then calls ``sched_yield`` ``IDLE_YIELDS`` times (a thread waiting for
+#: its core runs), then sleeps until the caller posts it.
+IDLE_PAUSE_US = 20.0
+IDLE_YIELDS = 1000
+#: Jobs of at least ``MISS_MIN_CHUNKS`` chunks in a row that no worker took a chunk of
+#: (their cores are busy with other work) after which the workers nap for ``NAP_JOBS`` jobs:
+#: a spinning worker that shares a core with the caller only takes the caller's time.
+MISS_LIMIT = 16
+MISS_MIN_CHUNKS = 4
+NAP_JOBS = 2048
+#: Further jobs a worker may miss after the caller woke it (it takes a while to run).
+WAKE_GRACE = 48
 
 # ctrl layout (int64 words); each line of 8 words is 64 bytes, one cache line.
 _LINE = 8
@@ -89,18 +102,22 @@ _STOP = 1  # set once, on the job word's line, which the workers read anyway
 _SEQ = 8  # the caller's side (written once per job)
 _FN = 9
 _BUSY = 10  # 1 while a caller holds the pool
-_IDLE_SPINS = 11
+_IDLE_SPINS = 11  # pause hints, then sched_yield calls, an idle worker makes before sleeping
 _WORKERS = 12
 _SEM_POST = 13  # address of libc's sem_post, sem_wait and of the first semaphore
 _SEM_WAIT = 14
 _SEMS = 15
-_ARGS = 16  # three lines
+_IDLE_YIELDS = 39  # in the last argument line's spare word
+_SCHED_YIELD = 38
+_ARGS = 16  # three lines but the last three words
 _SCRATCH = 40  # address of the scratch buffer and float32 values per worker's region
 _SCRATCH_LEN = 41
 _OPERANDS = 42  # address and bytes of the buffer for a job's prepared operands
 _OPERANDS_LEN = 43
 _DONE_AT = 44
 _MINE_AT = 45
+_NAP_UNTIL = 46  # workers sleep through the jobs before this one (the caller runs alone)
+_MISSES = 47  # the caller's count of jobs in a row no worker helped with
 _WORKER0 = 48  # one line per worker
 _SLEEPING = 0  # per-worker words
 _INSIDE = 1
@@ -108,6 +125,7 @@ _CHUNKS_RUN = 2
 _SLEEPS = 3
 _SEM_BYTES = 64  # room per semaphore (glibc's sem_t is 32 bytes)
 _COUNT = 0xFFFF
+_NAPS = 37  # naps so far (statistics)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -132,7 +150,9 @@ def _worker_loop(ctrl, w):
             return
         total = (word >> 16) & _COUNT
         nxt = word & _COUNT
-        if nxt < total:
+        if (word >> 32) < load_relaxed(ctrl, _NAP_UNTIL):
+            idle = load_relaxed(ctrl, _IDLE_SPINS) + load_relaxed(ctrl, _IDLE_YIELDS)  # nap
+        elif nxt < total:
             # copy the job before taking a chunk: a successful swap proves the copy is of
             # this job (the caller writes the next job only after every chunk is taken)
             fn = load_relaxed(ctrl, _FN)
@@ -149,11 +169,20 @@ def _worker_loop(ctrl, w):
             idle = 0
             continue
         idle += 1
-        if idle < load_relaxed(ctrl, _IDLE_SPINS):
+        spins = load_relaxed(ctrl, _IDLE_SPINS)
+        if idle < spins:
             cpu_pause()
             continue
+        if idle < spins + load_relaxed(ctrl, _IDLE_YIELDS):
+            # let a thread waiting for this core (the caller, say) have it
+            call_c_void_int(ctrl[_SCHED_YIELD])
+            continue
+        # sleep unless a job came (or the nap ended) meanwhile; the caller posts a sleeping
+        # worker when it publishes a job past the nap
         atomic_xchg(ctrl, line + _SLEEPING, 1)
-        if load_seq_cst(ctrl, _JOB) != word or load_seq_cst(ctrl, _STOP):
+        latest = load_seq_cst(ctrl, _JOB)
+        napping = (latest >> 32) < load_relaxed(ctrl, _NAP_UNTIL)
+        if (latest != word and not napping) or load_seq_cst(ctrl, _STOP):
             atomic_xchg(ctrl, line + _SLEEPING, 0)
         else:
             call_c_int(ctrl[_SEM_WAIT], sem)
@@ -167,10 +196,32 @@ def _done_flag(seq, w, failed):
     return (((seq << 8) | w) << 1) | failed
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _count_miss(ctrl, seq, total, mine, woke):
+    """Count jobs in a row the workers took no chunk of; at ``MISS_LIMIT`` send them to
+    nap for ``NAP_JOBS`` jobs. A job that woke a worker does not count (waking takes time)."""
+    if woke:
+        ctrl[_MISSES] = -WAKE_GRACE
+    elif mine < total:
+        ctrl[_MISSES] = 0
+    elif total >= MISS_MIN_CHUNKS and seq >= ctrl[_NAP_UNTIL]:
+        ctrl[_MISSES] += 1
+        if ctrl[_MISSES] >= MISS_LIMIT:
+            ctrl[_MISSES] = 0
+            store_relaxed(ctrl, _NAP_UNTIL, seq + NAP_JOBS)
+            ctrl[_NAPS] += 1
+
+
 @numba.njit(cache=True, nogil=True)
 def enter(ctrl):
     """Take the pool for one job; False when another thread holds it."""
     return atomic_cas(ctrl, _BUSY, 0, 1) == 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _leave(ctrl):
+    """Release the pool taken with ``enter`` without running a job."""
+    store_release(ctrl, _BUSY, 0)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -205,21 +256,27 @@ def run_job(ctrl, fn, total):
     store_relaxed(ctrl, _FN, fn)
     store_relaxed(ctrl, _ARGS + 1, total)
     store_seq_cst(ctrl, _JOB, (seq << 32) | (total << 16))
-    for w in range(ctrl[_WORKERS]):
-        line = _WORKER0 + _LINE * w
-        if load_seq_cst(ctrl, line + _SLEEPING) and atomic_xchg(ctrl, line + _SLEEPING, 0):
-            call_c_int(ctrl[_SEM_POST], ctrl[_SEMS] + _SEM_BYTES * w)
+    woke = False
+    if seq >= ctrl[_NAP_UNTIL]:
+        for w in range(ctrl[_WORKERS]):
+            line = _WORKER0 + _LINE * w
+            if load_seq_cst(ctrl, line + _SLEEPING) and atomic_xchg(ctrl, line + _SLEEPING, 0):
+                call_c_int(ctrl[_SEM_POST], ctrl[_SEMS] + _SEM_BYTES * w)
+                woke = True
     args = ctrl.ctypes.data + 8 * _ARGS
     mine_at = ctrl[_MINE_AT]
     done_at = ctrl[_DONE_AT]
     code = 0
+    mine = 0
     while True:
         c = atomic_add(ctrl, _JOB, 1) & _COUNT
         if c >= total:
             break
         ctrl[mine_at + c] = seq
+        mine += 1
         if call_address(fn, args, c, OUT) != 0:
             code = 3
+    _count_miss(ctrl, seq, total, mine, woke)
     # every chunk is taken: no worker reads the arguments any more
     region = 4 * ctrl[_SCRATCH_LEN]
     for c in range(total):
@@ -266,7 +323,9 @@ class WorkerPool:
         self.ctrl[_SEMS] = self._sems.ctypes.data
         self.ctrl[_SEM_POST] = ctypes.cast(self._libc.sem_post, ctypes.c_void_p).value
         self.ctrl[_SEM_WAIT] = ctypes.cast(self._libc.sem_wait, ctypes.c_void_p).value
-        self.ctrl[_IDLE_SPINS] = max(1, int(IDLE_SPIN_US * _pauses_per_us()))
+        self.ctrl[_SCHED_YIELD] = ctypes.cast(self._libc.sched_yield, ctypes.c_void_p).value
+        self.ctrl[_IDLE_SPINS] = max(1, int(IDLE_PAUSE_US * _pauses_per_us()))
+        self.ctrl[_IDLE_YIELDS] = IDLE_YIELDS
         self._threads = [
             threading.Thread(target=self._work, args=(w,), name=f"onnx-genrt-cpu-{w}", daemon=True)
             for w in range(workers)
@@ -292,6 +351,8 @@ class WorkerPool:
         if out_values <= ctrl[_SCRATCH_LEN] and operand_bytes <= ctrl[_OPERANDS_LEN]:
             return
         with self._lock:
+            while not enter(ctrl):  # another thread's job (it never waits for a worker)
+                time.sleep(0)
             # a late worker of a job so far may still use the old buffers: keep them
             self._pending.append((int(ctrl[_SEQ]), (self._scratch, self._operands)))
             if out_values > ctrl[_SCRATCH_LEN]:
@@ -304,6 +365,7 @@ class WorkerPool:
                 self._operands = aligned_buffer(size)
                 ctrl[_OPERANDS] = self._operands.ctypes.data
                 ctrl[_OPERANDS_LEN] = size
+            _leave(ctrl)
 
     def settle(self, status: int, arrays: tuple, what: str) -> None:
         """After ``run_job`` returned ``status`` (nonzero code): keep ``arrays`` while a late
@@ -333,10 +395,13 @@ class WorkerPool:
             self._release()
             return len(self._pending)
 
-    def stats(self) -> dict[str, list[int]]:
-        """Per worker: chunks computed and times it went to sleep."""
+    def stats(self) -> dict[str, int | list[int]]:
+        """Jobs run, naps the workers were sent on, and per worker the chunks it computed
+        and the times it went to sleep."""
         lines = [_WORKER0 + _LINE * w for w in range(self.workers)]
         return {
+            "jobs": int(self.ctrl[_SEQ]),
+            "naps": int(self.ctrl[_NAPS]),
             "chunks": [int(self.ctrl[i + _CHUNKS_RUN]) for i in lines],
             "sleeps": [int(self.ctrl[i + _SLEEPS]) for i in lines],
         }
@@ -445,18 +510,23 @@ _PAUSES_PER_US: list[float] = []
 
 
 def _pauses_per_us() -> float:
-    """How many pause hints take a microsecond on this CPU (measured once)."""
+    """How many pause hints take a microsecond on this CPU (measured once: the fastest of
+    three runs of at least 0.2 ms, so that a preemption does not count)."""
     if not _PAUSES_PER_US:
         _spin(10)
-        n = 1 << 14
+        n = 1 << 10
         while True:
             start = time.perf_counter()
             _spin(n)
-            elapsed = time.perf_counter() - start
-            if elapsed > 2e-3 or n > 1 << 26:
+            if time.perf_counter() - start > 2e-4 or n > 1 << 24:
                 break
             n *= 2
-        _PAUSES_PER_US.append(n / (elapsed * 1e6))
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            _spin(n)
+            best = min(best, time.perf_counter() - start)
+        _PAUSES_PER_US.append(n / max(best * 1e6, 1e-3))
     return _PAUSES_PER_US[0]
 
 

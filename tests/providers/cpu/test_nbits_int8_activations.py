@@ -23,6 +23,7 @@ from onnx_genrt.providers.cpu.kernels import contrib_quant
 from onnx_genrt.session import InferenceSession
 
 from ...ops.test_contrib import _pack
+from .pool_helpers import worker_helps
 
 ort = pytest.importorskip("onnxruntime")
 ort.set_default_logger_severity(3)
@@ -252,7 +253,7 @@ def test_packed_and_prompt_paths_agree_row_by_row() -> None:
 
 
 @pytest.mark.parametrize("m", [1, 6])
-def test_int8_kernel_threads_give_the_same_bits(m: int) -> None:
+def test_int8_kernel_threads_give_the_same_bits(two_threads, m: int) -> None:
     rng = np.random.default_rng(8)
     k, n = 256, 700
     w = _weights(rng, n, k, 4, 32, "uint8")
@@ -261,12 +262,17 @@ def test_int8_kernel_threads_give_the_same_bits(m: int) -> None:
         w["B"].reshape(n, k // 32, 16), w["scales"], zeros, n, 32, q8.ROWS
     )
     x = rng.standard_normal((m, k)).astype(F32)
-    serial, parallel = np.empty((m, n), F32), np.empty((m, n), F32)
+    serial = np.empty((m, n), F32)
     q8._q8_serial(x, 32, tiles.tiles, tiles.scales, tiles.zeros, serial)
-    q8._q8_parallel(x, 32, tiles.tiles, tiles.scales, tiles.zeros, 3, parallel)
-    np.testing.assert_array_equal(parallel, serial)
     want = _contract(x, w, 32)
     np.testing.assert_allclose(serial, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+    def call() -> None:
+        parallel = np.full((m, n), np.nan, F32)
+        q8.int4_int8_matmul(x, tiles, parallel, chunks=3)
+        np.testing.assert_array_equal(parallel, serial)
+
+    worker_helps(two_threads, call)
 
 
 def test_an_accuracy_level_outside_0_to_4_is_refused() -> None:
