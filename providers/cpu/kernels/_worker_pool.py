@@ -11,27 +11,35 @@ from 2900). Here the caller never waits for a worker:
   output columns). The caller publishes it in one job word, ``seq << 32 | chunks << 16 |
   next``, and both the caller and the workers take chunks by incrementing ``next``
   atomically (the workers with a compare-and-swap that also checks ``seq``, so a late worker
-  never takes a chunk of another job).
-- A worker writes its chunks into a scratch buffer laid out like the output, then marks
-  the chunk done (``2 * seq``, ``2 * seq + 1`` when the runner failed). Once every chunk is
-  taken, the caller copies the finished ones from scratch and computes again, into the
-  output, any chunk a worker took but has not finished (it was descheduled): a late worker
-  costs at most the chunks it holds, and it never writes the output after the call returns.
-  Every chunk is computed by the same code in any thread, so results are identical to the
-  serial kernel's.
+  never takes a chunk of another job). The atomics are LLVM's, emitted by ``_intrinsics``.
+- A worker writes its chunks into its own scratch region laid out like the output, then
+  marks the chunk done (the job's ``seq``, the worker and whether the runner failed, in one
+  word). Once every chunk is taken, the caller copies the finished ones from scratch and
+  computes again, into the output, any chunk a worker took but has not finished (it was
+  descheduled): a late worker costs at most the chunk it holds, and it never writes the
+  output after the call returns. Every chunk is computed by the same code in any thread, so
+  results are identical to the serial kernel's.
 - A worker that went without work spins on the job word with the CPU's pause hint for
-  ``IDLE_PAUSE_US``, then with ``sched_yield`` (so that a thread waiting for its core, the
-  caller's for one, runs first), then sleeps on a POSIX semaphore; the caller posts it when
-  it publishes a job to a sleeping worker. A sleeping worker costs no waiting either: the caller takes
-  all the chunks itself.
+  ``IDLE_PAUSE_US`` (the gaps between the matmuls of a step), then calls ``sched_yield``
+  ``IDLE_YIELDS`` times (a thread of this process waiting for its core runs first), then
+  sleeps on a POSIX semaphore, which the caller posts when it publishes the next job. A
+  sleeping worker costs no waiting either: the caller takes all the chunks itself.
+- When the workers took no chunk of ``MISS_LIMIT`` jobs in a row (their cores are busy with
+  other work), they nap, asleep, for ``NAP_JOBS`` jobs: spinning there would only take time
+  from the caller where they share its core.
 - The arrays a job points to must outlive every worker's use of them: a call whose chunks
   all came back needs nothing; otherwise (a late worker) the caller's wrapper hands its
   arrays to :meth:`WorkerPool.settle`, which keeps them until no worker is inside that job.
+  Operands a kernel prepares for its chunks go into the pool's operand buffer
+  (:meth:`WorkerPool.reserve`, ``carve``), kept the same way.
 
 One pool per process (:func:`worker_pool`), started on first use with ``threads - 1``
 workers, started again when :func:`set_pool_threads` changes the count, stopped at exit,
 forgotten in a forked child. A second Python thread calling a pooled kernel while the pool
 runs a job computes its own call alone (the pool takes one job at a time).
+
+Numba caches a function with the callees it inlines but checks only its own file: after
+changing this module, delete the Numba cache of the kernels that call it.
 """
 
 from __future__ import annotations
