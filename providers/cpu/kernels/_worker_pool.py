@@ -292,7 +292,7 @@ def run_job(ctrl, fn, total):
             continue
         flag = load_acquire(ctrl, done_at + c)
         if flag >> 9 == seq and not flag & 1:
-            ctrl[_ARGS] = ctrl[_SCRATCH] + region * ((flag >> 1) & 0xFF)
+            store_relaxed(ctrl, _ARGS, ctrl[_SCRATCH] + region * ((flag >> 1) & 0xFF))
             if call_address(fn, args, c, COPY) != 0:
                 code = 3
         elif flag >> 9 == seq:
