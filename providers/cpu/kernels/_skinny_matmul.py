@@ -20,6 +20,9 @@ float64 reference, see the tests).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numba
 import numpy as np
 
@@ -299,3 +302,33 @@ def skinny_matmul(
     if status & 3:
         pool.settle(status, (x, w.t, b, out), "MatMul (skinny float32)")
     return out
+
+
+def skinny_call(
+    x: np.ndarray, w: TransposedWeight, out: np.ndarray, bias: np.ndarray | None = None
+) -> Callable[[], None]:
+    """``skinny_matmul(x, w, out, bias)`` prebound for graph replay: the sizes and the split
+    are worked out once (again when the thread count changes), not on every call."""
+    m, k = x.shape
+    n = w.t.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return functools.partial(skinny_matmul, x, w, out, bias)
+    wt = w.t
+    b = _NO_BIAS if bias is None else bias
+    split = [0, 1, 0]  # the thread count it was worked out for, the chunks, the runner
+
+    def call() -> None:
+        threads = pool_threads()
+        if threads != split[0]:
+            chunks = skinny_chunks(m, k, n)
+            split[:] = threads, chunks, _skinny_runner() if chunks > 1 else 0
+        if split[1] == 1:
+            _skinny_serial(x, wt, b, out)
+            return
+        pool = worker_pool()
+        pool.reserve(m * n)
+        status = _skinny_pooled(x, wt, b, out, pool.ctrl, split[2], split[1])
+        if status & 3:
+            pool.settle(status, (x, wt, b, out), "MatMul (skinny float32)")
+
+    return call

@@ -320,6 +320,7 @@ class WorkerPool:
         self.ctrl[_MINE_AT] = done_at + MAX_CHUNKS
         self._scratch = np.empty(0, np.float32)
         self._operands = np.empty(0, np.uint8)
+        self._room = (0, 0)  # scratch values per worker, operand bytes (as Python ints)
         self._pending: list[tuple[int, tuple]] = []
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -349,15 +350,16 @@ class WorkerPool:
             _worker_loop(self.ctrl, w)
         except BaseException as exc:  # noqa: BLE001 - reported to the next caller
             self._error = exc
+            self._room = (-1, -1)  # the next reserve raises it
 
     def reserve(self, out_values: int, operand_bytes: int = 0) -> None:
         """Make each worker's scratch region hold ``out_values`` float32 values and the
         operand buffer ``operand_bytes`` bytes. Raises ``KernelError`` if a worker died."""
+        if out_values <= self._room[0] and operand_bytes <= self._room[1]:
+            return
         if self._error is not None:
             raise KernelError(f"a CPU worker thread stopped: {self._error!r}") from self._error
         ctrl = self.ctrl
-        if out_values <= ctrl[_SCRATCH_LEN] and operand_bytes <= ctrl[_OPERANDS_LEN]:
-            return
         with self._lock:
             while not enter(ctrl):  # another thread's job (it never waits for a worker)
                 time.sleep(0)
@@ -373,6 +375,7 @@ class WorkerPool:
                 self._operands = aligned_buffer(size)
                 ctrl[_OPERANDS] = self._operands.ctypes.data
                 ctrl[_OPERANDS_LEN] = size
+            self._room = (int(ctrl[_SCRATCH_LEN]), int(ctrl[_OPERANDS_LEN]))
             _leave(ctrl)
 
     def settle(self, status: int, arrays: tuple, what: str) -> None:
