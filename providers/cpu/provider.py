@@ -106,6 +106,14 @@ class CPUProvider(ExecutionProvider):
             env="ONNX_GENRT_SKINNY_MATMUL",
         ),
         ProviderOption(
+            "blas_threads",
+            1,
+            "threads of numpy's BLAS (prompt-sized matmuls), set with ``threads`` unless that is "
+            "None: OpenBLAS's caller waits for each of its threads, so more than 1 pays only on "
+            "otherwise idle cores (docs/performance.md)",
+            env="ONNX_GENRT_BLAS_THREADS",
+        ),
+        ProviderOption(
             "nbits_cache",
             False,
             "keep the float32 copy a prompt-sized MatMulNBits makes of its 4-bit weights "
@@ -115,20 +123,21 @@ class CPUProvider(ExecutionProvider):
     )
 
     def __init__(self, threads: int | str | None = AUTO_THREADS, **options: Any) -> None:
-        """``threads`` sets the process's threads for the skinny kernels' worker pool, BLAS
-        and Numba: ``"auto"`` (the default) one per physical core this process may use
-        (:func:`~onnx_genrt.providers.cpu.cores.physical_cores`), ``None`` leaves them.
+        """``threads`` sets the process's threads for the skinny kernels' worker pool and
+        Numba: ``"auto"`` (the default) one per physical core this process may use
+        (:func:`~onnx_genrt.providers.cpu.cores.physical_cores`), ``None`` leaves them (and
+        BLAS's). BLAS gets the ``blas_threads`` option (default 1).
 
         The skinny kernels' workers never make the caller wait (``kernels/_worker_pool``),
         so a core busy with other work costs at most the share of a step it would have
-        done (docs/performance.md).
+        done; OpenBLAS's threads do make it wait (docs/performance.md).
         """
         super().__init__(**options)
         self._graphs: dict[tuple[DeviceGraphSlot, int], RecordedGraph] = {}
         self._recording: RecordedGraph | None = None
         self.threads = physical_cores() if threads == AUTO_THREADS else threads
         if self.threads is not None:
-            set_threads(self.threads)
+            set_threads(self.threads, self.option("blas_threads"))
 
     @property
     def device(self) -> Device:
@@ -201,16 +210,19 @@ class CPUProvider(ExecutionProvider):
         return sum(len(g.calls) for (s, _), g in self._graphs.items() if s == slot)
 
 
-def set_threads(threads: int) -> None:
-    """Set the threads of this process's skinny kernels (their worker pool), BLAS and Numba."""
+def set_threads(threads: int, blas_threads: int | None = None) -> None:
+    """Set the threads of this process's skinny kernels (their worker pool) and Numba, and
+    BLAS's to ``blas_threads`` (default: ``threads``)."""
     threads = check_int(threads, "CPU provider option threads", minimum=1)
+    blas = threads if blas_threads is None else blas_threads
+    blas = check_int(blas, "CPU provider option blas_threads", minimum=1)
     import numba
     from threadpoolctl import threadpool_limits
 
     from .kernels._worker_pool import set_pool_threads
 
     set_pool_threads(threads)
-    threadpool_limits(limits=threads, user_api="blas")
+    threadpool_limits(limits=blas, user_api="blas")
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 

@@ -238,7 +238,7 @@ def test_concurrent_callers_each_get_their_own_result(two_threads):
     computes its call alone; every result is the serial kernel's."""
     rng = np.random.default_rng(4)
     cases = []
-    for seed in range(2):
+    for _ in range(2):
         w = sk.pack_weight(rng.standard_normal((1024, 260), dtype=F32))
         x = rng.standard_normal((3, 1024), dtype=F32)
         want = np.empty((3, 260), F32)
@@ -297,7 +297,13 @@ def test_physical_cores_count_hyperthreads_once(tmp_path):
     assert cores.physical_cores({0, 1, 7}, tmp_path) == 3  # cpu7 unknown: count every CPU
 
 
-def test_the_cpu_provider_defaults_to_the_physical_cores():
+def _blas_threads() -> set[int]:
+    from threadpoolctl import threadpool_info
+
+    return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+
+def test_the_cpu_provider_defaults_to_the_physical_cores_and_one_blas_thread():
     from onnx_genrt.providers.cpu.provider import CPUProvider
 
     before = wp.pool_threads()
@@ -305,7 +311,11 @@ def test_the_cpu_provider_defaults_to_the_physical_cores():
         provider = CPUProvider()
         assert provider.threads == cores.physical_cores() <= len(cores.usable_cpus())
         assert wp.pool_threads() == provider.threads
-        assert CPUProvider(threads=None).threads is None
+        assert _blas_threads() == {1}
+        assert CPUProvider(threads=None, blas_threads=2).threads is None
         assert wp.pool_threads() == provider.threads  # None leaves the threads as they are
+        assert _blas_threads() == {1}
+        CPUProvider(threads=1, blas_threads=2)
+        assert wp.pool_threads() == 1 and _blas_threads() == {2}
     finally:
-        wp.set_pool_threads(before)
+        CPUProvider(threads=before)
