@@ -80,6 +80,35 @@ def matmul_nbits_unsupported(node: NodeInfo, _types: object = ()) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class NBitsDims:
+    """A MatMulNBits node's sizes: Y[..., n] = A[..., k] @ dequant(B[n, k / block, ...])^T."""
+
+    k: int
+    n: int
+    bits: int
+    block: int
+
+
+def matmul_nbits_dims(node: NodeInfo, a_columns: int, has_g_idx: bool) -> NBitsDims:
+    """The sizes of a MatMulNBits node about to run on A with ``a_columns`` columns.
+
+    Raises NotImplementedError for what :func:`matmul_nbits_unsupported` refuses (or a
+    ``g_idx`` input given at run time) and ValueError when A does not have K columns."""
+    reason = matmul_nbits_unsupported(node)
+    if reason or has_g_idx:
+        raise NotImplementedError(f"{node.describe()}: {reason or 'g_idx'}")
+    dims = NBitsDims(
+        int(node.attr("K")),
+        int(node.attr("N")),
+        int(node.attr("bits", 4)),
+        int(node.attr("block_size")),
+    )
+    if a_columns != dims.k:
+        raise ValueError(f"{node.describe()}: A has {a_columns} columns, K is {dims.k}")
+    return dims
+
+
 def matmul_nbits_int8_activations(node: NodeInfo, zero_points_dtype: np.dtype | None) -> bool:
     """Whether a MatMulNBits node computes with A quantized to int8 per block, as
     onnxruntime's CPU provider does: ``accuracy_level`` 4 with packed uint8 zero points or
@@ -99,7 +128,13 @@ def matmul_shape(ctx: KernelContext, a: Sequence[int], b: Sequence[int]) -> tupl
     b2 = (*b, 1) if len(b) == 1 else b
     if a2[-1] != b2[-2]:
         raise ValueError(f"{ctx.node.describe()}: MatMul inner dimensions differ: {a} @ {b}")
-    shape = (*np.broadcast_shapes(a2[:-2], b2[:-2]), a2[-2], b2[-1])
+    try:
+        batch = np.broadcast_shapes(a2[:-2], b2[:-2])
+    except ValueError:
+        raise ValueError(
+            f"{ctx.node.describe()}: MatMul batch dimensions do not broadcast: {a} @ {b}"
+        ) from None
+    shape = (*batch, a2[-2], b2[-1])
     if len(a) == 1:
         shape = shape[:-2] + shape[-1:]
     if len(b) == 1:

@@ -26,10 +26,11 @@ from .decoder import DecoderRunner
 from .model import GeneratorParams, Model
 from .sampling import choose, plain_greedy
 
-#: The most rows one captured step holds by default. The CUDA provider's capturable
-#: matmuls (skinny GEMV kernels) cover up to 16 rows; a larger step would need cuBLAS,
-#: which CuPy refuses inside a stream capture, so it runs as pieces of 16 rows.
-MAX_GRAPH_ROWS = 16
+#: The most rows one captured step holds by default; a larger step runs as pieces of this
+#: many rows. The CUDA provider's matmuls capture up to 64 rows (tensor cores, or GEMV
+#: kernels in pieces of 16 rows); more would need cuBLAS, which CuPy refuses inside a
+#: stream capture.
+MAX_GRAPH_ROWS = 64
 
 
 def buckets(max_batch: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> tuple[int, ...]:
@@ -150,7 +151,11 @@ class BatchGenerator:
             row = _Row(list(ids), len(ids), search, eos, np.random.default_rng(search.seed))
             self._row_runner(index).rewind_to(0)
             self.rows[index] = row
-            self._prefill(index, len(ids) if chunk is None else chunk)
+            try:
+                self._prefill(index, len(ids) if chunk is None else chunk)
+            except BaseException:
+                del self.rows[index]  # a prompt that cannot go in leaves its row free
+                raise
             return index
 
     def prefilling(self, index: int) -> bool:
@@ -233,16 +238,31 @@ class BatchGenerator:
         for i, row in live.items():
             tokens[i] = row.tokens[-1]
             lengths[i] = len(row.tokens) - 1
-        need_logits = any(not plain_greedy(r.search) or r.search.min_length for r in live.values())
+        # Greedy rows take the device argmax; one whose argmax is end of sequence before its
+        # min_length reads its own logits row after the step (``_row_logits``).
+        need_logits = any(not plain_greedy(r.search) for r in live.values())
         with self.model.session.exclusive():
             argmax, logits = self._step_pieces(tokens, lengths, need_logits)
-        new = {}
-        for i, row in live.items():
-            token = self._pick(row, int(argmax[i]), lambda i=i, lg=logits: lg[i])
-            row.tokens.append(token)
-            row.new = [token]
-            new[i] = [token]
+            new = {}
+            for i, row in live.items():
+                token = self._pick(
+                    row,
+                    int(argmax[i]),
+                    lambda i=i, lg=logits: lg[i] if lg is not None else self._row_logits(size, i),
+                )
+                row.tokens.append(token)
+                row.new = [token]
+                new[i] = [token]
         return new
+
+    def _row_logits(self, size: int, index: int) -> np.ndarray:
+        """Row ``index``'s logits [vocab] from the last step of ``size`` rows (read now)."""
+        most = self.max_graph_rows
+        if size <= most:
+            return self.runner.row_logits(size, index)
+        start = index - index % most
+        piece = self.runner if start == 0 else self._piece(start, min(size, start + most) - start)
+        return piece.row_logits(min(size, start + most) - start, index - start)
 
     def _step_pieces(
         self, tokens: np.ndarray, lengths: np.ndarray, need_logits: bool

@@ -31,7 +31,8 @@ def add_decode_heads(model: onnx.ModelProto, logits: str) -> onnx.ModelProto:
         raise ModelLoadError(
             f"the model has no output {logits!r} (genai_config.json model.decoder.outputs.logits)"
         )
-    logits_type = found[0].type.tensor_type.elem_type or TensorProto.FLOAT
+    declared = found[0].type.tensor_type
+    logits_type = declared.elem_type or TensorProto.FLOAT
     diff = "onnx_genrt.logits_minus_logits"
     graph.node.extend(
         [
@@ -46,8 +47,18 @@ def add_decode_heads(model: onnx.ModelProto, logits: str) -> onnx.ModelProto:
     )
     graph.output.extend(
         [
-            helper.make_tensor_value_info(ARGMAX, TensorProto.INT64, None),
+            helper.make_tensor_value_info(ARGMAX, TensorProto.INT64, _leading_dims(declared)),
             helper.make_tensor_value_info(NONFINITE, logits_type, []),
         ]
     )
     return model
+
+
+def _leading_dims(declared: onnx.TypeProto.Tensor) -> list[int | str | None] | None:
+    """The logits' dims but the vocabulary (ONNX's checker wants a graph output's shape)."""
+    if not declared.HasField("shape"):
+        return None
+    return [
+        d.dim_param or (d.dim_value if d.HasField("dim_value") else None)
+        for d in declared.shape.dim[:-1]
+    ]

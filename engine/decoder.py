@@ -543,6 +543,12 @@ class DecoderRunner:
         check_token_ids(argmax, self.vocab, f"a batched step of {rows} rows")
         return argmax, logits
 
+    def row_logits(self, rows: int, row: int) -> np.ndarray:
+        """Row ``row``'s logits [vocab] from the last :meth:`step_rows` of ``rows`` rows (read
+        now; the next step overwrites them)."""
+        _, bufs = self._binding(1, rows=rows)
+        return self.io.read([bufs.logits[row, 0]])[0]
+
     def rewind_to(self, length: int) -> None:
         """Forget every position from ``length`` on; later steps overwrite them."""
         if not 0 <= length <= self.cache.length:

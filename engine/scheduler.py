@@ -26,6 +26,7 @@ from typing import Any
 from onnx_genrt.core.checks import check_bool, check_int
 from onnx_genrt.core.errors import InvalidInputError, OnnxGenrtError
 
+from .api import DEFAULT_MAX_NEW_TOKENS
 from .batch import BatchGenerator
 from .model import GeneratorParams, Model
 from .stops import StopScanner, prompt_ids, stop_strings
@@ -254,6 +255,8 @@ class Scheduler:
         )
         self._queue: deque[_Pending] = deque()
         self._rows: dict[int, _Running] = {}
+        #: Requests taken from the queue and not yet in a row (or dropped): rows not free.
+        self._taking = 0
         self._cv = threading.Condition()
         self._admitting = True
         self._stopping = False
@@ -308,7 +311,7 @@ class Scheduler:
         self,
         prompt: str | Sequence[int],
         *,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop: str | Sequence[str] = (),
         ignore_eos: bool = False,
         **search: Any,
@@ -331,10 +334,12 @@ class Scheduler:
         with self._cv:
             if not self._admitting:
                 raise SchedulerClosedError("the scheduler is shutting down; not admitting")
-            if len(self._queue) >= self.max_queue:
+            free = self.max_batch - len(self._rows) - self._taking
+            waiting = len(self._queue) - free  # queued requests that will find no free row
+            if waiting >= self.max_queue:
                 raise QueueFullError(
-                    f"{len(self._queue)} requests are queued (max_queue={self.max_queue}); "
-                    "retry later"
+                    f"{waiting} requests already wait for a free row "
+                    f"(max_queue={self.max_queue}); retry later"
                 )
             self._queue.append(_Pending(handle, ids, params, max_new_tokens, stops, ignore_eos))
             self._cv.notify_all()
@@ -390,31 +395,38 @@ class Scheduler:
                 if not self._queue or batch.free_rows() == 0:
                     return
                 pending = self._queue.popleft()
-            handle = pending.handle
-            if handle.cancelled:
-                self._retire_pending(pending, "cancelled")
-                continue
+                self._taking += 1
+            placed = None
             try:
-                row = batch.add(
-                    pending.ids,
-                    pending.params,
-                    ignore_eos=pending.ignore_eos,
-                    chunk=self.prefill_chunk,
-                )
-            except OnnxGenrtError as exc:
+                placed = self._place(batch, pending)
+            finally:
                 with self._cv:
-                    self._failed += 1
-                handle._emit("", (), "error", f"{type(exc).__name__}: {exc}")
-                continue
-            scanner = StopScanner(
-                self.model.tokenizer.create_stream() if self._has_tokenizer else None,
-                pending.stop,
+                    self._taking -= 1
+                    if placed is not None:
+                        self._rows[placed[0]] = placed[1]
+            if placed is not None and not batch.prefilling(placed[0]):
+                self._deliver(*placed, batch.last_tokens(placed[0]))
+
+    def _place(self, batch: BatchGenerator, pending: _Pending) -> tuple[int, _Running] | None:
+        """Put ``pending`` in a free row (prefilling its prompt or its first chunk); None
+        when it was cancelled or the batch refused it (its handle is told)."""
+        handle = pending.handle
+        if handle.cancelled:
+            self._retire_pending(pending, "cancelled")
+            return None
+        try:
+            row = batch.add(
+                pending.ids, pending.params, ignore_eos=pending.ignore_eos, chunk=self.prefill_chunk
             )
-            running = _Running(pending, scanner)
+        except Exception as exc:  # this prompt failed (its row stays free); others go on
             with self._cv:
-                self._rows[row] = running
-            if not batch.prefilling(row):
-                self._deliver(row, running, batch.last_tokens(row))
+                self._failed += 1
+            handle._emit("", (), "error", f"{type(exc).__name__}: {exc}")
+            return None
+        scanner = StopScanner(
+            self.model.tokenizer.create_stream() if self._has_tokenizer else None, pending.stop
+        )
+        return row, _Running(pending, scanner)
 
     def _step(self) -> None:
         """One decode step of every running row; retire cancelled rows first."""

@@ -76,22 +76,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    if not args.dispatch:
-        from onnx_genrt import llm_bench
-
-        return llm_bench.run_bench(args)
-    from onnx_genrt import dispatch_bench
-
-    results = []
-    for providers in args.provider:
-        label = ",".join(providers)
-        print(f"measuring {label}: {args.nodes} nodes x 50 runs x 5 ...", file=sys.stderr)
-        results.append(dispatch_bench.measure(providers, args.nodes, 50))
-    print(dispatch_bench.format_table(results))
-    return 0
-
-
 #: Exit codes, one per kind of failure (documented in ``--help`` and README.md).
 EXIT_OK = 0
 EXIT_USAGE = 2  # a bad flag or option value (argparse, InvalidInputError)
@@ -183,14 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=POSITIVE_INT, default=24, help="steps per slot (default: 24)")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser(
-        "bench",
-        help="decode speed side by side with onnxruntime-genai and an onnxruntime loop (--dispatch: per-node cost)",
-    )
-    from onnx_genrt import llm_bench
+    from onnx_genrt.tools import llm_bench
 
-    llm_bench.add_arguments(p)
-    p.set_defaults(func=_cmd_bench)
+    llm_bench.add_parser(sub)
 
     p = sub.add_parser("conformance", help="run ONNX's own backend node tests against a provider")
     p.add_argument(
@@ -221,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_cli.add_parser(sub)
     serve_cli.add_parser(sub)
 
-    from onnx_genrt import step_cost, step_profile
+    from onnx_genrt.tools import step_cost, step_profile
 
     step_profile.add_parser(sub)
     step_cost.add_parser(sub)
@@ -237,8 +216,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; user errors are one line on stderr and an exit code (see EPILOG)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "command", None) == "bench" and not args.provider:
-        args.provider = [["cpu"]]
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

@@ -171,9 +171,3 @@ def run_demo(provider: str | list[str] = "cpu", steps: int = 24, verify_rows: in
 
 def main(args: argparse.Namespace) -> int:
     return run_demo(args.provider, args.steps)
-
-
-if __name__ == "__main__":
-    out = Path(__file__).parent / "models" / MODEL_FILE
-    onnx.save_model(build_demo_model(), str(out))
-    print(f"wrote {out}")

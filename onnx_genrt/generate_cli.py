@@ -47,6 +47,16 @@ def add_provider_argument(p: argparse.ArgumentParser, default: str = "cpu") -> N
     )
 
 
+def add_drafts_argument(p: argparse.ArgumentParser) -> None:
+    """``-k``: drafts per speculative step, None for the model's own count."""
+    p.add_argument(
+        "-k",
+        type=POSITIVE_INT,
+        default=None,
+        help="drafts per speculative step (default: the model's speculative.json, else 4)",
+    )
+
+
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search options")
     g.add_argument(
@@ -94,12 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "head, else draft model, else prompt lookup), used only while it measurably beats "
         "plain steps (--stats says what it chose and why)",
     )
-    p.add_argument(
-        "-k",
-        type=POSITIVE_INT,
-        default=None,
-        help="drafts per speculative step (default: the model's speculative.json, else 4)",
-    )
+    add_drafts_argument(p)
     p.add_argument(
         "--no-graphs", action="store_true", help="disable graph capture (for comparison)"
     )

@@ -9,7 +9,7 @@ ops plus SimplifiedLayerNormalization, in the dtype of the model's ``hidden_stat
 to ``MODEL_DIR/mtp/model.onnx``; ``speculative.json`` gains its ``mtp`` entry. The model must
 expose hidden states (builder ``--extra_options include_hidden_states=true``). With random
 weights the acceptance is meaningless: use it for the verify + MTP step cost
-(``python -m onnx_genrt.step_cost``), not for tok/s.
+(``onnx-genrt step-cost``), not for tok/s.
 """
 
 from __future__ import annotations

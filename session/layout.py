@@ -69,9 +69,12 @@ def plan_layout(
     """Plan memory from a recorded run: values made by a provider share its arena when their
     lifetimes do not overlap; ``outs`` are the bound outputs (empty for an eager run)."""
     last_use = dict(last_use)
-    # A view keeps its root's bytes alive: extend the root over the view's readers.
+    # A view keeps its root's bytes alive: extend the root over the view's readers, and to
+    # the end of the run where the view is a graph output (the caller reads it then).
+    end = len(steps) - 1
     for view, root in record.alias_of.items():
-        last_use[root] = max(last_use.get(root, -1), last_use.get(view, -1))
+        view_last = end if view in graph_outputs else last_use.get(view, -1)
+        last_use[root] = max(last_use.get(root, -1), view_last)
     groups: dict[int, tuple[ExecutionProvider, list[Lifetime]]] = {}
     segment_end = {i: seg.stop - 1 for seg in segments for i in range(seg.start, seg.stop)}
     for name, (shape, dtype) in record.shapes.items():

@@ -123,10 +123,21 @@ def find_row_tail(
     if i is None:
         return None
     rows = {name for name in steps[i].outputs if name}
+    # Values made from a full reduction: over the tail it covers the last row only, so
+    # no row may read them (each row would see the last row's statistic).
+    reduced: set[str] = set()
     for step in steps[i + 1 :]:
-        if not any(name in rows for name in step.inputs if name):
+        read = {name for name in step.inputs if name and name in rows}
+        if not read:
             continue
         if not _row_local(step, rows, constants):
             return None
-        rows.update(name for name in step.outputs if name)
+        made = {name for name in step.outputs if name}
+        if read & reduced:
+            if read - reduced:
+                return None
+            reduced |= made
+        elif step.node.op_type in _FULL_REDUCTIONS:
+            reduced |= made
+        rows |= made
     return RowTail(i, frozenset(rows & graph_outputs))

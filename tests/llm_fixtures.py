@@ -374,3 +374,21 @@ def spy_device_fed_launches(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(DecoderRunner, "launch", spy)
     return fed
+
+
+def nan_token_copy(source: Path, target: Path, token: int) -> Path:
+    """A copy of the builder decoder in ``source`` whose embedding row of ``token`` is NaN
+    (its own copy of the tied table): steps that feed the token, or attend to it, give
+    non-finite logits; others are unchanged."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("draft", "mtp", "spec*"))
+    proto = onnx.load(target / "model.onnx")
+    graph = proto.graph
+    gather = next(n for n in graph.node if n.op_type == "Gather" and "input_ids" in n.input)
+    weight = next(i for i in graph.initializer if i.name == "lm_head.MatMul.weight")
+    table = numpy_helper.to_array(weight).T.copy()  # [vocab, hidden]
+    table[token] = np.nan
+    graph.initializer.append(numpy_helper.from_array(table, "nan_embedding"))
+    gather.input[0] = "nan_embedding"
+    (target / "model.onnx.data").unlink()
+    onnx.save(proto, target / "model.onnx")  # small enough to hold its weights inline
+    return target

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
-from onnx_genrt.dispatch_bench import bound_session, elementwise_chain
+from onnx_genrt.tools.dispatch_bench import bound_session, elementwise_chain
 
 from ..models import chain_reference
 
@@ -30,3 +30,18 @@ def test_dispatch(benchmark, mode):
         assert stats.captures == 1 and stats.replays >= 1
     else:
         assert stats.captures == 0
+
+
+def test_bench_dispatch_command_runs_the_cpu_without_provider(capsys):
+    """``onnx-genrt bench --dispatch``: the CPU when no --provider is given, one row per
+    --provider flag, each on the chain of --nodes."""
+    from onnx_genrt.cli import main
+
+    assert main(["bench", "--dispatch", "--nodes", "8"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[:2] for row in rows] == [["cpu", "8"]]
+    assert (
+        main(["bench", "--dispatch", "--nodes", "6", "--provider", "cpu", "--provider", "cpu"]) == 0
+    )
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[:2] for row in rows] == [["cpu", "6"], ["cpu", "6"]]

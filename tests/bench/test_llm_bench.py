@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from onnx_genrt.core.errors import InvalidInputError
-from onnx_genrt.llm_bench import bench_onnxruntime_genai, bench_onnxruntime_loop, bench_ours
+from onnx_genrt.tools.llm_bench import bench_onnxruntime_genai, bench_onnxruntime_loop, bench_ours
 
 from ..llm_fixtures import TINY_QWEN2, build_qwen2
 
@@ -57,7 +57,7 @@ def test_roofline_counts_each_matmul_weight_once():
     from onnx import numpy_helper
 
     from onnx_genrt.generate_cli import default_model_dir
-    from onnx_genrt.llm_bench import weight_bytes_per_token
+    from onnx_genrt.tools.llm_bench import weight_bytes_per_token
 
     path = default_model_dir() / "model.onnx"
     model = onnx.load(str(path))
@@ -70,7 +70,7 @@ def test_roofline_counts_each_matmul_weight_once():
 def test_rows_are_timed_round_robin_after_one_warm_up_each():
     """Each case warms up once, then the timed runs alternate between the cases, and each
     row is the median of its own runs."""
-    from onnx_genrt.llm_bench import _interleaved
+    from onnx_genrt.tools.llm_bench import _interleaved
 
     calls: list[str] = []
 
@@ -88,7 +88,7 @@ def test_rows_are_timed_round_robin_after_one_warm_up_each():
     assert [(r.runtime, r.decode_tok_s) for r in rows] == [("a", 20), ("b", 3)]
     # the spread: (fastest - slowest) / median, shown in the table next to the median
     assert [r.decode_spread for r in rows] == pytest.approx([(30 - 10) / 20, (5 - 1) / 3])
-    from onnx_genrt.llm_bench import format_rows
+    from onnx_genrt.tools.llm_bench import format_rows
 
     header, row_a, row_b = format_rows(rows).splitlines()
     assert "spread" in header.split()
@@ -99,14 +99,14 @@ def test_rows_are_timed_round_robin_after_one_warm_up_each():
     ("entry", "want"), [("mtp", ("mtp", None)), ("mtp:3", ("mtp", 3)), ("ngram:2", ("ngram", 2))]
 )
 def test_spec_entries_name_a_kind_and_maybe_its_drafts(entry, want):
-    from onnx_genrt.llm_bench import _spec_entry
+    from onnx_genrt.tools.llm_bench import _spec_entry
 
     assert _spec_entry(entry, None) == want
 
 
 @pytest.mark.parametrize("entry", ["beam", "mtp:0", "mtp:x"])
 def test_bad_spec_entries_say_what_is_wrong(entry):
-    from onnx_genrt.llm_bench import _spec_entry
+    from onnx_genrt.tools.llm_bench import _spec_entry
 
     with pytest.raises(InvalidInputError, match="--spec"):
         _spec_entry(entry, None)
@@ -129,7 +129,7 @@ def embedded():
 
 
 def test_bench_rows_need_distinct_labels():
-    from onnx_genrt.llm_bench import _interleaved
+    from onnx_genrt.tools.llm_bench import _interleaved
 
     def case():
         raise AssertionError("must not run")

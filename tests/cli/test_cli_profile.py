@@ -43,3 +43,11 @@ def test_bad_flags_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[s
         main(argv)
     assert exc.value.code == 2
     assert "must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_profile_mtp_needs_a_verify_width(capsys: pytest.CaptureFixture[str]) -> None:
+    """--mtp times a verify step and the chain after it: one token wide is a usage error,
+    one line naming both flags, before any model is loaded."""
+    assert main(["profile", "--mtp", "--width", "1", "--steps", "1", "--context", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--mtp needs --width k+1 >= 2, got --width 1" in err, err

@@ -23,6 +23,7 @@ from onnx_genrt.core.op_rules import (
     gqa_attribute_problem,
     gqa_input_problem,
     gqa_shapes,
+    matmul_nbits_dims,
     mtp_accept_drafts,
     normalize_axes,
     normalize_axis,
@@ -374,3 +375,35 @@ def test_cuda_checks_are_the_shared_rules():
         None,  # concat mode: no past, a present buffer is made
         gqa_attribute_problem(_node("GroupQueryAttention", softcap=-1.0)),
     ]
+
+
+# -- MatMulNBits ---------------------------------------------------------------------------
+
+
+def _nbits_node(inputs: tuple[str, ...] = ("A", "B", "scales"), **attrs) -> NodeInfo:
+    return _node("MatMulNBits", 1, inputs, **{"K": 64, "N": 24, "block_size": 32, **attrs})
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_matmul_nbits_dims_reads_the_attributes(bits):
+    dims = matmul_nbits_dims(_nbits_node(bits=bits), 64, has_g_idx=False)
+    assert (dims.k, dims.n, dims.bits, dims.block) == (64, 24, bits, 32)
+
+
+def test_matmul_nbits_dims_default_is_four_bits():
+    assert matmul_nbits_dims(_nbits_node(), 64, has_g_idx=False).bits == 4
+
+
+@pytest.mark.parametrize(
+    "node,columns,g_idx,error,message",
+    [
+        (_nbits_node(), 65, False, ValueError, r"'n0'.*A has 65 columns, K is 64"),
+        (_nbits_node(bits=3), 64, False, NotImplementedError, r"'n0'.*bits=3 is not supported"),
+        (_nbits_node(block_size=24), 64, False, NotImplementedError, r"block_size=24"),
+        (_nbits_node(), 64, True, NotImplementedError, r"'n0'.*g_idx"),
+        (_nbits_node(("A", "B", "s", "", "g")), 64, False, NotImplementedError, r"g_idx input"),
+    ],
+)
+def test_matmul_nbits_dims_refuses(node, columns, g_idx, error, message):
+    with pytest.raises(error, match=message):
+        matmul_nbits_dims(node, columns, has_g_idx=g_idx)

@@ -27,9 +27,20 @@ def qwen2_dir() -> Path:
 
 
 def _add_speculative_section(folder: Path) -> None:
+    """Write speculative.json once, atomically: the fixture cache is shared by concurrent test
+    runs, and a reader must never see a half-written file."""
     import json
+    import os
+    import tempfile
 
     from onnx_genrt.engine.config import SPECULATIVE_FILE
 
     spec = {"mtp": {"filename": "mtp/model.onnx"}, "draft": {"path": "draft"}}
-    (folder / SPECULATIVE_FILE).write_text(json.dumps(spec, indent=2))
+    text = json.dumps(spec, indent=2)
+    path = folder / SPECULATIVE_FILE
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".speculative.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)

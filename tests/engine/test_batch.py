@@ -9,6 +9,7 @@ from onnx_genrt.core.errors import ConcurrentUseError, InvalidInputError
 from onnx_genrt.engine import GeneratorParams, Model, generate
 from onnx_genrt.engine.batch import BatchGenerator, buckets
 from onnx_genrt.generate_cli import default_model_dir
+from onnx_genrt.providers.cpu.kernels.contrib_attention import general_path_steps
 
 from .test_greedy_parity import PROMPTS, _onnxruntime_genai
 
@@ -78,10 +79,12 @@ def test_rows_match_onnxruntime_genai_alone(qwen2_dir):
 def test_rows_join_and_leave_between_steps(model):
     """Continuous batching: a row added after others started, and a row freed and taken by
     a new prompt, still equal their prompts generated alone; changing buckets (1, 2, 4)
-    captures each bucket once and never invalidates."""
+    captures each bucket once and never invalidates. Every attention call of the batch,
+    free rows of a bucket included, runs the CPU's prebuilt step, never its general path."""
     alone = {t: generate(model, t, 20, ignore_eos=True).tokens for t in TEXTS}
     batch = BatchGenerator(model, 4, 128)
     before = batch.graph_stats()["primary"]
+    general_before = general_path_steps()
     ids = {t: model.tokenizer.encode(t) for t in TEXTS}
     owner: dict[int, str] = {}
 
@@ -121,6 +124,7 @@ def test_rows_join_and_leave_between_steps(model):
     assert stats["invalidations"] == before["invalidations"]
     assert stats["fallbacks"] == before["fallbacks"]
     assert stats["captures"] - before["captures"] <= len(buckets(4))  # one per bucket
+    assert general_path_steps() == general_before
 
 
 def test_sampled_rows_follow_their_own_seeds(model):

@@ -334,3 +334,61 @@ def test_rows_of_a_model_whose_prefill_computes_every_row(qwen2_dir, tmp_path):
         batch.step()
     for row, prompt, opts in zip(rows, PROMPTS, options, strict=True):
         assert batch.sequence(row) == _onnxruntime_genai(folder, prompt, 8, **opts), opts
+
+
+@pytest.mark.parametrize("graph_rows", [64, 1], ids=["one-graph", "one-row-pieces"])
+def test_min_length_reads_only_the_masked_rows_logits(eos_dir, monkeypatch, graph_rows):
+    """Greedy rows with a min_length take the device argmax; only a row whose argmax is end
+    of sequence before its min_length reads its logits (its own row, from the right piece),
+    and each row still equals its prompt generated alone with that min_length."""
+    from onnx_genrt.engine.decoder import DecoderRunner
+
+    model = Model(eos_dir)
+    wide, row_reads = [], []
+    step_rows, row_logits = DecoderRunner.step_rows, DecoderRunner.row_logits
+
+    def spy_step(self, tokens, lengths, slot, read_logits=False):
+        wide.append(read_logits)
+        return step_rows(self, tokens, lengths, slot, read_logits)
+
+    def spy_row(self, rows, row):
+        row_reads.append((rows, row))
+        return row_logits(self, rows, row)
+
+    monkeypatch.setattr(DecoderRunner, "step_rows", spy_step)
+    monkeypatch.setattr(DecoderRunner, "row_logits", spy_row)
+    prompts = [PROMPTS[1], PROMPTS[0]]  # the prompt that meets EOS in row 1
+    batch = BatchGenerator(model, 2, 64, max_graph_rows=graph_rows)
+    rows = [batch.add(p, _params(model, len(p) + 9, min_length=len(p) + 6)) for p in prompts]
+    while not all(batch.is_done(r) for r in rows):
+        batch.step()
+    assert wide and not any(wide)
+    assert row_reads and {r for _, r in row_reads} == ({1} if graph_rows > 1 else {0})
+    for row, prompt in zip(rows, prompts, strict=True):
+        ref = generate(model, prompt, 9, min_length=len(prompt) + 6)
+        assert batch.sequence(row) == ref.tokens
+    assert generate(model, prompts[1], 9).stop_reason == "eos"  # without min_length: EOS
+
+
+def test_a_prompt_that_fails_its_prefill_leaves_its_row_free(qwen2_dir, tmp_path):
+    """``add`` whose prefill raises (a NaN embedding row in the prompt) frees the row it
+    took: the next prompt takes that row and decodes as onnxruntime-genai does, with no
+    prefilling row left behind."""
+    from onnx_genrt.core.errors import NonFiniteError
+
+    from ..llm_fixtures import nan_token_copy
+
+    bad = 42
+    folder = nan_token_copy(qwen2_dir, tmp_path / "nan", bad)
+    model = Model(folder)
+    batch = BatchGenerator(model, 2, 32)
+    with pytest.raises(NonFiniteError):
+        batch.add([5, bad, 7], _params(model, 12))
+    assert batch.free_rows() == 2 and not batch.rows
+    prompt = PROMPTS[1]
+    assert bad not in prompt
+    row = batch.add(prompt, _params(model, 12), ignore_eos=True)
+    while not batch.is_done(row):
+        batch.step()
+    assert row == 0
+    assert batch.sequence(row) == _onnxruntime_genai(folder, prompt, 12 - len(prompt))

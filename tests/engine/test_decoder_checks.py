@@ -23,6 +23,8 @@ from onnx_genrt.engine.decoder import DecoderRunner
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.providers.cpu.provider import CPUProvider
 
+from ..llm_fixtures import nan_token_copy
+
 PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
 
 
@@ -383,19 +385,7 @@ NAN_TOKEN = 42
 def nan_token_model(qwen2_dir, tmp_path_factory) -> Model:
     """The decoder with token NAN_TOKEN's embedding row NaN (its own copy of the tied
     table): steps that feed it, or attend to it, give non-finite logits; others do not."""
-    folder = tmp_path_factory.mktemp("nan") / "m"
-    shutil.copytree(qwen2_dir, folder, ignore=shutil.ignore_patterns("draft", "mtp", "spec*"))
-    proto = onnx.load(folder / "model.onnx")
-    graph = proto.graph
-    gather = next(n for n in graph.node if n.op_type == "Gather" and "input_ids" in n.input)
-    weight = next(i for i in graph.initializer if i.name == "lm_head.MatMul.weight")
-    table = onnx.numpy_helper.to_array(weight).T.copy()  # [vocab, hidden]
-    table[NAN_TOKEN] = np.nan
-    graph.initializer.append(onnx.numpy_helper.from_array(table, "nan_embedding"))
-    gather.input[0] = "nan_embedding"
-    (folder / "model.onnx.data").unlink()
-    onnx.save(proto, folder / "model.onnx")  # small enough to hold its weights inline
-    return Model(folder)
+    return Model(nan_token_copy(qwen2_dir, tmp_path_factory.mktemp("nan") / "m", NAN_TOKEN))
 
 
 def test_non_finite_logits_name_the_positions_of_the_step(nan_token_model):

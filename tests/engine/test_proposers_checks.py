@@ -1,5 +1,5 @@
-"""Proposers' defaults and refusals: prompt lookup against a brute-force n-gram search, the
-MTP proposer's errors for a missing hidden state and an impossible chain hook."""
+"""Proposers' defaults, refusals and edges: prompt lookup against a brute-force n-gram search,
+the MTP proposer's errors, chain hooks and graph labels, the draft model near its cache end."""
 
 from __future__ import annotations
 
@@ -199,3 +199,72 @@ def test_mtp_proposer_drafts_from_the_pending_token_as_a_float64_chain():
             token = int(np.argmax(h @ w["lm_head"]))
             want.append(token)
         assert proposer.propose(tokens, hidden, 3) == want
+
+
+def test_mtp_graph_stats_name_each_chain_by_its_k_once_there_are_two():
+    """One chain's slot keeps its plain name; once a longer chain exists each is labelled
+    with its k. Each label's runs (eager, captured, replayed) are that chain's proposals."""
+    proposer = MTPProposer(_tiny_head(), InferenceSession)
+    hidden = np.zeros((1, 1, 4), np.float32)
+
+    def runs(stats: dict) -> int:
+        return stats["eager_runs"] + stats["captures"] + stats["replays"]
+
+    for _ in range(3):
+        proposer.propose([1, 2], hidden, 2)
+    stats = proposer.graph_stats()
+    assert list(stats) == ["draft"] and runs(stats["draft"]) == 3
+    proposer.propose([1, 2], hidden, 3)  # longer than the chain built: a second chain
+    stats = proposer.graph_stats()
+    assert sorted(stats) == ["draft(k=2)", "draft(k=3)"]
+    assert (runs(stats["draft(k=2)"]), runs(stats["draft(k=3)"])) == (3, 1)
+
+
+def test_no_chain_hook_for_a_runner_without_a_device_argmax(qwen2_dir):
+    """A verify step whose runner has no argmax output (a session without the decode heads)
+    gets no chain hook: the drafts then come from the host. A runner with it gets one."""
+    from onnx_genrt.engine import Model
+    from onnx_genrt.engine.decoder import DecoderRunner
+    from onnx_genrt.session import load_model
+
+    model = Model(qwen2_dir)
+    head = load_model(qwen2_dir / "mtp" / "model.onnx")
+    plain = InferenceSession(load_model(model.config.model_path, folder=model.folder))
+    without = DecoderRunner(plain, model.config, 32)
+    with_heads = DecoderRunner(model.session, model.config, 32)
+    assert without.step_buffers(3).hidden is not None and without.step_buffers(3).argmax is None
+    proposer = MTPProposer(head, model.session_from_proto)
+    assert proposer.chain_hook(without, 2, 1, 0, next_inputs=False) is None
+    assert callable(proposer.chain_hook(with_heads, 2, 1, 0, next_inputs=False))
+
+
+def test_draft_model_near_its_cache_end_narrows_a_wider_catch_up(qwen2_dir):
+    """A catch-up width kept from a larger k would run past the draft cache's end: there the
+    width falls back to the current k + 1, and the drafts still equal the draft model's own
+    greedy continuation (a plain Generator)."""
+    from onnx_genrt.engine import DraftModelProposer, Generator, GeneratorParams, Model
+
+    draft = Model(qwen2_dir / "draft")
+
+    def greedy(prompt: list[int], max_length: int) -> list[int]:
+        params = GeneratorParams(draft)
+        params.set_search_options(max_length=max_length)
+        with Generator(draft, params) as gen:
+            gen.eos = set()
+            gen.append_tokens(prompt)
+            while not gen.is_done():
+                gen.generate_next_token()
+            return list(gen.get_sequence())[len(prompt) :]
+
+    proposer = DraftModelProposer(draft, 8)
+    length = proposer.runner.max_length
+    prompt = np.random.default_rng(5).integers(0, 250, length - 5).tolist()
+    try:
+        first = proposer.propose(prompt, None, 4)  # catch-up width 5 from now on
+        assert first == greedy(prompt, length - 1)
+        # Three drafts are in the cache (positions up to length - 3); all four accepted, one
+        # more draft asked: width 5 at position length - 2 would pass the end, 2 fits.
+        text = [*prompt, *first]
+        assert proposer.propose(text, None, 1) == greedy(text, length)
+    finally:
+        proposer.close()

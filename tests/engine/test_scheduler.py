@@ -103,11 +103,12 @@ def test_cancel_frees_the_row(model):
 
 def test_queue_full_and_closed(model):
     sched = Scheduler(model, max_batch=1, max_queue=1)  # not started: nothing leaves the queue
-    first = sched.submit("x", max_new_tokens=4)
+    first = sched.submit("x", max_new_tokens=4)  # will take the free row
+    second = sched.submit("x", max_new_tokens=4)  # waits for it
     with pytest.raises(QueueFullError, match="max_queue=1"):
         sched.submit("x", max_new_tokens=4)
     sched.close()
-    assert first.result(5).finish_reason == "cancelled"
+    assert first.result(5).finish_reason == second.result(5).finish_reason == "cancelled"
     with pytest.raises(SchedulerClosedError):
         sched.submit("x", max_new_tokens=4)
 

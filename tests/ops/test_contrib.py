@@ -637,6 +637,20 @@ def test_matmul_nbits(bits: int, block: int, zero: str, m: int, tester: OpTester
     _close(got, ort_y, F32, scale=10.0)  # ORT's blocked kernels sum in another order
 
 
+@pytest.mark.parametrize("m", [1, 7])
+def test_matmul_nbits_refuses_a_whose_width_is_not_k(m: int, tester: OpTester) -> None:
+    """A run whose A has K + 8 columns fails naming the node and both widths (no kernel
+    reads past or short of the packed rows); the rule is core.op_rules.matmul_nbits_dims."""
+    qw = _quantize_nbits(_rng(43).standard_normal((24, 32)), 4, 32, "uint8")
+    a = _rng(44).standard_normal((m, 40)).astype(F32)
+    node = helper.make_node(
+        "MatMulNBits", ["A", "B", "scales", "zp"], ["Y"], "nbits_wide_a", domain=MS,
+        K=32, N=24, bits=4, block_size=32,
+    )  # fmt: skip
+    with pytest.raises((KernelError, ValueError), match=r"nbits_wide_a.*A has 40 columns, K is 32"):
+        tester.run(node, 1, a, qw["B"], qw["scales"], qw["zero_points"])
+
+
 @pytest.mark.parametrize(
     "bits,zero,bias,dtype",
     [

@@ -31,16 +31,12 @@ def helper_files(repo: Path) -> list[Path]:
 
 def is_command_or_tool(module: str) -> bool:
     """A command-line module (``cli``, ``cli_args``, ``__main__``, ``*_cli``, ``demo``) or a
-    developer tool (``*_bench``, ``step_*``) of the ``onnx_genrt`` package."""
+    developer tool (anything of ``onnx_genrt.tools``) of the ``onnx_genrt`` package."""
     parts = module.split(".")
     if len(parts) < 2 or parts[0] != "onnx_genrt":
         return False
     name = parts[1]
-    return (
-        name in {"cli", "cli_args", "__main__", "demo"}
-        or name.endswith(("_cli", "_bench"))
-        or name.startswith("step_")
-    )
+    return name in {"cli", "cli_args", "__main__", "demo", "tools"} or name.endswith("_cli")
 
 
 def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
@@ -88,11 +84,13 @@ def test_the_scan_sees_helpers_and_flags_commands(tmp_path):
     (tmp_path / "tests" / "test_ok.py").write_text("from onnx_genrt.generate_cli import x\n")
     (tmp_path / "tests" / "helper.py").write_text(
         "from onnx_genrt import generate_cli\n"
-        "def f():\n    from onnx_genrt.dispatch_bench import elementwise_chain\n"
-        "import onnx_genrt.step_profile\nfrom onnx_genrt.models import default_model_path\n"
+        "def f():\n    from onnx_genrt.tools.dispatch_bench import elementwise_chain\n"
+        "import onnx_genrt.tools.step_profile\nfrom onnx_genrt.models import default_model_path\n"
+        "from onnx_genrt import tools\n"
     )
     assert command_imports(tmp_path) == [
         "tests/helper.py:1: onnx_genrt.generate_cli",
-        "tests/helper.py:3: onnx_genrt.dispatch_bench.elementwise_chain",
-        "tests/helper.py:4: onnx_genrt.step_profile",
+        "tests/helper.py:3: onnx_genrt.tools.dispatch_bench.elementwise_chain",
+        "tests/helper.py:4: onnx_genrt.tools.step_profile",
+        "tests/helper.py:6: onnx_genrt.tools",
     ]

@@ -156,7 +156,7 @@ def test_step_profile_times_every_node_of_the_step_and_of_the_work_after_it():
     step, in plan order, then the nodes of the work ``then`` runs on another session."""
     from onnx_genrt.engine import Model
     from onnx_genrt.generate_cli import default_model_dir
-    from onnx_genrt.step_profile import profile_nodes
+    from onnx_genrt.tools.step_profile import profile_nodes
 
     class Owner:
         pass

@@ -12,17 +12,20 @@ them) past/present are a window-sized cache instead: present is as long as past,
 ``core.op_rules.windowed_cache_length``); the queries attend to those rows and the new keys,
 and the rows are then compacted in place. RoPE keeps absolute positions.
 
-A decode or verify step (batch 1, up to 16 new tokens, float32, shared buffers) runs as a
-_GqaStep built once per node and buffers: the kernel's ``bind`` (KernelDef.bind) hands it to a recorded CPU
-graph, and eager calls keep one in ``ctx.state``. It does the general path's arithmetic
-on the valid prefix, so both give equal results; anything else takes the general path.
+A decode or verify step (B >= 1 rows of up to 16 new tokens each, every row at its own
+length, float32, shared buffers) runs as a _GqaStep built once per node and buffers: the
+kernel's ``bind`` (KernelDef.bind) hands it to a recorded CPU graph, and eager calls keep one
+in ``ctx.state``. Its arithmetic (Numba, ``_gqa_step``) is per row and head, so a row gives
+the same bits in any batch; it agrees with the general path to float32 rounding. Anything
+else takes the general path, and a step-shaped call that does is counted
+(``general_path_steps``).
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +43,7 @@ from onnx_genrt.core.op_rules import (
     windowed_cache_length,
 )
 
+from ._gqa_step import attend_rows
 from ._nn_common import softmax_rows
 from ._registry import REGISTRY
 from .attention import _rope
@@ -405,96 +409,51 @@ def _attend_windowed(
 # ----------------------------------------------------------------------------- GQA decode step
 
 _STEP_KEY = "gqa_step"  # ctx.state entry: the eager call's prebuilt _GqaStep
-_STEP_MAX_ROWS = 16  # new tokens per call the prebuilt step takes (decode and verify widths)
-
-
-@numba.njit(cache=True)
-def _rope_row(x, cos, sin, out, rot, interleaved):
-    """out = x rotated by one position's cos/sin rows (rot/2,); features past ``rot`` copied.
-
-    The arithmetic of attention._rope, one (H,) row at a time.
-    """
-    half = rot // 2
-    for k in range(half):
-        if interleaved:
-            i1 = 2 * k
-            i2 = i1 + 1
-        else:
-            i1 = k
-            i2 = k + half
-        c = cos[k]
-        s = sin[k]
-        x1 = x[i1]
-        x2 = x[i2]
-        out[i1] = c * x1 - s * x2
-        out[i2] = s * x1 + c * x2
-    for d in range(rot, x.shape[0]):
-        out[d] = x[d]
-
-
-@numba.njit(cache=True)
-def _gqa_step_rows(q, k, v, kc, vc, cos, sin, qs, row0, pos0, scale, rot, interleaved):
-    """The M new rows of a step: keys (rotated) and values into the cache, queries scaled.
-
-    q (M, N, H), k/v (M, kvN, H); kc/vc (kvN, T, H) get rows row0 .. row0+M-1, rotated for
-    positions pos0 .. pos0+M-1 (row0 = pos0 but in a window-sized cache); qs (N, M, H) gets
-    the rotated queries times ``scale``. ``rot`` 0: no rotary (cos/sin unused).
-    """
-    m, n, h = q.shape
-    kvn = k.shape[1]
-    for i in range(m):
-        t = pos0 + i
-        r = row0 + i
-        for kh in range(kvn):
-            if rot > 0:
-                _rope_row(k[i, kh], cos[t], sin[t], kc[kh, r], rot, interleaved)
-            else:
-                for d in range(h):
-                    kc[kh, r, d] = k[i, kh, d]
-            for d in range(h):
-                vc[kh, r, d] = v[i, kh, d]
-        for hq in range(n):
-            dst = qs[hq, i]
-            if rot > 0:
-                _rope_row(q[i, hq], cos[t], sin[t], dst, rot, interleaved)
-            else:
-                for d in range(h):
-                    dst[d] = q[i, hq, d]
-            for d in range(h):
-                dst[d] = dst[d] * scale
-
-
+_STEP_MAX_ROWS = 16  # new tokens per row the prebuilt step takes (decode and verify widths)
 _NO_ROPE = np.zeros((1, 1), _F32)
-_SCRATCH = threading.local()  # .scores: score scratch shared by every step of the thread
+_NO_SINKS = np.zeros(0, _F32)
+
+#: Step-shaped calls (past cache given, at most _STEP_MAX_ROWS new tokens per row) that ran
+#: the general path instead of the prebuilt step, by reason; process-wide.
+_GENERAL_STEPS: Counter[str] = Counter()
 
 
-def _score_scratch(size: int) -> np.ndarray:
-    """``size`` float32 elements of this thread's score scratch (grown, never shrunk)."""
-    buf = getattr(_SCRATCH, "scores", None)
-    if buf is None or buf.size < size:
-        buf = _SCRATCH.scores = np.empty(max(size, 1 << 16), _F32)
-    return buf[:size]
+def general_path_steps() -> dict[str, int]:
+    """How many step-shaped GroupQueryAttention calls ran the general path, by reason (the
+    step refused the node's inputs, or a call's lengths fell outside it)."""
+    return dict(_GENERAL_STEPS)
+
+
+def _step_shaped(args: Sequence[np.ndarray | None]) -> bool:
+    """A decode/verify-sized call on a past cache: what the prebuilt step is for."""
+    query = args[0]
+    return (
+        isinstance(query, np.ndarray)
+        and query.ndim == 3
+        and 1 <= query.shape[1] <= _STEP_MAX_ROWS
+        and len(args) > 4
+        and args[3] is not None
+        and args[4] is not None
+    )
 
 
 class _GqaStep:
-    """One GroupQueryAttention node prebuilt on fixed buffers: batch 1, M <= 16 new tokens,
-    float32, past_key/past_value the shared present buffers (written in place).
+    """One GroupQueryAttention node prebuilt on fixed buffers: B >= 1 rows of M <= 16 new
+    tokens each (every row at its own length), float32, past_key/past_value the shared
+    present buffers (written in place).
 
-    What follows from shapes and attributes (config, head views of q/k/v and of the cache,
-    cos/sin, the output view, scratch) is made once. A call reads seqlens_k and
-    total_sequence_length, writes the new rows (one Numba call), then runs the general
-    path's arithmetic on the valid prefix: BLAS scores, _mask_scores, softmax_rows (or
-    _softmax_sink_rows), BLAS output; so results equal the general path's. ``run()`` returns
-    False, having done nothing, when the lengths fall outside what the step handles (the
-    cache would have to grow, fewer valid tokens than M, a rotary position past the cos/sin
-    cache, a score block over _SCORE_BUDGET, a window-sized cache that would drop rows the
-    first new query still sees): the caller then runs the general kernel.
+    What follows from shapes and attributes (config, head views of q/k/v, cos/sin, sinks,
+    the output view, scratch) is made once; a call is one ``_gqa_step.attend_rows`` (which
+    reads seqlens_k and total_sequence_length). A row whose lengths fall outside what the
+    step handles (the cache would have to grow, fewer valid tokens than M, a rotary position
+    past the cos/sin cache, a window-sized cache that would drop rows a new query still
+    sees) runs the general kernel alone, as it would at batch 1; when no row can step,
+    ``run()`` returns False having changed nothing, and the caller runs the general kernel.
+    Each row's result is what a batch-1 step of that row gives, bit for bit.
     """
 
-    __slots__ = (
-        "args", "y", "results", "seqlens", "total_len", "m", "cap", "rope_len", "rows_args",
-        "cfg", "qs", "keys", "values", "heads", "attn", "out4", "sinks", "fallback",
-    )  # fmt: skip
+    __slots__ = ("ctx", "args", "y", "results", "seqlens", "m", "cap", "cfg", "caches",
+                 "call", "fallback")  # fmt: skip
 
     @classmethod
     def build(
@@ -503,49 +462,37 @@ class _GqaStep:
         args: tuple[np.ndarray | None, ...],
         out: np.ndarray | None,
         present: Sequence[np.ndarray] | None = None,
-        row: int | None = None,
-    ) -> _GqaStep | None:
-        """The step for these inputs (``out``: output 0, None = ctx.out), or None if unfit.
+    ) -> _GqaStep | str:
+        """The step for these inputs (``out``: output 0, None = ctx.out), or why not.
 
         ``present``: the buffers the caller expects present_key/present_value in; they
-        must be past_key/past_value themselves. ``row``: the step of that batch entry alone
-        (views of its query, keys, values, cache rows, length and output).
+        must be past_key/past_value themselves.
         """
         a = list(args[:17]) + [None] * (17 - len(args))
-        if row is not None:
-            a[:6] = [None if x is None else x[row : row + 1] for x in a[:6]]
-            out = None if out is None else out[row : row + 1]
-            present = None if present is None else [p[row : row + 1] for p in present]
         query, key, value, past_key, past_value, seqlens_k, total_len = a[:7]
         cos_cache, sin_cache, position_ids, attention_bias, head_sink = a[7:12]
-        if (
-            any(x is not None for x in (position_ids, attention_bias, *a[12:]))
-            or query is None
-            or query.dtype != _F32
-            or query.ndim != 3
-            or query.shape[0] != 1
-            or not 1 <= query.shape[1] <= _STEP_MAX_ROWS
-            or seqlens_k is None
-            or seqlens_k.size != 1
-            or total_len is None
-            or np.size(total_len) != 1
-            or past_key is None
-            or past_value is None
-            or _gqa_check(ctx.node, ()) is not None
-        ):
-            return None
+        if not _step_shaped(a):
+            return "not a step: a past cache and at most 16 new tokens per row"
+        if any(x is not None for x in (position_ids, attention_bias, *a[12:])):
+            return "position_ids, attention_bias or query_seqlens given"
+        if query.dtype != _F32:
+            return f"{query.dtype} query (the step is float32)"
+        b = query.shape[0]
+        if seqlens_k is None or seqlens_k.size != b or total_len is None or np.size(total_len) != 1:
+            return "seqlens_k / total_sequence_length missing or misshapen"
+        if _gqa_check(ctx.node, ()) is not None:
+            return "unsupported node"  # the general path raises the error
         cfg = _GqaConfig.from_ctx(ctx)
         try:
             geom = gqa_shapes(ctx.node, query, key, value, past_key, past_value, seqlens_k,
                               cos_cache, sin_cache, head_sink)  # fmt: skip
         except ValueError:
-            return None  # the general path raises the error
+            return "inconsistent shapes"  # the general path raises the error
         q, k, v = _split_qkv(geom, query, key, value)
         _, m, n, h = q.shape
-        kvn = cfg.kv_heads
         for past in (past_key, past_value):
             if not isinstance(past, np.ndarray) or past.dtype != _F32 or not past.flags.writeable:
-                return None
+                return "past_key/past_value not writeable float32 arrays"
         if present is not None and not (
             len(present) == 2
             and all(
@@ -553,39 +500,41 @@ class _GqaStep:
                 for p, want in zip(present, (past_key, past_value), strict=True)
             )
         ):
-            return None
+            return "present_key/present_value are not the past buffers"
         if out is None:
-            out = ctx.out(0, (1, m, n * h), _F32)
-        if out.shape != (1, m, n * h) or out.dtype != _F32 or not out.flags.c_contiguous:
-            return None
-        rot, cos, sin, rope_len = 0, _NO_ROPE, _NO_ROPE, 1 << 62
+            out = ctx.out(0, (b, m, n * h), _F32)
+        if out.shape != (b, m, n * h) or out.dtype != _F32 or not out.flags.c_contiguous:
+            return "output 0 is not a C-contiguous float32 buffer"
+        rot, cos, sin = 0, _NO_ROPE, _NO_ROPE
         if cfg.rotary:
-            if cos_cache is None or sin_cache is None:
-                return None
-            if cos_cache.dtype != _F32 or sin_cache.dtype != _F32 or geom.rotary_dim == 0:
-                return None
-            rot, cos, sin, rope_len = 2 * cos_cache.shape[1], cos_cache, sin_cache, len(cos_cache)
+            if cos_cache is None or sin_cache is None or geom.rotary_dim == 0:
+                return "do_rotary without cos/sin caches"
+            if cos_cache.dtype != _F32 or sin_cache.dtype != _F32:
+                return "cos/sin caches not float32"
+            rot, cos, sin = 2 * cos_cache.shape[1], cos_cache, sin_cache
         if head_sink is not None and head_sink.dtype != _F32:
-            return None
+            return "head_sink not float32"
+        if head_sink is not None:
+            sinks = head_sink.reshape(-1)
+        else:
+            sinks = np.zeros(n, _F32) if cfg.smooth else _NO_SINKS
         scale = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(h)
         step = cls()
+        step.ctx = ctx
         step.args = tuple(args)
         step.y = out
         step.results = (out, past_key, past_value)
         step.seqlens = seqlens_k.reshape(-1)
-        step.total_len = np.asarray(total_len).reshape(-1)
-        step.m, step.cap, step.rope_len, step.cfg = m, past_key.shape[2], rope_len, cfg
-        step.qs = np.empty((n, m, h), _F32)
-        step.rows_args = (q[0], k[0], v[0], past_key[0], past_value[0], cos, sin, step.qs)
-        step.rows_args += (np.float32(scale), rot, cfg.interleaved)  # type: ignore[assignment]
-        step.keys, step.values = past_key[0], past_value[0]
-        step.heads = step.qs.reshape(kvn, (n // kvn) * m, h)  # row g * M + i: head kh*G+g
-        step.attn = np.empty((n, m, h), _F32) if m > 1 else None
-        step.out4 = out.reshape(m, n, h)
-        if head_sink is not None:
-            step.sinks = head_sink.reshape(-1)
-        else:
-            step.sinks = np.zeros(n, _F32) if cfg.smooth else None
+        step.m, step.cap, step.cfg = m, past_key.shape[2], cfg
+        step.caches = (past_key, past_value)
+        starts = np.zeros(b, np.int64)
+        active = np.zeros(b, np.bool_)
+        offsets = np.empty(b * m * n + 1, np.int64)
+        qs = np.empty((numba.config.NUMBA_NUM_THREADS, h), _F32)
+        step.call = (q, k, v, past_key, past_value, cos, sin, step.seqlens,
+                     np.asarray(total_len).reshape(-1), starts, active, offsets, qs, sinks,
+                     out.reshape(b, m, n, h), np.float32(scale), rot, cfg.interleaved,
+                     cfg.window, cfg.softcap, cfg.causal, not cfg.window_cache)  # fmt: skip
         step.fallback = None
         return step
 
@@ -598,100 +547,55 @@ class _GqaStep:
             and ctx.planned[0] is self.y
         )
 
-    def _rows(self, t: int) -> tuple[int, int] | None:
-        """(first new row, rows after the step) in the cache for ``t`` tokens after the step,
-        or None when the step cannot run. A window-sized cache (sliding_window_cache=1) that
-        must drop rows drops them here, first, when the new queries do not need them."""
-        m, cap, cfg = self.m, self.cap, self.cfg
-        if t < m or t > self.rope_len:
-            return None
-        if not cfg.window_cache:
-            if t > cap or int(self.total_len[0]) > cap:
-                return None
-            return t - m, t
-        resident = windowed_cache_length(t - m, cap, cfg.window)
-        drop = resident + m - windowed_cache_length(t, cap, cfg.window)
-        if drop > max(0, resident - cfg.window + 1):  # the first new query still sees them
-            return None
-        if drop:
-            for cache in (self.keys, self.values):
-                cache[:, : resident - drop] = cache[:, drop:resident]
-        return resident - drop, resident - drop + m
-
-    def fits(self) -> bool:
-        """Whether :meth:`run` will run for the current lengths, checked without changing
-        anything (not for a window-sized cache, whose :meth:`_rows` compacts as it checks)."""
-        total = int(self.seqlens[0]) + 1
-        m, cfg = self.m, self.cfg
-        windowed = cfg.window > 0 and cfg.causal
-        kvn, rows, _ = self.heads.shape
-        k0 = max(0, total - m - cfg.window + 1) if windowed else 0
-        if cfg.window_cache or total < m or kvn * rows * (total - k0) > _SCORE_BUDGET:
-            return False
-        return total <= self.rope_len and total <= self.cap and int(self.total_len[0]) <= self.cap
+    def _place_window_rows(self) -> None:
+        """A window-sized cache (sliding_window_cache=1): each row's first new cache row into
+        ``starts`` after dropping the rows its cache must drop, or ``active`` False (nothing
+        changed) for a row that cannot step."""
+        m, cap, window = self.m, self.cap, self.cfg.window
+        rope_len = len(self.call[5]) if self.cfg.rotary else 1 << 62
+        starts, active = self.call[9], self.call[10]
+        for b, t in enumerate(int(s) + 1 for s in self.seqlens):
+            active[b] = False
+            if t < m or t > rope_len:
+                continue
+            resident = windowed_cache_length(t - m, cap, window)
+            drop = resident + m - windowed_cache_length(t, cap, window)
+            if drop > max(0, resident - window + 1):  # the first new query still sees them
+                continue
+            if drop:
+                for cache in self.caches:
+                    cache[b, :, : resident - drop] = cache[b, :, drop:resident]
+            starts[b] = resident - drop
+            active[b] = True
 
     def run(self) -> bool:
-        """Run the step for the current seqlens_k; False (nothing done) when it cannot."""
-        total = int(self.seqlens[0]) + 1
-        m, cfg = self.m, self.cfg
-        windowed = cfg.window > 0 and cfg.causal
-        kvn, rows, h = self.heads.shape
-        # Checked before _rows changes anything: the most score columns the step can have.
-        k0 = max(0, total - m - cfg.window + 1) if windowed else 0
-        if total < m or kvn * rows * (total - k0) > _SCORE_BUDGET:
+        """Run the step for the current seqlens_k; False (nothing done) when no row can."""
+        if self.cfg.window_cache:
+            self._place_window_rows()
+        stepped = attend_rows(*self.call)
+        if stepped == 0:
             return False
-        span = self._rows(total)
-        if span is None:
-            return False
-        row0, end = span  # cache rows of the first new token and past the last one
-        k0 = max(0, row0 - cfg.window + 1) if windowed else 0
-        width = end - k0
-        ra = self.rows_args
-        _gqa_step_rows(*ra[:8], row0, total - m, *ra[8:])
-        scores = _score_scratch(kvn * rows * width).reshape(kvn, rows, width)
-        np.matmul(self.heads, self.keys[:, k0:end].swapaxes(1, 2), out=scores)
-        if cfg.softcap > 0.0:
-            scores *= np.float32(1.0 / cfg.softcap)
-            np.tanh(scores, out=scores)
-            scores *= np.float32(cfg.softcap)
-        flat = scores.reshape(-1, width)
-        if m > 1:  # one row sees exactly keys k0 .. end-1
-            _mask_scores(flat, m, 0, row0, end, k0, cfg.window, cfg.causal)
-        if self.sinks is None:
-            softmax_rows(flat, flat, True)
-        else:
-            _softmax_sink_rows(flat, np.repeat(self.sinks, m))
-        values = self.values[:, k0:end]
-        if self.attn is None:  # one row: (kvN, G, H) is the output's own layout
-            np.matmul(scores, values, out=self.out4.reshape(kvn, rows, h))
-        else:
-            attn = self.attn
-            np.matmul(scores, values, out=attn.reshape(kvn, rows, h))
-            self.out4[...] = attn.transpose(1, 0, 2)
+        if stepped < len(self.seqlens):
+            self._rows_alone()
         return True
+
+    def _rows_alone(self) -> None:
+        """The general kernel on each row the step left, alone (as at batch 1), counted."""
+        active = self.call[10]
+        for b in np.flatnonzero(~active):
+            _GENERAL_STEPS["a row's lengths outside the prebuilt step"] += 1
+            args = [
+                x[b : b + 1] if i in (0, 1, 2, 3, 4, 5) and x is not None else x
+                for i, x in enumerate(self.args)
+            ]
+            targets = (self.y[b : b + 1], *(cache[b : b + 1] for cache in self.caches))
+            ctx = KernelContext(self.ctx.node, self.ctx.provider, planned=targets)
+            _replay_general(ctx, tuple(args), targets)
 
     def replay(self) -> None:
         """A recorded graph's call: the step, or the general kernel when it cannot run."""
         if not self.run():
-            self.fallback()
-
-
-class _GqaRowsStep:
-    """A batched decode step (several batch entries, each at its own length): one
-    :class:`_GqaStep` per entry on views of its rows. When every entry fits, each runs;
-    otherwise the general kernel runs the whole batch (nothing was changed before)."""
-
-    __slots__ = ("rows", "fallback")
-
-    def __init__(self, rows: list[_GqaStep]) -> None:
-        self.rows = rows
-        self.fallback: Callable[[], None] | None = None
-
-    def replay(self) -> None:
-        if all(step.fits() for step in self.rows):
-            for step in self.rows:
-                step.run()
-        else:
+            _GENERAL_STEPS["lengths outside the prebuilt step"] += 1
             self.fallback()
 
 
@@ -719,23 +623,26 @@ def _replay_general(
 def _bind_gqa(
     ctx: KernelContext, inputs: Sequence[np.ndarray | None], outs: object
 ) -> Callable[[], None] | None:
-    """Prebound replay of a decode/verify step (see _GqaStep); None keeps the general call."""
+    """Prebound replay of a decode/verify step (see _GqaStep); None keeps the general call.
+
+    A step-shaped call the step refuses replays the general kernel, counted under the
+    refusal's reason (general_path_steps)."""
     if not isinstance(outs, tuple | list) or len(outs) != 3:
         return None
     args = tuple(inputs)
-    query = args[0]
-    if isinstance(query, np.ndarray) and query.ndim == 3 and query.shape[0] > 1:
-        if _GqaConfig.from_ctx(ctx).window_cache:  # its compaction cannot be checked first
+    step = _GqaStep.build(ctx, args, outs[0], outs[1:])
+    targets = tuple(outs)
+    if isinstance(step, str):
+        if not _step_shaped(args):
             return None
-        steps = [_GqaStep.build(ctx, args, outs[0], outs[1:], row=b) for b in range(len(query))]
-        if any(step is None for step in steps):
-            return None
-        step = _GqaRowsStep(steps)
-    else:
-        step = _GqaStep.build(ctx, args, outs[0], outs[1:])
-        if step is None:
-            return None
-    step.fallback = lambda: _replay_general(ctx, args, tuple(outs))
+        reason = step
+
+        def general() -> None:
+            _GENERAL_STEPS[reason] += 1
+            _replay_general(ctx, args, targets)
+
+        return general
+    step.fallback = lambda: _replay_general(ctx, args, targets)
     return step.replay
 
 
@@ -769,10 +676,15 @@ def group_query_attention(
     step = ctx.state.get(_STEP_KEY)
     if step is None or not step.serves(ctx, args):
         step = _GqaStep.build(ctx, args, None)
-        if step is not None and ctx.planned and ctx.planned[0] is step.y:
+        if isinstance(step, str):
+            if _step_shaped(args):
+                _GENERAL_STEPS[step] += 1
+            return _gqa_general(ctx, *args)
+        if ctx.planned and ctx.planned[0] is step.y:
             ctx.state[_STEP_KEY] = step
-    if step is not None and step.run():
+    if step.run():
         return step.results
+    _GENERAL_STEPS["lengths outside the prebuilt step"] += 1
     return _gqa_general(ctx, *args)
 
 

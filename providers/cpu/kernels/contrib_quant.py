@@ -40,6 +40,7 @@ from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import (
     NBITS,
     check_index_range,
+    matmul_nbits_dims,
     matmul_nbits_int8_activations,
     matmul_nbits_unsupported,
     normalize_axis,
@@ -337,13 +338,8 @@ def matmul_nbits(
     4-bit weights with at most ``PACKED_MAX_M`` rows of A are multiplied packed; other
     calls dequantize the weight to float32 first (kept only with the ``nbits_cache`` option).
     """
-    reason = _nbits_check(ctx.node, ())
-    if reason or g_idx is not None:
-        raise NotImplementedError(f"{ctx.node.describe()}: {reason or 'g_idx'}")
-    k, n = int(ctx.attr("K")), int(ctx.attr("N"))
-    bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size"))
-    if a.shape[-1] != k:
-        raise ValueError(f"{ctx.node.describe()}: A has {a.shape[-1]} columns, K is {k}")
+    dims = matmul_nbits_dims(ctx.node, a.shape[-1], g_idx is not None)
+    k, n, bits, block = dims.k, dims.n, dims.bits, dims.block
     out = ctx.out(0, (*a.shape[:-1], n), a.dtype)
     out2 = out.reshape(-1, n)
     if b.size == 0:  # an omitted projection: zeros (+ bias)

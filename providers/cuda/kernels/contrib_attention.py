@@ -64,8 +64,12 @@ from onnx_genrt.core.op_rules import (
     windowed_cache_length,
 )
 
+from ..attention_gemm import attend_rows, rotate_rows
 from ._common import (
     DEVICE_COMMON,
+    F16,
+    F32,
+    capturing,
     contiguous,
     function,
     out,
@@ -89,12 +93,20 @@ MAX_SPLITS = 64
 STAGE_BYTES = 16 << 10
 #: Most new tokens whose keys gqa_attn appends itself (no gqa_append launch).
 FUSE_MAX_NEW = 16
+#: Default of the CUDA provider's ``attention_gemm_min_rows``: new rows (a prompt) from which
+#: GroupQueryAttention runs as matrix products on eager runs (``providers/cuda/attention_gemm``).
+ATTENTION_GEMM_MIN_ROWS = 512
 #: Decode / verify (up to FUSE_MAX_NEW new tokens) on sm_90+: the 8 splits of a (row, head)
 #: form a thread-block cluster and merge through distributed shared memory (no counter, no
 #: global round trips); False: the many-split kernel with a last-block-done merge.
 CLUSTER = True
 #: Fewest keys a split of the cluster kernel takes.
 CLUSTER_MIN_CHUNK = 64
+#: Default of the CUDA provider's ``attention_cluster_max_keys``: the KV capacity up to which
+#: decode / verify use the 8-split cluster kernel (0: any capacity). Above it the many-split
+#: kernel spreads a long cache over up to MAX_SPLITS blocks per row: with 8 splits, each
+#: block of a 30000-token cache walks 3750 keys one after another.
+ATTENTION_CLUSTER_MAX_KEYS = 0
 #: Dynamic shared memory a block may take without opting in.
 _SHARED_MAX = 48 << 10
 
@@ -842,7 +854,10 @@ def group_query_attention(
     fuse = call.new <= FUSE_MAX_NEW
     if not fuse:
         _gqa_append(call)
-    _gqa_attend(ctx, call, y, fuse)
+    if not fuse and _gemm_attention_fits(ctx, call):
+        _gqa_attend_gemm(ctx, call, y)
+    else:
+        _gqa_attend(ctx, call, y, fuse)
     if call.wcache and fuse:  # the new rows were kept out of the cache: compact, then store them
         _gqa_window_store(call)
     return y, past_key, past_value
@@ -1066,6 +1081,68 @@ def _gqa_window_store(call: _GqaCall) -> None:
     store((call.batch, call.kv_heads), _kv_block(call), _kv_args(call))
 
 
+def attention_gemm_min_rows(ctx: KernelContext) -> int:
+    """New rows from which a prompt's attention runs as matrix products (the CUDA provider's
+    ``attention_gemm_min_rows``; 0: never)."""
+    return int(ctx.option("attention_gemm_min_rows", ATTENTION_GEMM_MIN_ROWS))
+
+
+def _gemm_attention_fits(ctx: KernelContext, call: _GqaCall) -> bool:
+    """Whether ``_gqa_attend_gemm`` takes the call: a long prompt on an eager run, fp32 or
+    fp16, no sinks, a full-length cache."""
+    least = attention_gemm_min_rows(ctx)
+    return (
+        bool(least)
+        and call.new >= least
+        and not capturing(ctx)
+        and call.sink_mode == 0
+        and not call.wcache
+        and call.dtype in (F32, F16)
+        and call.cos.dtype in (F32, F16)
+    )
+
+
+def _gqa_attend_gemm(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray) -> None:
+    """A long prompt's attention as matrix products (``attention_gemm``; cuBLAS, so eager
+    only), the new keys and values already in the cache (``_gqa_append``)."""
+    b, s, heads, d = call.batch, call.new, call.heads, call.head_size
+    lens = ctx.host_value(call.seqlens)
+    if lens is None:
+        lens = cupy.asnumpy(call.seqlens)  # one sync per layer: small against a long prompt
+    lens = np.asarray(lens).reshape(-1)
+    query = call.query.reshape(-1)[: b * s * call.q_row].reshape(b, s, call.q_row)
+    q_all = query[:, :, : heads * d].reshape(b, s, heads, d)
+    y4 = y.reshape(b, s, heads, d)
+    for i in range(b):
+        total = int(lens[i]) + 1
+        past = total - s
+        if past < 0 or total > call.cap:
+            raise ValueError(
+                f"{ctx.node.describe()}: seqlens_k gives entry {i} {total} positions for {s} new "
+                f"tokens in a cache of {call.cap}"
+            )
+        q = q_all[i].astype(np.float32)  # [S, heads, D]
+        if call.rotary:
+            pos = cupy.clip(cupy.arange(past, total), 0, call.max_pos - 1)
+            cos, sin = call.cos[pos].astype(np.float32), call.sin[pos].astype(np.float32)
+            q = rotate_rows(cupy, q, cos, sin, call.rot, bool(call.interleaved))
+        q = cupy.ascontiguousarray((q * np.float32(call.scale)).transpose(1, 0, 2))
+        keys = call.past_key[i, :, :total].astype(np.float32)
+        values = call.past_value[i, :, :total].astype(np.float32)
+        att = attend_rows(
+            cupy, q, keys, values, past,
+            softcap=call.softcap, window=call.window, causal=bool(call.causal),
+        )  # fmt: skip
+        y4[i] = att.transpose(1, 0, 2).astype(y.dtype)
+
+
+def _cluster_fits(ctx: KernelContext, call: _GqaCall, fuse: bool) -> bool:
+    """Whether the cluster kernel takes a decode / verify call: sm_90+, and a cache of at most
+    the provider's ``attention_cluster_max_keys`` positions (0: any)."""
+    most = int(ctx.option("attention_cluster_max_keys", ATTENTION_CLUSTER_MAX_KEYS))
+    return bool(fuse and CLUSTER and _cc_major() >= 9 and (most == 0 or call.cap <= most))
+
+
 def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool) -> None:
     """The attention launch: splits of each query row's keys, merged in a cluster or by
     the last split to finish."""
@@ -1076,7 +1153,7 @@ def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool)
     shared = _up16(_up16(new_rows) + (d + warps * d + 2 * warps + 68) * 4)
     ps = -(-(d + 2) // 4) * 4  # floats per partial: D sums, max, denominator, padding
     part, counts = y, call.seqlens  # placeholders: no global merge
-    cluster = bool(fuse and CLUSTER and _cc_major() >= 9)
+    cluster = _cluster_fits(ctx, call, fuse)
     if cluster:
         kernel, splits, min_chunk = "gqa_attn_cluster", 8, CLUSTER_MIN_CHUNK
         shared += ps * 4

@@ -22,29 +22,45 @@ with cuBLAS, which CuPy refuses inside a stream capture, so that case raises whi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import cupy
 import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
-from onnx_genrt.core.op_rules import NBITS, check_index_range, matmul_nbits_unsupported
+from onnx_genrt.core.op_rules import (
+    NBITS,
+    check_index_range,
+    matmul_nbits_dims,
+    matmul_nbits_unsupported,
+)
 
 from ..gemv_split import nbits4_small_k_split, small_k_blocks
 from ._common import (
+    BF16,
     DEVICE_COMMON,
+    F16,
     CaptureUnsupported,
     capturing,
     contiguous,
     function,
     out,
     refuse_in_capture,
+    scratch,
     sm_count,
     storage,
 )
 from ._registry import REGISTRY
-from .matmul import gemv_layout
+from .matmul import MMA_MAX_M, MMA_TILES, gemv_layout, mma_config, sum_splits
 
 #: Largest M that runs on the GEMV kernel.
 GEMV_MAX_M = 16
+#: Rows up to which MatMulNBits runs the GEMV in pieces of GEMV_MAX_M rows (capturable).
+CHUNKED_GEMV_MAX_M = 64
+#: Default of the CUDA provider's ``nbits_mma_min_rows``: rows from which 4-bit weights with
+#: fp16/bf16 activations run on the tensor cores (``gemm_mma_nbits4``), up to MMA_MAX_M.
+NBITS_MMA_MIN_ROWS = 3
 # Kernel variants, each a CUDA provider option (``CUDAProvider.OPTIONS``; the environment
 # variable in brackets is its default):
 # - packed rows of at most STREAM_MAX_WORDS 32-bit words (K <= 1024 at 4 bits) run on the
@@ -64,9 +80,8 @@ STREAM_MAX_WORDS = 128
 SMALL_K_MAX_M = 8
 _NBITS = NBITS
 
-_BODY = (
-    DEVICE_COMMON
-    + r"""
+#: The zero point of a block, shared by the GEMV and tensor-core sources.
+_ZERO_AT = r"""
 // Zero point of block blk of row n. zp_mode 0: 2^(bits-1); 1: packed uint8 (zrow bytes per
 // row, low bits first); 2: one float per block (same type as the scales).
 template <typename W, int BITS>
@@ -81,6 +96,12 @@ DEVI float zero_at(const unsigned char* zp_u8, const W* zp_f, int zp_mode, long 
   return (float)(1 << (BITS - 1));
 }
 
+"""
+
+_BODY = (
+    DEVICE_COMMON
+    + _ZERO_AT
+    + r"""
 // E = 32 / BITS activations of row pointer a from k0 as floats (zeros past K); vector
 // loads when vec says the rows are 16-byte aligned.
 template <int E>
@@ -578,6 +599,52 @@ __global__ void gather_block_quant(const unsigned char* __restrict__ data,
 )
 
 
+#: The 4-bit tensor-core GEMM: ``mma_tiles`` (``matmul.MMA_TILES``) with a loader that
+#: dequantizes. sm_80 or newer, so a source of its own.
+_MMA4_SOURCE = (
+    DEVICE_COMMON
+    + _ZERO_AT
+    + MMA_TILES
+    + r"""
+// 4-bit weights B [N, nb, block / 2] (value k of a block at byte k / 2, low nibble first),
+// blocks of a multiple of 16 values: a lane's 16 values come from one 8-byte load, one scale
+// and one zero point, each (q - z) * s in float rounded once to S.
+template <typename S, typename W>
+struct Nibbles4 {
+  const unsigned char* B;
+  const W* scales;
+  const unsigned char* zp_u8;
+  const W* zp_f;
+  int nb, block, zrow, zp_mode;
+  DEVI void operator()(int n, int k, unsigned (&b)[8]) const {
+    const int blk = k / block;
+    const long long at = ((long long)n * nb + blk) * (block >> 1) + ((k - blk * block) >> 1);
+    const uint2 q = *reinterpret_cast<const uint2*>(B + at);
+    const float s = ld(scales, (long long)n * nb + blk);
+    const float z = zero_at<W, 4>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const unsigned int byte = ((i < 4 ? q.x : q.y) >> (8 * (i & 3))) & 0xffu;
+      b[i] = pack2((const S*)nullptr, ((float)(byte & 15u) - z) * s, ((float)(byte >> 4) - z) * s);
+    }
+  }
+};
+
+// C = A @ dequant(B)^T (+ bias) on the tensor cores (see mma_tiles and Nibbles4).
+template <typename S, typename W, int MT>
+__global__ void __launch_bounds__(256) gemm_mma_nbits4(
+    const S* __restrict__ A, const unsigned char* __restrict__ B, const W* __restrict__ scales,
+    const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
+    const S* __restrict__ bias, int has_bias, S* __restrict__ C, float* __restrict__ P, int M,
+    int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits) {
+  const Nibbles4<S, W> load{B, scales, zp_u8, zp_f, nb, block, zrow, zp_mode};
+  mma_tiles<S, MT>(A, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N, k_per_split,
+                   splits);
+}
+"""
+)
+
+
 def _source(ctx: KernelContext) -> str:
     """The kernels' source in the form the provider's ``nbits_half2`` option asks for."""
     return f"#define NBITS_HALF2 {int(ctx.option('nbits_half2', True))}\n" + _BODY
@@ -679,6 +746,151 @@ def _chunk16_fits(ctx: KernelContext, bits: int, block: int, k: int, row_bytes: 
     )
 
 
+@dataclass
+class _NbitsCall:
+    """One MatMulNBits call, checked, for the GEMV paths (M <= GEMV_MAX_M rows a launch)."""
+
+    b: Any
+    scales: Any
+    zp_u8: Any
+    zp_f: Any
+    bias_arg: Any
+    has_bias: bool
+    k: int
+    n: int
+    nb: int
+    blob: int
+    block: int
+    bits: int
+    zrow: int
+    zp_mode: int
+    norm: Any
+    s_type: str
+    w_type: str
+
+
+def nbits_mma_min_rows(ctx: KernelContext) -> int:
+    """Rows from which 4-bit weights with fp16/bf16 activations run on the tensor cores (the
+    CUDA provider's ``nbits_mma_min_rows``; 0: never)."""
+    return int(ctx.option("nbits_mma_min_rows", NBITS_MMA_MIN_ROWS))
+
+
+def _mma4_fits(ctx: KernelContext, call: _NbitsCall, a: Any, m: int) -> bool:
+    """Whether ``gemm_mma_nbits4`` runs these ``m`` rows: 4 bits, fp16/bf16 activations and
+    scales, blocks of a multiple of 16, K a multiple of 64, N of 8, aligned operands."""
+    least = nbits_mma_min_rows(ctx)
+    return (
+        bool(least)
+        and least <= m <= MMA_MAX_M
+        and call.bits == 4
+        and a.dtype in (F16, BF16)
+        and call.s_type == call.w_type
+        and call.block % 16 == 0
+        and call.k % 64 == 0
+        and call.n % 8 == 0
+        and call.b.data.ptr % 8 == 0
+        and a.data.ptr % 16 == 0
+    )
+
+
+def _nbits_mma(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) -> None:
+    """``y`` = the ``m`` rows of ``a`` times the 4-bit weight on the tensor cores."""
+    k, n = call.k, call.n
+    mt, splits, k_per = mma_config(m, k, n, sm_count())
+    partial = y if splits == 1 else scratch(ctx, splits * m * n * 4).view(np.float32)
+    fn = function(_MMA4_SOURCE, f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}>")
+    args = (a, call.b, call.scales, call.zp_u8, call.zp_f, call.bias_arg)
+    args += (np.int32(call.has_bias), y, partial, np.int32(m), np.int32(k), np.int32(n))
+    args += (np.int32(call.nb), np.int32(call.block), np.int32(call.zrow))
+    args += (np.int32(call.zp_mode), np.int32(k_per), np.int32(splits))
+    fn((n // 8, splits), (256,), args)
+    if splits > 1:
+        sum_splits(ctx, partial, y, splits)
+
+
+def _nbits_gemv(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) -> None:
+    """``m`` <= GEMV_MAX_M rows of ``a`` into ``y`` on the GEMV kernels."""
+    if _chunk16_fits(ctx, call.bits, call.block, call.k, call.nb * call.blob, call.b, a):
+        args = (
+            a,
+            call.b,
+            call.scales,
+            call.zp_u8,
+            call.zp_f,
+            call.bias_arg,
+            y,
+            np.int32(m),
+            np.int32(call.k),
+            np.int32(call.n),
+        )
+        args += (
+            np.int32(call.nb),
+            np.int32(call.block),
+            np.int32(call.nb * call.blob // 16),
+            np.int32(call.zrow),
+        )
+        args += (np.int32(call.zp_mode), np.int32(call.has_bias))
+        fused = call.norm.ON_THE_FLY if call.norm is not None else 0
+        if call.norm is not None:
+            norm_args, shared = call.norm.kernel_args(a), call.norm.stage_bytes(a)
+        else:
+            norm_args, shared = (a, a, y, np.float32(0.0), np.int32(0)), 0
+        split = None
+        if ctx.option("nbits_small_k", True) and m <= SMALL_K_MAX_M:
+            split = nbits4_small_k_split(call.k // 32, call.n, sm_count())
+        if split is not None:
+            lpc, cpl = split
+            mt = next(t for t in (1, 2, 4, 8) if t >= m)
+            name = (
+                f"nbits4_gemv16_small_k<{call.s_type}, {call.w_type}, {mt}, {lpc}, {cpl}, {fused}>"
+            )
+            grid = (small_k_blocks(call.n, lpc),)
+            function(_source(ctx), name)(grid, (32, 8), (*args, *norm_args), shared_mem=shared)
+            return
+        mt, nr, wpc = gemv_layout(m, call.k // 32, call.n, sm_count())
+        fn = function(
+            _source(ctx), f"nbits4_gemv16<{call.s_type}, {call.w_type}, {mt}, {nr}, {fused}>"
+        )
+        groups = -(-call.n // nr)
+        grid = (-(-groups * wpc // 8),)
+        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=shared)
+        return
+    if call.b.data.ptr % 4:
+        refuse_in_capture(ctx, "copying a misaligned packed weight")
+        call.b = call.b.copy()
+    words = call.nb * call.blob // 4
+    mt = next(t for t in (1, 2, 4, 8, 16) if t >= m)
+    sms = sm_count()
+    nr = 2 if call.n >= 16 * 8 * sms else 1  # columns per warp: more bytes in flight
+    groups = -(-call.n // nr)
+    wpr = gemv_wpr(groups, words, sms)
+    vec_elems = 16 // a.dtype.itemsize
+    a_vec = int(a.data.ptr % 16 == 0 and call.k % vec_elems == 0)
+    args = (
+        a,
+        call.b,
+        call.scales,
+        call.zp_u8,
+        call.zp_f,
+        call.bias_arg,
+        y,
+        np.int32(m),
+        np.int32(call.k),
+        np.int32(call.n),
+    )
+    args += (np.int32(call.nb), np.int32(call.block), np.int32(words), np.int32(call.zrow))
+    args += (np.int32(call.zp_mode), np.int32(call.has_bias))
+    if ctx.option("nbits_stream", True) and words <= STREAM_MAX_WORDS:
+        name = f"nbits_gemv_stream<{call.s_type}, {call.w_type}, {mt}, {call.bits}, {nr}>"
+        fn = function(_source(ctx), name)
+        fn((stream_blocks(fn, groups, sms),), (32, 8), (*args, np.int32(a_vec)))
+        return
+    fn = function(
+        _source(ctx), f"nbits_gemv<{call.s_type}, {call.w_type}, {mt}, {call.bits}, {nr}>"
+    )
+    fn((-(-groups * wpr // 8),), (32, 8), (*args, np.int32(wpr), np.int32(a_vec)))
+
+
 @REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
 def matmul_nbits(
     ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None, bias=None, norm=None
@@ -688,13 +900,8 @@ def matmul_nbits(
     ``norm`` (a ``genrt.FusedNorm``): A is normalized first, inside the 16-byte-chunk
     GEMVs when they apply, else by the norm kernel before any other path."""
     desc = ctx.node.describe()
-    reason = _nbits_check(ctx.node, ())
-    if reason or g_idx is not None:
-        raise NotImplementedError(f"{desc}: {reason or 'g_idx'}")
-    k, n = int(ctx.attr("K")), int(ctx.attr("N"))
-    bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size"))
-    if a.shape[-1] != k:
-        raise ValueError(f"{desc}: A has {a.shape[-1]} columns, K is {k}")
+    dims = matmul_nbits_dims(ctx.node, a.shape[-1], g_idx is not None)
+    k, n, bits, block = dims.k, dims.n, dims.bits, dims.block
     s_type, w_type = storage(ctx, a.dtype), storage(ctx, scales.dtype)
     y = out(ctx, 0, (*a.shape[:-1], n), a.dtype)
     m = int(y.size // n) if n else 0
@@ -724,53 +931,28 @@ def matmul_nbits(
     bias_arg = contiguous(ctx, bias) if bias is not None else y
     if norm is None:  # the prologue reads the fused inputs itself
         a = contiguous(ctx, a)
-    if m <= GEMV_MAX_M and _chunk16_fits(ctx, bits, block, k, nb * blob, b, a):
-        args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
-        args += (np.int32(nb), np.int32(block), np.int32(nb * blob // 16), np.int32(zrow))
-        args += (np.int32(zp_mode), np.int32(bias is not None))
-        fused = norm.ON_THE_FLY if norm is not None else 0
-        if norm is not None:
-            norm_args, shared = norm.kernel_args(a), norm.stage_bytes(a)
-        else:
-            norm_args, shared = (a, a, y, np.float32(0.0), np.int32(0)), 0
-        split = None
-        if ctx.option("nbits_small_k", True) and m <= SMALL_K_MAX_M:
-            split = nbits4_small_k_split(k // 32, n, sm_count())
-        if split is not None:
-            lpc, cpl = split
-            mt = next(t for t in (1, 2, 4, 8) if t >= m)
-            name = f"nbits4_gemv16_small_k<{s_type}, {w_type}, {mt}, {lpc}, {cpl}, {fused}>"
-            grid = (small_k_blocks(n, lpc),)
-            function(_source(ctx), name)(grid, (32, 8), (*args, *norm_args), shared_mem=shared)
-            return y
-        mt, nr, wpc = gemv_layout(m, k // 32, n, sm_count())
-        fn = function(_source(ctx), f"nbits4_gemv16<{s_type}, {w_type}, {mt}, {nr}, {fused}>")
-        groups = -(-n // nr)
-        grid = (-(-groups * wpc // 8),)
-        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=shared)
+    call = _NbitsCall(
+        b, scales, zp_u8, zp_f, bias_arg, bias is not None, k, n, nb, blob, block, bits,
+        zrow, zp_mode, norm, s_type, w_type,
+    )  # fmt: skip
+    mma = _mma4_fits(ctx, call, a, m)
+    if mma and norm is not None:  # tensor-core rows: the prologue runs as its own kernel
+        a, call.norm = contiguous(ctx, norm.unfused()), None
+        mma = _mma4_fits(ctx, call, a, m)
+    if mma:
+        _nbits_mma(ctx, call, a, y, m)
         return y
     if m <= GEMV_MAX_M:
-        if b.data.ptr % 4:
-            refuse_in_capture(ctx, "copying a misaligned packed weight")
-            b = b.copy()
-        words = nb * blob // 4
-        mt = next(t for t in (1, 2, 4, 8, 16) if t >= m)
-        sms = sm_count()
-        nr = 2 if n >= 16 * 8 * sms else 1  # columns per warp: more bytes in flight
-        groups = -(-n // nr)
-        wpr = gemv_wpr(groups, words, sms)
-        vec_elems = 16 // a.dtype.itemsize
-        a_vec = int(a.data.ptr % 16 == 0 and k % vec_elems == 0)
-        args = (a, b, scales, zp_u8, zp_f, bias_arg, y, np.int32(m), np.int32(k), np.int32(n))
-        args += (np.int32(nb), np.int32(block), np.int32(words), np.int32(zrow))
-        args += (np.int32(zp_mode), np.int32(bias is not None))
-        if ctx.option("nbits_stream", True) and words <= STREAM_MAX_WORDS:
-            name = f"nbits_gemv_stream<{s_type}, {w_type}, {mt}, {bits}, {nr}>"
-            fn = function(_source(ctx), name)
-            fn((stream_blocks(fn, groups, sms),), (32, 8), (*args, np.int32(a_vec)))
-            return y
-        fn = function(_source(ctx), f"nbits_gemv<{s_type}, {w_type}, {mt}, {bits}, {nr}>")
-        fn((-(-groups * wpr // 8),), (32, 8), (*args, np.int32(wpr), np.int32(a_vec)))
+        _nbits_gemv(ctx, call, a, y, m)
+        return y
+    if m <= CHUNKED_GEMV_MAX_M:
+        # Pieces of GEMV_MAX_M rows through the GEMV: capturable, so a batched decode
+        # step of up to CHUNKED_GEMV_MAX_M rows replays one graph (and runs the kernels of
+        # steps of at most GEMV_MAX_M rows); the weight is read once per piece.
+        a2, y2 = a.reshape(m, k), y.reshape(m, n)
+        for r0 in range(0, m, GEMV_MAX_M):
+            r1 = min(m, r0 + GEMV_MAX_M)
+            _nbits_gemv(ctx, call, a2[r0:r1], y2[r0:r1], r1 - r0)
         return y
     if capturing(ctx):
         raise CaptureUnsupported(

@@ -257,13 +257,16 @@ __global__ void splitk_sum(const float* __restrict__ P, S* __restrict__ C, long 
 
 #: Rows (M) up to which ``gemm_mma`` runs a transposed fp16/bf16 weight (4 tiles of 16).
 MMA_MAX_M = 64
+#: Rows up to which a prepacked MatMul runs ``gemv_nk`` in pieces of SKINNY_MAX_M rows.
+PIECES_MAX_M = 64
 #: Default of the CUDA provider's ``mma_min_rows``: rows from which a transposed fp16/bf16
 #: weight runs on the tensor cores (``gemm_mma``) rather than ``gemv_nk``.
 MMA_MIN_ROWS = 3
 
-_MMA_SOURCE = (
-    DEVICE_COMMON
-    + r"""
+#: Device code of the tensor-core GEMMs (``gemm_mma`` here, ``gemm_mma_nbits4`` for 4-bit
+#: weights): the mma.m16n8k16 wrapper and the tile loop, generic in how a lane gets its eight
+#: words of weight. sm_80 or newer (its own sources, so older GPUs still build the GEMVs).
+MMA_TILES = r"""
 // D = A * B + D for one 16x8x16 tile on the tensor cores (fp32 accumulators); a0..a3 and
 // b0, b1 hold two 16-bit values each, in the fragment layout of mma.m16n8k16.
 template <typename S> struct Mma;
@@ -301,19 +304,21 @@ DEVI void ld32(const void* p, bool ok, unsigned (&w)[8]) {
   }
 }
 
-// C[m, n] = sum_k A[m, k] * W[n, k] on the tensor cores: W a transposed weight [N, K], A
-// [M, K] (M <= 16 * MT), both 16-byte aligned, K a multiple of 64, N of 8. A block owns 8
-// columns of N and the K range [y * k_per_split, +k_per_split); its 8 warps take the range's
-// 64-wide chunks in turn. In a chunk, lane (g, t) = (lane / 4, lane % 4) loads 16 values at
-// k + 16 t of W's row n0 + g and of A's rows g and g + 8 of each 16-row tile, one 32-byte
-// load each, and feeds them to four mma.m16n8k16: the dot products sum over k in another
-// order than the fragment layout's, the same for A and W, so each weight byte is read once
-// in whole 128-byte lines. The 8 warps' sums meet in shared memory; with splits > 1 the
-// block writes fp32 partials P[y][m][n] (summed by splitk_sum), else C.
-template <typename S, int MT>
-__global__ void __launch_bounds__(256) gemm_mma(
-    const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, float* __restrict__ P,
-    int M, int K, int N, int k_per_split, int splits) {
+// C[m, n] = sum_k A[m, k] * W[n, k] + bias[n] on the tensor cores, A [M, K] (M <= 16 * MT)
+// 16-byte aligned, K a multiple of 64, N of 8; the weight comes from ``load``: load(n, k, b)
+// fills b with the 16 values of W's row n from k as 8 words of two values of S (the lower k
+// in the low half). A block owns 8 columns of N and the K range [y * k_per_split,
+// +k_per_split); its 8 warps take the range's 64-wide chunks in turn. In a chunk, lane
+// (g, t) = (lane / 4, lane % 4) takes the 16 values at k + 16 t of W's row n0 + g and of A's
+// rows g and g + 8 of each 16-row tile, one 32-byte load each for A, and feeds them to four
+// mma.m16n8k16: the dot products sum over k in another order than the fragment layout's,
+// the same for A and W, so each weight byte is read once in whole lines. The 8 warps' sums
+// meet in shared memory; with splits > 1 the block writes fp32 partials P[y][m][n] (summed by
+// splitk_sum; the bias goes into split 0's), else C.
+template <typename S, int MT, typename Load>
+DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restrict__ bias,
+                    S* __restrict__ C, float* __restrict__ P, int M, int K, int N,
+                    int k_per_split, int splits) {
   __shared__ float red[8][MT][32][4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -325,11 +330,10 @@ __global__ void __launch_bounds__(256) gemm_mma(
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[mt][e] = 0.f;
-  const S* wrow = W + (long long)(n0 + g) * K + 16 * t;
   const S* arow = A + (long long)g * K + 16 * t;
   for (int k = kb + warp * 64; k < ke; k += 8 * 64) {
     unsigned b[8];
-    ld32(wrow + k, true, b);
+    load(n0 + g, k + 16 * t, b);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int r0 = mt * 16 + g;
@@ -354,6 +358,7 @@ __global__ void __launch_bounds__(256) gemm_mma(
     for (int w = 0; w < 8; ++w) s += red[w][mt][ln][e];
     const int row = mt * 16 + (ln >> 2) + (e >= 2 ? 8 : 0);
     const long long col = n0 + 2 * (ln & 3) + (e & 1);
+    if (bias != nullptr && blockIdx.y == 0) s += ld(bias, col);
     if (row < M) {
       if (splits > 1) {
         P[(long long)blockIdx.y * M * N + (long long)row * N + col] = s;
@@ -362,6 +367,30 @@ __global__ void __launch_bounds__(256) gemm_mma(
       }
     }
   }
+}
+"""
+
+_MMA_SOURCE = (
+    DEVICE_COMMON
+    + MMA_TILES
+    + r"""
+// A transposed weight W [N, K] (16-byte aligned rows): a lane's 16 values in one 32-byte load.
+template <typename S>
+struct FloatRows {
+  const S* W;
+  int K;
+  DEVI void operator()(int n, int k, unsigned (&b)[8]) const {
+    ld32(W + (long long)n * K + k, true, b);
+  }
+};
+
+// C = A @ W^T on the tensor cores (see mma_tiles).
+template <typename S, int MT>
+__global__ void __launch_bounds__(256) gemm_mma(
+    const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, float* __restrict__ P,
+    int M, int K, int N, int k_per_split, int splits) {
+  mma_tiles<S, MT>(A, FloatRows<S>{W, K}, (const S*)nullptr, C, P, M, K, N, k_per_split,
+                   splits);
 }
 """
 )
@@ -404,13 +433,18 @@ def gemm_mma(ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, c: cupy.n
     args = (a, w.t, c, partial, np.int32(m), np.int32(k), np.int32(n), np.int32(k_per))
     fn((n // 8, splits), (256,), (*args, np.int32(splits)))
     if splits > 1:
-        total = m * n
-        reduce = function(_SOURCE, f"splitk_sum<{s_type}>")
-        reduce(
-            (-(-total // 256),),
-            (256,),
-            (partial, c, np.int64(total), np.int32(splits), np.int64(total)),
-        )
+        sum_splits(ctx, partial, c, splits)
+
+
+def sum_splits(ctx: KernelContext, partial: cupy.ndarray, c: cupy.ndarray, splits: int) -> None:
+    """c = the sum of the ``splits`` fp32 partials [splits, c.size] (``splitk_sum``)."""
+    total = int(c.size)
+    reduce = function(_SOURCE, f"splitk_sum<{storage(ctx, c.dtype)}>")
+    reduce(
+        (-(-total // 256),),
+        (256,),
+        (partial, c, np.int64(total), np.int32(splits), np.int64(total)),
+    )
 
 
 def mma_min_rows(ctx: KernelContext) -> int:
@@ -550,7 +584,8 @@ def _gemv_transposed(
             return c
     if norm is None:  # the prologue reads the fused inputs itself
         a = contiguous(ctx, a)
-    if m <= SKINNY_MAX_M and a.data.ptr % 16 == 0:
+
+    def gemv(a: cupy.ndarray, c: cupy.ndarray, m: int) -> None:
         v = 16 // a.dtype.itemsize
         mt, nr, wpc = gemv_layout(m, k // v, n, sm_count())
         fused = norm.ON_THE_FLY if norm is not None else 0
@@ -563,6 +598,18 @@ def _gemv_transposed(
             args += (a, a, c, np.float32(0.0), np.int32(0))
         shared = norm.stage_bytes(a) if norm is not None else 0
         fn((-(-groups * wpc // 8),), (32, 8), args, shared_mem=shared)
+
+    aligned = a.data.ptr % 16 == 0
+    if m <= SKINNY_MAX_M and aligned:
+        gemv(a, c, m)
+        return c
+    if m <= PIECES_MAX_M and aligned and (k * a.dtype.itemsize) % 16 == 0:
+        # Pieces of SKINNY_MAX_M rows through the GEMV: capturable, so a batched decode
+        # step of up to PIECES_MAX_M rows replays one graph; the weight is read per piece.
+        a2, c2 = a.reshape(m, k), c.reshape(m, n)
+        for r0 in range(0, m, SKINNY_MAX_M):
+            r1 = min(m, r0 + SKINNY_MAX_M)
+            gemv(a2[r0:r1], c2[r0:r1], r1 - r0)
         return c
     if capturing(ctx):
         raise CaptureUnsupported(

@@ -260,8 +260,9 @@ def test_window_steps_prebuilt_step(window: int, softcap: float, cap: int | None
 
 @pytest.mark.parametrize(("window", "softcap", "cap"), CASES)
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
-def test_window_steps_general_path_batch_two(window, softcap, cap, dtype) -> None:
-    """Batch 2 (each entry its own length and layout), float32 and float16: general path."""
+def test_window_steps_batch_two(window, softcap, cap, dtype) -> None:
+    """Batch 2 (each entry its own length and layout): float32 runs the prebuilt step (a
+    row it cannot take runs the general path alone), float16 the general path."""
     _run_steps(window, softcap, cap, 2, dtype, _schedule(7, 12, 4))
 
 

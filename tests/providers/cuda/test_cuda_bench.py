@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from onnx_genrt.llm_bench import bench_ours
+from onnx_genrt.tools.llm_bench import bench_ours
 
 pytestmark = pytest.mark.gpu
 

@@ -66,8 +66,9 @@ def _replay_against_float64(cp, rng, sess, slot, m: int, w64: np.ndarray, dtype)
     "k,n", [(64, 1), (896, 1152), (896, 896), (4864, 896), (896, 20000), (24, 7)]
 )
 def test_prepacked_matmul_graphs_and_eager(cp, rng, dtype, k, n):
-    """Weights as initializers are prepacked; M=1 (PRIMARY) and M=5 (VERIFY) capture and
-    replay, M=40 runs cuBLAS on the transposed view eagerly; all against float64."""
+    """Weights as initializers are prepacked; M=1 (PRIMARY), M=5 (VERIFY) and, prepacked,
+    M=40 (a batched step: GEMV pieces of 16 rows, or the tensor cores) capture and replay;
+    M=80 runs cuBLAS on the transposed view eagerly; all against float64."""
     from onnx_genrt.providers.cuda.kernels.matmul import TransposedWeight
     from onnx_genrt.session import InferenceSession
 
@@ -76,9 +77,10 @@ def test_prepacked_matmul_graphs_and_eager(cp, rng, dtype, k, n):
     packed = [a for a in sess.executor.constants.values() if isinstance(a, TransposedWeight)]
     assert len(packed) == (1 if (k * np.dtype(dtype).itemsize) % 16 == 0 else 0)
     w64 = w.astype(np.float64)
-    for slot, m in ((PRIMARY, 1), (VERIFY, 5)):
+    steps = [(PRIMARY, 1), (VERIFY, 5)] + ([(DeviceGraphSlot.DRAFT, 40)] if packed else [])
+    for slot, m in steps:
         _replay_against_float64(cp, rng, sess, slot, m, w64, dtype)
-    host = rng.standard_normal((1, 40, k)).astype(dtype)
+    host = rng.standard_normal((1, 80, k)).astype(dtype)
     (got,) = sess.run(["y"], {"x": host})
     _check(np.asarray(got), host.astype(np.float64) @ w64, dtype, k)
 
@@ -127,7 +129,7 @@ def test_tensor_core_rows_capture_and_replay(cp, rng, dtype):
         _replay_against_float64(cp, rng, sess, slot, m, w64, dtype)
 
 
-def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool):
+def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool, bias: np.ndarray | None = None):
     nb = -(-k // block)
     blob = block // 2
     q = rng.integers(0, 16, (n, nb * block)).astype(np.uint8)
@@ -144,6 +146,9 @@ def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool):
         zpad[:, :nb] = zeros
         inits.append(numpy_helper.from_array(zpad[:, 0::2] | (zpad[:, 1::2] << 4), "z"))
         inputs.append("z")
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias.astype(dtype), "bias"))
+        inputs += [""] * (5 - len(inputs)) + ["bias"]
     w = (q[:, :k].astype(np.float64) - np.repeat(zeros, block, axis=1)[:, :k]) * np.repeat(
         scales.astype(np.float64), block, axis=1
     )[:, :k]
@@ -171,12 +176,13 @@ def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool):
     [(896, 1152, 32, False), (4864, 896, 32, True), (896, 20000, 64, False), (512, 33, 128, True)],
 )
 def test_nbits_chunk16_graphs(cp, rng, dtype, k, n, block, zp):
-    """4-bit weights on 16-byte chunks: M=1 and M=5 captured and replayed against float64."""
+    """4-bit weights on 16-byte chunks: M=1, M=5 and M=33 (a batched step: GEMV pieces of
+    16 rows) captured and replayed against float64."""
     from onnx_genrt.session import InferenceSession
 
     model, w64 = _nbits_model(k, n, block, dtype, rng, zp)
     sess = InferenceSession(model, providers=["cuda"])
-    for slot, m in ((PRIMARY, 1), (VERIFY, 5)):
+    for slot, m in ((PRIMARY, 1), (VERIFY, 5), (DeviceGraphSlot.DRAFT, 33)):
         _replay_against_float64(cp, rng, sess, slot, m, w64, dtype)
 
 
@@ -190,3 +196,54 @@ def test_transposed_weight_keeps_the_plain_copy_off_the_device(cp, rng):
     consts = list(sess.executor.constants.values())
     assert len(consts) == 1 and isinstance(consts[0], TransposedWeight)
     np.testing.assert_array_equal(consts[0].t.get(), w.T)
+
+
+@pytest.fixture
+def mma4_calls(monkeypatch):
+    """Counts the launches of the 4-bit tensor-core GEMM."""
+    from onnx_genrt.providers.cuda.kernels import contrib_quant
+
+    calls = []
+    real = contrib_quant._nbits_mma
+
+    def spy(ctx, call, a, y, m):
+        calls.append(m)
+        return real(ctx, call, a, y, m)
+
+    monkeypatch.setattr(contrib_quant, "_nbits_mma", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m", [3, 5, 16, 17, 33, 64])
+@pytest.mark.parametrize(
+    "k,n,block,zp",
+    [(896, 1152, 32, False), (4864, 896, 32, True), (896, 20000, 128, True), (192, 40, 64, False)],
+)
+def test_nbits_tensor_core_rows(cp, rng, mma4_calls, dtype, m, k, n, block, zp):
+    """4-bit weights on the tensor cores (``gemm_mma_nbits4``, ``nbits_mma_min_rows`` 3): the
+    rows of a verify step or a batched step, captured and replayed against float64."""
+    from onnx_genrt.session import InferenceSession
+
+    model, w64 = _nbits_model(k, n, block, dtype, rng, zp)
+    sess = InferenceSession(model, providers=[("cuda", {"nbits_mma_min_rows": 3})])
+    _replay_against_float64(cp, rng, sess, VERIFY, m, w64, dtype)
+    assert mma4_calls and set(mma4_calls) == {m}
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
+def test_nbits_tensor_core_bias_and_split_k(cp, rng, mma4_calls, dtype):
+    """The bias is added once whether K is split across blocks (K=4864, few columns) or not;
+    M=1 stays on the GEMV."""
+    from onnx_genrt.session import InferenceSession
+
+    for k, n in ((4864, 64), (896, 20000)):
+        bias = rng.standard_normal(n)
+        model, w64 = _nbits_model(k, n, 32, dtype, rng, True, bias=bias)
+        sess = InferenceSession(model, providers=[("cuda", {"nbits_mma_min_rows": 3})])
+        b64 = bias.astype(dtype).astype(np.float64)
+        for m in (1, 7):
+            x = rng.standard_normal((1, m, k)).astype(dtype)
+            (got,) = sess.run(["y"], {"x": x})
+            _check(np.asarray(got), x.astype(np.float64) @ w64 + b64, dtype, k)
+    assert mma4_calls == [7, 7]

@@ -17,9 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from onnx_genrt.core.errors import InvalidInputError
-
-from .cli_args import (
+from onnx_genrt.cli_args import (
     NON_NEGATIVE_INT,
     POSITIVE,
     POSITIVE_INT,
@@ -27,6 +25,8 @@ from .cli_args import (
     positive_int_list,
     provider_list,
 )
+from onnx_genrt.core.errors import InvalidInputError
+from onnx_genrt.generate_cli import add_drafts_argument
 
 
 @dataclass
@@ -242,7 +242,21 @@ def bench_batch(
     return once
 
 
+def run(args: argparse.Namespace) -> int:
+    """``onnx-genrt bench``: the LLM rows, or with ``--dispatch`` the dispatch-cost table;
+    one row (or set of rows) per ``--provider``, the CPU when none is given."""
+    if not args.provider:
+        args.provider = [["cpu"]]
+    if args.dispatch:
+        from . import dispatch_bench
+
+        return dispatch_bench.run(args)
+    return run_bench(args)
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    """The LLM rows: ours per provider (and per ``--spec``, ``--streams``, comparison), then
+    onnxruntime-genai and the onnxruntime loop on the same files."""
     from onnx_genrt.generate_cli import default_model_dir, provider_args
 
     folder = Path(args.model or default_model_dir())
@@ -426,12 +440,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also time speculation: mtp, draft or ngram, optionally with its drafts per step "
         "(mtp:3); repeat to compare",
     )
-    p.add_argument(
-        "-k",
-        type=POSITIVE_INT,
-        default=None,
-        help="drafts per speculative step (default: the model's speculative.json, else 4)",
-    )
+    add_drafts_argument(p)
     p.add_argument(
         "--tokens", type=POSITIVE_INT, default=128, help="new tokens per run (eos ignored)"
     )
@@ -477,3 +486,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nodes", type=POSITIVE_INT, default=200, help="--dispatch: nodes in the chain model"
     )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="decode speed side by side with onnxruntime-genai and an onnxruntime loop (--dispatch: per-node cost)",
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)

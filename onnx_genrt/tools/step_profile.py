@@ -1,6 +1,7 @@
-"""Where one decode step's time goes: the whole step, the graph replay alone, and each op.
+"""``onnx-genrt profile``: where one decode step's time goes: the whole step, the graph
+replay alone, and each op.
 
-    python -m onnx_genrt.step_profile --model DIR --provider cuda [--width 1] [--top 12]
+    onnx-genrt profile --model DIR --provider cuda [--width 1] [--top 12]
 
 - ``step``: a graphed step as generation runs it (write ids and mask, replay, read back the
   token ids and the non-finite probe);
@@ -23,7 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onnx_genrt.cli_args import POSITIVE_INT
+from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+from .step_options import RunnerOwner, add_step_arguments, model_folder
 
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -38,10 +43,6 @@ class NodeTime:
     op: str
     name: str
     ms: float
-
-
-class _Owner:
-    """Holds the runner for the measurement (runners are lent to weak-referenceable owners)."""
 
 
 def _timer(provider: Any):
@@ -128,22 +129,25 @@ def profile_step(
 ) -> dict[str, Any]:
     """``mtp``: the step is a verify of ``width`` tokens with the model's MTP chain of
     ``width - 1`` drafts queued after it (as speculative decoding runs it)."""
+    if mtp and width < 2:
+        raise InvalidInputError(f"--mtp needs --width k+1 >= 2, got --width {width}")
     from onnx_genrt.engine import Model
     from onnx_genrt.engine.api import make_proposer
 
     model = Model(folder, provider)
-    owner = _Owner()
+    owner = RunnerOwner()
     runner = model.acquire_runner(owner, context + width + 2)
     runner.forward(list(range(1, context + 1)), None)
     slot = DeviceGraphSlot.PRIMARY if width == 1 else DeviceGraphSlot.VERIFY
     hook, then, chain_session = None, None, None
     if mtp:
-        if width < 2:
-            raise SystemExit("--mtp needs --width k+1 >= 2")
         proposer = make_proposer(model, "mtp", context + width + 2)
         hook = proposer.chain_hook(runner, width - 1, width - 1, context)
         if hook is None:
-            raise SystemExit(f"{folder}: the model has no hidden-states output for MTP")
+            raise InvalidInputError(
+                f"--mtp: {folder} has no MTP head fed by a hidden-states output; "
+                "leave --mtp out or give a model with one"
+            )
         key = (id(runner), width - 1, bool(runner.io.reads_async))
         chain_session, chain_binding = proposer._after[key][:2]
 
@@ -199,23 +203,8 @@ def report(result: dict[str, Any], top: int) -> str:
     return "\n".join(lines)
 
 
-def add_step_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags the step timers share (``profile``, ``step-cost``): model, providers,
-    cached positions and timed steps."""
-    from .cli_args import POSITIVE_INT
-    from .generate_cli import add_provider_argument
-
-    p.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
-    add_provider_argument(p)
-    p.add_argument(
-        "--context", type=POSITIVE_INT, default=256, help="cached positions before each step"
-    )
-    p.add_argument("--steps", type=POSITIVE_INT, default=50, help="timed steps (default: 50)")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli_args import POSITIVE_INT
-
+    """The step flags, then the step's width, the nodes listed and ``--mtp``."""
     add_step_arguments(p)
     p.add_argument("--width", type=POSITIVE_INT, default=1, help="tokens per step (1 = decode)")
     p.add_argument("--top", type=POSITIVE_INT, default=12, help="slowest nodes listed")
@@ -223,11 +212,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.model is None:
-        from onnx_genrt.generate_cli import default_model_dir
-
-        a.model = default_model_dir()
-    result = profile_step(a.model, a.provider, a.width, a.context, a.steps, a.mtp)
+    """``onnx-genrt profile``: time the step, print the report."""
+    result = profile_step(model_folder(a), a.provider, a.width, a.context, a.steps, a.mtp)
     print(report(result, a.top))
     return 0
 
@@ -247,13 +233,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_arguments(p)
     p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m onnx_genrt.step_profile", description=DESCRIPTION)
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

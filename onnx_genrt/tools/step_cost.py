@@ -11,11 +11,10 @@ import statistics
 import time
 from pathlib import Path
 
+from onnx_genrt.cli_args import POSITIVE_INT
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
-
-class _Owner:
-    """Holds the runner for the measurement (runners are lent to weak-referenceable owners)."""
+from .step_options import RunnerOwner, add_step_arguments, model_folder
 
 
 def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> dict[str, float]:
@@ -25,7 +24,7 @@ def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> di
     from onnx_genrt.engine.api import make_proposer
 
     model = Model(folder, provider)
-    owner = _Owner()
+    owner = RunnerOwner()
     runner = model.acquire_runner(owner, context + k + 2)
     runner.forward(list(range(1, context + 1)), None)
     cases = [
@@ -56,26 +55,22 @@ def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> di
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli_args import POSITIVE_INT
-    from .step_profile import add_step_arguments
-
+    """The step flags, then the drafts per verify step."""
     add_step_arguments(p)
     p.add_argument("-k", type=POSITIVE_INT, default=4, help="drafts per verify step (default: 4)")
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.model is None:
-        from onnx_genrt.generate_cli import default_model_dir
-
-        a.model = default_model_dir()
-    r = measure(a.model, a.provider, a.k, a.context, a.steps)
+    """``onnx-genrt step-cost``: measure, print the two lines."""
+    folder = model_folder(a)
+    r = measure(folder, a.provider, a.k, a.context, a.steps)
     print(
-        f"{a.model.name}: decode (M=1) {r['decode']:.3f} ms, verify (M={a.k + 1}) {r['verify']:.3f} ms, "
+        f"{folder.name}: decode (M=1) {r['decode']:.3f} ms, verify (M={a.k + 1}) {r['verify']:.3f} ms, "
         f"verify/decode {r['ratio']:.2f}x (replays primary {r['replays_primary']}, verify {r['replays_verify']})"
     )
     if "verify+mtp" in r:
         print(
-            f"{a.model.name}: verify + MTP chain of {a.k} {r['verify+mtp']:.3f} ms "
+            f"{folder.name}: verify + MTP chain of {a.k} {r['verify+mtp']:.3f} ms "
             f"({r['verify+mtp'] / r['decode']:.2f}x decode)"
         )
     return 0
@@ -89,13 +84,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_arguments(p)
     p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m onnx_genrt.step_cost", description=__doc__)
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,11 @@
-"""Per-node dispatch cost: eager bound runs against graph replay on the same model."""
+"""``onnx-genrt bench --dispatch``: per-node dispatch cost, eager bound runs against graph
+replay on the same model."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -72,3 +75,14 @@ def format_table(results: list[DispatchResult]) -> str:
             f"{r.replay_us_per_node:>16.2f}{r.ratio:>7.1f}x"
         )
     return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``onnx-genrt bench --dispatch``: one row per ``--provider``, a chain of ``--nodes``."""
+    results = []
+    for providers in args.provider:
+        label = ",".join(providers)
+        print(f"measuring {label}: {args.nodes} nodes x 50 runs x 5 ...", file=sys.stderr)
+        results.append(measure(providers, args.nodes, 50))
+    print(format_table(results))
+    return 0

@@ -1,0 +1,341 @@
+"""Numba kernels of the CPU GroupQueryAttention step: B rows, M <= 16 new tokens each.
+
+Each row b holds ``seqlens[b] + 1`` tokens after the step, its M new ones last. A step writes
+every row's new keys (rotated) and values into its own rows of the shared cache, then attends
+each (row, new token, query head) over the keys that query sees. One such item is computed
+alone, in a fixed order, with no sum spanning two items: a row's result does not depend on the
+batch it runs in, on the thread split, or on the step's other new tokens. A batched step gives
+each row exactly what a batch-1 step of that row gives.
+
+Passes (:func:`attend_rows`):
+
+1. ``_prepare``: checks every row, writes the new keys and values of the rows that fit (the
+   others are left untouched, for the caller to run otherwise), lays out each item's scores
+   in one flat buffer.
+2. ``_scores``: Q·K (scaled, rotated queries), softcap, minus the row max; each item has one
+   more slot holding ``sink - max`` (-inf without a head sink).
+3. numpy's exp over every slot at once: its SIMD exp (Numba calls scalar libm ``expf`` here,
+   3-5x slower per element on these sizes, measured here).
+4. ``_values``: the sum of the exps (float64), ``1/sum``, and the exp-weighted sum of values.
+
+Passes 2 and 4 run items on Numba's threads when there are several and the work is large
+enough (the rule of ``_skinny_matmul``); each item is the same code either way.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numba
+import numpy as np
+
+from ._skinny_matmul import PARALLEL_MIN_WORK
+
+_F32 = np.float32
+# Sums may be reordered so LLVM vectorizes them (as in _skinny_matmul); no nnan/ninf: the
+# -inf of the sink slot keeps its meaning.
+_FM = {"reassoc", "contract"}
+
+_SCRATCH = threading.local()  # .scores: the score buffer of this thread's steps
+
+
+def score_scratch(size: int) -> np.ndarray:
+    """``size`` float32 elements of this thread's score scratch (grown, never shrunk)."""
+    buf = getattr(_SCRATCH, "scores", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.scores = np.empty(max(size, 1 << 16), _F32)
+    return buf[:size]
+
+
+@numba.njit(cache=True)
+def rope_row(x, cos, sin, out, rot, interleaved):
+    """out = x rotated by one position's cos/sin rows (rot/2,); features past ``rot`` copied.
+
+    The arithmetic of attention._rope, one (H,) row at a time.
+    """
+    half = rot // 2
+    for k in range(half):
+        if interleaved:
+            i1 = 2 * k
+            i2 = i1 + 1
+        else:
+            i1 = k
+            i2 = k + half
+        c = cos[k]
+        s = sin[k]
+        x1 = x[i1]
+        x2 = x[i2]
+        out[i1] = c * x1 - s * x2
+        out[i2] = s * x1 + c * x2
+    for d in range(rot, x.shape[0]):
+        out[d] = x[d]
+
+
+@numba.njit(cache=True, inline="always")
+def _key_range(start, i, m, window, causal):
+    """Cache rows [k0, k1) that new token ``i`` (cache row start + i) sees."""
+    r = start + i
+    k1 = r + 1 if causal else start + m
+    k0 = max(0, r - window + 1) if window > 0 else 0
+    return k0, k1
+
+
+@numba.njit(cache=True, inline="always")
+def _softcapped(s, softcap):
+    """softcap * tanh(s / softcap) in float32 (the general path's order); s when 0."""
+    if softcap > 0.0:
+        return _F32(math.tanh(s * _F32(1.0 / softcap))) * _F32(softcap)
+    return s
+
+
+@numba.njit(cache=True)
+def _prepare(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active, offsets, derive,
+             rot, interleaved, window, causal):  # fmt: skip
+    """Check the rows, write the new keys/values of those that fit, lay out their scores;
+    returns (score slots needed, rows that step).
+
+    A row fits when it has at least M tokens and its positions are in the cos/sin cache;
+    with ``derive``, also when its cache holds it and ``total_len``: its new rows then start
+    at seqlens[b] + 1 - M. Without ``derive`` (a window-sized cache placed by the caller)
+    ``starts`` holds each row's first new cache row and ``active`` is False for the rows the
+    caller could not place. ``active`` gets which rows step; ``offsets[item]`` each item's
+    first score slot (rows that do not step have no slots).
+    """
+    bsz, m, n, h = q.shape
+    kvn, cap = kc.shape[1], kc.shape[2]
+    used = 0
+    stepped = 0
+    for b in range(bsz):
+        t = seqlens[b] + 1
+        fits = t >= m and (rot == 0 or t <= cos.shape[0])
+        if derive:
+            fits = fits and t <= cap and total_len[0] <= cap
+            starts[b] = t - m
+        else:
+            fits = fits and active[b]
+        active[b] = fits
+        stepped += fits
+        start = starts[b]
+        pos0 = t - m
+        for i in range(m):
+            k0, k1 = _key_range(start, i, m, window, causal)
+            for hq in range(n):
+                offsets[(b * m + i) * n + hq] = used
+                if fits:
+                    used += k1 - k0 + 1
+            if not fits:
+                continue
+            row = start + i
+            for kh in range(kvn):
+                if rot > 0:
+                    rope_row(k[b, i, kh], cos[pos0 + i], sin[pos0 + i], kc[b, kh, row], rot,
+                             interleaved)  # fmt: skip
+                else:
+                    for d in range(h):
+                        kc[b, kh, row, d] = k[b, i, kh, d]
+                for d in range(h):
+                    vc[b, kh, row, d] = v[b, i, kh, d]
+    offsets[bsz * m * n] = used
+    return used, stepped
+
+
+@numba.njit(cache=True, fastmath=_FM)
+def _item_scores(item, q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks,
+                 scale, rot, interleaved, window, softcap, causal):  # fmt: skip
+    """Scores of one (row, token, head) item: scaled rotated query · keys, softcapped, minus
+    their max; the slot after them holds sink - max (-inf without sinks)."""
+    _, m, n, h = q.shape
+    hq = item % n
+    i = (item // n) % m
+    b = item // (n * m)
+    if not active[b]:
+        return
+    kvh = hq // (n // kc.shape[1])
+    start = starts[b]
+    pos = seqlens[b] + 1 - m + i
+    if rot > 0:
+        rope_row(q[b, i, hq], cos[pos], sin[pos], qs, rot, interleaved)
+    else:
+        for d in range(h):
+            qs[d] = q[b, i, hq, d]
+    for d in range(h):
+        qs[d] = qs[d] * scale
+    k0, k1 = _key_range(start, i, m, window, causal)
+    w = k1 - k0
+    keys = kc[b, kvh]
+    sc = scores[offsets[item] : offsets[item] + w + 1]
+    has_sink = sinks.shape[0] > 0
+    mx = sinks[hq] if has_sink else _F32(-np.inf)
+    j = 0
+    while j + 4 <= w:  # four keys per pass over the query
+        ka = keys[k0 + j]
+        kb = keys[k0 + j + 1]
+        kc_ = keys[k0 + j + 2]
+        kd = keys[k0 + j + 3]
+        sa = sb = sc_ = sd = _F32(0)
+        for d in range(h):
+            x = qs[d]
+            sa += x * ka[d]
+            sb += x * kb[d]
+            sc_ += x * kc_[d]
+            sd += x * kd[d]
+        sa = _softcapped(sa, softcap)
+        sb = _softcapped(sb, softcap)
+        sc_ = _softcapped(sc_, softcap)
+        sd = _softcapped(sd, softcap)
+        sc[j] = sa
+        sc[j + 1] = sb
+        sc[j + 2] = sc_
+        sc[j + 3] = sd
+        mx = max(mx, max(max(sa, sb), max(sc_, sd)))
+        j += 4
+    while j < w:
+        kx = keys[k0 + j]
+        s = _F32(0)
+        for d in range(h):
+            s += qs[d] * kx[d]
+        s = _softcapped(s, softcap)
+        sc[j] = s
+        mx = max(mx, s)
+        j += 1
+    for j in range(w):
+        sc[j] = sc[j] - mx
+    sc[w] = sinks[hq] - mx if has_sink else _F32(-np.inf)
+
+
+@numba.njit(cache=True, fastmath=_FM)
+def _item_values(item, vc, starts, active, offsets, exps, out, window, causal):
+    """Output of one item: the exp-weighted sum of its values over the sum of its exps."""
+    _, m, n, h = out.shape
+    hq = item % n
+    i = (item // n) % m
+    b = item // (n * m)
+    if not active[b]:
+        return
+    kvh = hq // (n // vc.shape[1])
+    k0, k1 = _key_range(starts[b], i, m, window, causal)
+    w = k1 - k0
+    e = exps[offsets[item] : offsets[item] + w + 1]
+    total = 0.0
+    for j in range(w + 1):
+        total += e[j]
+    inv = _F32(1.0 / total)
+    vals = vc[b, kvh]
+    o = out[b, i, hq]
+    for d in range(h):
+        o[d] = 0
+    j = 0
+    while j + 4 <= w:
+        ea = e[j]
+        eb = e[j + 1]
+        ec = e[j + 2]
+        ed = e[j + 3]
+        va = vals[k0 + j]
+        vb = vals[k0 + j + 1]
+        vc_ = vals[k0 + j + 2]
+        vd = vals[k0 + j + 3]
+        for d in range(h):
+            o[d] += ea * va[d] + eb * vb[d] + ec * vc_[d] + ed * vd[d]
+        j += 4
+    while j < w:
+        ea = e[j]
+        va = vals[k0 + j]
+        for d in range(h):
+            o[d] += ea * va[d]
+        j += 1
+    for d in range(h):
+        o[d] = o[d] * inv
+
+
+@numba.njit(cache=True)
+def _scores_serial(q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks, scale,
+                   rot, interleaved, window, softcap, causal):  # fmt: skip
+    for item in range(offsets.shape[0] - 1):
+        _item_scores(item, q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs[0],
+                     sinks, scale, rot, interleaved, window, softcap, causal)  # fmt: skip
+
+
+@numba.njit(cache=True, parallel=True)
+def _scores_parallel(q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks,
+                     scale, rot, interleaved, window, softcap, causal, parts):  # fmt: skip
+    items = offsets.shape[0] - 1
+    for p in numba.prange(parts):
+        for item in range(p * items // parts, (p + 1) * items // parts):
+            _item_scores(item, q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs[p],
+                         sinks, scale, rot, interleaved, window, softcap, causal)  # fmt: skip
+
+
+@numba.njit(cache=True)
+def _values_serial(vc, starts, active, offsets, exps, out, window, causal):
+    for item in range(offsets.shape[0] - 1):
+        _item_values(item, vc, starts, active, offsets, exps, out, window, causal)
+
+
+@numba.njit(cache=True, parallel=True)
+def _values_parallel(vc, starts, active, offsets, exps, out, window, causal, parts):
+    items = offsets.shape[0] - 1
+    for p in numba.prange(parts):
+        for item in range(p * items // parts, (p + 1) * items // parts):
+            _item_values(item, vc, starts, active, offsets, exps, out, window, causal)
+
+
+def step_parts(items: int, slots: int, head_size: int) -> int:
+    """Threads a step runs its items on: 1 below PARALLEL_MIN_WORK multiply-adds (Q·K and
+    the weighted values), else Numba's thread count (at most one per item)."""
+    if 2 * slots * head_size < PARALLEL_MIN_WORK:
+        return 1
+    return max(1, min(numba.get_num_threads(), items))
+
+
+def attend_rows(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    kc: np.ndarray,
+    vc: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    seqlens: np.ndarray,
+    total_len: np.ndarray,
+    starts: np.ndarray,
+    active: np.ndarray,
+    offsets: np.ndarray,
+    qs: np.ndarray,
+    sinks: np.ndarray,
+    out: np.ndarray,
+    scale: np.float32,
+    rot: int,
+    interleaved: bool,
+    window: int,
+    softcap: float,
+    causal: bool,
+    derive: bool,
+) -> int:
+    """One step of the rows that fit (see ``_prepare``); returns how many stepped. The rows
+    left (``active`` False) are untouched: cache and output.
+
+    q (B, M, N, H), k/v (B, M, kvN, H) float32 views; kc/vc (B, kvN, cap, H) the caches;
+    cos/sin (positions, rot/2) (unused when ``rot`` is 0); seqlens (B,) and total_len (1,)
+    the node's inputs; starts (B,) int64 each row's first new cache row and active (B,) bool
+    (both given when not ``derive``); offsets (B*M*N + 1,) int64 scratch; qs (threads, H)
+    float32 scratch; sinks (N,) float32 or empty; out (B, M, N, H) float32.
+    """
+    used, stepped = _prepare(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active,
+                             offsets, derive, rot, interleaved, window, causal)  # fmt: skip
+    if stepped == 0:
+        return 0
+    scores = score_scratch(used)
+    parts = min(step_parts(len(offsets) - 1, used, q.shape[3]), len(qs))
+    if parts == 1:
+        _scores_serial(q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks,
+                       scale, rot, interleaved, window, softcap, causal)  # fmt: skip
+    else:
+        _scores_parallel(q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks,
+                         scale, rot, interleaved, window, softcap, causal, parts)  # fmt: skip
+    np.exp(scores, out=scores)
+    if parts == 1:
+        _values_serial(vc, starts, active, offsets, scores, out, window, causal)
+    else:
+        _values_parallel(vc, starts, active, offsets, scores, out, window, causal, parts)
+    return stepped
