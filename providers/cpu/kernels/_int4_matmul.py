@@ -48,8 +48,8 @@ _U8 = np.uint8
 _FM = {"reassoc", "contract"}
 # Multiply-adds (M * N * K) below which a call stays on the calling thread, and about the
 # multiply-adds per chunk of a pooled call (docs/performance.md).
-PARALLEL_MIN_WORK = 1 << 16
-CHUNK_WORK = 1 << 15
+PARALLEL_MIN_WORK = 1 << 19
+CHUNK_WORK = 1 << 17
 
 
 class Int4Tiles(NamedTuple):

@@ -51,8 +51,8 @@ _FM = {"reassoc", "contract"}
 SKINNY_MAX_M = 16
 # Multiply-adds (M * N * K) below which a call stays on the calling thread, and about the
 # multiply-adds per chunk of a pooled call (docs/performance.md).
-PARALLEL_MIN_WORK = 1 << 16
-CHUNK_WORK = 1 << 15
+PARALLEL_MIN_WORK = 1 << 19
+CHUNK_WORK = 1 << 17
 _NO_BIAS = np.zeros(0, _F32)
 
 
