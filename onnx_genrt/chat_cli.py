@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli_args import POSITIVE_INT
+from .cli_args import add_threads_argument
 from .generate_cli import add_provider_argument, add_search_arguments, search_kwargs
 
 COMMANDS = {"/reset": "forget the conversation", "/exit": "end the session"}
@@ -32,9 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_provider_argument(p)
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
-    p.add_argument(
-        "--threads", type=POSITIVE_INT, default=None, help="CPU provider threads (default 1)"
-    )
+    add_threads_argument(p)
     add_search_arguments(p)
     p.set_defaults(func=run)
 

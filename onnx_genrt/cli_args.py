@@ -87,3 +87,17 @@ class Once(argparse.Action):
             )
         setattr(namespace, f"_{self.dest}_seen", True)
         setattr(namespace, self.dest, values)
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """``--threads N``: the CPU provider's threads (default: its own, one per physical core)."""
+    from onnx_genrt.providers.cpu.cores import physical_cores
+
+    p.add_argument(
+        "--threads",
+        type=POSITIVE_INT,
+        default=None,
+        help="CPU provider threads (default: one per physical core this process may use, "
+        f"{physical_cores()} here); a core busy with other work costs its share of a step, "
+        "the calling thread never waits for it",
+    )

@@ -14,6 +14,7 @@ from .cli_args import (
     POSITIVE,
     POSITIVE_INT,
     Once,
+    add_threads_argument,
     provider_list,
 )
 from .models import default_model_path
@@ -107,13 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-graphs", action="store_true", help="disable graph capture (for comparison)"
     )
-    p.add_argument(
-        "--threads",
-        type=POSITIVE_INT,
-        default=None,
-        help="CPU provider threads (default 1; more help only on otherwise idle cores: "
-        "a core busy with other work stalls every parallel kernel)",
-    )
+    add_threads_argument(p)
     p.add_argument(
         "--stats", action="store_true", help="print timings and graph statistics to stderr"
     )

@@ -2,9 +2,11 @@
 # Long prompts on the GPU (issue 19): the Qwen2.5-0.5B shape with random fp16 weights built for
 # 32768 positions, prefill (time to first token) and decode after P prompt tokens, with the
 # prompt attention on the flash-attention kernel (default), as matrix products
-# (ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0) and as the attention kernels (both options 0), then
-# HF transformers (sdpa) on the same weights.
+# (ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0) and as the attention kernels (both options 0), decode
+# attention spread over many blocks per row (ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS=1), then HF
+# transformers (sdpa) on the same weights.
 #   bash scripts/gpu_long_bench.sh            (GPU_LONG_PROMPTS="256 8192 30000" by default)
+#   GPU_LONG_SETTINGS="default VAR=1,VAR2=0"  (the provider settings each prompt runs with)
 # Needs the onnxruntime-genai wheel in .whl/ for the builder. Logs go to $OUT when set.
 set -uo pipefail
 PY="${PYTHON:-python3}"
@@ -12,6 +14,8 @@ WORK="${GPU_BENCH_DIR:-/tmp/onnx_genrt_bench}"
 LOGDIR="${OUT:-/tmp/gpu_lane}"
 PROMPTS="${GPU_LONG_PROMPTS:-256 8192 30000}"
 TOKENS="${GPU_LONG_TOKENS:-64}"
+# Provider settings each prompt length runs with: "default" or comma-separated VAR=value.
+SETTINGS="${GPU_LONG_SETTINGS:-default ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0 ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0,ONNX_GENRT_ATTENTION_GEMM_MIN_ROWS=0 ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS=1}"
 mkdir -p "$WORK" "$LOGDIR"
 whl=$(ls .whl/onnxruntime_genai-*.whl 2>/dev/null | head -n 1)
 [ -n "$whl" ] || { echo "no onnxruntime-genai wheel in .whl/"; exit 1; }
@@ -33,19 +37,13 @@ if [ ! -f "$dst/genai_config.json" ]; then
     || { echo "builder failed"; tail -n 20 "$LOGDIR/builder-32k.log"; exit 1; }
 fi
 for p in $PROMPTS; do
-  # flash: the defaults; gemm: matrix products (flash off); kernels: gqa_attn (both off).
-  for path in flash gemm kernels; do
-    case "$path" in
-      flash) flash=""; gemm="" ;;
-      gemm) flash=0; gemm="" ;;
-      kernels) flash=0; gemm=0 ;;
-    esac
-    echo "== $p prompt tokens, $TOKENS new, prompt attention: $path"
-    env ${flash:+ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=$flash} \
-      ${gemm:+ONNX_GENRT_ATTENTION_GEMM_MIN_ROWS=$gemm} \
-      "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --no-reference --prompt-tokens "$p" \
-      --tokens "$TOKENS" --repeats 3 2>>"$LOGDIR/long.err" | grep -E "^onnx-genrt|^runtime" \
-      | tee -a "$LOGDIR/long.txt"
+  for setting in $SETTINGS; do
+    echo "== $p prompt tokens, $TOKENS new, $setting"
+    envs=()
+    [ "$setting" = default ] || IFS=, read -r -a envs <<<"$setting"
+    env "${envs[@]}" "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --no-reference \
+      --prompt-tokens "$p" --tokens "$TOKENS" --repeats 3 2>>"$LOGDIR/long.err" \
+      | grep -E "^onnx-genrt|^runtime" | tee -a "$LOGDIR/long.txt"
   done
   echo "== HF transformers (sdpa), $p prompt tokens"
   timeout "${HF_BENCH_TIMEOUT:-120}" "$PY" scripts/hf_bench.py --model "$WORK/hf-0.5b-32k" --device cuda \

@@ -21,6 +21,7 @@ from onnx_genrt.cli_args import (
     NON_NEGATIVE_INT,
     POSITIVE,
     POSITIVE_INT,
+    add_threads_argument,
     positive_int_list,
     provider_list,
 )
@@ -275,6 +276,9 @@ def run_bench(args: argparse.Namespace) -> int:
         "(spread: fastest minus slowest run over the median)"
     )
     cases: list[tuple[str, Callable]] = []
+    from onnx_genrt.providers.cpu.cores import physical_cores
+
+    cpu_threads = args.threads or physical_cores()
     for names in args.provider:
         tag = ",".join(names)
         tag = f"{tag},{args.threads}t" if args.threads and "cpu" in names else tag
@@ -338,7 +342,7 @@ def run_bench(args: argparse.Namespace) -> int:
     used = {name for names in args.provider for name in names}
     if "cpu" in used and any(label.startswith("onnxruntime") for label, _ in cases):
         print(
-            f"threads: onnx-genrt[cpu] {args.threads or 1} (--threads); the onnxruntime rows "
+            f"threads: onnx-genrt[cpu] {cpu_threads} (--threads); the onnxruntime rows "
             "use onnxruntime's default intra-op threads (one per physical core)"
         )
     if "cuda" in used:
@@ -469,9 +473,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="profile the host side of our timed runs; print the top N functions (stderr)",
     )
-    p.add_argument(
-        "--threads", type=POSITIVE_INT, default=None, help="CPU provider threads (default 1)"
-    )
+    add_threads_argument(p)
     p.add_argument(
         "--bandwidth",
         type=POSITIVE,

@@ -7,7 +7,7 @@ from onnx_genrt.core.provider import PROVIDER_API_VERSION
 from onnx_genrt.core.registry import ProviderSpec
 
 
-def _factory(threads: int | None = 1, **options: object):
+def _factory(threads: int | str | None = "auto", **options: object):
     from .provider import CPUProvider
 
     return CPUProvider(threads=threads, **options)

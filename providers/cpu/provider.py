@@ -17,9 +17,12 @@ from onnx_genrt.core.kernels import Bind, KernelContext, KernelDef, KernelRegist
 from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 from onnx_genrt.core.tensor import buffer_address
 
+from .cores import physical_cores
 from .kernels import REGISTRY
 
 ALIGNMENT = 64
+#: The ``threads`` option's default: one thread per physical core this process may use.
+AUTO_THREADS = "auto"
 
 
 class RecordedGraph:
@@ -103,6 +106,14 @@ class CPUProvider(ExecutionProvider):
             env="ONNX_GENRT_SKINNY_MATMUL",
         ),
         ProviderOption(
+            "blas_threads",
+            1,
+            "threads of numpy's BLAS (prompt-sized matmuls), set with ``threads`` unless that is "
+            "None: OpenBLAS's caller waits for each of its threads, so more than 1 pays only on "
+            "otherwise idle cores (docs/performance.md)",
+            env="ONNX_GENRT_BLAS_THREADS",
+        ),
+        ProviderOption(
             "nbits_cache",
             False,
             "keep the float32 copy a prompt-sized MatMulNBits makes of its 4-bit weights "
@@ -111,19 +122,22 @@ class CPUProvider(ExecutionProvider):
         ),
     )
 
-    def __init__(self, threads: int | None = 1, **options: Any) -> None:
-        """``threads`` caps BLAS and Numba threads for the process (``None`` leaves them).
+    def __init__(self, threads: int | str | None = AUTO_THREADS, **options: Any) -> None:
+        """``threads`` sets the process's threads for the skinny kernels' worker pool and
+        Numba: ``"auto"`` (the default) one per physical core this process may use
+        (:func:`~onnx_genrt.providers.cpu.cores.physical_cores`), ``None`` leaves them (and
+        BLAS's). BLAS gets the ``blas_threads`` option (default 1).
 
-        The default is 1: decode-sized matmuls gain little from a second thread, and
-        multi-threaded OpenBLAS spin-waits badly when another process holds a core (a many
-        times slower decode was measured: docs/performance.md).
+        The skinny kernels' workers never make the caller wait (``kernels/_worker_pool``),
+        so a core busy with other work costs at most the share of a step it would have
+        done; OpenBLAS's threads do make it wait (docs/performance.md).
         """
         super().__init__(**options)
         self._graphs: dict[tuple[DeviceGraphSlot, int], RecordedGraph] = {}
         self._recording: RecordedGraph | None = None
-        self.threads = threads
-        if threads is not None:
-            set_threads(threads)
+        self.threads = physical_cores() if threads == AUTO_THREADS else threads
+        if self.threads is not None:
+            set_threads(self.threads, self.option("blas_threads"))
 
     @property
     def device(self) -> Device:
@@ -196,13 +210,19 @@ class CPUProvider(ExecutionProvider):
         return sum(len(g.calls) for (s, _), g in self._graphs.items() if s == slot)
 
 
-def set_threads(threads: int) -> None:
-    """Cap the BLAS and Numba thread pools of this process."""
+def set_threads(threads: int, blas_threads: int | None = None) -> None:
+    """Set the threads of this process's skinny kernels (their worker pool) and Numba, and
+    BLAS's to ``blas_threads`` (default: ``threads``)."""
     threads = check_int(threads, "CPU provider option threads", minimum=1)
+    blas = threads if blas_threads is None else blas_threads
+    blas = check_int(blas, "CPU provider option blas_threads", minimum=1)
     import numba
     from threadpoolctl import threadpool_limits
 
-    threadpool_limits(limits=threads, user_api="blas")
+    from .kernels._worker_pool import set_pool_threads
+
+    set_pool_threads(threads)
+    threadpool_limits(limits=blas, user_api="blas")
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 

@@ -25,7 +25,11 @@ from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 from .host_shadow import HostShadow
 from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
-from .kernels.contrib_attention import ATTENTION_FLASH_MIN_ROWS, ATTENTION_GEMM_MIN_ROWS
+from .kernels.contrib_attention import (
+    ATTENTION_CLUSTER_MAX_KEYS,
+    ATTENTION_FLASH_MIN_ROWS,
+    ATTENTION_GEMM_MIN_ROWS,
+)
 from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
 from .kernels.matmul import MMA_MAX_M, MMA_MIN_ROWS
@@ -100,6 +104,14 @@ class CUDAProvider(ExecutionProvider):
             "new rows (a prompt) from which GroupQueryAttention runs as matrix products on "
             "eager runs (0: never; the attention kernels instead)",
             env="ONNX_GENRT_ATTENTION_GEMM_MIN_ROWS",
+        ),
+        ProviderOption(
+            "attention_cluster_max_keys",
+            ATTENTION_CLUSTER_MAX_KEYS,
+            "KV cache positions up to which decode and verify attention run as one "
+            "8-block cluster per row (sm_90+; 0: any); a longer cache spreads over up to "
+            "64 blocks per row, merged by the last to finish",
+            env="ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS",
         ),
         ProviderOption(
             "nbits_mma_min_rows",

@@ -50,10 +50,9 @@ def score_scratch(size: int) -> np.ndarray:
 
 @numba.njit(cache=True)
 def rope_row(x, cos, sin, out, rot, interleaved):
-    """out = x rotated by one position's cos/sin rows (rot/2,); features past ``rot`` copied.
-
-    The arithmetic of attention._rope, one (H,) row at a time.
-    """
+    """out = x rotated by one position's cos/sin rows (rot/2,); features past ``rot`` copied
+    (half-split or ``interleaved`` pairs). RotaryEmbedding (``attention._rope``) and the
+    GroupQueryAttention step both rotate with it."""
     half = rot // 2
     for k in range(half):
         if interleaved:

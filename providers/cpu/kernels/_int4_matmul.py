@@ -18,18 +18,38 @@ of a single row only with a horizontal sum per block, which measured slower
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numba
 import numpy as np
 
+from ._intrinsics import address_as_pointer
+from ._worker_pool import (
+    ARGS,
+    COPY,
+    FIRST_ARG,
+    MAX_CHUNKS,
+    OUT,
+    carve,
+    chunk_count,
+    chunk_runner,
+    enter,
+    operand_address,
+    pool_threads,
+    run_job,
+    set_arg,
+    worker_pool,
+)
+
 _F32 = np.float32
 _U8 = np.uint8
 # Sums may be reordered so LLVM vectorizes them (as in _nn_common).
 _FM = {"reassoc", "contract"}
-# Multiply-adds (M * N * K) below which a call stays on one thread: waking a second one
-# costs about as much as the work.
-PARALLEL_MIN_WORK = 1 << 18
+# Multiply-adds (M * N * K) below which a call stays on the calling thread, and about the
+# multiply-adds per chunk of a pooled call (docs/performance.md).
+PARALLEL_MIN_WORK = 1 << 19
+CHUNK_WORK = 1 << 17
 
 
 class Int4Tiles(NamedTuple):
@@ -205,10 +225,21 @@ def _block_end(tot, acc, scales, zeros, b, r0, xsum):
 @numba.njit(cache=True, fastmath=_FM)
 def _split_x(x, half, nb, block):
     """x's even columns (they meet the low nibbles), odd columns, and block sums."""
+    m = x.shape[0]
+    xe = np.empty((m, half), _F32)
+    xo = np.empty((m, half), _F32)
+    xs = np.empty((m, nb), _F32)
+    _split_x_into(x, block, xe, xo, xs)
+    return xe, xo, xs
+
+
+@numba.njit(cache=True, fastmath=_FM)
+def _split_x_into(x, block, xe, xo, xs):
+    """``_split_x`` into given (M, half), (M, half) and (M, blocks) float32 arrays."""
     m, k = x.shape
-    xe = np.zeros((m, half), _F32)
-    xo = np.zeros((m, half), _F32)
-    xs = np.zeros((m, nb), _F32)
+    xe[:] = 0
+    xo[:] = 0
+    xs[:] = 0
     for i in range(m):
         for c in range(k):
             v = x[i, c]
@@ -217,7 +248,6 @@ def _split_x(x, half, nb, block):
             else:
                 xe[i, c >> 1] = v
             xs[i, c // block] += v
-    return xe, xo, xs
 
 
 @numba.njit(cache=True)
@@ -231,32 +261,123 @@ def _int4_serial(x, tiles, scales, zeros, block, out):
         _tiles_gemm(tiles, 0, nt, xe, xo, xs, scales, zeros, out)
 
 
-@numba.njit(cache=True, parallel=True)
-def _int4_parallel(x, tiles, scales, zeros, block, parts, out):
-    """Like ``_int4_serial``, the tiles split into ``parts`` runs, one per thread."""
-    nt, half, _ = tiles.shape
-    xe, xo, xs = _split_x(x, half, scales.shape[0], block)
-    for p in numba.prange(parts):
-        t0 = p * nt // parts
-        t1 = (p + 1) * nt // parts
-        if x.shape[0] == 1:
-            _tiles_gemv(tiles, t0, t1, xe, xo, xs, scales, zeros, out)
+def _int4_chunk(args, chunk, mode):
+    """Chunk runner (``_worker_pool``): the output columns of tiles ``[t0, t1)`` of chunk
+    ``chunk`` into the output, into the scratch buffer, or copied across."""
+    try:
+        a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
+        chunks = a[1]
+        m, half, nb = a[FIRST_ARG + 3], a[FIRST_ARG + 4], a[FIRST_ARG + 5]
+        nt, rows, n = a[FIRST_ARG + 7], a[FIRST_ARG + 8], a[FIRST_ARG + 13]
+        t0 = chunk * nt // chunks
+        t1 = (chunk + 1) * nt // chunks
+        out = numba.carray(address_as_pointer(a[FIRST_ARG + 12], _F32), (m, n))
+        scratch = numba.carray(address_as_pointer(a[0], _F32), (m, n))
+        if mode == COPY:
+            c0, c1 = t0 * rows, min(t1 * rows, n)
+            for i in range(m):
+                out[i, c0:c1] = scratch[i, c0:c1]
+            return 0
+        xe = numba.carray(address_as_pointer(a[FIRST_ARG], _F32), (m, half))
+        xo = numba.carray(address_as_pointer(a[FIRST_ARG + 1], _F32), (m, half))
+        xs = numba.carray(address_as_pointer(a[FIRST_ARG + 2], _F32), (m, nb))
+        tiles = numba.carray(address_as_pointer(a[FIRST_ARG + 6], _U8), (nt, half, rows))
+        scales = numba.carray(address_as_pointer(a[FIRST_ARG + 9], _F32), (nb, nt * rows))
+        zr = a[FIRST_ARG + 11]
+        zeros = numba.carray(
+            address_as_pointer(a[FIRST_ARG + 10], _F32), (zr, nt * rows * (zr > 0))
+        )
+        dst = out if mode == OUT else scratch
+        if m == 1:
+            _tiles_gemv(tiles, t0, t1, xe, xo, xs, scales, zeros, dst)
         else:
-            _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out)
+            _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, dst)
+        return 0
+    except Exception:  # noqa: BLE001 - a runner reports failure by its return value
+        return 1
+
+
+_int4_runner = chunk_runner(_int4_chunk)
+
+
+@numba.njit(cache=True, nogil=True)
+def _int4_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
+    """``_int4_serial`` with the pool's workers taking chunks of the tiles (the calling
+    thread alone when another thread holds the pool). Returns ``run_job``'s status."""
+    contiguous = x.flags.c_contiguous and out.flags.c_contiguous and tiles.flags.c_contiguous
+    if not (contiguous and scales.flags.c_contiguous and zeros.flags.c_contiguous):
+        _int4_serial(x, tiles, scales, zeros, block, out)
+        return 0
+    if not enter(ctrl):
+        _int4_serial(x, tiles, scales, zeros, block, out)
+        return 0
+    nt, half, rows = tiles.shape
+    m = x.shape[0]
+    nb = scales.shape[0]
+    addr = operand_address(ctrl)
+    xe, addr = carve(addr, (m, half), _F32)
+    xo, addr = carve(addr, (m, half), _F32)
+    xs, addr = carve(addr, (m, nb), _F32)
+    _split_x_into(x, block, xe, xo, xs)
+    set_arg(ctrl, 0, xe.ctypes.data)
+    set_arg(ctrl, 1, xo.ctypes.data)
+    set_arg(ctrl, 2, xs.ctypes.data)
+    set_arg(ctrl, 3, m)
+    set_arg(ctrl, 4, half)
+    set_arg(ctrl, 5, nb)
+    set_arg(ctrl, 6, tiles.ctypes.data)
+    set_arg(ctrl, 7, nt)
+    set_arg(ctrl, 8, rows)
+    set_arg(ctrl, 9, scales.ctypes.data)
+    set_arg(ctrl, 10, zeros.ctypes.data)
+    set_arg(ctrl, 11, zeros.shape[0])
+    set_arg(ctrl, 12, out.ctypes.data)
+    set_arg(ctrl, 13, out.shape[1])
+    return run_job(ctrl, runner, chunks)
 
 
 def tile_parts(m: int, k: int, w: Int4Tiles) -> int:
-    """Threads an (M, K) @ tiles call splits its tiles over: 1 below PARALLEL_MIN_WORK."""
-    if m * w.n * k < PARALLEL_MIN_WORK:
+    """Chunks an (M, K) @ tiles call splits its tiles into: 1 (the calling thread alone)
+    below ``PARALLEL_MIN_WORK`` or at one thread, else about ``CHUNK_WORK`` multiply-adds
+    each (the int4 and int8-activation kernels share this split)."""
+    if pool_threads() < 2 or m * w.n * k < PARALLEL_MIN_WORK:
         return 1
-    return min(w.tiles.shape[0], numba.get_num_threads())
+    return chunk_count(w.tiles.shape[0], m * w.n * k, CHUNK_WORK)
 
 
-def int4_matmul(x: np.ndarray, w: Int4Tiles, out: np.ndarray) -> np.ndarray:
-    """``out`` (M, N) float32 = ``x`` (M, K) float32 @ dequant(W)^T, on Numba's threads."""
-    parts = tile_parts(*x.shape, w)
-    if parts == 1:
+def run_pooled(
+    entry: Callable,
+    runner: Callable[[], int],
+    x: np.ndarray,
+    w: Int4Tiles,
+    out: np.ndarray,
+    chunks: int,
+    operand_bytes: int,
+    what: str,
+) -> None:
+    """Call a pooled tile kernel ``entry(x, tiles, scales, zeros, block, out, ctrl, runner
+    address, chunks)`` and settle its status."""
+    pool = worker_pool()
+    pool.reserve(x.shape[0] * out.shape[1], operand_bytes)
+    status = entry(x, w.tiles, w.scales, w.zeros, w.block, out, pool.ctrl, runner(), chunks)
+    if status & 3:
+        pool.settle(status, (x, w.tiles, w.scales, w.zeros, out), what)
+
+
+def int4_matmul(
+    x: np.ndarray, w: Int4Tiles, out: np.ndarray, chunks: int | None = None
+) -> np.ndarray:
+    """``out`` (M, N) float32 = ``x`` (M, K) float32 @ dequant(W)^T, split into ``chunks``
+    (default ``tile_parts``) over the worker pool's threads."""
+    if chunks is None:
+        chunks = tile_parts(*x.shape, w)
+    chunks = min(chunks, w.tiles.shape[0], MAX_CHUNKS)
+    if chunks == 1 or pool_threads() < 2:
         _int4_serial(x, w.tiles, w.scales, w.zeros, w.block, out)
-    else:
-        _int4_parallel(x, w.tiles, w.scales, w.zeros, w.block, parts, out)
+        return out
+    m = x.shape[0]
+    half = w.tiles.shape[1]
+    nb = w.scales.shape[0]
+    operands = 4 * m * (2 * half + nb) + 3 * 64
+    run_pooled(_int4_pooled, _int4_runner, x, w, out, chunks, operands, "MatMulNBits (int4)")
     return out

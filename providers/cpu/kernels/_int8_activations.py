@@ -24,7 +24,22 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._int4_matmul import Int4Tiles, tile_parts
+from ._int4_matmul import Int4Tiles, run_pooled, tile_parts
+from ._intrinsics import address_as_pointer
+from ._worker_pool import (
+    ARGS,
+    COPY,
+    FIRST_ARG,
+    MAX_CHUNKS,
+    OUT,
+    carve,
+    chunk_runner,
+    enter,
+    operand_address,
+    pool_threads,
+    run_job,
+    set_arg,
+)
 
 _F32 = np.float32
 _I8 = np.int8
@@ -47,10 +62,21 @@ def _quantize_blocks(x, block, nb):
     scales (M, nb) float32; sums (M, nb) int32, the sum of q over each block. A block holding
     NaN or an infinity gets a NaN scale (and q = 0), so the rows it reaches come out NaN
     rather than finite nonsense."""
-    m, k = x.shape
-    q = np.zeros((m, nb * block), _I8)
+    m = x.shape[0]
+    q = np.empty((m, nb * block), _I8)
     scales = np.empty((m, nb), _F32)
     sums = np.empty((m, nb), np.int32)
+    _quantize_blocks_into(x, block, q, scales, sums)
+    return q, scales, sums
+
+
+@numba.njit(cache=True)
+def _quantize_blocks_into(x, block, q, scales, sums):
+    """``_quantize_blocks`` into given q (M, nb * block) int8, scales (M, nb) float32 and
+    sums (M, nb) int32."""
+    m, k = x.shape
+    nb = scales.shape[1]
+    q[:] = 0
     top_bits = np.empty(1, np.int32)
     top_value = top_bits.view(_F32)
     for i in range(m):
@@ -81,7 +107,6 @@ def _quantize_blocks(x, block, nb):
                     q[i, c] = v
                     total += v
             sums[i, b] = total
-    return q, scales, sums
 
 
 def quantize_activations(
@@ -109,11 +134,18 @@ def _pairs(q):
     m, k2 = q.shape
     e = np.empty((m, k2 // 2), _I16)
     f = np.empty((m, k2 // 2), _I16)
+    _pairs_into(q, e, f)
+    return e, f
+
+
+@numba.njit(cache=True)
+def _pairs_into(q, e, f):
+    """``_pairs`` into given (M, K/2) int16 arrays."""
+    m, k2 = q.shape
     for i in range(m):
         for t in range(k2 // 2):
             e[i, t] = q[i, 2 * t]
             f[i, t] = q[i, 2 * t + 1] - 16 * e[i, t]
-    return e, f
 
 
 @numba.njit(cache=True, fastmath=_FM)
@@ -173,25 +205,98 @@ def _q8_serial(x, block, tiles, scales, zeros, out):
     _q8_tiles(tiles, 0, tiles.shape[0], e, f, q_scales, q_sums, scales, zeros, out)
 
 
-@numba.njit(cache=True, parallel=True)
-def _q8_parallel(x, block, tiles, scales, zeros, parts, out):
-    """Like ``_q8_serial``, the tiles split into ``parts`` runs, one per thread."""
-    q, q_scales, q_sums = _quantize_blocks(x, block, scales.shape[0])
-    e, f = _pairs(q)
-    nt = tiles.shape[0]
-    for p in numba.prange(parts):
-        t0, t1 = p * nt // parts, (p + 1) * nt // parts
-        _q8_tiles(tiles, t0, t1, e, f, q_scales, q_sums, scales, zeros, out)
+def _q8_chunk(args, chunk, mode):
+    """Chunk runner (``_worker_pool``): the output columns of tiles ``[t0, t1)`` of chunk
+    ``chunk`` into the output, into the scratch buffer, or copied across."""
+    try:
+        a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
+        chunks = a[1]
+        m, half, nb = a[FIRST_ARG + 4], a[FIRST_ARG + 5], a[FIRST_ARG + 6]
+        nt, n = a[FIRST_ARG + 8], a[FIRST_ARG + 13]
+        t0 = chunk * nt // chunks
+        t1 = (chunk + 1) * nt // chunks
+        out = numba.carray(address_as_pointer(a[FIRST_ARG + 12], _F32), (m, n))
+        scratch = numba.carray(address_as_pointer(a[0], _F32), (m, n))
+        if mode == COPY:
+            c0, c1 = t0 * ROWS, min(t1 * ROWS, n)
+            for i in range(m):
+                out[i, c0:c1] = scratch[i, c0:c1]
+            return 0
+        e = numba.carray(address_as_pointer(a[FIRST_ARG], _I16), (m, half))
+        f = numba.carray(address_as_pointer(a[FIRST_ARG + 1], _I16), (m, half))
+        q_scales = numba.carray(address_as_pointer(a[FIRST_ARG + 2], _F32), (m, nb))
+        q_sums = numba.carray(address_as_pointer(a[FIRST_ARG + 3], np.int32), (m, nb))
+        tiles = numba.carray(address_as_pointer(a[FIRST_ARG + 7], np.uint8), (nt, half, ROWS))
+        scales = numba.carray(address_as_pointer(a[FIRST_ARG + 9], _F32), (nb, nt * ROWS))
+        zr = a[FIRST_ARG + 11]
+        zeros = numba.carray(
+            address_as_pointer(a[FIRST_ARG + 10], _F32), (zr, nt * ROWS * (zr > 0))
+        )
+        dst = out if mode == OUT else scratch
+        _q8_tiles(tiles, t0, t1, e, f, q_scales, q_sums, scales, zeros, dst)
+        return 0
+    except Exception:  # noqa: BLE001 - a runner reports failure by its return value
+        return 1
 
 
-def int4_int8_matmul(x: np.ndarray, w: Int4Tiles, out: np.ndarray) -> np.ndarray:
+_q8_runner = chunk_runner(_q8_chunk)
+
+
+@numba.njit(cache=True, nogil=True)
+def _q8_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
+    """``_q8_serial`` with the pool's workers taking chunks of the tiles (the calling
+    thread alone when another thread holds the pool). Returns ``run_job``'s status."""
+    contiguous = x.flags.c_contiguous and out.flags.c_contiguous and tiles.flags.c_contiguous
+    if not (contiguous and scales.flags.c_contiguous and zeros.flags.c_contiguous):
+        _q8_serial(x, block, tiles, scales, zeros, out)
+        return 0
+    if not enter(ctrl):
+        _q8_serial(x, block, tiles, scales, zeros, out)
+        return 0
+    nt, half, _ = tiles.shape
+    m = x.shape[0]
+    nb = scales.shape[0]
+    addr = operand_address(ctrl)
+    q, addr = carve(addr, (m, nb * block), _I8)
+    q_scales, addr = carve(addr, (m, nb), _F32)
+    q_sums, addr = carve(addr, (m, nb), np.int32)
+    e, addr = carve(addr, (m, half), _I16)
+    f, addr = carve(addr, (m, half), _I16)
+    _quantize_blocks_into(x, block, q, q_scales, q_sums)
+    _pairs_into(q, e, f)
+    set_arg(ctrl, 0, e.ctypes.data)
+    set_arg(ctrl, 1, f.ctypes.data)
+    set_arg(ctrl, 2, q_scales.ctypes.data)
+    set_arg(ctrl, 3, q_sums.ctypes.data)
+    set_arg(ctrl, 4, m)
+    set_arg(ctrl, 5, half)
+    set_arg(ctrl, 6, nb)
+    set_arg(ctrl, 7, tiles.ctypes.data)
+    set_arg(ctrl, 8, nt)
+    set_arg(ctrl, 9, scales.ctypes.data)
+    set_arg(ctrl, 10, zeros.ctypes.data)
+    set_arg(ctrl, 11, zeros.shape[0])
+    set_arg(ctrl, 12, out.ctypes.data)
+    set_arg(ctrl, 13, out.shape[1])
+    return run_job(ctrl, runner, chunks)
+
+
+def int4_int8_matmul(
+    x: np.ndarray, w: Int4Tiles, out: np.ndarray, chunks: int | None = None
+) -> np.ndarray:
     """``out`` (M, N) float32 = ``x`` (M, K) float32 @ dequant(W)^T with x quantized to int8
-    per block (accuracy_level 4), on Numba's threads. ``w`` has ``ROWS`` rows per tile."""
+    per block (accuracy_level 4), split into ``chunks`` (default ``tile_parts``) over the
+    worker pool's threads. ``w`` has ``ROWS`` rows per tile."""
     if w.tiles.shape[2] != ROWS:
         raise ValueError(f"int8-activation tiles need {ROWS} rows, got {w.tiles.shape[2]}")
-    parts = tile_parts(*x.shape, w)
-    if parts == 1:
+    if chunks is None:
+        chunks = tile_parts(*x.shape, w)
+    chunks = min(chunks, w.tiles.shape[0], MAX_CHUNKS)
+    if chunks == 1 or pool_threads() < 2:
         _q8_serial(x, w.block, w.tiles, w.scales, w.zeros, out)
-    else:
-        _q8_parallel(x, w.block, w.tiles, w.scales, w.zeros, parts, out)
+        return out
+    m = x.shape[0]
+    nb = w.scales.shape[0]
+    operands = m * nb * (w.block + 8) + 4 * m * w.tiles.shape[1] + 5 * 64
+    run_pooled(_q8_pooled, _q8_runner, x, w, out, chunks, operands, "MatMulNBits (int4, int8)")
     return out

@@ -20,21 +20,39 @@ float64 reference, see the tests).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numba
 import numpy as np
 
 from onnx_genrt.core.kernels import TransposedWeight
+
+from ._intrinsics import address_as_pointer
+from ._worker_pool import (
+    ARGS,
+    COPY,
+    FIRST_ARG,
+    MAX_CHUNKS,
+    OUT,
+    chunk_count,
+    chunk_runner,
+    enter,
+    pool_threads,
+    run_job,
+    set_arg,
+    worker_pool,
+)
 
 _F32 = np.float32
 # Sums may be reordered so LLVM vectorizes them (as in _nn_common and _int4_matmul).
 _FM = {"reassoc", "contract"}
 #: Rows of X up to which a prepacked weight runs the skinny kernel; more rows use BLAS.
 SKINNY_MAX_M = 16
-# Multiply-adds (M * N * K) below which a call stays on one thread: waking a second one
-# (about 20 us with Numba's OpenMP layer) costs about as much as the work. 1 << 18 made the
-# embedded model's greedy decode at two threads 0.64x one thread; 1 << 20 1.12x
-# (docs/performance.md).
-PARALLEL_MIN_WORK = 1 << 20
+# Multiply-adds (M * N * K) below which a call stays on the calling thread, and about the
+# multiply-adds per chunk of a pooled call (docs/performance.md).
+PARALLEL_MIN_WORK = 1 << 19
+CHUNK_WORK = 1 << 17
 _NO_BIAS = np.zeros(0, _F32)
 
 
@@ -193,25 +211,77 @@ def _skinny_serial(x, wt, bias, out):
     _columns(x, wt, bias, out, 0, wt.shape[0] // 4, True)
 
 
-@numba.njit(cache=True, parallel=True)
-def _skinny_parallel(x, wt, bias, out, parts):
-    """Like ``_skinny_serial``, the columns split into ``parts`` runs, one per thread."""
-    d = wt.shape[0] // 4
-    for p in numba.prange(parts):
-        _columns(x, wt, bias, out, p * d // parts, (p + 1) * d // parts, p == parts - 1)
-
-
-def skinny_parts(m: int, k: int, n: int) -> int:
-    """Threads a call of this size runs on: 1 for small work, else Numba's thread count."""
-    if m * n * k < PARALLEL_MIN_WORK or n < 8:
+def _skinny_chunk(args, chunk, mode):
+    """Chunk runner (``_worker_pool``): column groups ``[c0, c1)`` of chunk ``chunk`` (and
+    the tail in the last one) into the output, into the scratch buffer, or copied across."""
+    try:
+        a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
+        chunks = a[1]
+        m, k, n = a[FIRST_ARG + 1], a[FIRST_ARG + 2], a[FIRST_ARG + 4]
+        d = n // 4
+        c0 = chunk * d // chunks
+        c1 = (chunk + 1) * d // chunks
+        tail = chunk == chunks - 1
+        out = numba.carray(address_as_pointer(a[FIRST_ARG + 7], np.float32), (m, n))
+        scratch = numba.carray(address_as_pointer(a[0], np.float32), (m, n))
+        if mode == COPY:
+            for i in range(m):
+                for q in range(4):
+                    out[i, q * d + c0 : q * d + c1] = scratch[i, q * d + c0 : q * d + c1]
+                if tail:
+                    out[i, 4 * d :] = scratch[i, 4 * d :]
+            return 0
+        x = numba.carray(address_as_pointer(a[FIRST_ARG], np.float32), (m, k))
+        wt = numba.carray(address_as_pointer(a[FIRST_ARG + 3], np.float32), (n, k))
+        bias = numba.carray(address_as_pointer(a[FIRST_ARG + 5], np.float32), (a[FIRST_ARG + 6],))
+        _columns(x, wt, bias, out if mode == OUT else scratch, c0, c1, tail)
+        return 0
+    except Exception:  # noqa: BLE001 - a runner reports failure by its return value
         return 1
-    return max(1, min(numba.get_num_threads(), n // 4))
+
+
+_skinny_runner = chunk_runner(_skinny_chunk)
+
+
+@numba.njit(cache=True, nogil=True)
+def _skinny_pooled(x, wt, bias, out, ctrl, runner, chunks):
+    """``_skinny_serial`` with the pool's workers taking chunks of the column groups; on the
+    calling thread alone when another thread holds the pool or an operand is not
+    C-contiguous. Returns ``run_job``'s status (0: nothing left to do)."""
+    contiguous = x.flags.c_contiguous and wt.flags.c_contiguous and out.flags.c_contiguous
+    if not (contiguous and bias.flags.c_contiguous) or not enter(ctrl):
+        _columns(x, wt, bias, out, 0, wt.shape[0] // 4, True)
+        return 0
+    m, k = x.shape
+    n = wt.shape[0]
+    set_arg(ctrl, 0, x.ctypes.data)
+    set_arg(ctrl, 1, m)
+    set_arg(ctrl, 2, k)
+    set_arg(ctrl, 3, wt.ctypes.data)
+    set_arg(ctrl, 4, n)
+    set_arg(ctrl, 5, bias.ctypes.data)
+    set_arg(ctrl, 6, bias.shape[0])
+    set_arg(ctrl, 7, out.ctypes.data)
+    return run_job(ctrl, runner, chunks)
+
+
+def skinny_chunks(m: int, k: int, n: int) -> int:
+    """Chunks a call of this size is split into: 1 (the calling thread alone) for small
+    work or one thread, else about ``CHUNK_WORK`` multiply-adds each."""
+    if pool_threads() < 2 or m * n * k < PARALLEL_MIN_WORK or n < 8:
+        return 1
+    return chunk_count(n // 4, m * n * k, CHUNK_WORK)
 
 
 def skinny_matmul(
-    x: np.ndarray, w: TransposedWeight, out: np.ndarray, bias: np.ndarray | None = None
+    x: np.ndarray,
+    w: TransposedWeight,
+    out: np.ndarray,
+    bias: np.ndarray | None = None,
+    chunks: int | None = None,
 ) -> np.ndarray:
-    """``out`` (M, N) = ``x`` (M, K) @ W (+ ``bias`` (N,)), all float32 and C-contiguous."""
+    """``out`` (M, N) = ``x`` (M, K) @ W (+ ``bias`` (N,)), all float32 and C-contiguous;
+    split into ``chunks`` (default ``skinny_chunks``) over the worker pool's threads."""
     m, k = x.shape
     n = w.t.shape[0]
     b = _NO_BIAS if bias is None else bias
@@ -220,9 +290,45 @@ def skinny_matmul(
     if k == 0:
         out[...] = 0 if bias is None else bias
         return out
-    parts = skinny_parts(m, k, n)
-    if parts == 1:
+    if chunks is None:
+        chunks = skinny_chunks(m, k, n)
+    if chunks == 1 or pool_threads() < 2:
         _skinny_serial(x, w.t, b, out)
-    else:
-        _skinny_parallel(x, w.t, b, out, parts)
+        return out
+    chunks = min(chunks, n // 4, MAX_CHUNKS)
+    pool = worker_pool()
+    pool.reserve(m * n)
+    status = _skinny_pooled(x, w.t, b, out, pool.ctrl, _skinny_runner(), chunks)
+    if status & 3:
+        pool.settle(status, (x, w.t, b, out), "MatMul (skinny float32)")
     return out
+
+
+def skinny_call(
+    x: np.ndarray, w: TransposedWeight, out: np.ndarray, bias: np.ndarray | None = None
+) -> Callable[[], None]:
+    """``skinny_matmul(x, w, out, bias)`` prebound for graph replay: the sizes and the split
+    are worked out once (again when the thread count changes), not on every call."""
+    m, k = x.shape
+    n = w.t.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return functools.partial(skinny_matmul, x, w, out, bias)
+    wt = w.t
+    b = _NO_BIAS if bias is None else bias
+    split = [0, 1, 0]  # the thread count it was worked out for, the chunks, the runner
+
+    def call() -> None:
+        threads = pool_threads()
+        if threads != split[0]:
+            chunks = skinny_chunks(m, k, n)
+            split[:] = threads, chunks, _skinny_runner() if chunks > 1 else 0
+        if split[1] == 1:
+            _skinny_serial(x, wt, b, out)
+            return
+        pool = worker_pool()
+        pool.reserve(m * n)
+        status = _skinny_pooled(x, wt, b, out, pool.ctrl, split[2], split[1])
+        if status & 3:
+            pool.settle(status, (x, wt, b, out), "MatMul (skinny float32)")
+
+    return call

@@ -9,6 +9,7 @@ import numba
 import numpy as np
 from onnx import TensorProto
 
+from ._gqa_step import rope_row
 from ._nn_common import compute_dtype, output_count, softmax_rows, wants_output
 from ._registry import REGISTRY
 
@@ -268,26 +269,11 @@ def _scores(
 @numba.njit(cache=True)
 def _rope(x, cos, sin, out, rot, interleaved):
     """Rotate the first ``rot`` features of x[b, h, s, :]; cos/sin are (B, S, rot/2)."""
-    nb, nh, ns, nd = x.shape
-    half = rot // 2
+    nb, nh, ns, _ = x.shape
     for bi in range(nb):
         for hi in range(nh):
             for si in range(ns):
-                for k in range(half):
-                    if interleaved:
-                        i1 = 2 * k
-                        i2 = i1 + 1
-                    else:
-                        i1 = k
-                        i2 = k + half
-                    c = cos[bi, si, k]
-                    s = sin[bi, si, k]
-                    x1 = x[bi, hi, si, i1]
-                    x2 = x[bi, hi, si, i2]
-                    out[bi, hi, si, i1] = c * x1 - s * x2
-                    out[bi, hi, si, i2] = s * x1 + c * x2
-                for di in range(rot, nd):
-                    out[bi, hi, si, di] = x[bi, hi, si, di]
+                rope_row(x[bi, hi, si], cos[bi, si], sin[bi, si], out[bi, hi, si], rot, interleaved)
 
 
 def _as_bhsd(t: np.ndarray, heads: int) -> np.ndarray:

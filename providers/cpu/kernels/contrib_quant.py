@@ -26,6 +26,7 @@ would be many times slower).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -319,8 +320,38 @@ def _float_weight(
     return DEQUANT_CACHE.get((b, scales, zp), params, build, keep=ctx.option("nbits_cache", False))
 
 
+def _bind_matmul_nbits(ctx: KernelContext, inputs: Any, out: Any) -> Callable[[], Any] | None:
+    """Replay closure for the decode-sized case (prepacked 4-bit weight, at most
+    ``PACKED_MAX_M`` contiguous float32 rows, no bias): the packed kernel on prebuilt views,
+    without the node's checks and dispatch on every replay; None for the other cases."""
+    a, b, scales, zero_points, g_idx, bias = (*inputs, None, None, None, None)[:6]
+    if bias is not None or g_idx is not None or not isinstance(out, np.ndarray):
+        return None
+    if not _all_packed(b, scales, zero_points) or not isinstance(b, Int4Input):
+        return None
+    dims = matmul_nbits_dims(ctx.node, a.shape[-1], False)
+    k, n = dims.k, dims.n
+    if dims.bits != 4 or a.dtype != _F32 or out.dtype != _F32 or b.size == 0 or not k:
+        return None
+    if not (a.flags.c_contiguous and out.flags.c_contiguous) or out.size != a.size // k * n:
+        return None
+    m = a.size // k
+    if not 0 < m <= PACKED_MAX_M:
+        return None
+    zp_dtype = None if zero_points is None else zero_points.dtype
+    int8 = matmul_nbits_int8_activations(ctx.node, zp_dtype)
+    w4 = _int4_weight(b, scales, zero_points, k, n, dims.block, INT8_TILE_ROWS if int8 else None)
+    kernel = int4_int8_matmul if int8 else int4_matmul
+    return functools.partial(kernel, a.reshape(m, k), w4, out.reshape(m, n))
+
+
 @REGISTRY.register(
-    "MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check, prepack=prepack_int4
+    "MatMulNBits",
+    since=1,
+    domain=MS_DOMAIN,
+    check=_nbits_check,
+    prepack=prepack_int4,
+    bind=_bind_matmul_nbits,
 )
 def matmul_nbits(
     ctx: KernelContext,

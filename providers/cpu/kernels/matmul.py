@@ -14,7 +14,7 @@ from ._nn_common import (
     compute_dtype,
 )
 from ._registry import REGISTRY
-from ._skinny_matmul import SKINNY_MAX_M, TransposedWeight, pack_weight, skinny_matmul
+from ._skinny_matmul import SKINNY_MAX_M, TransposedWeight, pack_weight, skinny_call
 
 _F64 = np.dtype(np.float64)
 _F32 = np.dtype(np.float32)
@@ -114,7 +114,7 @@ def _packed_call(a: np.ndarray, w: TransposedWeight, out: np.ndarray, bias=None)
         and out.flags.c_contiguous
         and out.dtype == _F32
     ):
-        return functools.partial(skinny_matmul, a.reshape(m, k), w, out.reshape(m, n), bias)
+        return skinny_call(a.reshape(m, k), w, out.reshape(m, n), bias)
     if a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous and a.dtype == out.dtype:
         a, out = a.reshape(-1, k), out.reshape(-1, n)
     if bias is None:

@@ -109,6 +109,11 @@ ATTENTION_FLASH_MIN_ROWS = 64
 CLUSTER = True
 #: Fewest keys a split of the cluster kernel takes.
 CLUSTER_MIN_CHUNK = 64
+#: Default of the CUDA provider's ``attention_cluster_max_keys``: the KV capacity up to which
+#: decode / verify use the 8-split cluster kernel (0: any capacity). Above it the many-split
+#: kernel spreads a long cache over up to MAX_SPLITS blocks per row: with 8 splits, each
+#: block of a 30000-token cache walks 3750 keys one after another.
+ATTENTION_CLUSTER_MAX_KEYS = 0
 #: Dynamic shared memory a block may take without opting in.
 _SHARED_MAX = 48 << 10
 
@@ -1123,6 +1128,13 @@ def _gqa_attend_gemm(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray) -> Non
         y4[i] = att.transpose(1, 0, 2).astype(y.dtype)
 
 
+def _cluster_fits(ctx: KernelContext, call: _GqaCall, fuse: bool) -> bool:
+    """Whether the cluster kernel takes a decode / verify call: sm_90+, and a cache of at most
+    the provider's ``attention_cluster_max_keys`` positions (0: any)."""
+    most = int(ctx.option("attention_cluster_max_keys", ATTENTION_CLUSTER_MAX_KEYS))
+    return bool(fuse and CLUSTER and _cc_major() >= 9 and (most == 0 or call.cap <= most))
+
+
 def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool) -> None:
     """The attention launch: splits of each query row's keys, merged in a cluster or by
     the last split to finish."""
@@ -1133,7 +1145,7 @@ def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool)
     shared = _up16(_up16(new_rows) + (d + warps * d + 2 * warps + 68) * 4)
     ps = -(-(d + 2) // 4) * 4  # floats per partial: D sums, max, denominator, padding
     part, counts = y, call.seqlens  # placeholders: no global merge
-    cluster = bool(fuse and CLUSTER and _cc_major() >= 9)
+    cluster = _cluster_fits(ctx, call, fuse)
     if cluster:
         kernel, splits, min_chunk = "gqa_attn_cluster", 8, CLUSTER_MIN_CHUNK
         shared += ps * 4

@@ -30,6 +30,7 @@ from ...ops.test_contrib import (
     _quantize_nbits,
     _rng,
 )
+from .pool_helpers import worker_helps
 
 
 @pytest.mark.parametrize("accuracy", [0, 4])
@@ -99,19 +100,27 @@ def test_matmul_nbits_int4_weight_not_all_constant(consts: tuple[str, ...], m: i
 
 
 @pytest.mark.parametrize("m", [1, 4])
-def test_int4_matmul_parallel_matches_serial(m: int) -> None:
+def test_int4_matmul_on_the_worker_pool_matches_serial(two_threads, m: int) -> None:
+    """Tiles split into chunks over the caller and the worker thread: the serial kernel's
+    bits (repeated until the worker computed chunks), and the float64 product."""
     from onnx_genrt.providers.cpu.kernels import _int4_matmul as im
 
     rng = _rng(49)
-    qw = _quantize_nbits(rng.standard_normal((300, 96)), 4, 32, "uint8")
-    zeros = contrib_quant._nbits_zeros(qw["zero_points"], 300, 3, 4)
-    w = im.pack_int4(qw["B"], qw["scales"], zeros, 300, 32)
-    x = rng.standard_normal((m, 96)).astype(np.float32)
-    serial, parallel = np.empty((m, 300), np.float32), np.empty((m, 300), np.float32)
+    k = 2048  # chunks of a microsecond or more: the worker has time to take some
+    qw = _quantize_nbits(rng.standard_normal((300, k)), 4, 32, "uint8")
+    zeros = contrib_quant._nbits_zeros(qw["zero_points"], 300, k // 32, 4)
+    w = im.pack_int4(qw["B"], qw["scales"], zeros, 300, 32, rows=32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    serial = np.empty((m, 300), np.float32)
     im._int4_serial(x, w.tiles, w.scales, w.zeros, w.block, serial)
-    im._int4_parallel(x, w.tiles, w.scales, w.zeros, w.block, 3, parallel)
-    np.testing.assert_array_equal(parallel, serial)
     np.testing.assert_allclose(serial, _f64(x) @ qw["ref"].T, rtol=1e-4, atol=1e-4)
+
+    def call() -> None:
+        parallel = np.full((m, 300), np.nan, np.float32)
+        im.int4_matmul(x, w, parallel, chunks=5)
+        np.testing.assert_array_equal(parallel, serial)
+
+    worker_helps(two_threads, call)
 
 
 @pytest.mark.parametrize("keep", [False, True])

@@ -23,6 +23,7 @@ from onnx_genrt.providers.cpu.kernels import contrib_quant
 from onnx_genrt.session import InferenceSession
 
 from ...ops.test_contrib import _pack
+from .pool_helpers import worker_helps
 
 ort = pytest.importorskip("onnxruntime")
 ort.set_default_logger_severity(3)
@@ -252,7 +253,7 @@ def test_packed_and_prompt_paths_agree_row_by_row() -> None:
 
 
 @pytest.mark.parametrize("m", [1, 6])
-def test_int8_kernel_threads_give_the_same_bits(m: int) -> None:
+def test_int8_kernel_threads_give_the_same_bits(two_threads, m: int) -> None:
     rng = np.random.default_rng(8)
     k, n = 256, 700
     w = _weights(rng, n, k, 4, 32, "uint8")
@@ -261,12 +262,17 @@ def test_int8_kernel_threads_give_the_same_bits(m: int) -> None:
         w["B"].reshape(n, k // 32, 16), w["scales"], zeros, n, 32, q8.ROWS
     )
     x = rng.standard_normal((m, k)).astype(F32)
-    serial, parallel = np.empty((m, n), F32), np.empty((m, n), F32)
+    serial = np.empty((m, n), F32)
     q8._q8_serial(x, 32, tiles.tiles, tiles.scales, tiles.zeros, serial)
-    q8._q8_parallel(x, 32, tiles.tiles, tiles.scales, tiles.zeros, 3, parallel)
-    np.testing.assert_array_equal(parallel, serial)
     want = _contract(x, w, 32)
     np.testing.assert_allclose(serial, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+    def call() -> None:
+        parallel = np.full((m, n), np.nan, F32)
+        q8.int4_int8_matmul(x, tiles, parallel, chunks=3)
+        np.testing.assert_array_equal(parallel, serial)
+
+    worker_helps(two_threads, call)
 
 
 def test_an_accuracy_level_outside_0_to_4_is_refused() -> None:
@@ -274,3 +280,36 @@ def test_an_accuracy_level_outside_0_to_4_is_refused() -> None:
     w = _weights(rng, 16, 64, 4, 32, "none")
     with pytest.raises(UnsupportedOpError, match="accuracy_level=7 is not one of 0-4"):
         InferenceSession(_model(w, 64, 16, 4, 32, 7), providers=["cpu"])
+
+
+@pytest.mark.parametrize(
+    "m,level,zero,bias,prebound",
+    [
+        (1, 4, "uint8", False, True),  # decode at level 4: the int8 kernel, prebound
+        (5, 0, "none", False, True),  # verify-sized, float activations, prebound
+        (16, 4, "none", False, True),  # the most rows taken packed
+        (2, 4, "uint8", True, False),  # a bias: the generic replay
+    ],
+)
+def test_replayed_graph_matches_onnxruntime(m, level, zero, bias, prebound) -> None:
+    """A captured MatMulNBits replays as one prebound packed-kernel call (no checks or
+    dispatch per replay) on the buffers it was recorded with: every replay, with new values
+    in the bound input, equals onnxruntime's output for those values."""
+    from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+    k, n, block = 256, 300, 32
+    rng = np.random.default_rng(m * 10 + level)
+    w = _weights(rng, n, k, 4, block, zero)
+    b = rng.standard_normal(n).astype(F32) if bias else None
+    model = _model(w, k, n, 4, block, level, b)
+    sess = InferenceSession(model, providers=["cpu"])
+    binding = sess.io_binding()
+    a = binding.bind_input("A", np.zeros((m, k), F32))
+    y = binding.bind_output("Y", shape=(m, n), dtype=F32)
+    for _ in range(4):  # the capture, then replays
+        a[...] = rng.standard_normal((m, k)).astype(F32)
+        sess.run_with_iobinding(binding, DeviceGraphSlot.PRIMARY)
+        np.testing.assert_allclose(y, _ort(model, a.copy()), rtol=2e-4, atol=2e-4)
+    graph = sess.main_provider.recorded_graph(DeviceGraphSlot.PRIMARY)
+    assert graph is not None and len(graph.calls) == 1
+    assert graph.bound == (1 if prebound else 0)

@@ -16,6 +16,8 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.providers.cpu.kernels import _skinny_matmul as sk
 from onnx_genrt.session import InferenceSession
 
+from .pool_helpers import worker_helps
+
 F32 = np.float32
 SHAPES = [(1, 1), (3, 5), (37, 13), (130, 67), (513, 259)]
 
@@ -45,20 +47,29 @@ def test_kernel_matches_float64_for_every_m(k, n, with_bias):
         _check(y, x, w, bias)
 
 
-@pytest.mark.parametrize("parts", [2, 3])
-def test_column_split_over_threads_covers_every_column(parts):
-    """The parallel entry splits the N/4 column groups into runs; the last run takes the
-    N mod 4 tail. Run it with more parts than threads too: the result must not change."""
-    rng = np.random.default_rng(parts)
-    k, n = 67, 4 * 11 + 3
+@pytest.mark.parametrize("chunks", [2, 3, 11])
+def test_column_chunks_over_the_worker_pool_cover_every_column(two_threads, chunks):
+    """The pooled kernel splits the N/4 column groups into chunks; the last chunk takes the
+    N mod 4 tail. Whichever thread computes a chunk, every column is the serial kernel's,
+    bit for bit (the same per-column summation), and within the float64 bound. The calls
+    repeat until the worker thread has computed chunks of them (``worker_helps``)."""
+    rng = np.random.default_rng(chunks)
+    k, n = 4099, 4 * 11 + 3  # a long K: chunks of one column group still take microseconds
     w = rng.standard_normal((k, n), dtype=F32)
     bias = rng.standard_normal(n, dtype=F32)
     packed = sk.pack_weight(w)
     for m in (1, 5, 16):
         x = rng.standard_normal((m, k), dtype=F32)
-        y = np.full((m, n), np.nan, F32)
-        sk._skinny_parallel(x, packed.t, bias, y, parts)
-        _check(y, x, w, bias)
+        serial = np.full((m, n), np.nan, F32)
+        sk._skinny_serial(x, packed.t, bias, serial)
+        _check(serial, x, w, bias)
+
+        def call(x=x, serial=serial):
+            y = np.full(serial.shape, np.nan, F32)
+            sk.skinny_matmul(x, packed, y, bias, chunks=chunks)
+            np.testing.assert_array_equal(y, serial)
+
+        worker_helps(two_threads, call)
 
 
 def test_pack_keeps_an_nk_gemm_weight_without_a_copy():

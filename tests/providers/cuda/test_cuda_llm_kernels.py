@@ -489,7 +489,9 @@ class _DecodeStep:
                 self.host_v = cache
 
 
-@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "counter"])
+@pytest.mark.parametrize(
+    "cluster", [True, False, "capacity"], ids=["cluster", "counter", "counter-by-capacity"]
+)
 @pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("s", [1, 4, 5])
 def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, monkeypatch, s, dtype, cluster):
@@ -497,21 +499,40 @@ def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, monkeypatch, s,
 
     Qwen2.5-0.5B heads (14 q, 2 kv, 64 wide) on a 4096-position cache: one split with keys
     for short lengths, then more and more splits, merged through the thread-block cluster
-    (sm_90+) or by the last split to finish (a counter; the path of older GPUs)."""
+    (sm_90+) or by the last split to finish (a counter; the path of older GPUs, and of caches
+    longer than the provider's ``attention_cluster_max_keys``)."""
     from onnx_genrt.providers.cuda.kernels import contrib_attention
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
 
-    monkeypatch.setattr(contrib_attention, "CLUSTER", cluster)
-    step = _DecodeStep(cp, fresh, rng, s, dtype=dtype)
+    prov = fresh
+    if cluster == "capacity":
+        prov = CUDAProvider(attention_cluster_max_keys=4095)
+    else:
+        monkeypatch.setattr(contrib_attention, "CLUSTER", cluster)
+    launched: list[str] = []
+    compile_kernel = contrib_attention.function
+
+    def recording(source, name, *args, **kwargs):
+        launched.append(name)
+        return compile_kernel(source, name, *args, **kwargs)
+
+    monkeypatch.setattr(contrib_attention, "function", recording)
+    step = _DecodeStep(cp, prov, rng, s, dtype=dtype)
     q = step.write(s)
     step.run()  # eager: compiles, sizes the scratch and the counters
     step.check(q, s)
-    fresh.begin_capture(PRIMARY)
+    want = "gqa_attn_cluster<" if cluster is True else "gqa_attn<"
+    attention = [name for name in launched if name.startswith("gqa_attn")]
+    assert attention and all(name.startswith(want) for name in attention), launched
+    prov.begin_capture(PRIMARY)
     step.run()
-    fresh.end_capture(PRIMARY)
+    prov.end_capture(PRIMARY)
     for total in (s + 1, 17, 64, 65, 200, 255, 256, 1000, 1024, 2500, 4000, 4096):
         q = step.write(total)
-        fresh.replay(PRIMARY)
+        prov.replay(PRIMARY)
         step.check(q, total)
+    if prov is not fresh:
+        prov.reset_graph(PRIMARY)
 
 
 # ----------------------------------------------------------------------------- norms and rotary
