@@ -808,21 +808,26 @@ def _nbits_mma(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) -> 
         sum_splits(ctx, partial, y, splits)
 
 
+def _gemv_args(call: _NbitsCall, a: Any, y: Any, m: int) -> tuple:
+    """The leading arguments every 4-bit GEMV kernel takes, in their order."""
+    return (
+        a,
+        call.b,
+        call.scales,
+        call.zp_u8,
+        call.zp_f,
+        call.bias_arg,
+        y,
+        np.int32(m),
+        np.int32(call.k),
+        np.int32(call.n),
+    )
+
+
 def _nbits_gemv(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) -> None:
     """``m`` <= GEMV_MAX_M rows of ``a`` into ``y`` on the GEMV kernels."""
     if _chunk16_fits(ctx, call.bits, call.block, call.k, call.nb * call.blob, call.b, a):
-        args = (
-            a,
-            call.b,
-            call.scales,
-            call.zp_u8,
-            call.zp_f,
-            call.bias_arg,
-            y,
-            np.int32(m),
-            np.int32(call.k),
-            np.int32(call.n),
-        )
+        args = _gemv_args(call, a, y, m)
         args += (
             np.int32(call.nb),
             np.int32(call.block),
@@ -866,18 +871,7 @@ def _nbits_gemv(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) ->
     wpr = gemv_wpr(groups, words, sms)
     vec_elems = 16 // a.dtype.itemsize
     a_vec = int(a.data.ptr % 16 == 0 and call.k % vec_elems == 0)
-    args = (
-        a,
-        call.b,
-        call.scales,
-        call.zp_u8,
-        call.zp_f,
-        call.bias_arg,
-        y,
-        np.int32(m),
-        np.int32(call.k),
-        np.int32(call.n),
-    )
+    args = _gemv_args(call, a, y, m)
     args += (np.int32(call.nb), np.int32(call.block), np.int32(words), np.int32(call.zrow))
     args += (np.int32(call.zp_mode), np.int32(call.has_bias))
     if ctx.option("nbits_stream", True) and words <= STREAM_MAX_WORDS:
