@@ -22,7 +22,7 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.locking import SingleUser
 
 from .config import SearchOptions
-from .decoder import DecoderRunner
+from .decoder import DecoderRunner, PendingRows
 from .model import GeneratorParams, Model
 from .sampling import choose, plain_greedy
 
@@ -76,7 +76,14 @@ class BatchGenerator:
     :class:`~onnx_genrt.engine.scheduler.Scheduler`'s does); a second thread entering it
     meanwhile gets ``ConcurrentUseError``. Its steps take turns with other users of the
     model's session.
+
+    Greedy steps look ahead where read-backs are asynchronous (a GPU): the next step is
+    queued, fed this step's device argmax, before this one is read back, so the device
+    never waits for the host's picking. ``look_ahead`` True or False forces it on or off.
     """
+
+    #: Queue the next greedy step before reading this one (None: where reads are async).
+    look_ahead: bool | None = None
 
     def __init__(
         self,
@@ -101,6 +108,10 @@ class BatchGenerator:
         self._pieces: dict[tuple[int, int], DecoderRunner] = {}
         self.rows: dict[int, _Row] = {}
         self._user = SingleUser("this BatchGenerator")
+        #: The step queued ahead (see the class docstring), valid for this set of decoding
+        #: rows at this bucket size; and how many steps were taken from one so far.
+        self._ahead: tuple[PendingRows, frozenset[int], int] | None = None
+        self.steps_ahead = 0
 
     # -- rows ---------------------------------------------------------------------
     def free_rows(self) -> int:
@@ -225,6 +236,7 @@ class BatchGenerator:
 
     def _step(self) -> dict[int, list[int]]:
         live = {i: r for i, r in self.rows.items() if not r.prefilling and not self.is_done(i)}
+        ahead, self._ahead = self._ahead, None
         if not live:
             return {}
         size = self.bucket()
@@ -242,7 +254,27 @@ class BatchGenerator:
         # min_length reads its own logits row after the step (``_row_logits``).
         need_logits = any(not plain_greedy(r.search) for r in live.values())
         with self.model.session.exclusive():
-            argmax, logits = self._step_pieces(tokens, lengths, need_logits)
+            if ahead is not None and ahead[1:] == (frozenset(live), size):
+                pending = ahead[0]  # queued last step with these tokens, fed on the device
+                self.steps_ahead += 1
+            else:
+                pending = self._launch(tokens, lengths, need_logits)
+            if self._may_look_ahead(live, size, lengths, need_logits):
+                after = lengths.copy()
+                after[list(live)] += 1
+                fed_by = pending[0] if isinstance(pending, list) else pending  # one piece
+                queued = self.runner.launch_rows(
+                    None, after, DeviceGraphSlot.PRIMARY, feed_argmax_of=fed_by
+                )
+                self._ahead = (queued, frozenset(live), size)
+            argmax, logits = self._finish(pending)
+            if self._ahead is not None and any(
+                self._masks(r, int(argmax[i])) for i, r in live.items()
+            ):
+                # A masked pick reads this step's logits, which the queued step overwrote:
+                # drop it and run this step again (the same keys and values).
+                self._ahead = None
+                argmax, logits = self._finish(self._launch(tokens, lengths, need_logits))
             new = {}
             for i, row in live.items():
                 token = self._pick(
@@ -253,7 +285,29 @@ class BatchGenerator:
                 row.tokens.append(token)
                 row.new = [token]
                 new[i] = [token]
+                if token != int(argmax[i]):  # the queued step was fed the argmax
+                    self._ahead = None
         return new
+
+    def _may_look_ahead(
+        self, live: dict[int, _Row], size: int, lengths: np.ndarray, need_logits: bool
+    ) -> bool:
+        """Whether to queue the next step now: every decoding row plain greedy, one graph
+        of rows, room in the cache, on a provider with asynchronous reads (unless forced)."""
+        wanted = self.look_ahead
+        if wanted is None:
+            wanted = self.runner.io.reads_async
+        if not wanted or need_logits or size > self.max_graph_rows:
+            return False
+        if not self.runner.device_argmax:
+            return False
+        return int(np.max(lengths)) + 2 <= self.max_length
+
+    @staticmethod
+    def _masks(row: _Row, argmax: int) -> bool:
+        """Whether the row's pick is not its argmax: an end-of-sequence argmax before its
+        ``min_length`` is masked and the pick made from the logits."""
+        return bool(row.eos) and argmax in row.eos and len(row.tokens) < row.search.min_length
 
     def _row_logits(self, size: int, index: int) -> np.ndarray:
         """Row ``index``'s logits [vocab] from the last step of ``size`` rows (read now)."""
@@ -264,24 +318,30 @@ class BatchGenerator:
         piece = self.runner if start == 0 else self._piece(start, min(size, start + most) - start)
         return piece.row_logits(min(size, start + most) - start, index - start)
 
-    def _step_pieces(
-        self, tokens: np.ndarray, lengths: np.ndarray, need_logits: bool
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """The step of ``len(tokens)`` rows as graphs of at most ``max_graph_rows`` rows,
-        each replayed on its own rows of the cache."""
+    def _launch(self, tokens: np.ndarray, lengths: np.ndarray, need_logits: bool) -> list:
+        """Queue the step of ``len(tokens)`` rows as graphs of at most ``max_graph_rows``
+        rows, each replayed on its own rows of the cache; ``_finish`` reads them back."""
         size, most = len(tokens), self.max_graph_rows
-        if size <= most:
-            return self.runner.step_rows(tokens, lengths, DeviceGraphSlot.PRIMARY, need_logits)
-        argmax, logits = [], []
+        pieces = []
         for start in range(0, size, most):
             stop = min(size, start + most)
             piece = self.runner if start == 0 else self._piece(start, stop - start)
-            a, lg = piece.step_rows(
-                tokens[start:stop], lengths[start:stop], DeviceGraphSlot.PRIMARY, need_logits
+            pieces.append(
+                piece.launch_rows(
+                    tokens[start:stop], lengths[start:stop], DeviceGraphSlot.PRIMARY, need_logits
+                )
             )
-            argmax.append(a)
-            logits.append(lg)
-        return np.concatenate(argmax), np.concatenate(logits) if need_logits else None
+        return pieces
+
+    def _finish(
+        self, pending: PendingRows | list[PendingRows]
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The argmax (and logits, when read) of a step queued by ``_launch`` or ahead."""
+        pieces = pending if isinstance(pending, list) else [pending]
+        done = [self.runner.finish_rows(p) for p in pieces]
+        argmax = np.concatenate([a for a, _ in done])
+        logits = [lg for _, lg in done]
+        return argmax, None if logits[0] is None else np.concatenate(logits)
 
     def _piece(self, start: int, count: int) -> DecoderRunner:
         runner = self._pieces.get((start, count))

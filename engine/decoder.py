@@ -231,6 +231,18 @@ class PendingStep:
         return self._out
 
 
+@dataclass
+class PendingRows:
+    """A queued batched step (:meth:`DecoderRunner.launch_rows`): its buffers, rows, slot,
+    whether its logits are read back, and the call that waits for the read-back."""
+
+    bufs: StepBuffers
+    rows: int
+    slot: DeviceGraphSlot | None
+    with_logits: bool
+    fetch: Callable[[], list[np.ndarray]]
+
+
 class DecoderRunner:
     """Runs the decoder for M new tokens at the cache's current length."""
 
@@ -507,17 +519,42 @@ class DecoderRunner:
         logits ``[rows, vocab]``; raises :class:`NonFiniteError` on non-finite logits.
         Row lengths are the caller's: this runner's ``cache.length`` is not used.
         """
-        rows = len(tokens)
-        if len(lengths) != rows:
-            raise InvalidInputError(f"{rows} tokens for {len(lengths)} row lengths")
+        return self.finish_rows(self.launch_rows(tokens, lengths, slot, read_logits))
+
+    def launch_rows(
+        self,
+        tokens: np.ndarray | None,
+        lengths: np.ndarray,
+        slot: DeviceGraphSlot | None,
+        read_logits: bool = False,
+        feed_argmax_of: PendingRows | None = None,
+    ) -> PendingRows:
+        """Queue :meth:`step_rows`' step and its read-back; :meth:`finish_rows` waits for it.
+
+        With ``feed_argmax_of`` (an earlier step of as many rows), ``tokens`` is None and each
+        row's token is that step's device argmax, copied on the device: the next greedy step
+        is queued before the host has read this one's."""
+        rows = len(lengths)
+        if feed_argmax_of is None and (tokens is None or len(tokens) != rows):
+            raise InvalidInputError(
+                f"{0 if tokens is None else len(tokens)} tokens for {rows} row lengths"
+            )
         if rows and int(np.max(lengths)) + 1 > self.max_length:
             raise InvalidInputError(
                 f"a row of {int(np.max(lengths)) + 1} positions exceeds the KV cache of "
                 f"{self.max_length}"
             )
         binding, bufs = self._binding(1, rows=rows)
+        if feed_argmax_of is not None and (
+            feed_argmax_of.rows != rows or feed_argmax_of.bufs.argmax is None
+        ):
+            raise InvalidInputError(
+                f"a step of {rows} rows fed on the device needs the device argmax of a step of "
+                f"{rows} rows"
+            )
         host = np.zeros(bufs.inputs.shape, np.int64)
-        host[:rows] = tokens
+        if feed_argmax_of is None:
+            host[:rows] = tokens
         offset = rows
         if bufs.pos is not None:
             host[offset : offset + rows] = lengths
@@ -526,21 +563,31 @@ class DecoderRunner:
             mask = host[offset:].reshape(rows, self.max_length)
             mask[np.arange(self.max_length)[None, :] <= np.asarray(lengths)[:, None]] = 1
         self.io.write(bufs.inputs, host)
+        if feed_argmax_of is not None:  # after the upload, on the same stream
+            self.io.copy(feed_argmax_of.bufs.argmax, bufs.ids)
         self.session.run_with_iobinding(binding, slot, variant=self.variant_base + rows)
         device_argmax = bufs.argmax is not None
         reads = [bufs.nonfinite, bufs.argmax] if device_argmax else []
-        if read_logits or not device_argmax:
+        with_logits = read_logits or not device_argmax
+        if with_logits:
             reads.append(bufs.logits)
-        values = self.io.read_later(reads)()
-        logits = values[-1][:, 0] if read_logits or not device_argmax else None
+        return PendingRows(bufs, rows, slot, with_logits, self.io.read_later(reads))
+
+    def finish_rows(self, step: PendingRows) -> tuple[np.ndarray, np.ndarray | None]:
+        """Wait for a step queued by :meth:`launch_rows`: each row's argmax and (when it
+        was read) the rows' logits; raises :class:`NonFiniteError` on non-finite logits."""
+        values = step.fetch()
+        logits = values[-1][:, 0] if step.with_logits else None
+        device_argmax = step.bufs.argmax is not None
         finite = np.isfinite(values[0]) if device_argmax else np.isfinite(logits).all()
         if not finite:
+            slot = step.slot
             raise NonFiniteError(
-                f"non-finite logits in a batched step of {rows} rows "
+                f"non-finite logits in a batched step of {step.rows} rows "
                 f"(slot {slot.value if slot else 'eager'})"
             )
         argmax = values[1][:, 0] if device_argmax else np.argmax(logits, axis=-1)
-        check_token_ids(argmax, self.vocab, f"a batched step of {rows} rows")
+        check_token_ids(argmax, self.vocab, f"a batched step of {step.rows} rows")
         return argmax, logits
 
     def row_logits(self, rows: int, row: int) -> np.ndarray:

@@ -8,6 +8,7 @@ import onnx
 import pytest
 
 from onnx_genrt.cli import main
+from onnx_genrt.engine.decode_heads import add_decode_heads
 from onnx_genrt.models import default_model_path
 
 
@@ -19,7 +20,10 @@ def test_profile_lists_the_models_ops_and_nodes(capsys: pytest.CaptureFixture[st
     )
     assert head and float(head[1]) > 0 and float(head[2]) > 0, text
     model = onnx.load(str(default_model_path() / "model.onnx"), load_external_data=False)
-    names = {n.name for n in model.graph.node}
+    own = {n.name for n in model.graph.node}
+    # the engine's argmax and non-finite probe, appended to the model it runs
+    names = {n.name for n in add_decode_heads(model, "logits").graph.node}
+    assert own < names
     top = re.findall(r"^\s+[\d.]+ us\s+(\S+)\s+(\S+)$", text, re.M)
     assert len(top) == 4
     for op, name in top:  # a model node, or one the planner fused from a model node

@@ -76,13 +76,17 @@ def test_rows_match_onnxruntime_genai_alone(qwen2_dir):
     assert primary["fallbacks"] == 0 and primary["invalidations"] == 0
 
 
-def test_rows_join_and_leave_between_steps(model):
+@pytest.mark.parametrize("look_ahead", [False, True], ids=["plain", "look-ahead"])
+def test_rows_join_and_leave_between_steps(model, look_ahead):
     """Continuous batching: a row added after others started, and a row freed and taken by
     a new prompt, still equal their prompts generated alone; changing buckets (1, 2, 4)
     captures each bucket once and never invalidates. Every attention call of the batch,
-    free rows of a bucket included, runs the CPU's prebuilt step, never its general path."""
+    free rows of a bucket included, runs the CPU's prebuilt step, never its general path.
+    With look-ahead (each step queued, fed the device argmax, before the one before it is
+    read: on by default on a GPU) steps are taken from the queued ones between joins."""
     alone = {t: generate(model, t, 20, ignore_eos=True).tokens for t in TEXTS}
     batch = BatchGenerator(model, 4, 128)
+    batch.look_ahead = look_ahead
     before = batch.graph_stats()["primary"]
     general_before = general_path_steps()
     ids = {t: model.tokenizer.encode(t) for t in TEXTS}
@@ -125,6 +129,7 @@ def test_rows_join_and_leave_between_steps(model):
     assert stats["fallbacks"] == before["fallbacks"]
     assert stats["captures"] - before["captures"] <= len(buckets(4))  # one per bucket
     assert general_path_steps() == general_before
+    assert (batch.steps_ahead > 0) == look_ahead, batch.steps_ahead
 
 
 def test_sampled_rows_follow_their_own_seeds(model):

@@ -336,32 +336,37 @@ def test_rows_of_a_model_whose_prefill_computes_every_row(qwen2_dir, tmp_path):
         assert batch.sequence(row) == _onnxruntime_genai(folder, prompt, 8, **opts), opts
 
 
+@pytest.mark.parametrize("look_ahead", [False, True], ids=["plain", "look-ahead"])
 @pytest.mark.parametrize("graph_rows", [64, 1], ids=["one-graph", "one-row-pieces"])
-def test_min_length_reads_only_the_masked_rows_logits(eos_dir, monkeypatch, graph_rows):
+def test_min_length_reads_only_the_masked_rows_logits(eos_dir, monkeypatch, graph_rows, look_ahead):
     """Greedy rows with a min_length take the device argmax; only a row whose argmax is end
     of sequence before its min_length reads its logits (its own row, from the right piece),
-    and each row still equals its prompt generated alone with that min_length."""
+    and each row still equals its prompt generated alone with that min_length. With
+    look-ahead, the step whose masked pick needs the logits the queued step overwrote runs
+    again (one graph of rows; pieces never look ahead)."""
     from onnx_genrt.engine.decoder import DecoderRunner
 
     model = Model(eos_dir)
     wide, row_reads = [], []
-    step_rows, row_logits = DecoderRunner.step_rows, DecoderRunner.row_logits
+    launch_rows, row_logits = DecoderRunner.launch_rows, DecoderRunner.row_logits
 
-    def spy_step(self, tokens, lengths, slot, read_logits=False):
+    def spy_step(self, tokens, lengths, slot, read_logits=False, **kwargs):
         wide.append(read_logits)
-        return step_rows(self, tokens, lengths, slot, read_logits)
+        return launch_rows(self, tokens, lengths, slot, read_logits, **kwargs)
 
     def spy_row(self, rows, row):
         row_reads.append((rows, row))
         return row_logits(self, rows, row)
 
-    monkeypatch.setattr(DecoderRunner, "step_rows", spy_step)
+    monkeypatch.setattr(DecoderRunner, "launch_rows", spy_step)
     monkeypatch.setattr(DecoderRunner, "row_logits", spy_row)
     prompts = [PROMPTS[1], PROMPTS[0]]  # the prompt that meets EOS in row 1
     batch = BatchGenerator(model, 2, 64, max_graph_rows=graph_rows)
+    batch.look_ahead = look_ahead
     rows = [batch.add(p, _params(model, len(p) + 9, min_length=len(p) + 6)) for p in prompts]
     while not all(batch.is_done(r) for r in rows):
         batch.step()
+    assert (batch.steps_ahead > 0) == (look_ahead and graph_rows > 1), batch.steps_ahead
     assert wide and not any(wide)
     assert row_reads and {r for _, r in row_reads} == ({1} if graph_rows > 1 else {0})
     for row, prompt in zip(rows, prompts, strict=True):
@@ -392,3 +397,26 @@ def test_a_prompt_that_fails_its_prefill_leaves_its_row_free(qwen2_dir, tmp_path
         batch.step()
     assert row == 0
     assert batch.sequence(row) == _onnxruntime_genai(folder, prompt, 12 - len(prompt))
+
+
+def test_a_pick_other_than_the_argmax_drops_the_queued_step(model, monkeypatch):
+    """The step queued ahead was fed each row's device argmax: when a row's pick is another
+    token, the queued step is not used and the rows equal the run without look-ahead."""
+    vocab = model.config.vocab_size
+    pick = BatchGenerator._pick
+
+    def departing(row, argmax, logits):
+        token = pick(row, argmax, logits)
+        return (token + 1) % vocab if len(row.tokens) in (6, 9) else token
+
+    monkeypatch.setattr(BatchGenerator, "_pick", staticmethod(departing))
+    runs = {}
+    for look_ahead in (False, True):
+        batch = BatchGenerator(model, 2, 32)
+        batch.look_ahead = look_ahead
+        rows = [batch.add(p, _params(model, 16), ignore_eos=True) for p in PROMPTS]
+        while not all(batch.is_done(r) for r in rows):
+            batch.step()
+        runs[look_ahead] = [batch.sequence(r) for r in rows]
+        assert (batch.steps_ahead > 0) == look_ahead
+    assert runs[True] == runs[False]
