@@ -231,6 +231,15 @@ class PendingStep:
         return self._out
 
 
+#: Widths a prompt chunk is padded to when prompts run as graphed steps
+#: (:meth:`DecoderRunner.prefill`): one captured graph per width; the widest is the most rows
+#: the CUDA provider's matmuls capture (cuBLAS, for more, cannot run inside a capture).
+PREFILL_WIDTHS = (8, 16, 32, 64)
+#: Graph variants of graphed prompt chunks start here (slot VERIFY; its verify step is
+#: variant 0): PREFILL_VARIANT + width.
+PREFILL_VARIANT = 1 << 40
+
+
 @dataclass
 class PendingRows:
     """A queued batched step (:meth:`DecoderRunner.launch_rows`): its buffers, rows, slot,
@@ -363,12 +372,38 @@ class DecoderRunner:
         """The persistent device buffers of steps of ``width`` tokens (ids, argmax, hidden...)."""
         return self._binding(width)[1]
 
+    def prefill(self, tokens: list[int], graphed: bool) -> tuple[StepOutput, int]:
+        """Feed a prompt at the cache's length; returns the output holding its last row
+        (its logits and tokens: index -1) and that row's index among the step's hidden
+        states. Eagerly in one step (only the last row's logits where the
+        model allows: ``prefill_last_row``), or ``graphed``: in chunks of at most
+        ``PREFILL_WIDTHS[-1]`` tokens, each padded to the next of ``PREFILL_WIDTHS`` and
+        replayed from that width's graph (slot VERIFY, variant ``PREFILL_VARIANT`` +
+        ``variant_base`` + width),
+        with no eager dispatch; padded rows write keys and values later steps overwrite. A
+        chunk whose padding would pass the cache's end runs eagerly."""
+        if not graphed or len(tokens) < 2:
+            return self.forward(tokens, None), len(tokens) - 1
+        most = PREFILL_WIDTHS[-1]
+        step: PendingStep | None = None
+        for first in range(0, len(tokens), most):
+            chunk = tokens[first : first + most]
+            width = next(w for w in PREFILL_WIDTHS if w >= len(chunk))
+            if self.cache.length + width > self.max_length:
+                step = self.launch(chunk, None)
+            else:
+                variant = PREFILL_VARIANT + self.variant_base + width
+                step = self.launch(chunk, DeviceGraphSlot.VERIFY, width, variant=variant)
+        assert step is not None
+        return step.wait(), step.n - 1
+
     def forward(
         self,
         tokens: list[int] | np.ndarray,
         slot: DeviceGraphSlot | None,
         width: int | None = None,
         after: Callable[[StepBuffers], dict[str, Any]] | None = None,
+        variant: int = 0,
     ) -> StepOutput:
         """Feed ``tokens`` at positions ``length ..``; pad to ``width`` rows when given.
 
@@ -377,7 +412,7 @@ class DecoderRunner:
         ``after(bufs)`` may queue more device work on the step's outputs (an MTP chain) and
         return arrays to read back together with the step's own (``StepOutput.extra``).
         """
-        return self.launch(tokens, slot, width, after).wait()
+        return self.launch(tokens, slot, width, after, variant=variant).wait()
 
     def launch(
         self,
@@ -386,6 +421,7 @@ class DecoderRunner:
         width: int | None = None,
         after: Callable[[StepBuffers], dict[str, Any]] | None = None,
         feed_argmax_of: PendingStep | None = None,
+        variant: int = 0,
     ) -> PendingStep:
         """Queue a step like :meth:`forward` and return before its results are back.
 
@@ -431,7 +467,7 @@ class DecoderRunner:
                 binding, last_row_of=self.names.logits if last_row else None
             )
         else:
-            self.session.run_with_iobinding(binding, slot)
+            self.session.run_with_iobinding(binding, slot, variant=variant)
         self.cache.length = start + n
         return self._queue_reads(bufs, start, n, slot, after)
 

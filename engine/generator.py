@@ -48,6 +48,9 @@ class Generator:
     #: Queue the next greedy step before this one is read back: None (default) where the
     #: provider reads asynchronously (a GPU), True or False to force it.
     look_ahead: bool | None = None
+    #: Prompts as graphed chunks of padded rows (True), eagerly (False), or where reads are
+    #: asynchronous (None: a GPU). See ``DecoderRunner.prefill``.
+    graph_prefill: bool | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """``Generator(model, params)`` with ``batch_size > 1`` in the search options: a
@@ -134,10 +137,21 @@ class Generator:
         return []
 
     def _run(self, feed: list[int]) -> None:
-        slot = DeviceGraphSlot.PRIMARY if len(feed) == 1 else None
-        out = self.runner.forward(feed, slot)
+        if len(feed) == 1:
+            out, last = self.runner.forward(feed, DeviceGraphSlot.PRIMARY), 0
+        else:
+            out, last = self.runner.prefill(feed, self._graphed_prefill())
         self._next = out
-        self._hidden_at = (out, len(feed) - 1)
+        self._hidden_at = (out, last)
+
+    def _graphed_prefill(self) -> bool:
+        """Whether prompts run as graphed chunks (``DecoderRunner.prefill``): where reads
+        are asynchronous (a GPU, whose eager dispatch costs more than a replay of padded
+        rows) unless ``graph_prefill`` says otherwise, and never with graphs off."""
+        wanted = self.graph_prefill
+        if wanted is None:
+            wanted = self.runner.io.reads_async
+        return bool(wanted) and self.model.enable_graphs
 
     # -- stepping ----------------------------------------------------------------
     @one_thread

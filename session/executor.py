@@ -81,7 +81,7 @@ class Executor:
         """Route later bound runs to ``slot``. Other slots keep their graphs."""
         self.slots.set_graph_slot(slot)
 
-    def stats(self, slot: DeviceGraphSlot | None = None) -> SlotStats:
+    def stats(self, slot: DeviceGraphSlot | str | None = None) -> SlotStats:
         """The counters of ``slot`` (all its variants together)."""
         return self.slots.stats(slot)
 

@@ -304,8 +304,9 @@ class InferenceSession:
     def set_graph_slot(self, slot: DeviceGraphSlot) -> None:
         self.executor.set_graph_slot(slot)
 
-    def graph_stats(self, slot: DeviceGraphSlot | None = None) -> SlotStats:
-        """The counters of ``slot`` (default: the current slot), all its variants together."""
+    def graph_stats(self, slot: DeviceGraphSlot | str | None = None) -> SlotStats:
+        """The counters of ``slot`` (a slot or its name, such as ``"verify"``; default: the
+        current slot), all its variants together."""
         return self.executor.stats(slot)
 
     def all_graph_stats(self) -> dict[str, dict[str, Any]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.provider import ExecutionProvider
 
@@ -85,9 +86,15 @@ class SlotRunner:
             state = self._states[slot, variant] = SlotState(stats=stats)
         return state
 
-    def stats(self, slot: DeviceGraphSlot | None = None) -> SlotStats:
-        """The counters of ``slot`` (all its variants together)."""
-        slot = self._slot if slot is None else slot
+    def stats(self, slot: DeviceGraphSlot | str | None = None) -> SlotStats:
+        """The counters of ``slot`` (a slot or its name; all its variants together)."""
+        if slot is None:
+            slot = self._slot
+        elif not isinstance(slot, DeviceGraphSlot):
+            names = [s.value for s in DeviceGraphSlot]
+            if slot not in names:
+                raise InvalidInputError(f"no graph slot {slot!r}; the slots are {names}")
+            slot = DeviceGraphSlot(slot)
         return self._stats.setdefault(slot, SlotStats())
 
     def all_stats(self) -> dict[str, dict[str, Any]]:
