@@ -535,3 +535,19 @@ def test_external_data_of_attribute_and_subgraph_tensors_loads_and_is_contained(
     (folder / "model.onnx").write_bytes(model.SerializeToString())
     with pytest.raises(ModelLoadError, match=r"'a'.*'\.\./outside\.bin'.*outside the model folder"):
         load_model(folder / "model.onnx")
+
+
+def test_graph_stats_take_a_slot_or_its_name_and_refuse_an_unknown_name():
+    from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+    sess = InferenceSession(mlp(hidden=4), providers=["cpu"])
+    binding = sess.io_binding()
+    binding.bind_input("x", np.ones((2, 4), np.float32))
+    binding.bind_output("y", shape=(2, 4), dtype=np.float32)
+    for _ in range(3):
+        sess.run_with_iobinding(binding, DeviceGraphSlot.VERIFY)
+    by_name, by_slot = sess.graph_stats("verify"), sess.graph_stats(DeviceGraphSlot.VERIFY)
+    assert by_name == by_slot and by_slot.replays >= 1
+    with pytest.raises(InvalidInputError, match=r"no graph slot 'Verify'.*\['primary', 'verify'"):
+        sess.graph_stats("Verify")
+    assert set(sess.all_graph_stats()) <= {s.value for s in DeviceGraphSlot}
