@@ -259,21 +259,23 @@ class BatchGenerator:
                 self.steps_ahead += 1
             else:
                 pending = self._launch(tokens, lengths, need_logits)
+            queued = None
             if self._may_look_ahead(live, size, lengths, need_logits):
                 after = lengths.copy()
                 after[list(live)] += 1
                 fed_by = pending[0] if isinstance(pending, list) else pending  # one piece
-                queued = self.runner.launch_rows(
-                    None, after, DeviceGraphSlot.PRIMARY, feed_argmax_of=fed_by
+                queued = (
+                    self.runner.launch_rows(
+                        None, after, DeviceGraphSlot.PRIMARY, feed_argmax_of=fed_by
+                    ),
+                    frozenset(live),
+                    size,
                 )
-                self._ahead = (queued, frozenset(live), size)
-            argmax, logits = self._finish(pending)
-            if self._ahead is not None and any(
-                self._masks(r, int(argmax[i])) for i, r in live.items()
-            ):
+            argmax, logits = self._finish(pending)  # on an error the queued step is dropped
+            if queued is not None and any(self._masks(r, int(argmax[i])) for i, r in live.items()):
                 # A masked pick reads this step's logits, which the queued step overwrote:
                 # drop it and run this step again (the same keys and values).
-                self._ahead = None
+                queued = None
                 argmax, logits = self._finish(self._launch(tokens, lengths, need_logits))
             new = {}
             for i, row in live.items():
@@ -286,7 +288,8 @@ class BatchGenerator:
                 row.new = [token]
                 new[i] = [token]
                 if token != int(argmax[i]):  # the queued step was fed the argmax
-                    self._ahead = None
+                    queued = None
+            self._ahead = queued
         return new
 
     def _may_look_ahead(
@@ -318,7 +321,9 @@ class BatchGenerator:
         piece = self.runner if start == 0 else self._piece(start, min(size, start + most) - start)
         return piece.row_logits(min(size, start + most) - start, index - start)
 
-    def _launch(self, tokens: np.ndarray, lengths: np.ndarray, need_logits: bool) -> list:
+    def _launch(
+        self, tokens: np.ndarray, lengths: np.ndarray, need_logits: bool
+    ) -> list[PendingRows]:
         """Queue the step of ``len(tokens)`` rows as graphs of at most ``max_graph_rows``
         rows, each replayed on its own rows of the cache; ``_finish`` reads them back."""
         size, most = len(tokens), self.max_graph_rows
