@@ -84,6 +84,10 @@ class BatchGenerator:
 
     #: Queue the next greedy step before reading this one (None: where reads are async).
     look_ahead: bool | None = None
+    #: Prompts as graphed chunks of padded rows (``DecoderRunner.prefill``): None where
+    #: reads are async (a GPU), True or False to force it. Each row keeps one graph per
+    #: chunk width.
+    graph_prefill: bool | None = None
 
     def __init__(
         self,
@@ -190,8 +194,12 @@ class BatchGenerator:
         token."""
         row = self.rows[index]
         part = row.tokens[row.prefilled : min(row.prompt_length, row.prefilled + chunk)]
+        runner = self._row_runner(index)
+        graphed = self.graph_prefill
+        if graphed is None:
+            graphed = runner.io.reads_async
         with self.model.session.exclusive():
-            out = self._row_runner(index).forward(part, None)
+            out, _ = runner.prefill(part, bool(graphed) and self.model.enable_graphs)
         row.prefilled += len(part)
         if not row.prefilling:
             token = self._pick(row, out.tokens[-1], lambda: out.logits[-1])
@@ -219,6 +227,8 @@ class BatchGenerator:
                 self.max_length,
                 cache=self.runner.cache.row(index),
             )
+            # its prompt graphs beside every other row's (``DecoderRunner.prefill``)
+            runner.variant_base = self.runner.variant_base + (index + 1) * 1024
             self._row_runners[index] = runner
         return runner
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -76,17 +78,23 @@ def test_rows_match_onnxruntime_genai_alone(qwen2_dir):
     assert primary["fallbacks"] == 0 and primary["invalidations"] == 0
 
 
-@pytest.mark.parametrize("look_ahead", [False, True], ids=["plain", "look-ahead"])
-def test_rows_join_and_leave_between_steps(model, look_ahead):
+@pytest.mark.parametrize(
+    "look_ahead,graph_prefill",
+    [(False, False), (True, False), (True, True)],
+    ids=["plain", "look-ahead", "look-ahead-graphed-prompts"],
+)
+def test_rows_join_and_leave_between_steps(model, look_ahead, graph_prefill):
     """Continuous batching: a row added after others started, and a row freed and taken by
     a new prompt, still equal their prompts generated alone; changing buckets (1, 2, 4)
     captures each bucket once and never invalidates. Every attention call of the batch,
     free rows of a bucket included, runs the CPU's prebuilt step, never its general path.
     With look-ahead (each step queued, fed the device argmax, before the one before it is
-    read: on by default on a GPU) steps are taken from the queued ones between joins."""
+    read: on by default on a GPU) steps are taken from the queued ones between joins; with
+    graphed prompts (also a GPU's default) each row's prompt replays its own padded graphs."""
     alone = {t: generate(model, t, 20, ignore_eos=True).tokens for t in TEXTS}
     batch = BatchGenerator(model, 4, 128)
-    batch.look_ahead = look_ahead
+    batch.look_ahead, batch.graph_prefill = look_ahead, graph_prefill
+    verify_before = copy.deepcopy(model.session.graph_stats("verify"))  # a live object
     before = batch.graph_stats()["primary"]
     general_before = general_path_steps()
     ids = {t: model.tokenizer.encode(t) for t in TEXTS}
@@ -130,6 +138,9 @@ def test_rows_join_and_leave_between_steps(model, look_ahead):
     assert stats["captures"] - before["captures"] <= len(buckets(4))  # one per bucket
     assert general_path_steps() == general_before
     assert (batch.steps_ahead > 0) == look_ahead, batch.steps_ahead
+    prompts = model.session.graph_stats("verify")
+    assert (prompts.eager_runs + prompts.replays > verify_before.eager_runs) == graph_prefill
+    assert prompts.invalidations == verify_before.invalidations
 
 
 def test_sampled_rows_follow_their_own_seeds(model):
