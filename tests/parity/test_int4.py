@@ -31,7 +31,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from onnx_genrt.engine import Model
-from onnx_genrt.providers.cpu.kernels.contrib_quant import PACKED_MAX_M
+from onnx_genrt.providers.cpu.kernels.contrib_quant import INT8_PACKED_MAX_M, PACKED_MAX_M
 from onnx_genrt.session import InferenceSession
 
 from .conftest import (
@@ -49,9 +49,10 @@ from .conftest import (
 
 TOL = 1e-4
 QUANTIZED = ("MatMulNBits", "GatherBlockQuantized")
-#: A prompt of more rows than PACKED_MAX_M: its prefill takes MatMulNBits' dequantizing path
-#: (shorter ones and decode steps multiply the packed nibbles).
-LONG_PROMPT = [(7 * i + 3) % 500 for i in range(PACKED_MAX_M + 5)]
+#: A prompt of more rows than the packed kernels take (at any accuracy level): its prefill
+#: takes MatMulNBits' dequantizing path (shorter ones and decode steps multiply the packed
+#: nibbles).
+LONG_PROMPT = [(7 * i + 3) % 500 for i in range(max(PACKED_MAX_M, INT8_PACKED_MAX_M) + 5)]
 INT4_PROMPTS = [*PROMPTS, LONG_PROMPT]
 
 

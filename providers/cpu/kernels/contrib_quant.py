@@ -2,8 +2,8 @@
 
 MatMulNBits takes one of two paths:
 
-* 4-bit weights with at most ``PACKED_MAX_M`` rows of A (decode, speculative verify,
-  short prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
+* 4-bit weights with at most ``PACKED_MAX_M`` rows of A (``INT8_PACKED_MAX_M`` at
+  accuracy_level 4: decode, speculative verify, short prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
   rearranged into row tiles of the same bytes, about 1.25x the packed size. Constant
   weights, scales and zero points are prepacked so once, when the session is built
   (``prepack_int4``), and the session then releases the originals: the weight is held
@@ -66,8 +66,16 @@ _NBITS = NBITS
 _SMALL_INTS = {np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)}
 _T = TypeVar("_T")
 
-# Rows of A up to which 4-bit weights are multiplied packed; more use the float32 copy.
+# Rows of A up to which 4-bit weights are multiplied packed; more use the float32 copy. The
+# integer kernel of accuracy_level 4 stays ahead of dequantizing + BLAS to about 32 rows
+# (docs/performance.md), the float one to about 16.
 PACKED_MAX_M = 16
+INT8_PACKED_MAX_M = 32
+
+
+def packed_max_m(int8: bool) -> int:
+    """Rows of A up to which a 4-bit weight is multiplied packed (int8 activations or not)."""
+    return INT8_PACKED_MAX_M if int8 else PACKED_MAX_M
 
 
 def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -322,7 +330,7 @@ def _float_weight(
 
 def _bind_matmul_nbits(ctx: KernelContext, inputs: Any, out: Any) -> Callable[[], Any] | None:
     """Replay closure for the decode-sized case (prepacked 4-bit weight, at most
-    ``PACKED_MAX_M`` contiguous float32 rows, no bias): the packed kernel on prebuilt views,
+    ``packed_max_m`` contiguous float32 rows, no bias): the packed kernel on prebuilt views,
     without the node's checks and dispatch on every replay; None for the other cases."""
     a, b, scales, zero_points, g_idx, bias = (*inputs, None, None, None, None)[:6]
     if bias is not None or g_idx is not None or not isinstance(out, np.ndarray):
@@ -336,10 +344,10 @@ def _bind_matmul_nbits(ctx: KernelContext, inputs: Any, out: Any) -> Callable[[]
     if not (a.flags.c_contiguous and out.flags.c_contiguous) or out.size != a.size // k * n:
         return None
     m = a.size // k
-    if not 0 < m <= PACKED_MAX_M:
-        return None
     zp_dtype = None if zero_points is None else zero_points.dtype
     int8 = matmul_nbits_int8_activations(ctx.node, zp_dtype)
+    if not 0 < m <= packed_max_m(int8):
+        return None
     w4 = _int4_weight(b, scales, zero_points, k, n, dims.block, INT8_TILE_ROWS if int8 else None)
     kernel = int4_int8_matmul if int8 else int4_matmul
     return functools.partial(kernel, a.reshape(m, k), w4, out.reshape(m, n))
@@ -366,7 +374,7 @@ def matmul_nbits(
     ``matmul_nbits_int8_activations`` says onnxruntime does (accuracy_level 4), in float32
     otherwise.
 
-    4-bit weights with at most ``PACKED_MAX_M`` rows of A are multiplied packed; other
+    4-bit weights with at most ``packed_max_m`` rows of A are multiplied packed; other
     calls dequantize the weight to float32 first (kept only with the ``nbits_cache`` option).
     """
     dims = matmul_nbits_dims(ctx.node, a.shape[-1], g_idx is not None)
@@ -381,7 +389,7 @@ def matmul_nbits(
     int8 = matmul_nbits_int8_activations(ctx.node, zp_dtype)
     direct = a.dtype == _F32 and out2.flags.c_contiguous and bias is None
     y = out2 if direct else np.empty(out2.shape, _F32)
-    if bits == 4 and a2.shape[0] <= PACKED_MAX_M:
+    if bits == 4 and a2.shape[0] <= packed_max_m(int8):
         rows = INT8_TILE_ROWS if int8 else None
         w4 = _int4_weight(b, scales, zero_points, k, n, block, rows)
         x = np.ascontiguousarray(a2, _F32)

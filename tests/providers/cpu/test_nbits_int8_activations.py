@@ -122,7 +122,8 @@ CASES = [
     (1, 256, 300, 4, 32, "none", False),  # decode; N leaves a partial tile
     (1, 200, 150, 4, 16, "uint8", False),  # K no multiple of the block
     (5, 512, 128, 4, 64, "uint8", True),  # a verify step, with a bias
-    (16, 768, 1100, 4, 32, "uint8", False),  # the most rows taken packed; nine tiles
+    (16, 768, 1100, 4, 32, "uint8", False),  # nine tiles
+    (32, 256, 300, 4, 32, "uint8", False),  # the most rows the integer kernel takes packed
     (3, 320, 64, 4, 128, "none", False),
     (2, 512, 40, 4, 256, "uint8", False),
     (40, 256, 96, 4, 32, "uint8", False),  # a prompt: A quantized and back, then BLAS
@@ -287,7 +288,9 @@ def test_an_accuracy_level_outside_0_to_4_is_refused() -> None:
     [
         (1, 4, "uint8", False, True),  # decode at level 4: the int8 kernel, prebound
         (5, 0, "none", False, True),  # verify-sized, float activations, prebound
-        (16, 4, "none", False, True),  # the most rows taken packed
+        (16, 4, "none", False, True),
+        (32, 4, "uint8", False, True),  # the most rows the integer kernel takes packed
+        (20, 0, "none", False, False),  # float activations above 16 rows: dequantized, BLAS
         (2, 4, "uint8", True, False),  # a bias: the generic replay
     ],
 )
