@@ -306,7 +306,8 @@ class InferenceSession:
 
     def graph_stats(self, slot: DeviceGraphSlot | str | None = None) -> SlotStats:
         """The counters of ``slot`` (a slot or its name, such as ``"verify"``; default: the
-        current slot), all its variants together."""
+        current slot), all its variants together. The object is live (later runs update
+        it): copy it, or read ``all_graph_stats()``, to compare before and after."""
         return self.executor.stats(slot)
 
     def all_graph_stats(self) -> dict[str, dict[str, Any]]:
