@@ -261,33 +261,66 @@ def _int4_serial(x, tiles, scales, zeros, block, out):
         _tiles_gemm(tiles, 0, nt, xe, xo, xs, scales, zeros, out)
 
 
+# A tile job's argument words (``set_arg`` indices): a kernel's own operands in 0-3, then the
+# sizes and the weight's and output's addresses, the same for every tile kernel.
+_T_M, _T_HALF, _T_NB, _T_TILES, _T_NT, _T_ROWS = 4, 5, 6, 7, 8, 9
+_T_SCALES, _T_ZEROS, _T_ZROWS, _T_OUT, _T_N = 10, 11, 12, 13, 14
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def set_tile_args(ctrl, m, nb, tiles, scales, zeros, out):
+    """The shared words of a tile job: sizes, the tiles, scales, zero points and output."""
+    nt, half, rows = tiles.shape
+    set_arg(ctrl, _T_M, m)
+    set_arg(ctrl, _T_HALF, half)
+    set_arg(ctrl, _T_NB, nb)
+    set_arg(ctrl, _T_TILES, tiles.ctypes.data)
+    set_arg(ctrl, _T_NT, nt)
+    set_arg(ctrl, _T_ROWS, rows)
+    set_arg(ctrl, _T_SCALES, scales.ctypes.data)
+    set_arg(ctrl, _T_ZEROS, zeros.ctypes.data)
+    set_arg(ctrl, _T_ZROWS, zeros.shape[0])
+    set_arg(ctrl, _T_OUT, out.ctypes.data)
+    set_arg(ctrl, _T_N, out.shape[1])
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def tile_chunk(args, chunk, mode):
+    """A tile job's chunk, read from its argument words: ``(a, m, half, nb, t0, t1, tiles,
+    scales, zeros, dst)`` with ``dst`` the output (mode OUT) or the scratch region. In mode
+    COPY the chunk's columns are copied from scratch into the output here: the runner only
+    returns."""
+    a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
+    m, half, nb = a[FIRST_ARG + _T_M], a[FIRST_ARG + _T_HALF], a[FIRST_ARG + _T_NB]
+    nt, rows, n = a[FIRST_ARG + _T_NT], a[FIRST_ARG + _T_ROWS], a[FIRST_ARG + _T_N]
+    t0 = chunk * nt // a[1]
+    t1 = (chunk + 1) * nt // a[1]
+    out = numba.carray(address_as_pointer(a[FIRST_ARG + _T_OUT], _F32), (m, n))
+    scratch = numba.carray(address_as_pointer(a[0], _F32), (m, n))
+    tiles = numba.carray(address_as_pointer(a[FIRST_ARG + _T_TILES], _U8), (nt, half, rows))
+    scales = numba.carray(address_as_pointer(a[FIRST_ARG + _T_SCALES], _F32), (nb, nt * rows))
+    zr = a[FIRST_ARG + _T_ZROWS]
+    zeros = numba.carray(
+        address_as_pointer(a[FIRST_ARG + _T_ZEROS], _F32), (zr, nt * rows * (zr > 0))
+    )
+    if mode == COPY:
+        c0, c1 = t0 * rows, min(t1 * rows, n)
+        for i in range(m):
+            out[i, c0:c1] = scratch[i, c0:c1]
+    dst = out if mode == OUT else scratch
+    return a, m, half, nb, t0, t1, tiles, scales, zeros, dst
+
+
 def _int4_chunk(args, chunk, mode):
     """Chunk runner (``_worker_pool``): the output columns of tiles ``[t0, t1)`` of chunk
     ``chunk`` into the output, into the scratch buffer, or copied across."""
     try:
-        a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
-        chunks = a[1]
-        m, half, nb = a[FIRST_ARG + 3], a[FIRST_ARG + 4], a[FIRST_ARG + 5]
-        nt, rows, n = a[FIRST_ARG + 7], a[FIRST_ARG + 8], a[FIRST_ARG + 13]
-        t0 = chunk * nt // chunks
-        t1 = (chunk + 1) * nt // chunks
-        out = numba.carray(address_as_pointer(a[FIRST_ARG + 12], _F32), (m, n))
-        scratch = numba.carray(address_as_pointer(a[0], _F32), (m, n))
+        a, m, half, nb, t0, t1, tiles, scales, zeros, dst = tile_chunk(args, chunk, mode)
         if mode == COPY:
-            c0, c1 = t0 * rows, min(t1 * rows, n)
-            for i in range(m):
-                out[i, c0:c1] = scratch[i, c0:c1]
             return 0
         xe = numba.carray(address_as_pointer(a[FIRST_ARG], _F32), (m, half))
         xo = numba.carray(address_as_pointer(a[FIRST_ARG + 1], _F32), (m, half))
         xs = numba.carray(address_as_pointer(a[FIRST_ARG + 2], _F32), (m, nb))
-        tiles = numba.carray(address_as_pointer(a[FIRST_ARG + 6], _U8), (nt, half, rows))
-        scales = numba.carray(address_as_pointer(a[FIRST_ARG + 9], _F32), (nb, nt * rows))
-        zr = a[FIRST_ARG + 11]
-        zeros = numba.carray(
-            address_as_pointer(a[FIRST_ARG + 10], _F32), (zr, nt * rows * (zr > 0))
-        )
-        dst = out if mode == OUT else scratch
         if m == 1:
             _tiles_gemv(tiles, t0, t1, xe, xo, xs, scales, zeros, dst)
         else:
@@ -300,18 +333,24 @@ def _int4_chunk(args, chunk, mode):
 _int4_runner = chunk_runner(_int4_chunk)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def pool_refuses(ctrl, x, tiles, scales, zeros, out):
+    """Whether a tile kernel runs on the calling thread alone: a non-contiguous operand, or
+    the pool held by another thread (else the pool is now held for this job)."""
+    contiguous = x.flags.c_contiguous and out.flags.c_contiguous and tiles.flags.c_contiguous
+    if not (contiguous and scales.flags.c_contiguous and zeros.flags.c_contiguous):
+        return True
+    return not enter(ctrl)
+
+
 @numba.njit(cache=True, nogil=True)
 def _int4_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
     """``_int4_serial`` with the pool's workers taking chunks of the tiles (the calling
     thread alone when another thread holds the pool). Returns ``run_job``'s status."""
-    contiguous = x.flags.c_contiguous and out.flags.c_contiguous and tiles.flags.c_contiguous
-    if not (contiguous and scales.flags.c_contiguous and zeros.flags.c_contiguous):
+    if pool_refuses(ctrl, x, tiles, scales, zeros, out):
         _int4_serial(x, tiles, scales, zeros, block, out)
         return 0
-    if not enter(ctrl):
-        _int4_serial(x, tiles, scales, zeros, block, out)
-        return 0
-    nt, half, rows = tiles.shape
+    half = tiles.shape[1]
     m = x.shape[0]
     nb = scales.shape[0]
     addr = operand_address(ctrl)
@@ -322,17 +361,7 @@ def _int4_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
     set_arg(ctrl, 0, xe.ctypes.data)
     set_arg(ctrl, 1, xo.ctypes.data)
     set_arg(ctrl, 2, xs.ctypes.data)
-    set_arg(ctrl, 3, m)
-    set_arg(ctrl, 4, half)
-    set_arg(ctrl, 5, nb)
-    set_arg(ctrl, 6, tiles.ctypes.data)
-    set_arg(ctrl, 7, nt)
-    set_arg(ctrl, 8, rows)
-    set_arg(ctrl, 9, scales.ctypes.data)
-    set_arg(ctrl, 10, zeros.ctypes.data)
-    set_arg(ctrl, 11, zeros.shape[0])
-    set_arg(ctrl, 12, out.ctypes.data)
-    set_arg(ctrl, 13, out.shape[1])
+    set_tile_args(ctrl, m, nb, tiles, scales, zeros, out)
     return run_job(ctrl, runner, chunks)
 
 

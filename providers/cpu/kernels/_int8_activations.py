@@ -24,17 +24,21 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._int4_matmul import Int4Tiles, run_pooled, tile_parts
+from ._int4_matmul import (
+    Int4Tiles,
+    pool_refuses,
+    run_pooled,
+    set_tile_args,
+    tile_chunk,
+    tile_parts,
+)
 from ._intrinsics import address_as_pointer
 from ._worker_pool import (
-    ARGS,
     COPY,
     FIRST_ARG,
     MAX_CHUNKS,
-    OUT,
     carve,
     chunk_runner,
-    enter,
     operand_address,
     pool_threads,
     run_job,
@@ -209,30 +213,13 @@ def _q8_chunk(args, chunk, mode):
     """Chunk runner (``_worker_pool``): the output columns of tiles ``[t0, t1)`` of chunk
     ``chunk`` into the output, into the scratch buffer, or copied across."""
     try:
-        a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
-        chunks = a[1]
-        m, half, nb = a[FIRST_ARG + 4], a[FIRST_ARG + 5], a[FIRST_ARG + 6]
-        nt, n = a[FIRST_ARG + 8], a[FIRST_ARG + 13]
-        t0 = chunk * nt // chunks
-        t1 = (chunk + 1) * nt // chunks
-        out = numba.carray(address_as_pointer(a[FIRST_ARG + 12], _F32), (m, n))
-        scratch = numba.carray(address_as_pointer(a[0], _F32), (m, n))
+        a, m, half, nb, t0, t1, tiles, scales, zeros, dst = tile_chunk(args, chunk, mode)
         if mode == COPY:
-            c0, c1 = t0 * ROWS, min(t1 * ROWS, n)
-            for i in range(m):
-                out[i, c0:c1] = scratch[i, c0:c1]
             return 0
         e = numba.carray(address_as_pointer(a[FIRST_ARG], _I16), (m, half))
         f = numba.carray(address_as_pointer(a[FIRST_ARG + 1], _I16), (m, half))
         q_scales = numba.carray(address_as_pointer(a[FIRST_ARG + 2], _F32), (m, nb))
         q_sums = numba.carray(address_as_pointer(a[FIRST_ARG + 3], np.int32), (m, nb))
-        tiles = numba.carray(address_as_pointer(a[FIRST_ARG + 7], np.uint8), (nt, half, ROWS))
-        scales = numba.carray(address_as_pointer(a[FIRST_ARG + 9], _F32), (nb, nt * ROWS))
-        zr = a[FIRST_ARG + 11]
-        zeros = numba.carray(
-            address_as_pointer(a[FIRST_ARG + 10], _F32), (zr, nt * ROWS * (zr > 0))
-        )
-        dst = out if mode == OUT else scratch
         _q8_tiles(tiles, t0, t1, e, f, q_scales, q_sums, scales, zeros, dst)
         return 0
     except Exception:  # noqa: BLE001 - a runner reports failure by its return value
@@ -246,14 +233,10 @@ _q8_runner = chunk_runner(_q8_chunk)
 def _q8_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
     """``_q8_serial`` with the pool's workers taking chunks of the tiles (the calling
     thread alone when another thread holds the pool). Returns ``run_job``'s status."""
-    contiguous = x.flags.c_contiguous and out.flags.c_contiguous and tiles.flags.c_contiguous
-    if not (contiguous and scales.flags.c_contiguous and zeros.flags.c_contiguous):
+    if pool_refuses(ctrl, x, tiles, scales, zeros, out):
         _q8_serial(x, block, tiles, scales, zeros, out)
         return 0
-    if not enter(ctrl):
-        _q8_serial(x, block, tiles, scales, zeros, out)
-        return 0
-    nt, half, _ = tiles.shape
+    half = tiles.shape[1]
     m = x.shape[0]
     nb = scales.shape[0]
     addr = operand_address(ctrl)
@@ -268,16 +251,7 @@ def _q8_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
     set_arg(ctrl, 1, f.ctypes.data)
     set_arg(ctrl, 2, q_scales.ctypes.data)
     set_arg(ctrl, 3, q_sums.ctypes.data)
-    set_arg(ctrl, 4, m)
-    set_arg(ctrl, 5, half)
-    set_arg(ctrl, 6, nb)
-    set_arg(ctrl, 7, tiles.ctypes.data)
-    set_arg(ctrl, 8, nt)
-    set_arg(ctrl, 9, scales.ctypes.data)
-    set_arg(ctrl, 10, zeros.ctypes.data)
-    set_arg(ctrl, 11, zeros.shape[0])
-    set_arg(ctrl, 12, out.ctypes.data)
-    set_arg(ctrl, 13, out.shape[1])
+    set_tile_args(ctrl, m, nb, tiles, scales, zeros, out)
     return run_job(ctrl, runner, chunks)
 
 
