@@ -271,6 +271,14 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         prompt = rng.integers(1, cfg.vocab_size, args.prompt_tokens).tolist()
     new = args.tokens
+    if args.cold:
+        from .cold_start import run_cold
+
+        _progress(
+            f"bench --cold: {folder.name}, prompt {len(prompt)} tokens, {new} new tokens, "
+            f"{args.repeats} new processes per row (median)"
+        )
+        return run_cold(args, folder, prompt, new)
     _progress(
         f"bench: {folder.name}, prompt {len(prompt)} tokens, {new} new tokens, median of {args.repeats} "
         "(spread: fastest minus slowest run over the median)"
@@ -460,6 +468,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--compare-serial",
         action="store_true",
         help="also time with greedy look-ahead and pipelined verify steps off",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="the first generation in a new process instead (imports, model load, first "
+        "token, decode rate), ours per --provider and --spec beside onnxruntime-genai",
     )
     p.add_argument(
         "--no-reference",
