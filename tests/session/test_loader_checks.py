@@ -1,13 +1,17 @@
 """Edges of ``session.loader`` (found by a mutation run: external data without a length,
 external node attributes with mapping on, a missing external file, external data given
-without a path, and the model file size limit's boundary had no test). Values are checked
-against numpy float64 (``mlp_reference``) and the arrays the model was made from."""
+without a path, the model file size limit's boundary, an empty file, a model importing no
+opset, a graph output nothing makes, the onnx_genrt domain's version and an initializer with
+a zero dim had no test). Values are checked against numpy float64 (``mlp_reference``), the
+arrays the model was made from and onnxruntime."""
 
 from __future__ import annotations
 
 import copy
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -125,3 +129,79 @@ def test_a_model_file_of_exactly_the_size_limit_is_read(tmp_path, monkeypatch):
     monkeypatch.setattr(loader_module, "MAX_PROTO_BYTES", size - 1)
     with pytest.raises(ModelLoadError, match="an ONNX file holds at most 2 GiB"):
         InferenceSession(path)
+
+
+def _relu_graph(outputs=("y",)) -> onnx.GraphProto:
+    return helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [3, 8]) for name in outputs],
+    )
+
+
+def test_an_empty_file_is_a_model_without_a_graph(tmp_path):
+    """Zero bytes parse as an empty ModelProto: refused for its missing graph, not for
+    what an empty graph lacks further on."""
+    (tmp_path / "model.onnx").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"model.onnx is not a valid ONNX model: it has no"):
+        InferenceSession(tmp_path / "model.onnx")
+
+
+def test_a_model_importing_no_opset_is_refused():
+    model = helper.make_model(_relu_graph(), opset_imports=[])
+    with pytest.raises(ModelLoadError, match="^model imports no opset$"):
+        InferenceSession(model)
+    with pytest.raises(Exception):  # noqa: B017 - onnxruntime refuses it too, its own way
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_a_graph_output_nothing_makes_is_refused():
+    model = helper.make_model(
+        _relu_graph(outputs=("y", "ghost")), opset_imports=[helper.make_opsetid("", 21)]
+    )
+    with pytest.raises(ModelLoadError, match="graph output 'ghost' is produced by no node"):
+        InferenceSession(model)
+    with pytest.raises(Exception):  # noqa: B017
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _silu_mul(genrt_opset: int) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("SiluMul", ["g", "u"], ["y"], domain="onnx_genrt")],
+        "silu",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 8]) for n in "gu"],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])],
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("onnx_genrt", genrt_opset)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def test_the_onnx_genrt_domain_has_version_1_only():
+    rng = np.random.default_rng(8)
+    g, u = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    (y,) = InferenceSession(_silu_mul(1)).run(None, {"g": g, "u": u})
+    g64 = g.astype(np.float64)
+    np.testing.assert_allclose(y, g64 / (1 + np.exp(-g64)) * u, rtol=1e-6, atol=1e-7)
+    with pytest.raises(
+        ModelLoadError,
+        match=r"opset 2 of 'onnx_genrt', newer than this runtime supports \(1\.\.1;",
+    ):
+        InferenceSession(_silu_mul(2))
+
+
+def test_an_initializer_with_a_zero_dim_is_an_empty_tensor():
+    """Dims of 0 are a tensor with no elements (only negative dims are refused):
+    concatenated to x it leaves x, as in onnxruntime."""
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["x", "none"], ["y"], axis=0)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])],
+        [numpy_helper.from_array(np.zeros((0, 8), np.float32), "none")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    (y,) = InferenceSession(model).run(None, {"x": X})
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(y, ref.run(None, {"x": X})[0])
+    np.testing.assert_array_equal(y, X)
