@@ -10,7 +10,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from onnx_genrt.core.hookspecs import hookimpl
-from onnx_genrt.core.registry import ProviderRegistry, api_version_problem
+from onnx_genrt.core.registry import ProviderRegistry, ProviderSpec, api_version_problem
+from onnx_genrt.providers.cpu.provider import CPUProvider
 
 
 @dataclass
@@ -113,3 +114,23 @@ def test_a_major_version_mismatch_names_the_build_to_install(monkeypatch):
     monkeypatch.setattr(registry_module, "PROVIDER_API_VERSION", (4, 7))
     message = api_version_problem((3, 9))
     assert message.endswith("install a build of the plugin for API 4.x")
+
+
+def test_a_spec_whose_name_is_not_hashable_is_refused_and_others_load():
+    """A name that is a list is refused like any unusable name; the refusal is not looked
+    up by that name (a list is no dict key), so the registry and the plugin's other provider
+    still load."""
+
+    class Plugin:
+        @hookimpl
+        def register_providers(self, register):
+            register(ProviderSpec(["cpu2"], factory=CPUProvider, api_version=(1, 0)))
+            register(ProviderSpec("fine", factory=CPUProvider, api_version=(1, 0)))
+
+    reg = ProviderRegistry(entry_points=[])
+    reg.register_plugin(Plugin(), name="listed")
+    assert reg.names() == ["fine"]
+    assert [e.error for e in reg.errors] == [
+        "provider name ['cpu2'] is not usable: use letters, digits, '_', '-' or '.' "
+        "(it is written in provider lists such as --provider a,b)"
+    ]

@@ -382,3 +382,113 @@ def test_an_onnx_genrt_op_is_neither_a_start_nor_row_local():
     with pytest.raises(KernelError, match="'logits' is not made row by row"):
         _bind_and_run(sess, feeds, want, last_row_of="logits")
     _bind_and_run(sess, feeds, want)
+
+
+EPS = 1e-5
+
+
+def _written_norm(outputs: list[str], skip: bool, gamma_fed: bool = False, extra=()):
+    """x [+ res] -> an ``onnx_genrt::NormMatMul`` node written in the model itself (not made
+    by fusion, so it may have fewer outputs than fusion gives it) -> logits, then ``extra``
+    nodes. ``gamma_fed``: gamma is a graph input instead of a constant."""
+    rng = np.random.default_rng(5)
+    gamma = _const("gamma", 1 + 0.1 * rng.standard_normal(HIDDEN))
+    weight = numpy_helper.from_array(_weights(rng), "W")
+    inputs = {"x": (F, [1, ROWS, HIDDEN])}
+    if skip:
+        inputs["res"] = (F, [1, ROWS, HIDDEN])
+    if gamma_fed:
+        inputs["gamma"] = (F, [HIDDEN])
+    norm = helper.make_node(
+        "NormMatMul",
+        ["x", "res" if skip else "", "gamma", "W"],
+        outputs,
+        domain="onnx_genrt",
+        epsilon=EPS,
+    )
+    graph_outputs = {"logits": F, **{n.output[0]: F for n in extra}}
+    inits = [weight] if gamma_fed else [gamma, weight]
+    model = _model([norm, *extra], [*inits, CAP], graph_outputs, inputs)
+    return model, numpy_helper.to_array(gamma), numpy_helper.to_array(weight)
+
+
+def _norm_reference(feeds, gamma, weight) -> dict[str, np.ndarray]:
+    """The written norm's values in float64: the logits, the residual sum, and that sum
+    scaled by the cap (3)."""
+    h = feeds["x"].astype(np.float64) + feeds.get("res", np.zeros(1)).astype(np.float64)
+    normed = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS) * gamma.astype(np.float64)
+    return {"logits": normed @ weight.astype(np.float64), "sum": h, "scaled": 3.0 * h}
+
+
+def test_a_written_norm_with_one_output_starts_a_tail():
+    """A NormMatMul without its optional outputs (no residual sum to check): the last-row
+    run gives numpy's last row of the logits."""
+    model, gamma, weight = _written_norm(["logits"], skip=False)
+    sess = InferenceSession(model, providers=[FusingCPU()])
+    tail = sess.executor.row_tail("logits")
+    assert tail is not None
+    assert sess.plan.steps[tail.start].node.op_type == "NormMatMul"
+    assert tail.outputs == {"logits"}
+    feeds = _feeds(model)
+    ref = _norm_reference(feeds, gamma, weight)
+    for _ in range(2):
+        _bind_and_run(sess, feeds, {"logits": ref["logits"][:, -1:]}, last_row_of="logits")
+
+
+def test_a_written_norm_whose_residual_sum_is_read_is_no_start():
+    """NormMatMul's outputs (y, sum) with the sum read by a later step: the sum is needed
+    for every row, so the logits have no tail; every row is computed."""
+    scaled = helper.make_node("Mul", ["sum", "cap"], ["scaled"])
+    model, gamma, weight = _written_norm(["logits", "sum"], skip=True, extra=[scaled])
+    sess = InferenceSession(model, providers=[FusingCPU()])
+    assert sess.executor.row_tail("logits") is None
+    feeds = _feeds(model)
+    ref = _norm_reference(feeds, gamma, weight)
+    want = {"logits": ref["logits"], "scaled": ref["scaled"]}
+    with pytest.raises(KernelError, match="'logits' is not made row by row"):
+        _bind_and_run(sess, feeds, want, last_row_of="logits")
+    _bind_and_run(sess, feeds, want)
+
+
+def test_a_written_norm_with_a_fed_gamma_is_no_start():
+    """Only a norm on constant weights (gamma included) starts a tail: a fed gamma is
+    refused with the row-tail message, and the whole run matches numpy."""
+    model, gamma, weight = _written_norm(["logits"], skip=False, gamma_fed=True)
+    sess = InferenceSession(model, providers=[FusingCPU()])
+    assert sess.executor.row_tail("logits") is None
+    feeds = {**_feeds(model), "gamma": gamma}
+    ref = _norm_reference(feeds, gamma, weight)
+    with pytest.raises(KernelError, match="'logits' is not made row by row"):
+        _bind_and_run(sess, feeds, {"logits": ref["logits"]}, last_row_of="logits")
+    _bind_and_run(sess, feeds, {"logits": ref["logits"]})
+
+
+def test_an_onnx_genrt_op_with_constant_later_inputs_is_no_start():
+    """MTPAccept reads every row of ids and argmax; with its hidden rows and count constant
+    (its inputs 2 and 3, where a norm's weights are) it is still no start."""
+    rng = np.random.default_rng(6)
+    hidden = rng.standard_normal((1, ROWS, HIDDEN)).astype(np.float32)
+    model = _model(
+        [
+            helper.make_node(
+                "MTPAccept",
+                ["ids", "argmax", "hidden", "count"],
+                ["accepted", "token", "row"],
+                domain="onnx_genrt",
+                to=F,
+            )
+        ],
+        [_const("hidden", hidden), _const("count", [4], np.int64)],
+        {"accepted": I64, "token": I64, "row": F},
+        {"ids": (I64, [1, ROWS]), "argmax": (I64, [1, ROWS])},
+    )
+    sess = InferenceSession(model, providers=["cpu"])
+    assert sess.executor.row_tail("row") is None
+    feeds = {
+        "ids": np.array([[7, 1, 2, 9, 4]], np.int64),
+        "argmax": np.array([[1, 2, 5, 5, 5]], np.int64),  # the first two drafts accepted
+    }
+    want = {"accepted": np.array([2]), "token": np.array([[5]]), "row": hidden[:, 2:3]}
+    with pytest.raises(KernelError, match="'row' is not made row by row"):
+        _bind_and_run(sess, feeds, want, last_row_of="row")
+    _bind_and_run(sess, feeds, want)
