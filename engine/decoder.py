@@ -235,6 +235,10 @@ class PendingStep:
 #: (:meth:`DecoderRunner.prefill`): one captured graph per width; the widest is the most rows
 #: the CUDA provider's matmuls capture (cuBLAS, for more, cannot run inside a capture).
 PREFILL_WIDTHS = (8, 16, 32, 64)
+#: Longest prompt fed as graphed chunks; a longer one runs eagerly, where a prompt-sized
+#: step's big matrix products (cuBLAS, the flash attention kernel over every row at once)
+#: outrun many 64-row replays. A first guess: measure it on the GPU (NOTES.md).
+PREFILL_GRAPH_MAX_TOKENS = 256
 #: Graph variants of graphed prompt chunks start here (slot VERIFY; its verify step is
 #: variant 0): PREFILL_VARIANT + width.
 PREFILL_VARIANT = 1 << 40
@@ -381,8 +385,9 @@ class DecoderRunner:
         replayed from that width's graph (slot VERIFY, variant ``PREFILL_VARIANT`` +
         ``variant_base`` + width),
         with no eager dispatch; padded rows write keys and values later steps overwrite. A
-        chunk whose padding would pass the cache's end runs eagerly."""
-        if not graphed or len(tokens) < 2:
+        chunk whose padding would pass the cache's end runs eagerly, and so does a prompt of
+        more than ``PREFILL_GRAPH_MAX_TOKENS``."""
+        if not graphed or not 2 <= len(tokens) <= PREFILL_GRAPH_MAX_TOKENS:
             return self.forward(tokens, None), len(tokens) - 1
         most = PREFILL_WIDTHS[-1]
         step: PendingStep | None = None

@@ -117,24 +117,28 @@ def bench_ours(
     k: int | None,
     graphs: bool,
     overlap: bool = True,
+    graph_prompts: bool | None = None,
 ):
     """One timed generation per call. ``overlap=False`` turns greedy look-ahead and
-    pipelined verify steps off: the host reads each step back before queuing the next."""
+    pipelined verify steps off: the host reads each step back before queuing the next.
+    ``graph_prompts`` sets ``Generator.graph_prefill`` for the call (None: its default)."""
     from onnx_genrt.engine import Generator, Model, SpeculativeGenerator, generate
 
     model = Model(folder, providers, enable_graphs=graphs)
 
     def once():
-        saved = Generator.look_ahead, SpeculativeGenerator.pipeline
+        saved = Generator.look_ahead, SpeculativeGenerator.pipeline, Generator.graph_prefill
         if not overlap:
             Generator.look_ahead = SpeculativeGenerator.pipeline = False
+        if graph_prompts is not None:
+            Generator.graph_prefill = graph_prompts
         try:
             # min_length = the full length: eos is ruled out, as in the onnxruntime-genai row.
             res = generate(
                 model, prompt, new, spec=spec, k=k if spec else None, min_length=len(prompt) + new
             )
         finally:
-            Generator.look_ahead, SpeculativeGenerator.pipeline = saved
+            Generator.look_ahead, SpeculativeGenerator.pipeline, Generator.graph_prefill = saved
         return (
             res.prefill_seconds,
             res.decode_tokens_per_second,
@@ -322,6 +326,12 @@ def run_bench(args: argparse.Namespace) -> int:
                 cases.append((label, ours(spec, k, True, overlap)))
         if args.compare_serial:
             cases.append((f"onnx-genrt[{tag},serial]", ours(None, None, True, False)))
+        if args.compare_eager_prompts:
+            eager_prompts = bench_ours(
+                folder, prompt, new, provider_args(names, args.threads), None, None, True,
+                graph_prompts=False,
+            )  # fmt: skip
+            cases.append((f"onnx-genrt[{tag},eager prompts]", eager_prompts))
         for streams in args.streams:
             # Row 0 is the bench prompt; the others random prompts of the same length.
             others = [
@@ -468,6 +478,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--compare-serial",
         action="store_true",
         help="also time with greedy look-ahead and pipelined verify steps off",
+    )
+    p.add_argument(
+        "--compare-eager-prompts",
+        action="store_true",
+        help="also time with prompts run eagerly, not as graphed chunks (the GPU's default)",
     )
     p.add_argument(
         "--cold",

@@ -174,3 +174,14 @@ def test_host_wait_profile_reports_each_kind(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["none", "ngram"]
     assert all("waiting on the device" in line for line in lines)
+
+
+def test_graph_prompt_rows_set_and_restore_the_generator_default(folder, reference_tokens):
+    """``--compare-eager-prompts`` runs (``graph_prompts``) give the same tokens, and the
+    generator's default is back after each call, also when forced on here (the CPU)."""
+    from onnx_genrt.engine import Generator
+
+    for graph_prompts in (True, False):
+        once = bench_ours(folder, PROMPT, NEW, "cpu", None, 4, True, graph_prompts=graph_prompts)
+        assert once()[2] == reference_tokens
+        assert Generator.graph_prefill is None

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from onnx_genrt.engine import Generator, Model, generate
-from onnx_genrt.engine.decoder import PREFILL_WIDTHS, DecoderRunner
+from onnx_genrt.engine.decoder import PREFILL_GRAPH_MAX_TOKENS, PREFILL_WIDTHS, DecoderRunner
 from onnx_genrt.models import default_model_path
 
 #: Prompt lengths around each width and across chunks (the widest is one chunk).
-LENGTHS = [2, 7, 8, 9, 20, 33, 63, 64, 65, 130, 200]
+LENGTHS = [2, 7, 8, 9, 20, 33, 63, 64, 65, 130, 200, PREFILL_GRAPH_MAX_TOKENS]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def _prompt(model: Model, n: int) -> list[int]:
     return rng.integers(1, model.config.vocab_size, n).tolist()
 
 
-def _last_logits(model: Model, tokens: list[int], graphed: bool, max_length: int = 256):
+def _last_logits(model: Model, tokens: list[int], graphed: bool, max_length: int = 512):
     runner = DecoderRunner(model.session, model.config, max_length)
     out, _ = runner.prefill(tokens, graphed)
     assert runner.cache.length == len(tokens)
@@ -64,6 +64,17 @@ def test_each_width_captures_once_then_replays():
     assert stats.captures - captures == len(PREFILL_WIDTHS)
     assert stats.replays - replays > len(LENGTHS)
     assert stats.invalidations == before.invalidations and stats.fallbacks == before.fallbacks
+
+
+def test_a_prompt_longer_than_the_graphed_limit_runs_eagerly(model):
+    """Past ``PREFILL_GRAPH_MAX_TOKENS`` one eager step beats many 64-row replays."""
+    tokens = _prompt(model, PREFILL_GRAPH_MAX_TOKENS + 1)
+    before = copy.deepcopy(model.session.graph_stats("verify"))
+    got, _ = _last_logits(model, tokens, graphed=True, max_length=512)
+    after = model.session.graph_stats("verify")
+    assert (after.eager_runs, after.replays) == (before.eager_runs, before.replays)
+    want, _ = _last_logits(model, tokens, graphed=False, max_length=512)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_a_chunk_whose_padding_passes_the_cache_end_runs_eagerly(model):
