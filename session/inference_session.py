@@ -196,6 +196,8 @@ class InferenceSession:
 
     @staticmethod
     def check_shape(name: str, shape: tuple[int, ...], declared: tuple | None) -> None:
+        """Refuse a feed whose rank or fixed dims differ from the declaration. A dim of 0 is
+        fixed (an empty axis); a named or negative one is free, as in onnxruntime."""
         if declared is None:
             return
         if len(shape) != len(declared):
@@ -204,7 +206,7 @@ class InferenceSession:
                 f"rank {len(declared)} ({list(declared)})"
             )
         for axis, (got, want) in enumerate(zip(shape, declared, strict=True)):
-            if isinstance(want, int) and want > 0 and got != want:
+            if isinstance(want, int) and want >= 0 and got != want:
                 raise InvalidInputError(
                     f"input {name!r} dimension {axis} is {got}, model declares {want} "
                     f"(shape {list(shape)} vs {list(declared)})"
