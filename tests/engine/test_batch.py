@@ -306,12 +306,18 @@ def test_device_argmax_ids_outside_the_vocabulary_raise():
         check_token_ids(np.array([3, -1, 4096]), 4096, "a step")
 
 
-def test_generator_with_batch_size_holds_several_sequences(model):
+@pytest.mark.parametrize("gpu_defaults", [False, True], ids=["cpu-defaults", "gpu-defaults"])
+def test_generator_with_batch_size_holds_several_sequences(model, monkeypatch, gpu_defaults):
     """``batch_size`` in the search options: ``Generator`` holds that many sequences (prompts
     of different lengths), each equal to its prompt generated alone; a sequence that ends
-    early gets the pad token while the others go on."""
+    early gets the pad token while the others go on. The same with a GPU's defaults forced
+    (steps queued ahead, prompts as graphed chunks)."""
     from onnx_genrt.engine import Generator
     from onnx_genrt.engine.batch import SequencesGenerator
+
+    if gpu_defaults:
+        monkeypatch.setattr(BatchGenerator, "look_ahead", True)
+        monkeypatch.setattr(BatchGenerator, "graph_prefill", True)
 
     prompts = [model.tokenizer.encode(t) for t in TEXTS[:3]]
     alone = [generate(model, p, 12).tokens for p in prompts]  # prompt and 12 new tokens
@@ -319,6 +325,7 @@ def test_generator_with_batch_size_holds_several_sequences(model):
     params.set_search_options(max_length=max(map(len, prompts)) + 12, batch_size=3)
     with Generator(model, params) as gen:
         assert isinstance(gen, SequencesGenerator)
+        ahead_before = gen._batch.steps_ahead  # a pooled batch: its count so far
         gen.append_tokens(prompts)
         assert [gen.get_sequence(i) for i in range(3)] == prompts
         steps = []
@@ -326,6 +333,7 @@ def test_generator_with_batch_size_holds_several_sequences(model):
             gen.generate_next_token()
             steps.append(gen.get_next_tokens())
         sequences = [gen.get_sequence(i) for i in range(3)]
+        assert (gen._batch.steps_ahead > ahead_before) == gpu_defaults
     for i, (prompt, want) in enumerate(zip(prompts, alone, strict=True)):
         # each row runs to the shared max_length; its first 12 new tokens are generate()'s
         assert want[: len(prompt)] == prompt and sequences[i][: len(want)] == want
