@@ -1,9 +1,10 @@
 """Check a node against its ONNX operator schema before it is planned.
 
-Input and output counts and attribute types are compared with the schema ``onnx.defs``
-holds for the node's op at the model's opset, so a malformed node is refused with a message
-naming it, instead of failing later inside a fusion or a kernel. Ops ONNX does not define
-(contrib and custom domains) are left to their providers.
+Input and output counts and attribute names and types are compared with the schema
+``onnx.defs`` holds for the node's op at the model's opset, so a malformed node is refused
+with a message naming it, instead of failing later inside a fusion or a kernel (or an
+attribute of a later opset being ignored). Ops ONNX does not define (contrib and custom
+domains) are left to their providers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from onnx_genrt.core.errors import ModelLoadError
 if TYPE_CHECKING:  # onnx is imported when a model is planned, not with the engine
     import onnx
     from onnx import defs
+
+
+#: Ops whose ONNX schema takes attributes it does not list (``AllowUncheckedAttributes`` in
+#: onnx; the checker accepts any attribute on them).
+UNCHECKED_ATTRIBUTES = frozenset({("", "LayerNormalization")})
 
 
 def _schema(node: onnx.NodeProto, domain: str, opset: int) -> defs.OpSchema | None:
@@ -49,6 +55,13 @@ def check_node_schema(node: onnx.NodeProto, domain: str, opset: int) -> None:
             f"{where} has {n_out} outputs; {fits} gives {schema.min_output} to {schema.max_output}"
         )
     given = {a.name: a for a in node.attribute}
+    unknown = sorted(set(given) - set(schema.attributes))
+    if unknown and (domain, node.op_type) not in UNCHECKED_ATTRIBUTES:
+        raise ModelLoadError(
+            f"{where} has attributes {unknown} that {fits} does not define (it defines "
+            f"{sorted(schema.attributes) or 'none'}): remove them, or import the opset that "
+            "defines them (onnxruntime refuses them too)"
+        )
     for name, spec in schema.attributes.items():
         attr = given.get(name)
         if attr is None:
