@@ -223,17 +223,30 @@ def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int):
 
 
 def bench_batch(
-    folder: Path, prompts: list[list[int]], new: int, providers: list[Any], graphs: bool = True
+    folder: Path,
+    prompts: list[list[int]],
+    new: int,
+    providers: list[Any],
+    graphs: bool = True,
+    overlap: bool = True,
 ):
     """One timed batched generation per call (``generate_batch``, one row per prompt): the
-    decode rate is every row's tokens after its first, over the decode time (aggregate)."""
+    decode rate is every row's tokens after its first, over the decode time (aggregate).
+    ``overlap=False`` turns the batched greedy look-ahead off for the call."""
     from onnx_genrt.engine import Model, generate_batch
+    from onnx_genrt.engine.batch import BatchGenerator
 
     model = Model(folder, providers, enable_graphs=graphs)
     longest = max(len(p) for p in prompts) + new
 
     def once():
-        results = generate_batch(model, prompts, new, min_length=longest)
+        saved = BatchGenerator.look_ahead
+        if not overlap:
+            BatchGenerator.look_ahead = False
+        try:
+            results = generate_batch(model, prompts, new, min_length=longest)
+        finally:
+            BatchGenerator.look_ahead = saved
         decoded = sum(r.new_tokens - 1 for r in results)
         seconds = results[0].decode_seconds
         return (
@@ -340,12 +353,20 @@ def run_bench(args: argparse.Namespace) -> int:
                 else rng.integers(1, cfg.vocab_size, len(prompt)).tolist()
                 for _ in range(streams - 1)
             ]
-            cases.append(
-                (
-                    f"onnx-genrt[{tag},{streams} streams]",
-                    bench_batch(folder, [prompt, *others], new, provider_args(names, args.threads)),
+            batch_prompts = [prompt, *others]
+            for overlap in (True, False) if args.compare_serial else (True,):
+                cases.append(
+                    (
+                        f"onnx-genrt[{tag},{streams} streams{'' if overlap else ',serial'}]",
+                        bench_batch(
+                            folder,
+                            batch_prompts,
+                            new,
+                            provider_args(names, args.threads),
+                            overlap=overlap,
+                        ),  # fmt: skip
+                    )
                 )
-            )
     if not args.no_reference:
         for label, make in (
             ("onnxruntime-genai", bench_onnxruntime_genai),
@@ -477,7 +498,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compare-serial",
         action="store_true",
-        help="also time with greedy look-ahead and pipelined verify steps off",
+        help="also time with greedy look-ahead (single and batched) and pipelined verify steps off",
     )
     p.add_argument(
         "--compare-eager-prompts",
