@@ -164,6 +164,7 @@ class BatchGenerator:
             if check_bool(ignore_eos, "ignore_eos"):
                 eos = set()
             row = _Row(list(ids), len(ids), search, eos, np.random.default_rng(search.seed))
+            self._ahead = None  # queued for the rows before: a new row must not reuse it
             self._row_runner(index).rewind_to(0)
             self.rows[index] = row
             try:
@@ -212,11 +213,13 @@ class BatchGenerator:
             if index not in self.rows:
                 raise InvalidInputError(f"row {index} is not in use")
             del self.rows[index]
+            self._ahead = None
 
     def clear(self) -> None:
         """Free every row."""
         with self._user:
             self.rows.clear()
+            self._ahead = None
 
     def _row_runner(self, index: int) -> DecoderRunner:
         runner = self._row_runners.get(index)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from onnx_genrt.core.errors import ConcurrentUseError, InvalidInputError
-from onnx_genrt.engine import GeneratorParams, Model, generate
+from onnx_genrt.engine import GeneratorParams, Model, generate, generate_batch
 from onnx_genrt.engine.batch import BatchGenerator, buckets
 from onnx_genrt.generate_cli import default_model_dir
 from onnx_genrt.providers.cpu.kernels.contrib_attention import general_path_steps
@@ -373,3 +373,30 @@ def test_generator_with_batch_size_refusals(model):
         gen.append_tokens([[1, 2], [model.config.vocab_size]])
     gen.append_tokens([[1, 2], [3]])  # the failed call left no row behind
     gen.close()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_step_queued_for_finished_rows_is_not_reused_by_new_ones(model, rows):
+    """Look-ahead queues each next step for the rows that ran; when those rows finish and
+    new prompts take the same rows (the same set of rows, so the queued step would fit), the
+    new rows' first steps are their own, not the queued one fed the old rows' tokens. The
+    same through ``generate_batch``, whose batch comes back from the model's pool."""
+    batch = BatchGenerator(model, rows, 128)
+    batch.look_ahead = True
+    for texts in (TEXTS[:rows], TEXTS[rows : 2 * rows]):
+        added = {}
+        for text in texts:
+            ids = model.tokenizer.encode(text)
+            added[batch.add(ids, _params(model, ids, 9), ignore_eos=True)] = text
+        _run(batch)
+        assert batch.steps_ahead > 0
+        for row, text in added.items():
+            assert batch.sequence(row) == generate(model, text, 9, ignore_eos=True).tokens, text
+            batch.remove(row)
+    prompts = [model.tokenizer.encode(t) for t in TEXTS[:rows]]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BatchGenerator, "look_ahead", True)
+        for _ in range(2):
+            results = generate_batch(model, prompts, 9, min_length=max(map(len, prompts)) + 9)
+            for result, text in zip(results, TEXTS[:rows], strict=True):
+                assert result.tokens == generate(model, text, 9, ignore_eos=True).tokens, text
