@@ -112,8 +112,11 @@ CLUSTER_MIN_CHUNK = 64
 #: Default of the CUDA provider's ``attention_cluster_max_keys``: the KV capacity up to which
 #: decode / verify use the 8-split cluster kernel (0: any capacity). Above it the many-split
 #: kernel spreads a long cache over up to MAX_SPLITS blocks per row: with 8 splits, each
-#: block of a 30000-token cache walks 3750 keys one after another.
-ATTENTION_CLUSTER_MAX_KEYS = 0
+#: block of a 30000-token cache walks 3750 keys one after another. On the H200 (0.5B shape,
+#: 32768-position cache, docs/performance.md 2026-12-04) the many-split kernel decoded 1150 /
+#: 893 / 647 tok/s after 256 / 8192 / 30000 tokens against the cluster's 1191 / 735 / 351;
+#: a 4096-position cache keeps the cluster.
+ATTENTION_CLUSTER_MAX_KEYS = 4096
 #: Dynamic shared memory a block may take without opting in.
 _SHARED_MAX = 48 << 10
 
