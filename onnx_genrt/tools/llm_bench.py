@@ -271,6 +271,33 @@ def run(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _stream_cases(
+    args: argparse.Namespace,
+    folder: Path,
+    tag: str,
+    prompt: list[int],
+    new: int,
+    providers: list[Any],
+    rng: np.random.Generator,
+    vocab: int,
+) -> list[tuple[str, Any]]:
+    """The ``--streams`` rows of one provider: row 0 is the bench prompt, the others random
+    prompts of its length (the same text with ``--prompt``); with ``--compare-serial`` each
+    also without the batched look-ahead."""
+    cases = []
+    for streams in args.streams:
+        others = [
+            prompt if args.prompt is not None else rng.integers(1, vocab, len(prompt)).tolist()
+            for _ in range(streams - 1)
+        ]
+        for overlap in (True, False) if args.compare_serial else (True,):
+            label = f"onnx-genrt[{tag},{streams} streams{'' if overlap else ',serial'}]"
+            cases.append(
+                (label, bench_batch(folder, [prompt, *others], new, providers, overlap=overlap))
+            )
+    return cases
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """The LLM rows: ours per provider (and per ``--spec``, ``--streams``, comparison), then
     onnxruntime-genai and the onnxruntime loop on the same files."""
@@ -345,28 +372,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 graph_prompts=False,
             )  # fmt: skip
             cases.append((f"onnx-genrt[{tag},eager prompts]", eager_prompts))
-        for streams in args.streams:
-            # Row 0 is the bench prompt; the others random prompts of the same length.
-            others = [
-                prompt
-                if args.prompt is not None
-                else rng.integers(1, cfg.vocab_size, len(prompt)).tolist()
-                for _ in range(streams - 1)
-            ]
-            batch_prompts = [prompt, *others]
-            for overlap in (True, False) if args.compare_serial else (True,):
-                cases.append(
-                    (
-                        f"onnx-genrt[{tag},{streams} streams{'' if overlap else ',serial'}]",
-                        bench_batch(
-                            folder,
-                            batch_prompts,
-                            new,
-                            provider_args(names, args.threads),
-                            overlap=overlap,
-                        ),  # fmt: skip
-                    )
-                )
+        providers = provider_args(names, args.threads)
+        cases += _stream_cases(args, folder, tag, prompt, new, providers, rng, cfg.vocab_size)
     if not args.no_reference:
         for label, make in (
             ("onnxruntime-genai", bench_onnxruntime_genai),
@@ -434,8 +441,9 @@ def format_rows(rows: list[BenchRow]) -> str:
     genai = ref.get("onnxruntime-genai")
     loop = ref.get("onnxruntime loop")
     base = rows[0].tokens if rows else []
+    w = max([28, *(len(r.runtime) + 1 for r in rows)])
     lines = [
-        f"{'runtime':<28}{'prefill ms':>11}{'decode tok/s':>14}{'spread':>8}{'vs genai':>10}{'vs ort loop':>13}  same tokens  notes"
+        f"{'runtime':<{w}}{'prefill ms':>11}{'decode tok/s':>14}{'spread':>8}{'vs genai':>10}{'vs ort loop':>13}  same tokens  notes"
     ]
     for r in rows:
         vs_genai = f"{r.decode_tok_s / genai.decode_tok_s:.2f}x" if genai else "-"
@@ -454,7 +462,7 @@ def format_rows(rows: list[BenchRow]) -> str:
                     f"{who}/{slot} c{st['captures']} r{st['replays']} f{st['fallbacks']} i{st['invalidations']}"
                 )
         lines.append(
-            f"{r.runtime:<28}{r.prefill_ms:>11.2f}{r.decode_tok_s:>14.1f}{r.decode_spread:>8.1%}{vs_genai:>10}{vs_loop:>13}  {same:<11}  {'; '.join(notes)}"
+            f"{r.runtime:<{w}}{r.prefill_ms:>11.2f}{r.decode_tok_s:>14.1f}{r.decode_spread:>8.1%}{vs_genai:>10}{vs_loop:>13}  {same:<11}  {'; '.join(notes)}"
         )
     return "\n".join(lines)
 
