@@ -46,7 +46,6 @@ from onnx_genrt.serve.protocol import parse_request
 from onnx_genrt.serve.service import Service
 
 PROMPT = "import os"  # the embedded model goes on for hundreds of tokens after it
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -74,12 +73,11 @@ def process_cpu() -> float:
 
 
 def thread_cpu_of(pid: int) -> dict[int, float]:
-    """CPU seconds of each thread of process ``pid`` (Linux /proc, clock-tick resolution)."""
+    """CPU seconds of each thread of process ``pid`` (Linux /proc schedstat, nanoseconds)."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / TICK
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+            out[int(tid)] = int(stat.read().split()[0]) / 1e9
     return out
 
 
