@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
+from onnx_genrt.engine.decoder import PREFILL_WIDTHS
 from onnx_genrt.engine.model import Model
 from onnx_genrt.engine.scheduler import (
     QueueFullError,
@@ -35,10 +36,11 @@ from .protocol import (
     usage,
 )
 
-#: Prompt lengths of the warm-up requests: one token, a few, and more than 16 (each takes
-#: other kernels on the CPU, whose Numba compile cost a cold server's first client of a
-#: 2-token prompt 1.9 s and of a 17-token one 0.9 s; docs/performance.md).
-WARMUP_PROMPT_LENGTHS = (1, 8, 40)
+#: Prompt lengths of the warm-up requests: one token, then each width graphed prompt chunks
+#: are padded to on a GPU (row 0's graphs). On the CPU, 2-16 tokens and more than 16 take
+#: other kernels: their Numba compile cost a cold server's first client 1.9 s (a 2-token
+#: prompt) and 0.9 s (17 tokens) before the warm-up covered them (docs/performance.md).
+WARMUP_PROMPT_LENGTHS = (1, *PREFILL_WIDTHS)
 
 
 class Service:
