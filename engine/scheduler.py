@@ -15,11 +15,11 @@ its batch-size bucket.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,22 +72,73 @@ class RequestResult:
         return len(self.token_ids)
 
 
+class _LoopWaker:
+    """Wakes, from the scheduler's thread, the futures one event loop's consumers wait on:
+    one ``call_soon_threadsafe`` (a write to the loop's self-pipe) for every future added
+    since the loop last ran the wake-up, however many handles and tokens they stand for."""
+
+    def __init__(self, loop: Any) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._futures: list[Any] = []
+        self._called = False  # a wake-up is on its way to the loop
+
+    def add(self, future: Any) -> None:
+        with self._lock:
+            self._futures.append(future)
+
+    def flush(self) -> None:
+        """Ask the loop to wake the futures added so far (nothing if a call is pending)."""
+        with self._lock:
+            if self._called or not self._futures:
+                return
+            self._called = True
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed: the consumers waiting on it are gone
+            with self._lock:
+                self._futures.clear()
+                self._called = False
+
+    def _wake(self) -> None:  # in the loop
+        with self._lock:
+            futures, self._futures, self._called = self._futures, [], False
+        for future in futures:
+            if not future.done():  # a consumer that stopped waiting cancelled its own
+                future.set_result(None)
+
+
+_loop_wakers: weakref.WeakKeyDictionary[Any, _LoopWaker] = weakref.WeakKeyDictionary()
+_loop_wakers_lock = threading.Lock()
+
+
+def _loop_waker(loop: Any) -> _LoopWaker:
+    with _loop_wakers_lock:
+        waker = _loop_wakers.get(loop)
+        if waker is None:
+            waker = _loop_wakers[loop] = _LoopWaker(loop)
+        return waker
+
+
 class RequestHandle:
     """One submitted request: its events as they come, its result, and a way to cancel it.
 
-    Read it from one consumer: :meth:`events` (blocking, any thread), :meth:`stream`
-    (asyncio), or :meth:`result` (blocks until it finishes).
+    Read it from one consumer: :meth:`events` (blocking, any thread), :meth:`stream_batches`
+    or :meth:`stream` (asyncio), or :meth:`result` (blocks until it finishes).
     """
 
     def __init__(self, request_id: str, prompt_tokens: int, submitted: float) -> None:
         self.id = request_id
         self.prompt_tokens = prompt_tokens
         self.submitted = submitted
-        self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        #: Events not yet taken by the consumer.
+        self._pending: list[TokenEvent] = []
+        self._ready = threading.Condition(self._lock)
+        #: Set while an asyncio consumer waits: the waker of its loop and its future.
+        self._armed: tuple[_LoopWaker, Any] | None = None
         self._done = threading.Event()
         self._cancel = threading.Event()
-        self._listeners: list[Callable[[TokenEvent], None]] = []
-        self._lock = threading.Lock()
         self._text: list[str] = []
         self._tokens: list[int] = []
         self._first: float | None = None
@@ -98,37 +149,45 @@ class RequestHandle:
         """Events until the last one (which has ``finish_reason``); ``timeout`` seconds at
         most between two events (``TimeoutError`` after)."""
         while True:
-            try:
-                event = self._events.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"request {self.id}: no event for {timeout} s") from None
-            yield event
-            if event.finish_reason is not None:
+            with self._lock:
+                if not self._ready.wait_for(lambda: self._pending, timeout):
+                    raise TimeoutError(f"request {self.id}: no event for {timeout} s")
+                batch, self._pending = self._pending, []
+            yield from batch
+            if batch[-1].finish_reason is not None:
                 return
 
-    async def stream(self) -> AsyncIterator[TokenEvent]:
-        """The events in asyncio, without a thread per waiting request."""
+    async def stream_batches(self) -> AsyncIterator[list[TokenEvent]]:
+        """The events in asyncio, as lists of every event ready when the consumer asks (one
+        or more; the last list ends with the event that has ``finish_reason``). A consumer
+        that falls behind gets the tokens made meanwhile together. The scheduler wakes the
+        loop once per step for all of its waiting consumers, without a thread per request."""
         import asyncio  # only where a handle is read from asyncio
 
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-        def listener(event: TokenEvent) -> None:
-            loop.call_soon_threadsafe(inbox.put_nowait, event)
-
-        with self._lock:  # events so far, then every later one through the listener
-            while not self._events.empty():
-                inbox.put_nowait(self._events.get_nowait())
-            self._listeners.append(listener)
+        waker = _loop_waker(loop)
         try:
             while True:
-                event = await inbox.get()
-                yield event
-                if event.finish_reason is not None:
+                with self._lock:
+                    batch, self._pending = self._pending, []
+                    if not batch:
+                        future = loop.create_future()
+                        self._armed = (waker, future)
+                if not batch:
+                    await future
+                    continue
+                yield batch
+                if batch[-1].finish_reason is not None:
                     return
         finally:
             with self._lock:
-                self._listeners.remove(listener)
+                self._armed = None
+
+    async def stream(self) -> AsyncIterator[TokenEvent]:
+        """The events in asyncio, one at a time (see :meth:`stream_batches`)."""
+        async for batch in self.stream_batches():
+            for event in batch:
+                yield event
 
     def result(self, timeout: float | None = None) -> RequestResult:
         """Wait for the request to finish and return its result."""
@@ -151,8 +210,16 @@ class RequestHandle:
 
     # -- scheduler side ---------------------------------------------------------
     def _emit(
-        self, text: str, tokens: Sequence[int], finish: str | None = None, error: str | None = None
+        self,
+        text: str,
+        tokens: Sequence[int],
+        finish: str | None = None,
+        error: str | None = None,
+        *,
+        wakes: set[_LoopWaker] | None = None,
     ) -> None:
+        """Hand the consumer an event. An asyncio consumer's loop is woken now, or, given
+        ``wakes``, added to it for the caller to flush once for all its handles."""
         if tokens and self._first is None:
             self._first = time.perf_counter() - self.submitted
         self._text.append(text)
@@ -168,11 +235,16 @@ class RequestHandle:
                 error,
             )
         with self._lock:
-            if self._listeners:
-                for listener in self._listeners:
-                    listener(event)
+            self._pending.append(event)
+            self._ready.notify()
+            armed, self._armed = self._armed, None
+        if armed is not None:
+            waker, future = armed
+            waker.add(future)
+            if wakes is None:
+                waker.flush()
             else:
-                self._events.put(event)
+                wakes.add(waker)
         if finish is not None:
             self._done.set()
 
@@ -269,6 +341,8 @@ class Scheduler:
         self._busy = 0.0
         self._ttft: deque[float] = deque(maxlen=1024)
         self._has_tokenizer = (model.folder / "tokenizer.json").is_file()
+        #: Loops of asyncio consumers given events since the last flush (one wake-up each).
+        self._wakes: set[_LoopWaker] = set()
 
     # -- life cycle ---------------------------------------------------------------
     def start(self) -> Scheduler:
@@ -383,6 +457,8 @@ class Scheduler:
                 self._step()
             except Exception as exc:  # a fault of the model run: fail every running row
                 self._fail_all(f"{type(exc).__name__}: {exc}")
+            finally:  # events handed out before a fault still reach their consumers
+                self._flush_wakes()
             with self._cv:
                 self._busy += time.perf_counter() - start
 
@@ -406,6 +482,7 @@ class Scheduler:
                         self._rows[placed[0]] = placed[1]
             if placed is not None and not batch.prefilling(placed[0]):
                 self._deliver(*placed, batch.last_tokens(placed[0]))
+                self._flush_wakes()  # its first token goes out before the next prefill
 
     def _place(self, batch: BatchGenerator, pending: _Pending) -> tuple[int, _Running] | None:
         """Put ``pending`` in a free row (prefilling its prompt or its first chunk); None
@@ -441,6 +518,7 @@ class Scheduler:
             done = batch.prefill_step(self.prefill_chunk)
             if done is not None:
                 self._deliver(done, self._rows[done], batch.last_tokens(done))
+                self._flush_wakes()
         new = batch.step()
         with self._cv:
             self._steps += 1
@@ -448,6 +526,12 @@ class Scheduler:
             running = self._rows.get(row)
             if running is not None:
                 self._deliver(row, running, tokens)
+        self._flush_wakes()
+
+    def _flush_wakes(self) -> None:
+        """Wake each event loop whose consumers got events, once for all of them."""
+        while self._wakes:
+            self._wakes.pop().flush()
 
     def _deliver(self, row: int, running: _Running, tokens: list[int]) -> None:
         """Hand a row's new tokens to its handle; retire the row if it finished."""
@@ -467,11 +551,11 @@ class Scheduler:
             finish = "length"
         if finish is None:
             if text or tokens:
-                pending.handle._emit(text, tokens)
+                pending.handle._emit(text, tokens, wakes=self._wakes)
             return
         if not hit:  # text held back as a possible start of a stop string
             text += running.scanner.flush()
-        pending.handle._emit(text, tokens, finish)
+        pending.handle._emit(text, tokens, finish, wakes=self._wakes)
         self._release(row, finished=True)
 
     def _retire(self, row: int, reason: str) -> None:

@@ -2,8 +2,9 @@
 # The OpenAI-compatible server under load, one provider after another on the same machine:
 #   bash scripts/serve_bench.sh [PROVIDER ...]        (default: cuda cpu; embedded model)
 # Each server starts on 127.0.0.1 at a free port, gets 1, 16 and 32 streaming clients
-# (scripts/serve_load.py, the openai client), prints its graph replays and fallbacks from
-# /metrics and is stopped by its process id. SERVE_ARGS adds arguments (e.g. --model DIR).
+# (scripts/serve_load.py, after one untimed request per client), each load read once by the
+# openai client and once by a plain httpx line reader (the client's own parsing cost apart),
+# prints its graph replays and fallbacks from /metrics and is stopped by its process id. SERVE_ARGS adds arguments (e.g. --model DIR).
 # Needs the serve and test extras (starlette, uvicorn, openai). Server logs go to $OUT.
 set -u
 PY="${PYTHON:-python3}"
@@ -26,8 +27,10 @@ for prov in "${PROVIDERS[@]}"; do
   echo "== $prov (pid $pid, port $port)"
   for load in "16 1" "64 16" "128 32"; do
     set -- $load
-    "$PY" scripts/serve_load.py --url "http://127.0.0.1:$port" --requests "$1" --clients "$2" \
-      --max-tokens 64
+    for reader in openai httpx; do
+      "$PY" scripts/serve_load.py --url "http://127.0.0.1:$port" --requests "$1" --clients "$2" \
+        --max-tokens 64 --reader "$reader"
+    done
   done
   curl -s "http://127.0.0.1:$port/metrics" | grep -E "^onnx_genrt_graph_(replays|fallbacks)"
   kill "$pid"

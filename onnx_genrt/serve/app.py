@@ -145,6 +145,12 @@ def create_app(
         warmup=warmup,
     )
 
+    return service_app(service)
+
+
+def service_app(service: Service) -> Starlette:
+    """The ASGI app serving ``service``: its lifespan starts the service and drains it."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await asyncio.to_thread(service.start)
@@ -168,4 +174,4 @@ def create_app(
     return app
 
 
-__all__ = ["Service", "create_app"]
+__all__ = ["Service", "create_app", "service_app"]

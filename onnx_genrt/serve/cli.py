@@ -65,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--threads", type=POSITIVE_INT, default=None, help="CPU provider threads (default 1)"
     )
-    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests at start")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn)")
     p.add_argument(
         "--log-level",

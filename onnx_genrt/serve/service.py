@@ -4,16 +4,15 @@ answers of one request, whole or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
+from onnx_genrt.engine.decoder import PREFILL_WIDTHS
 from onnx_genrt.engine.model import Model
 from onnx_genrt.engine.scheduler import (
     QueueFullError,
@@ -27,13 +26,21 @@ from . import metrics as prom
 from .protocol import (
     APIError,
     GenerationRequest,
+    TextChunks,
     bad_field,
     chunk_body,
     completion_body,
     new_id,
     now,
+    sse,
     usage,
 )
+
+#: Prompt lengths of the warm-up requests: one token, then each width graphed prompt chunks
+#: are padded to on a GPU (row 0's graphs). On the CPU, 2-16 tokens and more than 16 take
+#: other kernels: their Numba compile cost a cold server's first client 1.9 s (a 2-token
+#: prompt) and 0.9 s (17 tokens) before the warm-up covered them (docs/performance.md).
+WARMUP_PROMPT_LENGTHS = (1, *PREFILL_WIDTHS)
 
 
 class Service:
@@ -65,12 +72,17 @@ class Service:
 
     # -- life cycle ---------------------------------------------------------------
     def start(self) -> None:
-        """Start the scheduler; with ``warmup``, run one short request so that the first
-        client does not pay for loading kernels and capturing the first graph."""
+        """Start the scheduler; with ``warmup``, run a short request per prompt length of
+        ``WARMUP_PROMPT_LENGTHS`` (that fits ``max_length``), one after another, so that the
+        first clients do not pay for compiling kernels and capturing the first graphs."""
         self.scheduler.start()
         if self.warmup:
             bos = self.model.config.bos_token_id or 0
-            self.scheduler.submit([bos], max_new_tokens=2, ignore_eos=True).result(timeout=600)
+            for length in WARMUP_PROMPT_LENGTHS:
+                if length + 2 > self.scheduler.max_length:
+                    break
+                handle = self.scheduler.submit([bos] * length, max_new_tokens=2, ignore_eos=True)
+                handle.result(timeout=600)
 
     @property
     def draining(self) -> bool:
@@ -154,13 +166,13 @@ class Service:
         tokens = 0
         reason = "cancelled"
         try:
-            async for event in handle.stream():
-                if event.token_ids and tokens == 0:
+            async for batch in handle.stream_batches():
+                if tokens == 0 and any(event.token_ids for event in batch):
                     self.counters.first_token(time.perf_counter() - arrival)
-                tokens += len(event.token_ids)
-                pieces.append(event.text)
-                if event.finish_reason is not None:
-                    reason = event.finish_reason
+                tokens += sum(len(event.token_ids) for event in batch)
+                pieces += [event.text for event in batch]
+                if batch[-1].finish_reason is not None:
+                    reason = batch[-1].finish_reason
         finally:
             watcher.cancel()
             if reason == "cancelled":
@@ -182,33 +194,35 @@ class Service:
     async def events(
         self, request: GenerationRequest, handle: RequestHandle, arrival: float
     ) -> AsyncIterator[str]:
-        """The answer as server-sent events in OpenAI's chunk format, ending ``[DONE]``.
-        If the client goes away, the generator is closed and the request cancelled."""
+        """The answer as server-sent events in OpenAI's chunk format, ending ``[DONE]``: one
+        event per text piece, the events of the pieces ready together in one string (one
+        write). If the client goes away, the generator is closed and the request cancelled."""
         rid, created = new_id(request.chat), now()
+        text_event = TextChunks(request, rid, created).event
         finished = False
         tokens = 0
         try:
             if request.chat:
-                yield _sse(chunk_body(request, rid, created, text="", role=True))
-            async for event in handle.stream():
-                if event.token_ids and tokens == 0:
+                yield sse(chunk_body(request, rid, created, text="", role=True))
+            async for batch in handle.stream_batches():
+                if tokens == 0 and any(event.token_ids for event in batch):
                     self.counters.first_token(time.perf_counter() - arrival)
-                tokens += len(event.token_ids)
-                reason = event.finish_reason
-                if event.text:
-                    yield _sse(chunk_body(request, rid, created, text=event.text))
-                if reason is None:
-                    continue
-                finished = True
-                self.counters.request_finished(reason)
-                if reason in ("stop", "length"):
-                    yield _sse(chunk_body(request, rid, created, finish_reason=reason))
-                    if request.include_usage:
-                        counts = usage(handle.prompt_tokens, tokens)
-                        yield _sse(chunk_body(request, rid, created, usage_counts=counts))
-                else:
-                    yield _sse(_ended_early(handle, reason).body())
-            yield "data: [DONE]\n\n"
+                out = [text_event(event.text) for event in batch if event.text]
+                tokens += sum(len(event.token_ids) for event in batch)
+                reason = batch[-1].finish_reason
+                if reason is not None:
+                    finished = True
+                    self.counters.request_finished(reason)
+                    if reason in ("stop", "length"):
+                        out.append(sse(chunk_body(request, rid, created, finish_reason=reason)))
+                        if request.include_usage:
+                            counts = usage(handle.prompt_tokens, tokens)
+                            out.append(sse(chunk_body(request, rid, created, usage_counts=counts)))
+                    else:
+                        out.append(sse(_ended_early(handle, reason).body()))
+                    out.append("data: [DONE]\n\n")
+                if out:
+                    yield "".join(out)
         finally:
             if not finished:  # the client disconnected (or the server is forced down)
                 handle.cancel()
@@ -238,10 +252,6 @@ async def _cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
         if message["type"] == "http.disconnect":
             handle.cancel()
             return
-
-
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def error_response(error: APIError) -> JSONResponse:

@@ -147,6 +147,33 @@ def test_streamed_chat_completion(server, reference, reference_model):
     assert len(pieces) > 2  # streamed in pieces, not in one chunk
 
 
+def test_a_slow_reader_of_a_streamed_completion_gets_every_piece(server, reference):
+    """The openai client pauses after the first chunk: the pieces made meanwhile go out
+    together (several events in one write), and the client still reads one chunk per
+    piece, the text generated alone, the finish reason last, then the usage."""
+    stream = client(server).completions.create(
+        model=MODEL_NAME,
+        prompt="def add(a, b):",
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, reasons, usage = [], [], None
+    for index, chunk in enumerate(stream):
+        if index == 0:
+            time.sleep(0.5)  # the rest of the answer is made meanwhile (~50 ms of work)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == reference("def add(a, b):", 48)
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert usage is not None and usage.completion_tokens == 48
+    assert len(pieces) > 2
+
+
 def test_stream_is_server_sent_events_ending_done(server):
     body = {"model": MODEL_NAME, "prompt": "x = 1", "max_tokens": 4, "temperature": 0}
     with httpx.stream(
