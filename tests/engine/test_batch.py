@@ -397,6 +397,6 @@ def test_a_step_queued_for_finished_rows_is_not_reused_by_new_ones(model, rows):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(BatchGenerator, "look_ahead", True)
         for _ in range(2):
-            results = generate_batch(model, prompts, 9, min_length=max(map(len, prompts)) + 9)
+            results = generate_batch(model, prompts, 9, ignore_eos=True)
             for result, text in zip(results, TEXTS[:rows], strict=True):
                 assert result.tokens == generate(model, text, 9, ignore_eos=True).tokens, text

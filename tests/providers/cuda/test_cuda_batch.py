@@ -76,3 +76,28 @@ def test_builder_model_row_matches_reference(cp, name):
     assert batch.sequence(rows[2])[len(prompt) :] == tokens
     stats = batch.graph_stats()["primary"]
     assert stats["captures"] == 1 and stats["fallbacks"] == 0, stats
+
+
+def test_new_rows_never_take_a_step_queued_for_finished_ones(cp):
+    """A GPU's default look-ahead queues each next step before reading the last; when the
+    rows finish and new prompts take the same rows (one row, then again through the model's
+    pooled batch of ``generate_batch``), every new row still equals its prompt alone."""
+    from onnx_genrt.engine import Model, generate, generate_batch
+    from onnx_genrt.engine.batch import BatchGenerator
+    from onnx_genrt.generate_cli import default_model_dir
+
+    cuda = Model(default_model_dir(), provider="cuda")
+    alone = {t: generate(cuda, t, 12, ignore_eos=True).tokens for t in TEXTS}
+    batch = BatchGenerator(cuda, 1, 128)
+    for text in TEXTS[:3]:
+        ids = cuda.tokenizer.encode(text)
+        row = batch.add(ids, _params(cuda, ids, 12), ignore_eos=True)
+        while not batch.is_done(row):
+            batch.step()
+        assert batch.sequence(row) == alone[text], text
+        batch.remove(row)
+    assert batch.steps_ahead > 0  # the look-ahead is on by default on a GPU
+    prompts = [cuda.tokenizer.encode(t) for t in TEXTS[:4]]
+    for _ in range(2):
+        results = generate_batch(cuda, prompts, 12, ignore_eos=True)
+        assert [r.tokens for r in results] == [alone[t] for t in TEXTS[:4]]
