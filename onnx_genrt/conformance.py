@@ -2,7 +2,8 @@
 
 The onnx wheel ships the node-test *generators* (``onnx.backend.test.case.node``) but not
 their data, so the cases are regenerated with ``collect_testcases()`` (~9 s) and cached as
-one pickle under ``$ONNX_GENRT_CACHE/conformance/<onnx version>/`` (default
+one pickle under ``$ONNX_GENRT_CACHE/conformance/<onnx version>/`` (regenerated when the
+onnx or ml_dtypes version changes; default
 ``~/.cache/onnx_genrt``), written atomically; later runs load it in well under a second.
 
 Each case builds an :class:`~onnx_genrt.session.InferenceSession` on one provider and runs
@@ -284,13 +285,22 @@ def _write_atomic(path: Path, payload: Any) -> None:
         raise
 
 
+def _generator_versions() -> dict[str, str]:
+    """The packages whose versions decide the regenerated data: onnx's generators, and
+    ml_dtypes, whose ``astype`` computes the expected values of the 2- and 4-bit casts
+    (out-of-range values differ between its releases)."""
+    import ml_dtypes
+
+    return {"onnx": onnx.__version__, "ml_dtypes": ml_dtypes.__version__}
+
+
 def _read_cache(path: Path) -> list[dict[str, Any]] | None:
     try:
         with path.open("rb") as f:
             payload = pickle.load(f)
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
         return None
-    if not isinstance(payload, dict) or payload.get("onnx") != onnx.__version__:
+    if not isinstance(payload, dict) or payload.get("versions") != _generator_versions():
         return None
     return payload.get("cases")
 
@@ -303,7 +313,7 @@ def _records() -> tuple[dict[str, Any], ...]:
     if records is None:
         records = _generate()
         try:
-            _write_atomic(path, {"onnx": onnx.__version__, "cases": records})
+            _write_atomic(path, {"versions": _generator_versions(), "cases": records})
         except OSError as exc:
             print(f"warning: cannot cache conformance cases in {path}: {exc}", file=sys.stderr)
     return tuple(records)

@@ -183,9 +183,16 @@ def test_cache_roundtrip(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ONNX_GENRT_CACHE", str(tmp_path))
     path = conformance._cache_file()
     assert path.is_relative_to(tmp_path / "conformance" / onnx.__version__)
-    conformance._write_atomic(path, {"onnx": onnx.__version__, "cases": [{"name": "x"}]})
+    versions = conformance._generator_versions()
+    conformance._write_atomic(path, {"versions": versions, "cases": [{"name": "x"}]})
     assert conformance._read_cache(path) == [{"name": "x"}]
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left
+    # Cases generated under another ml_dtypes (its casts make the 2/4-bit expected data)
+    # or onnx are regenerated, not trusted.
+    for key, other in (("ml_dtypes", "0.0.1"), ("onnx", "0.0.1")):
+        stale = {**versions, key: other}
+        conformance._write_atomic(path, {"versions": stale, "cases": [{"name": "x"}]})
+        assert conformance._read_cache(path) is None, key
 
 
 def test_report_counts_and_threshold() -> None:
