@@ -49,44 +49,66 @@ def _view(ptr: int, rows: int, cols: int, ld: int, dtype: np.dtype) -> np.ndarra
 
 
 class FakeBlas:
-    """The cuBLAS functions ``CublasHandle`` calls, per the documented contract."""
+    """The cuBLAS functions ``CublasHandle`` calls, per the documented contract. Each is a
+    C function pointer of the prototype ``cublas.SIGNATURES`` declares (the argtypes the
+    real library gets), so arguments go through ctypes' conversions as they would there."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple]] = []
         self.stream = self.workspace = None
+        #: Exceptions raised inside the functions (ctypes would only print them): each call
+        #: that raised returned CUBLAS_STATUS_INVALID_VALUE; the fixture re-raises them.
+        self.errors: list[BaseException] = []
+        self._keep = []
+        for name, argtypes in cublas.SIGNATURES.items():
+            fn = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(self._guarded(getattr(self, "_" + name)))
+            self._keep.append(fn)
+            setattr(self, name, fn)
+
+    def _guarded(self, fn):
+        def call(*args):
+            try:
+                return fn(*args)
+            except BaseException as exc:  # noqa: BLE001  (kept for the fixture)
+                self.errors.append(exc)
+                return 7
+
+        return call
 
     def _log(self, name: str, args: tuple) -> None:
         self.calls.append((name, args))
 
-    def cublasCreate_v2(self, ref) -> int:
-        ref._obj.value = 0x1234
+    def _cublasCreate_v2(self, ref) -> int:
+        ref[0] = 0x1234
         self._log("create", ())
         return 0
 
-    def cublasDestroy_v2(self, handle) -> int:
+    def _cublasDestroy_v2(self, handle) -> int:
         self._log("destroy", ())
         return 0
 
-    def cublasSetStream_v2(self, handle, stream) -> int:
-        self.stream, self.workspace = stream.value, None  # resets the workspace (reference)
-        self._log("stream", (stream.value,))
+    def _cublasSetStream_v2(self, handle, stream) -> int:
+        self.stream, self.workspace = stream, None  # resets the workspace (reference)
+        self._log("stream", (stream,))
         return 0
 
-    def cublasSetWorkspace_v2(self, handle, ptr, size) -> int:
-        self.workspace = (ptr.value, size.value)
+    def _cublasSetWorkspace_v2(self, handle, ptr, size) -> int:
+        self.workspace = (ptr, size)
         self._log("workspace", self.workspace)
         return 0
 
-    def cublasGemmEx(self, handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct,
-                     ldc, compute, algo) -> int:  # fmt: skip
-        return self.cublasGemmStridedBatchedEx(
+    def _cublasGemmEx(self, handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct,
+                      ldc, compute, algo) -> int:  # fmt: skip
+        return self._cublasGemmStridedBatchedEx(
             handle, ta, tb, m, n, k, alpha, a, at, lda, 0, b, bt, ldb, 0, beta, c, ct, ldc, 0,
             1, compute, algo,
         )  # fmt: skip
 
-    def cublasGemmStridedBatchedEx(self, handle, ta, tb, m, n, k, alpha, a, at, lda, sa, b, bt,
+    def _cublasGemmStridedBatchedEx(self, handle, ta, tb, m, n, k, alpha, a, at, lda, sa, b, bt,
                                    ldb, sb, beta, c, ct, ldc, sc, count, compute, algo) -> int:  # fmt: skip
         self._log("gemm", (ta, tb, m, n, k, lda, ldb, ldc, sa, sb, sc, count))
+        if count == 0:  # a call that only reports its arguments (test_strides_...)
+            return 0
         assert handle == 0x1234 and self.workspace is not None, "workspace set after the stream"
         assert compute == 68 and algo == -1  # CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT
         assert at == bt == ct and at in CODES
@@ -96,7 +118,8 @@ class FakeBlas:
         rows_b, cols_b = (k, n) if tb == 0 else (n, k)
         if lda < max(1, rows_a) or ldb < max(1, rows_b) or ldc < max(1, m):
             return 7  # CUBLAS_STATUS_INVALID_VALUE
-        al, be = alpha._obj.value, beta._obj.value
+        al = ctypes.c_float.from_address(alpha).value
+        be = ctypes.c_float.from_address(beta).value
         size = dt.itemsize
         for i in range(count):
             op_a = _view(a + i * sa * size, rows_a, cols_a, lda, dt).astype(np.float64)
@@ -134,6 +157,8 @@ def fake(monkeypatch) -> Iterator[FakeBlas]:
     monkeypatch.setattr(cublas, "library", lambda: lib)
     yield lib
     _BUFFERS.clear()
+    if lib.errors:
+        raise lib.errors[0]
 
 
 def _handle(fake: FakeBlas) -> CublasHandle:
@@ -266,3 +291,13 @@ def test_no_library_is_a_kernel_error_naming_the_option(monkeypatch):
     text = str(info.value)
     assert "/nowhere/libcublas.so.99" in text and "libcublas.so.12" in text
     assert "cublas_in_graphs=False" in text and "ONNX_GENRT_CUBLAS_IN_GRAPHS=0" in text
+
+
+def test_strides_travel_as_64_bit_integers(fake):
+    """Batch strides past 2**31 elements reach the library whole (``long long``)."""
+    shape = GemmShape(4, 8, 3, batch=0, a_stride=2**33 + 5, w_stride=2**32 + 7)
+    name, args = cublas.gemm_arguments(1, shape, np.dtype(np.float16), 16, 32, 48, (0, 0))
+    assert name == "cublasGemmStridedBatchedEx"
+    assert getattr(fake, name)(*args) == 0
+    logged = fake.calls[-1][1]
+    assert logged[8:10] == (2**32 + 7, 2**33 + 5)  # W's stride (cuBLAS's A), then A's
