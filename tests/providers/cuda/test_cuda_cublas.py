@@ -66,8 +66,7 @@ def test_gemm_eager_and_replayed(cp, fresh, rng, dtype, transposed, mkn):
     prov, (m, k, n) = fresh, mkn
     a, w = _operands(rng, dtype, m, k, n)
     da = prov.upload(a)
-    weight = TransposedWeight(prov.upload(np.ascontiguousarray(w.T))) if transposed else None
-    dw = weight if transposed else prov.upload(w)
+    dw = TransposedWeight(prov.upload(np.ascontiguousarray(w.T))) if transposed else prov.upload(w)
     with prov.stream:
         c = cp.full((m, n), np.nan, dtype)
     shape = GemmShape(m, k, n, transposed=transposed)
