@@ -26,7 +26,8 @@ from .workspace import Workspace
 #: provider that implements ``allocate``, ``copy_from_host``, ``copy_to_host`` and
 #: ``copy`` on Tensors keeps working through adapters. ``KernelContext`` gains ``stream``,
 #: ``scratch``, ``host_value``, ``state``; the provider gains ``host_value`` and ``stream``.
-PROVIDER_API_VERSION: tuple[int, int] = (1, 2)
+#: 1.2: ``holds_dtype``. 1.3: ``graph_max_rows``.
+PROVIDER_API_VERSION: tuple[int, int] = (1, 3)
 
 #: The 1.0 transfer methods, each with the 1.1 verb that replaces it.
 _LEGACY_TRANSFERS = {"allocate": "empty", "copy_from_host": "upload", "copy_to_host": "read"}
@@ -420,6 +421,14 @@ class ExecutionProvider(ABC):
         if type(self).graph_begin is not ExecutionProvider.graph_begin:
             return frozenset({DeviceGraphSlot.PRIMARY})
         return frozenset()
+
+    @property
+    def graph_max_rows(self) -> int | None:
+        """The most rows (M of a matrix product on a constant weight, batch dims folded in)
+        this provider's kernels can record into a graph; None when any number can (API
+        1.3). A session tells its callers through ``InferenceSession.graph_max_rows``, so an
+        engine picks step widths that capture."""
+        return None
 
     def check_slot(self, slot: DeviceGraphSlot) -> None:
         """Raise :class:`UnsupportedGraphSlot` unless this provider declares ``slot``."""

@@ -232,13 +232,20 @@ class PendingStep:
 
 
 #: Widths a prompt chunk is padded to when prompts run as graphed steps
-#: (:meth:`DecoderRunner.prefill`): one captured graph per width; the widest is the most rows
-#: the CUDA provider's matmuls capture (cuBLAS, for more, cannot run inside a capture).
-PREFILL_WIDTHS = (8, 16, 32, 64)
-#: Longest prompt fed as graphed chunks; a longer one runs eagerly, where a prompt-sized
-#: step's big matrix products (cuBLAS, the flash attention kernel over every row at once)
-#: outrun many 64-row replays. A first guess: measure it on the GPU (NOTES.md).
-PREFILL_GRAPH_MAX_TOKENS = 256
+#: (:meth:`DecoderRunner.prefill`): one captured graph per width a runner uses, with its own
+#: planned memory and bound outputs (logits of ``width`` rows). Only the widths up to the
+#: session's ``graph_max_rows`` are used: the CUDA provider's matmuls capture any number of
+#: rows through its own cuBLAS handle (``cublas_in_graphs``), else up to 64. Each is below
+#: 1024: a batch's row runners number their graph variants 1024 apart.
+PREFILL_WIDTHS = (8, 16, 32, 64, 128, 256, 512)
+#: Longest prompt fed as graphed chunks; a longer one runs eagerly, in one step whose big
+#: matrix products and flash attention over every row at once lose little to dispatch.
+#: A first guess: measure it on the GPU (NOTES.md).
+PREFILL_GRAPH_MAX_TOKENS = 1024
+#: At most this many chunks of the widest width a session captures: where that is 64
+#: (``cublas_in_graphs`` off), prompts of more than 256 tokens run eagerly, as measured
+#: before wider chunks captured (docs/performance.md, 2026-12-04).
+PREFILL_GRAPH_MAX_CHUNKS = 4
 #: Graph variants of graphed prompt chunks start here (slot VERIFY; its verify step is
 #: variant 0): PREFILL_VARIANT + width.
 PREFILL_VARIANT = 1 << 40
@@ -376,24 +383,37 @@ class DecoderRunner:
         """The persistent device buffers of steps of ``width`` tokens (ids, argmax, hidden...)."""
         return self._binding(width)[1]
 
+    def prefill_widths(self) -> tuple[int, ...]:
+        """The chunk widths of graphed prompts here: ``PREFILL_WIDTHS`` up to the session's
+        ``graph_max_rows`` (none when even the narrowest does not capture)."""
+        limit = self.session.graph_max_rows
+        return tuple(w for w in PREFILL_WIDTHS if limit is None or w <= limit)
+
+    def prefill_graph_max_tokens(self) -> int:
+        """The longest prompt :meth:`prefill` feeds as graphed chunks: PREFILL_GRAPH_MAX_TOKENS,
+        and at most PREFILL_GRAPH_MAX_CHUNKS chunks of the widest width (0: none)."""
+        widths = self.prefill_widths()
+        return min(PREFILL_GRAPH_MAX_TOKENS, PREFILL_GRAPH_MAX_CHUNKS * widths[-1]) if widths else 0
+
     def prefill(self, tokens: list[int], graphed: bool) -> tuple[StepOutput, int]:
         """Feed a prompt at the cache's length; returns the output holding its last row
         (its logits and tokens: index -1) and that row's index among the step's hidden
         states. Eagerly in one step (only the last row's logits where the
-        model allows: ``prefill_last_row``), or ``graphed``: in chunks of at most
-        ``PREFILL_WIDTHS[-1]`` tokens, each padded to the next of ``PREFILL_WIDTHS`` and
+        model allows: ``prefill_last_row``), or ``graphed``: in chunks of at most the widest
+        of :meth:`prefill_widths` tokens, each padded to the next of those widths and
         replayed from that width's graph (slot VERIFY, variant ``PREFILL_VARIANT`` +
         ``variant_base`` + width),
         with no eager dispatch; padded rows write keys and values later steps overwrite. A
         chunk whose padding would pass the cache's end runs eagerly, and so does a prompt of
-        more than ``PREFILL_GRAPH_MAX_TOKENS``."""
-        if not graphed or not 2 <= len(tokens) <= PREFILL_GRAPH_MAX_TOKENS:
+        more than :meth:`prefill_graph_max_tokens`."""
+        if not graphed or not 2 <= len(tokens) <= self.prefill_graph_max_tokens():
             return self.forward(tokens, None), len(tokens) - 1
-        most = PREFILL_WIDTHS[-1]
+        widths = self.prefill_widths()
+        most = widths[-1]
         step: PendingStep | None = None
         for first in range(0, len(tokens), most):
             chunk = tokens[first : first + most]
-            width = next(w for w in PREFILL_WIDTHS if w >= len(chunk))
+            width = next(w for w in widths if w >= len(chunk))
             if self.cache.length + width > self.max_length:
                 step = self.launch(chunk, None)
             else:

@@ -306,6 +306,18 @@ class InferenceSession:
     def set_graph_slot(self, slot: DeviceGraphSlot) -> None:
         self.executor.set_graph_slot(slot)
 
+    @property
+    def graph_max_rows(self) -> int | None:
+        """The most rows (tokens of one step, batch rows folded in) a graph of this session
+        can record on every provider it captures on (``ExecutionProvider.graph_max_rows``);
+        None when any number can. A wider step still runs, eagerly, as a counted fallback."""
+        limits = [
+            p.graph_max_rows
+            for p in self.executor.providers
+            if p.graph_slots and p.graph_max_rows is not None
+        ]
+        return min(limits) if limits else None
+
     def graph_stats(self, slot: DeviceGraphSlot | str | None = None) -> SlotStats:
         """The counters of ``slot`` (a slot or its name, such as ``"verify"``; default: the
         current slot), all its variants together. The object is live (later runs update

@@ -17,11 +17,12 @@ import cupy
 import numpy as np
 
 from onnx_genrt.core.device import Device
-from onnx_genrt.core.errors import GraphCaptureError
+from onnx_genrt.core.errors import GraphCaptureError, KernelError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, KernelDef, KernelRegistry
 from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 
+from .cublas import WORKSPACE_BYTES, CublasHandle
 from .host_shadow import HostShadow
 from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
@@ -32,7 +33,7 @@ from .kernels.contrib_attention import (
 )
 from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
-from .kernels.matmul import MMA_MAX_M, MMA_MIN_ROWS
+from .kernels.matmul import MMA_MAX_M, MMA_MIN_ROWS, PIECES_MAX_M
 from .staging import MEMCPY_DEVICE_TO_DEVICE, StagingRing
 
 #: Fused ops whose GEMV makes its own activations (an RMS norm or SiluMul, staged per block
@@ -89,6 +90,16 @@ class CUDAProvider(ExecutionProvider):
             "rows (M) from which MatMul on a transposed fp16/bf16 weight runs on the tensor "
             f"cores, up to {MMA_MAX_M} rows (0: never; gemv_nk up to 16 rows, then cuBLAS)",
             env="ONNX_GENRT_MMA_MIN_ROWS",
+        ),
+        ProviderOption(
+            "cublas_in_graphs",
+            True,
+            "MatMul above the own kernels' rows (and 4-bit MatMulNBits above "
+            f"{PIECES_MAX_M} rows, on its dequantized weight) runs cuBLAS on a handle of this "
+            "provider bound to its stream, eager and inside CUDA graphs, so prompt chunks "
+            f"wider than {PIECES_MAX_M} rows replay graphs (False: CuPy's cuBLAS, eager only; "
+            "steps needing it run eagerly, counted as fallbacks)",
+            env="ONNX_GENRT_CUBLAS_IN_GRAPHS",
         ),
         ProviderOption(
             "attention_flash_min_rows",
@@ -163,6 +174,36 @@ class CUDAProvider(ExecutionProvider):
         self.staging = StagingRing(self.stream, self._scope)
         #: Host copies of the small integer arrays uploaded (``host_value``).
         self.shadow = HostShadow()
+        self._cublas: CublasHandle | None = None
+        self._cublas_error: KernelError | None = None
+
+    # -- cuBLAS ---------------------------------------------------------------
+    @property
+    def cublas(self) -> CublasHandle:
+        """This provider's cuBLAS handle, bound to ``stream`` with a workspace of its own
+        memory (made on first use, which must not be inside a capture: ``graph_begin``
+        makes it first). A :class:`KernelError` when cuBLAS cannot be opened, every time."""
+        if self._cublas is None:
+            if self._cublas_error is not None:
+                raise self._cublas_error
+            if self.capturing is not None:
+                raise GraphCaptureError(
+                    "the cuBLAS handle is made outside a capture (graph_begin makes it)"
+                )
+            try:
+                with self._scope:
+                    workspace = cupy.empty(WORKSPACE_BYTES, np.uint8)
+                    self._cublas = CublasHandle(self.stream.ptr, workspace)
+            except KernelError as exc:
+                self._cublas_error = exc
+                raise
+        return self._cublas
+
+    @property
+    def graph_max_rows(self) -> int | None:
+        """Rows (M) up to which matrix products on constant weights record into a graph:
+        any with ``cublas_in_graphs``, else the own kernels' PIECES_MAX_M."""
+        return None if self.option("cublas_in_graphs") else PIECES_MAX_M
 
     # -- device and memory -------------------------------------------------
     @property
@@ -289,6 +330,12 @@ class CUDAProvider(ExecutionProvider):
 
     # -- graph hooks: one CUDA graph per (slot, part) ----------------------------
     def graph_begin(self, slot: DeviceGraphSlot, part: int) -> None:
+        if self.option("cublas_in_graphs") and self._cublas is None:
+            # Made before the stream records. Without cuBLAS, graphs that need no GEMM still
+            # capture; a MatMul that needs it raises the kept error, and its step runs
+            # eagerly with that reason.
+            with contextlib.suppress(KernelError):
+                self.cublas  # noqa: B018
         with self._scope:
             self.stream.begin_capture()
 

@@ -45,3 +45,42 @@ def test_numeric_options_take_their_type():
     assert resolve_options("p", declared, {"tiles": 8, "scale": 2}) == {"tiles": 8, "scale": 2.0}
     with pytest.raises(InvalidInputError, match="option 'tiles' must be a int, got True"):
         resolve_options("p", declared, {"tiles": True})
+
+
+_CUDA_OPTIONS = r"""
+import json
+from onnx_genrt.providers.cuda.provider import CUDAProvider
+print(json.dumps([[o.name, o.default, o.env] for o in CUDAProvider.OPTIONS]))
+"""
+
+
+def _readme_rows() -> dict[tuple[str, str], str]:
+    """The README's "Provider options" table: (provider, option) -> its default cell."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = text.split("## Provider options", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].startswith("`"):
+            rows[cells[0], cells[1].strip("`")] = cells[2]
+    return rows
+
+
+def test_every_option_is_in_the_readme_table_with_its_default_and_variable():
+    """Each declared option of the CPU and CUDA providers (the CUDA provider's read with
+    CuPy stubbed) has a README row naming its default and environment variable."""
+    from tests.cuda_stub import run_with_cupy_stub
+
+    rows = _readme_rows()
+    declared = [("cpu", o.name, o.default, o.env) for o in CPUProvider.OPTIONS]
+    declared += [("cuda", *o) for o in run_with_cupy_stub(_CUDA_OPTIONS)]
+    assert any(name == "cublas_in_graphs" for _, name, _, _ in declared)
+    for provider, name, default, env in declared:
+        cell = rows.get((provider, name))
+        assert cell is not None, f"README.md has no row for {provider} option {name!r}"
+        shown = str(default).lower() if isinstance(default, bool) else str(default)
+        assert cell.startswith(shown) or cell.startswith(f'`"{default}"`'), (name, cell)
+        if env:
+            assert f"(`{env}`)" in cell, (name, cell)

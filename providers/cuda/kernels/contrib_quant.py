@@ -15,9 +15,15 @@ share a column and a warp covers several columns, so a column's sum is a few shu
 With fp16 activations and integer zero points both do their math on packed halves
 (``nbits4_chunk_half2``, :data:`HALF2_GEMV`), which roughly halves the instructions per value.
 
-MatMulNBits, M > 16 (prefill; eager only): the weight is dequantized once into the
-activation dtype as ``[N, K]`` (cached per weight, see :data:`DEQUANT_CACHE`) and multiplied
-with cuBLAS, which CuPy refuses inside a stream capture, so that case raises while capturing.
+MatMulNBits, 17..64 rows: the tensor-core GEMM (fp16/bf16, ``nbits_mma_min_rows``) or the
+GEMV in pieces of 16 rows; both capturable.
+
+MatMulNBits, more rows (prefill): the weight is dequantized once into the activation dtype
+as ``[N, K]`` (cached per weight, see :data:`DEQUANT_CACHE`; made on an eager run, never
+inside a capture) and multiplied with cuBLAS on the provider's handle, which a graph capture
+records (the bias added by the GEMM itself). With the provider's ``cublas_in_graphs`` off it
+is CuPy's matmul, which CuPy refuses inside a stream capture, so that case raises while
+capturing.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo
+from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext, NodeInfo, TransposedWeight
 from onnx_genrt.core.op_rules import (
     NBITS,
     check_index_range,
@@ -36,6 +42,7 @@ from onnx_genrt.core.op_rules import (
     matmul_nbits_unsupported,
 )
 
+from ..cublas import GemmShape
 from ..gemv_split import nbits4_small_k_split, small_k_blocks
 from ._common import (
     BF16,
@@ -52,7 +59,7 @@ from ._common import (
     storage,
 )
 from ._registry import REGISTRY
-from .matmul import MMA_MAX_M, MMA_TILES, gemv_layout, mma_config, sum_splits
+from .matmul import MMA_MAX_M, MMA_TILES, gemv_layout, mma_config, provider_cublas, sum_splits
 
 #: Largest M that runs on the GEMV kernel.
 GEMV_MAX_M = 16
@@ -948,14 +955,19 @@ def matmul_nbits(
             r1 = min(m, r0 + GEMV_MAX_M)
             _nbits_gemv(ctx, call, a2[r0:r1], y2[r0:r1], r1 - r0)
         return y
-    if capturing(ctx):
+    blas = provider_cublas(ctx)
+    if blas is None and capturing(ctx):
         raise CaptureUnsupported(
-            f"{desc}: MatMulNBits with M={m} > {GEMV_MAX_M} needs cuBLAS on a dequantized "
-            "weight, and CuPy refuses cuBLAS during stream capture; this shape runs eagerly"
+            f"{desc}: MatMulNBits with M={m} > {CHUNKED_GEMV_MAX_M} needs cuBLAS on a "
+            "dequantized weight, and with the CUDA provider's cublas_in_graphs off that is "
+            "CuPy's, which refuses stream capture; this shape runs eagerly"
         )
     params = (k, n, bits, block, a.dtype.str)
 
     def build() -> cupy.ndarray:
+        refuse_in_capture(
+            ctx, f"dequantizing the 4-bit weight for M={m} rows (done on the first eager run)"
+        )
         w = cupy.empty((n, k), a.dtype)
         fn = function(_source(ctx), f"nbits_dequant<{s_type}, {w_type}, {bits}>")
         total = n * k
@@ -969,6 +981,12 @@ def matmul_nbits(
 
     w = DEQUANT_CACHE.get((b, scales, zero_points), params, build)
     y2 = y.reshape(m, n)
+    if blas is not None:
+        if bias is not None:  # the GEMM adds its products to the bias
+            cupy.copyto(y2, bias.reshape(1, n))
+        shape = GemmShape(m, k, n, transposed=True)
+        blas.gemm(a, TransposedWeight(w), y, shape, accumulate=bias is not None, where=desc)
+        return y
     cupy.matmul(a.reshape(m, k), w.T, out=y2)
     if bias is not None:
         y2 += bias.reshape(1, n)

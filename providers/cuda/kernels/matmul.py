@@ -1,4 +1,4 @@
-"""CUDA MatMul: an own skinny GEMM for M <= 16 (capturable), cuBLAS through CuPy above.
+"""CUDA MatMul: own kernels for up to 64 rows, cuBLAS above (both capturable).
 
 The skinny kernel reads the row-major weight B [K, N] once, which is what bounds a decode
 or verify step. Each block owns a tile of N columns; its threads stride over K with
@@ -11,7 +11,15 @@ split across blocks and a second kernel adds the parts.
 A constant 2-D weight is prepacked once, when the session is built, as its transpose
 [N, K] (:class:`TransposedWeight`). Then each output column is one contiguous row: a warp
 (or a few, for long rows) reads it with 16-byte loads and reduces with shuffles, in one
-launch with no split-K pass; large M runs cuBLAS on the transposed view.
+launch with no split-K pass; fp16/bf16 from ``mma_min_rows`` rows up to MMA_MAX_M run on the
+tensor cores (``gemm_mma``).
+
+Everything else (more rows, broadcast batches, misaligned operands) runs cuBLAS on the
+provider's own handle (``providers/cuda/cublas.py``, provider option ``cublas_in_graphs``),
+which a graph capture records, so prompt chunks of any width replay graphs. With the option
+off it is CuPy's matmul, which CuPy refuses during stream capture: such a step raises
+:class:`CaptureUnsupported` and runs eagerly, counted as a fallback with that reason. Batch
+dims that broadcast other than whole (one side's batch all ones) go the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import numpy as np
 from onnx_genrt.core.kernels import KernelContext, TransposedWeight
 from onnx_genrt.core.op_rules import matmul_shape
 
+from ..cublas import CublasHandle, GemmShape, matmul_gemm_shape
 from ._common import (
     BF16,
     DEVICE_COMMON,
@@ -453,6 +462,14 @@ def mma_min_rows(ctx: KernelContext) -> int:
     return int(ctx.option("mma_min_rows", MMA_MIN_ROWS))
 
 
+def provider_cublas(ctx: KernelContext) -> CublasHandle | None:
+    """The provider's cuBLAS handle, which graph captures record, when its
+    ``cublas_in_graphs`` option is on; None otherwise (then CuPy's matmul, eager only)."""
+    if ctx.provider is None or not ctx.option("cublas_in_graphs", False):
+        return None
+    return ctx.provider.cublas  # type: ignore[attr-defined]
+
+
 def skinny_dims(a_shape: tuple[int, ...], b_shape: tuple[int, ...]):
     """(batch, M, K, N, b_batch_elems) for the skinny kernel, or None when it does not apply.
 
@@ -563,7 +580,8 @@ def _gemv_transposed(
     ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
 ) -> cupy.ndarray:
     """``a @ w`` on the tensor cores (``gemm_mma``) for fp16/bf16 from ``mma_min_rows`` rows
-    up to MMA_MAX_M, else on ``gemv_nk`` for M <= 16, else cuBLAS (eager only). ``norm`` (a
+    up to MMA_MAX_M, else on ``gemv_nk`` for M <= 16 (in pieces up to PIECES_MAX_M), else
+    cuBLAS (``provider_cublas``; CuPy's, eager only, without it). ``norm`` (a
     ``genrt.FusedNorm`` or ``FusedSilu``): the GEMV's blocks make the activations in
     shared memory, or the unfused kernel makes them first for shapes that do not fit."""
     k, n = w.shape
@@ -611,10 +629,15 @@ def _gemv_transposed(
             r1 = min(m, r0 + SKINNY_MAX_M)
             gemv(a2[r0:r1], c2[r0:r1], r1 - r0)
         return c
+    blas = provider_cublas(ctx)
+    if blas is not None:
+        blas.gemm(a, w, c, GemmShape(m, k, n, transposed=True), where=ctx.node.describe())
+        return c
     if capturing(ctx):
         raise CaptureUnsupported(
             f"{ctx.node.describe()}: MatMul {list(a.shape)} @ [{k}, {n}] with M={m} needs "
-            "cuBLAS, and CuPy refuses cuBLAS during stream capture; this shape runs eagerly"
+            "cuBLAS, and with the CUDA provider's cublas_in_graphs off that is CuPy's, which "
+            "refuses stream capture; this shape runs eagerly"
         )
     cupy.dot(a.reshape(m, k), w.t.T, out=c.reshape(m, n))
     return c
@@ -622,9 +645,12 @@ def _gemv_transposed(
 
 @REGISTRY.register("MatMul", since=1, prepack=transpose_weight)
 def matmul(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray, norm: Any = None) -> cupy.ndarray:
-    """ONNX MatMul. A prepacked weight runs ``gemv_nk`` for M <= 16; other fp32/fp16/bf16 with
-    M <= 16 run the skinny kernel; the rest uses cuBLAS, which CuPy refuses during stream
-    capture, so that case raises while capturing. ``norm``: see ``_gemv_transposed``."""
+    """ONNX MatMul. A prepacked weight: see ``_gemv_transposed``; other fp32/fp16/bf16 with
+    M <= 16 (no broadcast batch) run the skinny kernel; the rest of those run cuBLAS on the
+    provider's handle (``provider_cublas``), batched where batch dims match or one side's are
+    all ones. What remains (integers, partly broadcast batches, or the option off) runs
+    CuPy's matmul, which CuPy refuses during stream capture, so that case raises while
+    capturing. ``norm``: see ``_gemv_transposed``."""
     if isinstance(b, TransposedWeight):
         if a.dtype != b.dtype:
             raise TypeError(
@@ -648,16 +674,22 @@ def matmul(ctx: KernelContext, a: cupy.ndarray, b: cupy.ndarray, norm: Any = Non
     if dims is not None and a.dtype in FLOAT_DTYPES and dims[1] <= SKINNY_MAX_M:
         _skinny(ctx, contiguous(ctx, a), contiguous(ctx, b), c, dims)
         return c
+    blas = provider_cublas(ctx) if a.dtype in FLOAT_DTYPES else None
+    gemm = matmul_gemm_shape(tuple(a.shape), tuple(b.shape)) if blas is not None else None
+    if blas is not None and gemm is not None:
+        a, b = contiguous(ctx, a), contiguous(ctx, b)
+        blas.gemm(a, b, c, gemm, where=ctx.node.describe())
+        return c
     if capturing(ctx):
-        if dims is None:
-            why = f"batch dims of {list(a.shape)} @ {list(b.shape)} broadcast"
-        elif a.dtype not in FLOAT_DTYPES:
-            why = f"dtype {a.dtype} has no own kernel"
+        if a.dtype not in FLOAT_DTYPES:
+            why = f"dtype {a.dtype} has no own kernel and no cuBLAS GEMM here"
+        elif blas is not None:
+            why = f"batch dims of {list(a.shape)} @ {list(b.shape)} broadcast partly"
         else:
-            why = f"M={dims[1]} > {SKINNY_MAX_M}"
+            why = "the CUDA provider's cublas_in_graphs is off"
         raise CaptureUnsupported(
-            f"{ctx.node.describe()}: MatMul {list(a.shape)} @ {list(b.shape)} needs cuBLAS "
-            f"({why}), and CuPy refuses cuBLAS during stream capture; this shape runs eagerly"
+            f"{ctx.node.describe()}: MatMul {list(a.shape)} @ {list(b.shape)} needs CuPy's "
+            f"matmul ({why}), which CuPy refuses during stream capture; this shape runs eagerly"
         )
     if a.dtype == BF16:  # CuPy's matmul has no bfloat16: float32 products, rounded once
         cupy.copyto(c, cupy.matmul(a.astype(F32), b.astype(F32)), casting="unsafe")

@@ -789,10 +789,23 @@ def test_graph_slots_capture_and_replay_independently(cp, fresh, rng):
     dec.check(hd)
 
 
-def test_cublas_in_capture_latches_only_its_slot(cp, fresh, rng):
+@pytest.fixture
+def no_cublas_in_graphs(cp):
+    """A provider of its own with ``cublas_in_graphs`` off: MatMul above 64 rows takes
+    CuPy's cuBLAS, which refuses stream capture."""
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
+
+    p = CUDAProvider(cublas_in_graphs=False)
+    yield p
+    for slot in DeviceGraphSlot:
+        p.reset_graph(slot)
+
+
+def test_cublas_in_capture_latches_only_its_slot(cp, no_cublas_in_graphs, rng):
+    """With ``cublas_in_graphs`` off (test_cuda_cublas.py has it on)."""
     from onnx_genrt.providers.cuda.kernels._common import CaptureUnsupported
 
-    prov = fresh
+    prov = no_cublas_in_graphs
     a, b, want = _matmul_case(rng, (64, 128), (128, 256), np.float16)
     da, db = prov.as_array(a), prov.as_array(b)
     with prov.stream:
@@ -802,7 +815,7 @@ def test_cublas_in_capture_latches_only_its_slot(cp, fresh, rng):
     assert_close(prov.to_numpy(c), want, scale=2)
 
     prov.begin_capture(VERIFY)
-    with pytest.raises(CaptureUnsupported, match="cuBLAS"):
+    with pytest.raises(CaptureUnsupported, match="cublas_in_graphs is off"):
         launch(prov, info, [da, db], [c])
     prov.abort_capture(VERIFY, "MatMul M=64 needs cuBLAS")
     assert prov.capturing is None
@@ -956,15 +969,17 @@ def test_session_primary_and_verify_interleaved(cp, rng, dtype):
 
 
 def test_session_large_m_falls_back_to_eager_with_reason(cp, rng):
+    """With ``cublas_in_graphs`` off (on, the step replays: test_cuda_cublas.py)."""
     from onnx_genrt.providers.cuda.kernels.matmul import PIECES_MAX_M
     from onnx_genrt.session import InferenceSession
 
     hidden, vocab = 64, 100
     model = mlp_model(hidden=hidden, vocab=vocab)
-    sess = InferenceSession(model, providers=["cuda"])
+    sess = InferenceSession(model, providers=[("cuda", {"cublas_in_graphs": False})])
+    assert sess.graph_max_rows == PIECES_MAX_M
     prov = sess.main_provider
-    # above the rows the prepacked GEMV runs in capturable pieces: cuBLAS, which CuPy
-    # refuses inside a capture
+    # above the rows the prepacked GEMV runs in capturable pieces: CuPy's cuBLAS, which
+    # refuses a capture
     binding, x, p, _ = _bind(cp, sess, PIECES_MAX_M + 1, hidden, vocab, np.float32)
     for _ in range(4):
         host = rng.standard_normal(x.shape).astype(np.float32)
