@@ -200,10 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat_cli.add_parser(sub)
     serve_cli.add_parser(sub)
 
-    from onnx_genrt.tools import step_cost, step_profile
+    from onnx_genrt.tools import lane_targets, step_cost, step_profile
 
     step_profile.add_parser(sub)
     step_cost.add_parser(sub)
+    lane_targets.add_parser(sub)
     for command in sub.choices.values():
         # Accepted after the command too; SUPPRESS keeps a --debug given before it.
         _debug_flag(command, argparse.SUPPRESS)

@@ -153,6 +153,8 @@ summarize_benches() {
   for f in "$LOGDIR"/bench-fp16.txt "$LOGDIR"/bench-int4.txt "$LOGDIR"/step-fp16.txt "$LOGDIR"/step-int4.txt "$LOGDIR"/hf_bench.txt "$LOGDIR"/bench-default.txt "$LOGDIR"/step-default.txt "$LOGDIR"/profile-default.txt; do
     [ -f "$f" ] && { echo "$(basename "$f"):"; sed 's/^/  /' "$f"; }
   done
+  echo "targets (issues 17 and 19; add gpu_long_bench.sh's long.txt to the same folder for the long rows):"
+  "$PY" -m onnx_genrt lane-targets "$LOGDIR" | sed 's/^/  /' || echo "  target table failed"
   return 0
 }
 

@@ -53,6 +53,12 @@ for prec in fp16 int4; do
   "$PY" -m onnx_genrt bench --model "$dst" --provider cuda $COMPARE --no-reference \
     ${STREAMS:+--streams "$STREAMS"} --tokens "$TOKENS" --prompt-tokens 32 --repeats 3 2>"$LOGDIR/bench-$prec.err" | tee "$LOGDIR/bench-$prec.txt" \
     || { echo "bench $prec failed"; tail -n 30 "$LOGDIR/bench-$prec.err"; }
+  if [ "$prec" = fp16 ]; then
+    echo "== prefill of a 512-token prompt ($prec)"
+    "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --no-reference --tokens 16 \
+      --prompt-tokens 512 --repeats 3 2>>"$LOGDIR/bench-$prec.err" | tee "$LOGDIR/prompts-512-$prec.txt" \
+      || echo "512-token prompt bench $prec failed"
+  fi
   if [ "$PROFILE" != 0 ]; then
     echo "== step profile ($prec, decode M=1, 256 cached positions)"
     "$PY" -m onnx_genrt profile --model "$dst" --provider cuda --top 10 | tee "$LOGDIR/profile-$prec.txt" \

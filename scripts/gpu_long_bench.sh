@@ -38,15 +38,16 @@ if [ ! -f "$dst/genai_config.json" ]; then
 fi
 for p in $PROMPTS; do
   for setting in $SETTINGS; do
-    echo "== $p prompt tokens, $TOKENS new, $setting"
+    echo "== $p prompt tokens, $TOKENS new, $setting" | tee -a "$LOGDIR/long.txt"
     envs=()
     [ "$setting" = default ] || IFS=, read -r -a envs <<<"$setting"
     env "${envs[@]}" "$PY" -m onnx_genrt bench --model "$dst" --provider cuda --no-reference \
       --prompt-tokens "$p" --tokens "$TOKENS" --repeats 3 2>>"$LOGDIR/long.err" \
       | grep -E "^onnx-genrt|^runtime" | tee -a "$LOGDIR/long.txt"
   done
-  echo "== HF transformers (sdpa), $p prompt tokens"
+  echo "== HF transformers (sdpa), $p prompt tokens" | tee -a "$LOGDIR/long.txt"
   timeout "${HF_BENCH_TIMEOUT:-120}" "$PY" scripts/hf_bench.py --model "$WORK/hf-0.5b-32k" --device cuda \
     --dtype float16 --tokens "$TOKENS" --prompt-tokens "$p" --repeats 3 2>>"$LOGDIR/long.err" \
     | tee -a "$LOGDIR/long.txt" || echo "HF bench failed"
 done
+"$PY" -m onnx_genrt lane-targets "$LOGDIR" || echo "target table failed"

@@ -1,0 +1,97 @@
+"""The GPU lane's target table reads the lane's own log formats: bench rows as
+``onnx-genrt bench`` prints them, step costs as ``onnx-genrt step-cost`` prints them, and the
+real logs of an H200 lane run (tests/tools/data/lane_logs)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import pytest
+
+from onnx_genrt.cli import main
+from onnx_genrt.tools import lane_targets, step_cost
+from onnx_genrt.tools.llm_bench import BenchRow, format_rows
+
+LOGS = Path(__file__).parent / "data" / "lane_logs"
+
+
+def _by_name(folder: Path) -> dict[str, lane_targets.Target]:
+    return {t.name: t for t in lane_targets.targets(folder)}
+
+
+def test_bench_rows_read_back_what_the_bench_prints():
+    rows = [
+        BenchRow("onnx-genrt[cuda]", 1.77, 1133.0),
+        BenchRow("onnx-genrt[cuda,32 streams,serial]", 56.71, 12690.3, decode_spread=0.034),
+        BenchRow("onnx-genrt[cuda,eager prompts]", 15.66, 1132.9),
+    ]
+    parsed = lane_targets.bench_rows(format_rows(rows))
+    assert parsed == {r.runtime: (r.prefill_ms, r.decode_tok_s) for r in rows}
+
+
+def test_step_ratios_read_back_what_step_cost_prints(monkeypatch, capsys, tmp_path):
+    measured = {"decode": 0.8, "verify": 1.2, "ratio": 1.5, "replays_primary": 51,
+                "replays_verify": 104, "verify+mtp": 2.0}  # fmt: skip
+    monkeypatch.setattr(step_cost, "measure", lambda *a: measured)
+    monkeypatch.setattr(step_cost, "model_folder", lambda a: tmp_path)
+    step_cost.run(argparse.Namespace(provider="cuda", k=4, context=256, steps=10))
+    assert lane_targets.step_ratios(capsys.readouterr().out) == (1.5, 2.5)
+
+
+def test_a_real_lane_run_gives_each_target_its_figure():
+    got = _by_name(LOGS)
+    fp16 = got["0.5B fp16 graphed greedy, tok/s"]
+    assert (fp16.figure, fp16.met) == (1133.0, False)
+    assert "HF static+cudagraphs 653.2" in fp16.anchor
+    assert got["0.5B int4 verify (M=5) / decode"].figure == 1.27
+    assert got["0.5B fp16 verify + MTP chain / decode"].figure == 2.16
+    streams = got["0.5B fp16 32 streams / 1 stream"]
+    assert streams.figure == pytest.approx(15723.3 / 1140.6) and streams.met is False
+    assert "25.0x" in streams.anchor  # HF's 8083.4 at 32 over 322.8 at 1
+    prefill = got["0.5B fp16 prefill 32 tokens, ms"]
+    assert (prefill.figure, prefill.met) == (1.77, True)
+    assert got["0.5B fp16 prefill 512 tokens, ms"].figure == 4.16
+    long = got["decode after 30000 tokens / after 256"]
+    assert long.figure == pytest.approx(100 * 351.4 / 1191.0)  # the default rows only
+    assert got["prefill 8192 tokens, ms"].figure == 39.17
+    assert got["embedded model MTP / graphed greedy"].figure == pytest.approx(16978.3 / 8996.9)
+
+
+def test_missing_logs_are_not_measured_and_the_report_counts(tmp_path):
+    shutil.copy(LOGS / "step-int4.txt", tmp_path)
+    got = _by_name(tmp_path)
+    assert got["0.5B fp16 graphed greedy, tok/s"].met is None
+    assert got["0.5B int4 verify (M=5) / decode"].met is False
+    text = lane_targets.report(tmp_path)
+    assert "not measured" in text
+    assert text.splitlines()[-1].startswith(f"0 of {len(got)} targets met; {len(got) - 2}")
+
+
+def test_long_context_rows_keep_settings_and_hf_apart():
+    text = "\n".join(
+        [
+            "== 8192 prompt tokens, 64 new, default",
+            "onnx-genrt[cuda]                  39.17         734.9    0.1%   -   -  yes  x",
+            "== 8192 prompt tokens, 64 new, ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS=1",
+            "onnx-genrt[cuda]                  39.10         893.3    0.2%   -   -  yes  x",
+            "== HF transformers (sdpa), 8192 prompt tokens",
+            "config                decode tok/s   TTFT ms    ids  notes",
+            "eager-dynamic                 30.2     35.10    ref  not compiled",
+            "static+cudagraphs            503.6     30.73   same  graphs 1",
+            "roofline                    4351.9                   988.1 MB",
+        ]
+    )
+    ours, hf = lane_targets.long_rows(text)
+    assert ours == {(8192, "default"): (39.17, 734.9),
+                    (8192, "ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS=1"): (39.10, 893.3)}  # fmt: skip
+    assert hf == {8192: 30.73}
+
+
+def test_the_command_prints_the_table_and_refuses_a_missing_folder(tmp_path, capsys):
+    assert main(["lane-targets", str(LOGS)]) == 0
+    assert "0.5B fp16 graphed greedy, tok/s" in capsys.readouterr().out
+    assert main(["lane-targets", str(tmp_path / "nowhere")]) != 0
+    err = capsys.readouterr().err
+    assert "is not a folder" in err and "Traceback" not in err
