@@ -31,6 +31,12 @@ from .sampling import choose, plain_greedy
 #: kernels in pieces of 16 rows); more would need cuBLAS, which CuPy refuses inside a
 #: stream capture.
 MAX_GRAPH_ROWS = 64
+#: Widest graphed prompt chunk of a batch row. Every row keeps its own prompt graphs (one
+#: per width, each with logits of ``width`` rows: a 151936-token vocabulary in float32
+#: takes 0.6 MB a row), so wider chunks (up to 512 rows where the session captures them)
+#: are left to single sequences: rows stay at 8-64 (120 rows of logits each), and a prompt
+#: of more than 4 x 64 tokens prefills eagerly, as before cuBLAS captured.
+ROW_PREFILL_MAX_WIDTH = 64
 
 
 def buckets(max_batch: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> tuple[int, ...]:
@@ -232,6 +238,7 @@ class BatchGenerator:
             )
             # its prompt graphs beside every other row's (``DecoderRunner.prefill``)
             runner.variant_base = self.runner.variant_base + (index + 1) * 1024
+            runner.prefill_max_width = ROW_PREFILL_MAX_WIDTH
             self._row_runners[index] = runner
         return runner
 

@@ -296,6 +296,10 @@ class DecoderRunner:
         #: Graph variants of this runner's batched steps start here (runners over other
         #: rows of one cache keep their own graphs side by side).
         self.variant_base = 0
+        #: Widest graphed prompt chunk of this runner (None: the session's limit). Each
+        #: width it uses keeps a graph with logits of ``width`` rows, so runners that exist
+        #: once per batch row cap it (``engine/batch.py``).
+        self.prefill_max_width: int | None = None
         self._bindings: dict[tuple[int, int], tuple[IOBinding, StepBuffers]] = {}
         tail = session.row_tail(io.logits)
         #: Whether a prefill computes the logits (and device argmax) of its last row only:
@@ -385,9 +389,10 @@ class DecoderRunner:
 
     def prefill_widths(self) -> tuple[int, ...]:
         """The chunk widths of graphed prompts here: ``PREFILL_WIDTHS`` up to the session's
-        ``graph_max_rows`` (none when even the narrowest does not capture)."""
-        limit = self.session.graph_max_rows
-        return tuple(w for w in PREFILL_WIDTHS if limit is None or w <= limit)
+        ``graph_max_rows`` and this runner's ``prefill_max_width`` (none when even the
+        narrowest does not fit)."""
+        limits = [w for w in (self.session.graph_max_rows, self.prefill_max_width) if w is not None]
+        return tuple(w for w in PREFILL_WIDTHS if all(w <= most for most in limits))
 
     def prefill_graph_max_tokens(self) -> int:
         """The longest prompt :meth:`prefill` feeds as graphed chunks: PREFILL_GRAPH_MAX_TOKENS,

@@ -196,3 +196,28 @@ def test_a_session_without_a_row_limit_feeds_wide_chunks(model, monkeypatch):
     wide = next(w for w in PREFILL_WIDTHS if w >= 300)
     rest = next(w for w in PREFILL_WIDTHS if w >= 700 - PREFILL_WIDTHS[-1])
     assert launched == [wide, PREFILL_WIDTHS[-1], rest]
+
+
+def test_batch_rows_keep_narrow_prompt_graphs():
+    """A batch row keeps its own prompt graphs, so its widths stop at
+    ``ROW_PREFILL_MAX_WIDTH`` while a single sequence's runner takes every width the session
+    captures; a row's longer prompt still equals the prompt generated alone."""
+    from onnx_genrt.engine import GeneratorParams
+    from onnx_genrt.engine.batch import ROW_PREFILL_MAX_WIDTH, BatchGenerator
+
+    model = Model(default_model_path())
+    batch = BatchGenerator(model, 2, 256)
+    batch.graph_prefill = True
+    row_widths = batch._row_runner(1).prefill_widths()
+    assert row_widths == tuple(w for w in PREFILL_WIDTHS if w <= ROW_PREFILL_MAX_WIDTH)
+    assert batch.runner.prefill_widths()[-1] > ROW_PREFILL_MAX_WIDTH  # the CPU captures any
+    text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 3
+    ids = model.tokenizer.encode(text)
+    assert 64 < len(ids) <= 4 * ROW_PREFILL_MAX_WIDTH
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + 8)
+    batch.add(ids, params, ignore_eos=True)
+    row = batch.add(ids, params, ignore_eos=True)
+    while not batch.is_done(row):
+        batch.step()
+    assert batch.sequence(row) == generate(model, ids, 8, ignore_eos=True).tokens
