@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from collections.abc import Sequence
 
 #: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the kernel may start before the
@@ -88,6 +89,7 @@ class Driver:
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self._error_name.restype = ctypes.c_int
         self._attr = programmatic_attribute()  # read by the driver at each launch
+        self._attr_pointer = ctypes.pointer(self._attr)
 
     def error_name(self, code: int) -> str:
         """``CUDA_ERROR_...`` for a driver result code."""
@@ -115,21 +117,34 @@ class Driver:
         block: Sequence[int],
         shared_bytes: int,
         stream: int,
-        params: bytearray,
-        offsets: Sequence[int],
+        params: ParamBlock,
         programmatic: bool = True,
     ) -> None:
-        """``cuLaunchKernelEx`` of ``function`` on ``stream`` with the packed ``params`` (one
-        pointer per parameter offset), the PDL attribute when ``programmatic``."""
-        config = LaunchConfig(
-            *grid, *block, shared_bytes, stream, ctypes.pointer(self._attr), int(programmatic)
-        )
-        holder = (ctypes.c_char * max(len(params), 1)).from_buffer(params or bytearray(1))
-        base = ctypes.addressof(holder)
-        pointers = (ctypes.c_void_p * max(len(offsets), 1))(*(base + o for o in offsets))
-        r = self._launch(ctypes.byref(config), function, pointers, None)
+        """``cuLaunchKernelEx`` of ``function`` on ``stream`` with the parameters packed in
+        ``params`` (hold ``params.lock`` from packing to here), the PDL attribute when
+        ``programmatic``."""
+        c = params.config
+        c.grid_x, c.grid_y, c.grid_z = grid
+        c.block_x, c.block_y, c.block_z = block
+        c.shared_bytes, c.stream = shared_bytes, stream
+        c.attrs, c.num_attrs = self._attr_pointer, int(programmatic)
+        r = self._launch(ctypes.byref(c), function, params.pointers, None)
         if r != 0:
             raise DriverError("cuLaunchKernelEx", r, self.error_name(r))
+
+
+class ParamBlock:
+    """One kernel's parameter bytes at their offsets (``buffer``), a pointer to each
+    (``pointers``, the launch's kernelParams) and a launch config, reused by every launch of
+    the kernel: the driver copies all three when it launches. ``lock`` keeps threads that
+    launch the same kernel apart."""
+
+    def __init__(self, offsets: Sequence[int], size: int) -> None:
+        self.buffer = (ctypes.c_char * max(size, 1))()
+        base = ctypes.addressof(self.buffer)
+        self.pointers = (ctypes.c_void_p * max(len(offsets), 1))(*(base + o for o in offsets))
+        self.config = LaunchConfig()
+        self.lock = threading.Lock()
 
 
 @functools.cache

@@ -26,7 +26,7 @@ import cupy
 from onnx_genrt.core.errors import KernelError
 
 from . import driver as cuda_driver
-from .kernel_args import pack
+from .kernel_args import Packer
 
 #: Streams (by handle) whose kernels go through cuLaunchKernelEx with the PDL attribute, and
 #: whether their kernels prefetch weights into L2 before they wait (``pdl_prefetch``).
@@ -90,6 +90,14 @@ def _address(arg: Any) -> int | None:
     return None
 
 
+def _array_address(arg: Any) -> int:
+    return arg.data.ptr
+
+
+#: The argument types the packer's fast path takes as device addresses.
+_ARRAYS = {cupy.ndarray: _array_address}
+
+
 def _dims(d: int | Sequence[int]) -> tuple[int, int, int]:
     """A grid or block as three ints (CuPy takes an int or 1 to 3 of them)."""
     t = (int(d),) if isinstance(d, int) else tuple(int(x) for x in d)
@@ -102,7 +110,7 @@ class Kernel:
     """A compiled kernel (``raw``, CuPy's RawKernel) launched as described in the module.
     Other attributes (``num_regs``, ``attributes``...) are the RawKernel's."""
 
-    __slots__ = ("raw", "name", "ready", "_function", "_table")
+    __slots__ = ("raw", "name", "ready", "_function", "_packer", "_params")
 
     def __init__(self, raw: Any, name: str, ready: bool) -> None:
         #: CuPy's RawKernel.
@@ -112,8 +120,11 @@ class Kernel:
         #: Whether it may be launched programmatically: compiled with GENRT_PDL, and its
         #: source waits on the previous grid before touching memory.
         self.ready = ready
-        self._function = 0  # its CUfunction, once looked up
-        self._table: tuple[tuple[int, int], ...] | None = None
+        # Set at its first programmatic launch: the CUfunction, the argument packer of its
+        # parameter table and the parameter block the driver reads.
+        self._function = 0
+        self._packer: Packer | None = None
+        self._params: cuda_driver.ParamBlock | None = None
 
     def __getattr__(self, attr: str) -> Any:
         if attr in Kernel.__slots__:  # not set yet: never recurse
@@ -146,16 +157,18 @@ class Kernel:
         drv = cuda_driver.load()
         if isinstance(drv, str):  # the provider checked this before allowing the stream
             raise KernelError(f"kernel {self.name}: programmatic launch unavailable: {drv}")
-        if not self._function:
-            self._function = int(self.raw.kernel.ptr)
         try:
-            if self._table is None:
-                self._table = drv.param_table(self._function)
-            params = pack(self._table, args, self.name, _address)
-            drv.launch(
-                self._function, _dims(grid), _dims(block), int(shared_mem), stream, params,
-                [offset for offset, _ in self._table],
-            )  # fmt: skip
+            if self._params is None:
+                self._function = int(self.raw.kernel.ptr)
+                table = drv.param_table(self._function)
+                self._packer = Packer(table, self.name, _address, _ARRAYS)
+                self._params = cuda_driver.ParamBlock([o for o, _ in table], self._packer.size)
+            params = self._params
+            with params.lock:
+                self._packer.pack_into(params.buffer, args)
+                drv.launch(
+                    self._function, _dims(grid), _dims(block), int(shared_mem), stream, params
+                )
         except cuda_driver.DriverError as exc:
             raise KernelError(
                 f"kernel {self.name}: {exc} (grid {grid}, block {block}, {shared_mem} bytes "

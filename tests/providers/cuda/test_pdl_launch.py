@@ -7,12 +7,13 @@ obeys (``kernel_source``)."""
 from __future__ import annotations
 
 import ctypes
+import re
 
 import numpy as np
 import pytest
 
 from onnx_genrt.providers.cuda import driver as cuda_driver
-from onnx_genrt.providers.cuda.kernel_args import pack
+from onnx_genrt.providers.cuda.kernel_args import Packer, pack
 from onnx_genrt.providers.cuda.kernel_source import has_wait, kernels, pre_wait_problems
 from tests.cuda_stub import run_with_cupy_stub
 
@@ -118,6 +119,25 @@ def test_pack_agrees_with_cupy_or_refuses(arg, size):
         assert int(arg) in (signed, int.from_bytes(got, "little"))
 
 
+@pytest.mark.parametrize("size", [1, 2, 4, 8, 16])
+def test_packer_gives_the_bytes_and_errors_of_pack(size):
+    """The fast packer (a struct per tuple of argument types) against :func:`pack`: the same
+    bytes for every argument of ARGS beside a pointer and an int, or the same error, also
+    when the same types come again with values the struct refuses."""
+    table = [(0, 8), (8, size), (8 + size + (-(8 + size) % 8), 4)]
+    packer = Packer(table, "k", address, {FakeArray: lambda a: a.ptr})
+    for arg in [*ARGS, *ARGS]:  # twice: the second time from the cached layouts
+        args = [FakeArray(0x7000), arg, np.int32(-4)]
+        try:
+            want = bytes(pack(table, args, "k", address))
+        except TypeError as exc:
+            with pytest.raises(TypeError, match=re.escape(str(exc))):
+                packer.pack(args)
+            continue
+        assert bytes(packer.pack(args)) == want, arg
+    assert packer.size == table[-1][0] + 4
+
+
 def test_pack_names_the_kernel_and_parameter_it_refuses():
     with pytest.raises(
         TypeError, match=r"kernel f<float>: parameter 1 \(4 bytes\): a Python float"
@@ -197,8 +217,10 @@ def test_driver_reads_the_table_and_launches_with_the_attribute():
     lib = FakeLib(table)
     drv = cuda_driver.Driver(lib)
     assert drv.param_table(0x1234) == tuple(table)
-    params = pack(table, [FakeArray(0xABC0), -2, 7, np.float32(0.5)], "k", address)
-    drv.launch(0x1234, (3, 2, 1), (32, 8, 1), 4096, 0x5678, params, [o for o, _ in table])
+    params = cuda_driver.ParamBlock([o for o, _ in table], len(want))
+    packer = Packer(table, "k", address, {FakeArray: lambda a: a.ptr})
+    packer.pack_into(params.buffer, [FakeArray(0xABC0), -2, 7, np.float32(0.5)])
+    drv.launch(0x1234, (3, 2, 1), (32, 8, 1), 4096, 0x5678, params)
     (call,) = lib.launches
     assert call["grid"] == (3, 2, 1) and call["block"] == (32, 8, 1) and call["shared"] == 4096
     assert call["stream"] == 0x5678 and call["function"] == 0x1234 and not call["extra"]
@@ -214,7 +236,7 @@ def test_driver_errors_carry_the_error_name():
         cuda_driver.DriverError,
         match=r"cuLaunchKernelEx failed: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES \(701\)",
     ):
-        drv.launch(1, (1, 1, 1), (1, 1, 1), 0, 0, bytearray(8), [0])
+        drv.launch(1, (1, 1, 1), (1, 1, 1), 0, 0, cuda_driver.ParamBlock([0], 8))
     assert drv.error_name(9999) == "CUresult 9999"
 
 
@@ -252,10 +274,6 @@ def test_programmatic_launch_needs_sm90_and_the_driver():
 
 _ROUTING = r"""
 import json, sys
-import onnx_genrt.providers.cuda.launch as launch
-from onnx_genrt.providers.cuda import driver as cuda_driver
-from onnx_genrt.providers.cuda.kernels import _common
-from onnx_genrt.core.errors import KernelError
 import cupy
 
 class Array:  # what the stub's cupy.ndarray is here
@@ -263,16 +281,22 @@ class Array:  # what the stub's cupy.ndarray is here
         self.data = type("Mem", (), {"ptr": ptr})()
 cupy.ndarray = Array
 cupy.cuda.MemoryPointer = type("MemoryPointer", (), {})
+import onnx_genrt.providers.cuda.launch as launch
+from onnx_genrt.providers.cuda import driver as cuda_driver
+from onnx_genrt.providers.cuda.kernels import _common
+from onnx_genrt.core.errors import KernelError
 stream = cupy.cuda.get_current_stream.return_value
 stream.ptr = 0x5000
 
 class Drv:
     def __init__(self): self.calls, self.fail = [], False
     def param_table(self, fn): return ((0, 8), (8, 4), (16, 8))
-    def launch(self, fn, grid, block, shared, strm, params, offsets):
+    def launch(self, fn, grid, block, shared, strm, params):
         if self.fail:
             raise cuda_driver.DriverError("cuLaunchKernelEx", 701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
-        self.calls.append([fn, list(grid), list(block), shared, strm, bytes(params).hex(), list(offsets)])
+        base = cuda_driver.ctypes.addressof(params.buffer)
+        offsets = [params.pointers[i] - base for i in range(3)]
+        self.calls.append([fn, list(grid), list(block), shared, strm, bytes(params.buffer).hex(), offsets])
 drv = Drv()
 cuda_driver.load = lambda: drv
 
