@@ -99,9 +99,10 @@ def has_wait(source: str, name: str) -> bool:
     return kernel is not None and kernel.before_wait() is not None
 
 
-def pre_wait_problems(kernel: KernelText) -> list[str]:
+def pre_wait_problems(kernel: KernelText, weights: tuple[str, ...] = ()) -> list[str]:
     """Why ``kernel`` is not safe to launch early: no GRID_WAIT(), or before it a return, a
-    barrier, or a pointer parameter used other than as a ``pdl_prefetch`` address."""
+    barrier, a pointer parameter used other than as a ``pdl_prefetch`` address, or a
+    prefetch of a pointer that is not one of its ``weights`` (an activation is not ready)."""
     head = kernel.before_wait()
     if head is None:
         return [f"{kernel.name}: no {WAIT}"]
@@ -109,13 +110,21 @@ def pre_wait_problems(kernel: KernelText) -> list[str]:
     for word in ("return", "__syncthreads", "atomic", "asm"):
         if re.search(rf"\b{word}", head):
             problems.append(f"{kernel.name}: '{word}' before {WAIT}")
-    rest, at = [], 0
-    for m in re.finditer(rf"\b{PREFETCH}\s*\(", head):  # drop the prefetch calls' arguments
+    rest, prefetched, at = [], [], 0
+    for m in re.finditer(rf"\b{PREFETCH}\s*\(", head):  # set the prefetch calls apart
         rest.append(head[at : m.start()])
         at = _matching(head, m.end() - 1, "(", ")") + 1
+        prefetched.append(head[m.end() : at - 1])
     rest.append(head[at:])
-    remaining = "".join(rest)
-    for name in kernel.pointer_params:  # not a member of the same name (threadIdx.x)
-        if re.search(rf"(?<![\w.])(?<!->){name}\b", remaining):
+    remaining, prefetched_text = "".join(rest), " ".join(prefetched)
+    for name in kernel.pointer_params:
+        if _uses(name, remaining):
             problems.append(f"{kernel.name}: pointer '{name}' used before {WAIT}")
+        if _uses(name, prefetched_text) and name not in weights:
+            problems.append(f"{kernel.name}: prefetches '{name}', which is not a weight")
     return problems
+
+
+def _uses(name: str, text: str) -> bool:
+    """Whether ``text`` names the variable ``name`` (not a member of that name: threadIdx.x)."""
+    return re.search(rf"(?<![\w.])(?<!->){name}\b", text) is not None

@@ -54,6 +54,15 @@ from ._common import (
 from ._registry import REGISTRY
 from .matmul import MMA_MAX_M, MMA_TILES, gemv_layout, mma_config, sum_splits
 
+#: The constant weights each kernel prefetches into L2 before its GRID_WAIT() (the packed
+#: weights and their scales; see matmul.PDL_WEIGHTS).
+PDL_WEIGHTS = {
+    name: ("B", "scales")
+    for name in (
+        "nbits_gemv", "nbits_gemv_stream", "nbits4_gemv16", "nbits4_gemv16_small_k",
+        "gemm_mma_nbits4",
+    )
+}  # fmt: skip
 #: Largest M that runs on the GEMV kernel.
 GEMV_MAX_M = 16
 #: Rows up to which MatMulNBits runs the GEMV in pieces of GEMV_MAX_M rows (capturable).

@@ -42,6 +42,9 @@ from ._common import (
 )
 from ._registry import REGISTRY
 
+#: The constant weights each kernel prefetches into L2 before its GRID_WAIT() (only these:
+#: an activation is not ready then; tests/providers/cuda/test_pdl_launch.py checks it).
+PDL_WEIGHTS = {"gemv_nk": ("W",), "gemm_mma": ("W",)}
 #: Largest M (rows of A, batch dims folded in) that runs on the skinny kernel.
 SKINNY_MAX_M = 16
 #: Threads per block of the skinny kernel.

@@ -410,7 +410,8 @@ def test_source_rules_find_each_way_to_touch_memory_before_the_wait():
     found = kernels(_SOURCE)
     assert sorted(found) == ["barrier_early", "good", "never_waits", "reads_early", "returns_early"]
     assert found["good"].pointer_params == ("x", "y")
-    assert pre_wait_problems(found["good"]) == []
+    assert pre_wait_problems(found["good"], ("x",)) == []
+    assert pre_wait_problems(found["good"]) == ["good: prefetches 'x', which is not a weight"]
     assert pre_wait_problems(found["reads_early"]) == [
         "reads_early: pointer 'x' used before GRID_WAIT();"
     ]
@@ -434,11 +435,13 @@ for path in sorted(pathlib.Path(pkg.__file__).parent.glob("*.py")):
     if path.stem == "__init__":
         continue
     mod = importlib.import_module(f"{pkg.__name__}.{path.stem}")
+    weights = getattr(mod, "PDL_WEIGHTS", {})
     for attr, value in sorted(vars(mod).items()):
         if isinstance(value, str) and "__global__" in value:
             for name, kernel in kernels(value).items():
                 seen.setdefault(name, []).append(f"{path.stem}.{attr}")
-                problems += [f"{path.stem}.{attr}: {p}" for p in pre_wait_problems(kernel)]
+                found = pre_wait_problems(kernel, weights.get(name, ()))
+                problems += [f"{path.stem}.{attr}: {p}" for p in found]
             if "GRID_WAIT()" in value and "griddepcontrol.wait" not in value:
                 problems.append(f"{path.stem}.{attr}: uses GRID_WAIT() without GRID_DEPENDENCY")
 print(json.dumps({"kernels": sorted(seen), "problems": problems}))
