@@ -714,9 +714,14 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
 )
 
 
+#: The kernels' source with NBITS_HALF2 off and on: made once, so a launch's kernel lookup
+#: (``function``) hashes a string whose hash is kept, not a new 34 KB one each time.
+_SOURCES = tuple(f"#define NBITS_HALF2 {h}\n" + _BODY for h in (0, 1))
+
+
 def _source(ctx: KernelContext) -> str:
     """The kernels' source in the form the provider's ``nbits_half2`` option asks for."""
-    return f"#define NBITS_HALF2 {int(ctx.option('nbits_half2', True))}\n" + _BODY
+    return _SOURCES[bool(ctx.option("nbits_half2", True))]
 
 
 # ----------------------------------------------------------------------------- dequant cache
