@@ -290,6 +290,12 @@ class ExecutionProvider(ABC):
         (a KV cache); None when it does not say (its allocator reports what does not fit)."""
         return None
 
+    def status_notes(self) -> tuple[str, ...]:
+        """Short lines on what this instance uses, or leaves out and why (a feature its
+        options ask for that the device or driver cannot give), shown by ``onnx-genrt
+        providers``; none by default."""
+        return ()
+
     #: The array types this provider's kernels take as they are (host numpy arrays by
     #: default; a device provider sets its own). Arrays must slice, ``.view(dtype)`` and
     #: ``.reshape(shape)`` like numpy's: the session carves planned buffers out of one arena.

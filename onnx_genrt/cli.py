@@ -32,7 +32,8 @@ def _cmd_providers(args: argparse.Namespace) -> int:
             rows.append((cells, info.reason))
             continue
         try:
-            slots = registry.create(info.name).graph_slots
+            provider = registry.create(info.name)
+            slots, notes = provider.graph_slots, provider.status_notes()
         except Exception as exc:  # one provider that cannot be built is reported, not fatal
             if info.name not in registry.names():  # refused for good: listed with the broken
                 continue
@@ -43,9 +44,8 @@ def _cmd_providers(args: argparse.Namespace) -> int:
             rows.append(((info.name, "failed", *cells[2:]), message))
             continue
         names = ", ".join(s.value for s in DeviceGraphSlot if s in slots) or "none"
-        rows.append(
-            ((info.name, "available", info.api_version, names, info.distribution), info.description)
-        )
+        details = "; ".join((info.description, *notes))
+        rows.append(((info.name, "available", info.api_version, names, info.distribution), details))
     widths = [max(len(r[i]) for r in [header, *(c for c, _ in rows)]) for i in range(len(header))]
     for cells, details in [(header, "details"), *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + "  " + details)

@@ -16,6 +16,8 @@ PROFILE="${GPU_BENCH_PROFILE:-1}"
 # GPU_BENCH_STREAMS: batched-decode rows of the 0.5B bench (aggregate tok/s; empty: none), and
 # the same batch sizes on HF transformers (static cache; HF_BATCH_TIMEOUT, default 240 s).
 STREAMS="${GPU_BENCH_STREAMS-1,4,16,32}"
+# GPU_BENCH_BUILD_ONLY=1: build the 0.5B fp16 and int4 models (when absent) and stop there.
+BUILD_ONLY="${GPU_BENCH_BUILD_ONLY:-0}"
 mkdir -p "$WORK" "$LOGDIR"
 whl=$(ls .whl/onnxruntime_genai-*.whl 2>/dev/null | head -n 1)
 if [ -z "$whl" ]; then
@@ -48,6 +50,7 @@ for prec in fp16 int4; do
     # a random MTP head (timing only): verify + MTP chain cost on this shape
     "$PY" scripts/random_mtp_head.py "$dst" --intermediate 4864 || echo "random MTP head failed"
   fi
+  [ "$BUILD_ONLY" = 1 ] && continue
   echo "== bench $prec ($TOKENS tokens, eager vs graphed)"
   # shellcheck disable=SC2086
   "$PY" -m onnx_genrt bench --model "$dst" --provider cuda $COMPARE --no-reference \
@@ -71,6 +74,8 @@ for prec in fp16 int4; do
   "$PY" -m onnx_genrt step-cost --model "$dst" --provider cuda -k 4 | tee "$LOGDIR/step-$prec.txt" \
     || echo "step cost $prec failed"
 done
+
+[ "$BUILD_ONLY" = 1 ] && exit 0
 
 echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens, a Python prompt; mtp = the model's k=3)"
 # the 0.5B rows' comparisons, less --compare-eager (whole words only)

@@ -392,13 +392,24 @@ def run_bench(args: argparse.Namespace) -> int:
             "use onnxruntime's default intra-op threads (one per physical core)"
         )
     if "cuda" in used:
-        nbytes = weight_bytes_per_token(cfg.model_path)
-        ceiling = args.bandwidth * 1e9 / nbytes if nbytes else float("nan")
-        print(
-            f"roofline: {nbytes / 1e6:.1f} MB of matmul weights read per decode token; at "
-            f"{args.bandwidth:.0f} GB/s the ceiling is {ceiling:.0f} tok/s"
-        )
+        _print_cuda_summary(cfg.model_path, args.bandwidth)
     return 0
+
+
+def _print_cuda_summary(model_path: Path, bandwidth: float) -> None:
+    """The weight-bandwidth ceiling of a decode token, and what the CUDA provider says of
+    itself (``status_notes``: whether programmatic launch is on)."""
+    from onnx_genrt.core.registry import get_registry
+
+    nbytes = weight_bytes_per_token(model_path)
+    ceiling = bandwidth * 1e9 / nbytes if nbytes else float("nan")
+    print(
+        f"roofline: {nbytes / 1e6:.1f} MB of matmul weights read per decode token; at "
+        f"{bandwidth:.0f} GB/s the ceiling is {ceiling:.0f} tok/s"
+    )
+    notes = get_registry().create("cuda").status_notes()
+    if notes:
+        print("cuda: " + "; ".join(notes))
 
 
 def _spec_entry(entry: str, k: int | None) -> tuple[str, int | None]:

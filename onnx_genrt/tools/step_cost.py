@@ -10,6 +10,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from onnx_genrt.cli_args import POSITIVE_INT
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
@@ -17,9 +18,10 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from .step_options import RunnerOwner, add_step_arguments, model_folder
 
 
-def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> dict[str, float]:
+def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> dict[str, Any]:
     """Median ms of a decode step, a verify step and (with an MTP head) a verify step with
-    the MTP chain queued after it, each including its read-back."""
+    the MTP chain queued after it, each including its read-back; ``notes``: what the main
+    provider says of itself (``status_notes``, e.g. whether programmatic launch is on)."""
     from onnx_genrt.engine import Model
     from onnx_genrt.engine.api import make_proposer
 
@@ -47,10 +49,11 @@ def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> di
             if i >= 3:
                 times[name].append(time.perf_counter() - start)
     stats = model.session.all_graph_stats()
-    out = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    out: dict[str, Any] = {name: statistics.median(v) * 1e3 for name, v in times.items()}
     out["ratio"] = out["verify"] / out["decode"]
     out["replays_primary"] = stats["primary"]["replays"]
     out["replays_verify"] = stats["verify"]["replays"]
+    out["notes"] = model.session.main_provider.status_notes()
     return out
 
 
@@ -68,6 +71,8 @@ def run(a: argparse.Namespace) -> int:
         f"{folder.name}: decode (M=1) {r['decode']:.3f} ms, verify (M={a.k + 1}) {r['verify']:.3f} ms, "
         f"verify/decode {r['ratio']:.2f}x (replays primary {r['replays_primary']}, verify {r['replays_verify']})"
     )
+    if r["notes"]:
+        print(f"{folder.name}: {'; '.join(r['notes'])}")
     if "verify+mtp" in r:
         print(
             f"{folder.name}: verify + MTP chain of {a.k} {r['verify+mtp']:.3f} ms "

@@ -10,6 +10,7 @@ or with ``array.set(host, stream=provider.stream)``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext, KernelDef, KernelRegistry
 from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 
+from . import driver as cuda_driver
 from .cublas import WORKSPACE_BYTES, CublasHandle
 from .host_shadow import HostShadow
 from .kernels import REGISTRY
@@ -34,6 +36,7 @@ from .kernels.contrib_attention import (
 from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
 from .kernels.matmul import MMA_MAX_M, MMA_MIN_ROWS, PIECES_MAX_M
+from .launch import allow_programmatic, forbid_programmatic
 from .staging import MEMCPY_DEVICE_TO_DEVICE, StagingRing
 
 #: Fused ops whose GEMV makes its own activations (an RMS norm or SiluMul, staged per block
@@ -155,6 +158,21 @@ class CUDAProvider(ExecutionProvider):
             "fp16 activations with integer zero points: 4-bit GEMV math on packed halves",
             env="ONNX_GENRT_NBITS_HALF2",
         ),
+        ProviderOption(
+            "programmatic_launch",
+            True,
+            "programmatic dependent launch of the provider's own kernels (sm_90+ and a driver "
+            "with cuLaunchKernelEx and cuFuncGetParamInfo): each may start while the one "
+            "before it finishes; `programmatic_launch_problem` says why it is not used",
+            env="ONNX_GENRT_PROGRAMMATIC_LAUNCH",
+        ),
+        ProviderOption(
+            "pdl_prefetch",
+            True,
+            "with programmatic launch, the weight-streaming GEMVs prefetch their first "
+            "weights into L2 before they wait for the kernel before them",
+            env="ONNX_GENRT_PDL_PREFETCH",
+        ),
     )
 
     def __init__(self, device_id: int = 0, **options: Any) -> None:
@@ -176,6 +194,12 @@ class CUDAProvider(ExecutionProvider):
         self.shadow = HostShadow()
         self._cublas: CublasHandle | None = None
         self._cublas_error: KernelError | None = None
+        #: Why the provider's kernels are not launched programmatically (None: they are, on
+        #: ``stream``; see the ``programmatic_launch`` option and ``launch.Kernel``).
+        self.programmatic_launch_problem = self._programmatic_problem()
+        if self.programmatic_launch_problem is None:
+            allow_programmatic(self.stream, prefetch=self.option("pdl_prefetch"))
+            weakref.finalize(self, forbid_programmatic, int(self.stream.ptr))
 
     # -- cuBLAS ---------------------------------------------------------------
     @property
@@ -204,6 +228,24 @@ class CUDAProvider(ExecutionProvider):
         """Rows (M) up to which matrix products on constant weights record into a graph:
         any with ``cublas_in_graphs``, else the own kernels' PIECES_MAX_M."""
         return None if self.option("cublas_in_graphs") else PIECES_MAX_M
+
+    # -- programmatic dependent launch ------------------------------------------
+    def _programmatic_problem(self) -> str | None:
+        if not self.option("programmatic_launch"):
+            return "off (programmatic_launch=False or ONNX_GENRT_PROGRAMMATIC_LAUNCH=0)"
+        cc = int(self._cuda_device.compute_capability)
+        return cuda_driver.programmatic_launch_problem(cc, cuda_driver.load())
+
+    @property
+    def programmatic_launch(self) -> bool:
+        """Whether this provider's kernels launch with programmatic dependent launch."""
+        return self.programmatic_launch_problem is None
+
+    def status_notes(self) -> tuple[str, ...]:
+        if self.programmatic_launch_problem is None:
+            prefetch = "with" if self.option("pdl_prefetch") else "without"
+            return (f"programmatic launch: on ({prefetch} L2 weight prefetch)",)
+        return (f"programmatic launch: {self.programmatic_launch_problem}",)
 
     # -- device and memory -------------------------------------------------
     @property

@@ -547,3 +547,34 @@ def test_providers_command_reports_a_factory_that_raises(monkeypatch, capsys):
     assert 'raise RuntimeError("driver said no")' in out  # --verbose: the traceback
     assert re.search(rf"^cpu\s+available\s+{API_RE}\s+primary, verify, draft\s", out, re.MULTILINE)
     assert "broken plugins" not in out  # a factory that raises is not a broken plugin
+
+
+def test_providers_command_prints_a_providers_status_notes(monkeypatch, capsys):
+    """What a provider says of itself (``status_notes``: a feature on, or off and why) is
+    printed beside it; a provider with nothing to say prints its description alone."""
+    import onnx_genrt.core.registry as registry_module
+
+    class Noted(CPUProvider):
+        name = "noted"
+
+        def status_notes(self):
+            return ("fast path: off (needs a newer driver)", "cache: on")
+
+    class Plugin:
+        @hookimpl
+        def register_providers(self, register):
+            register(ProviderSpec("noted", factory=Noted, api_version=(1, 0), description="d"))
+
+    reg = _registry_with()
+    reg.register_plugin(Plugin(), name="noted")
+    monkeypatch.setattr(registry_module, "_default", reg)
+    assert cli_main(["providers"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^noted\s+available\s.*  d; fast path: off \(needs a newer driver\); cache: on$",
+        out,
+        re.MULTILINE,
+    )
+    assert CPUProvider().status_notes() == ()
+    assert re.search(r"^cpu\s+available\s.*\S$", out, re.MULTILINE)
+    assert not re.search(r"^cpu\s.*; ", out, re.MULTILINE)

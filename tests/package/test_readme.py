@@ -135,3 +135,35 @@ def test_documents_cite_only_files_in_the_repository(doc):
     assert len(cited) >= 3, f"the path scan found too little in {doc}: {cited}"
     missing = sorted(p for p in cited if not any(REPO.glob(p.rstrip("/"))))
     assert not missing, f"{doc} cites files that are not in the repository: {missing}"
+
+
+_OPTIONS = r"""
+import json
+from onnx_genrt.providers.cpu.provider import CPUProvider
+from onnx_genrt.providers.cuda.provider import CUDAProvider
+print(json.dumps([[p.name, o.name, o.default, o.env] for p in (CPUProvider, CUDAProvider)
+                  for o in p.OPTIONS]))
+"""
+
+
+def test_readme_options_table_lists_every_provider_option():
+    """Each built-in provider option is a row of README's "Provider options" table with its
+    default and environment variable (the CUDA provider read with CuPy stubbed)."""
+    from tests.cuda_stub import run_with_cupy_stub
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    rows = {
+        (m.group(1), m.group(2)): m.group(3)
+        for m in re.finditer(r"^\| (\w+) \| `(\w+)` \| ([^|]*) \|", text, re.M)
+    }
+    options = run_with_cupy_stub(_OPTIONS)
+    assert len(options) >= 10
+    for provider, name, default, env in options:
+        cell = rows.get((provider, name))
+        assert cell is not None, f"README.md lists no {provider} option {name!r}"
+        if env:
+            assert f"(`{env}`)" in cell, (provider, name, cell)
+        if isinstance(default, bool):
+            assert cell.startswith("true" if default else "false"), (provider, name, cell)
+        elif isinstance(default, int):
+            assert cell.startswith(str(default)), (provider, name, cell)

@@ -13,6 +13,9 @@ import numpy as np
 
 from onnx_genrt.core.kernels import KernelContext
 
+from ..kernel_source import has_wait
+from ..launch import Kernel, compile_defines
+
 #: Options for every module this package compiles (NVRTC through CuPy, which caches them).
 OPTIONS = ("-std=c++17",)
 
@@ -131,16 +134,22 @@ def row_threads(cols: int) -> int:
     return threads
 
 
-_FUNCTIONS: dict[tuple[str, str, int], cupy.RawKernel] = {}
+_FUNCTIONS: dict[tuple[str, str, int, tuple[str, ...]], Kernel] = {}
 
 
-def function(source: str, name: str) -> cupy.RawKernel:
-    """Kernel ``name`` (a template instance such as ``f<float>``) compiled from ``source``."""
-    key = (source, name, cupy.cuda.runtime.getDevice())
+def function(source: str, name: str) -> Kernel:
+    """Kernel ``name`` (a template instance such as ``f<float>``) compiled from ``source`` for
+    the current stream, called as CuPy's RawKernel is: ``fn(grid, block, args,
+    shared_mem=...)``. On a stream that allows programmatic dependent launch it is compiled
+    with the PDL macros (``GRID_DEPENDENCY``) and, when its source waits on the previous grid
+    (``GRID_WAIT()``), launched programmatically; else as before (``launch.Kernel``)."""
+    defines = compile_defines()
+    key = (source, name, cupy.cuda.runtime.getDevice(), defines)
     fn = _FUNCTIONS.get(key)
     if fn is None:
-        module = cupy.RawModule(code=source, options=OPTIONS, name_expressions=(name,))
-        fn = module.get_function(name)
+        options = OPTIONS + defines
+        module = cupy.RawModule(code=source, options=options, name_expressions=(name,))
+        fn = Kernel(module.get_function(name), name, bool(defines) and has_wait(source, name))
         _FUNCTIONS[key] = fn
     return fn
 
@@ -165,8 +174,50 @@ def scratch(ctx: KernelContext, nbytes: int) -> cupy.ndarray:
     return cupy.empty(max(int(nbytes), 1), np.uint8)
 
 
-#: Device helpers shared by the RawKernel sources: fp16 <-> fp32 and block reductions.
-DEVICE_COMMON = r"""
+#: Programmatic dependent launch in device code, compiled in where ``GENRT_PDL`` is defined
+#: (``launch.compile_defines``: a stream that allows it) on sm_90+, and to nothing elsewhere,
+#: so a kernel built without it is the same machine code as before these macros existed.
+#: A kernel launched with PDL may start while the kernel
+#: before it on the stream still runs. ``GRID_WAIT()`` returns once that kernel has completed
+#: and its writes are visible (at once when this one was launched without PDL): every kernel
+#: calls it before it reads anything an earlier kernel may write (activations, the KV cache,
+#: scratch, counters, lengths) and before it writes anything (the memory planner hands a
+#: kernel outputs that the previous kernel may still be reading), and before any return.
+#: Before it, a kernel may only ``pdl_prefetch`` its weights into L2: a hint that changes no
+#: value a load returns (the L2 is where every SM's writes meet); compiled in only with
+#: ``GENRT_PDL_PREFETCH`` (the provider's ``pdl_prefetch``). ``GRID_LAUNCH_DEPENDENTS()``
+#: lets the next kernel be scheduled once every block of this one has called it or exited.
+#: tests/providers/cuda/test_cuda_kernel_sources.py checks every kernel against these rules.
+GRID_DEPENDENCY = r"""
+#if defined(GENRT_PDL) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;")
+#else
+#define GRID_WAIT() ((void)0)
+#define GRID_LAUNCH_DEPENDENTS() ((void)0)
+#endif
+#if defined(GENRT_PDL) && GENRT_PDL_PREFETCH && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The line holding p, into L2.
+__device__ __forceinline__ void pdl_prefetch(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+// `bytes` from p into L2 in one instruction of the copy engine (p 16-byte aligned and bytes
+// at least 16, rounded down to a multiple of 16; nothing otherwise).
+__device__ __forceinline__ void pdl_prefetch_bytes(const void* p, unsigned int bytes) {
+  if ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull && bytes >= 16u)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes & ~15u));
+}
+#else
+__device__ __forceinline__ void pdl_prefetch(const void*) {}
+__device__ __forceinline__ void pdl_prefetch_bytes(const void*, unsigned int) {}
+#endif
+"""
+
+#: Device helpers shared by the RawKernel sources: fp16 <-> fp32, block reductions, and
+#: the programmatic-launch macros (GRID_DEPENDENCY).
+DEVICE_COMMON = (
+    GRID_DEPENDENCY
+    + r"""
 #define DEVI __device__ __forceinline__
 typedef unsigned short half_t;
 
@@ -419,6 +470,7 @@ DEVI float block_max(float v, float* sh) {
   return sh[32];
 }
 """
+)
 
 #: Device helpers of the ArgMax kernels: order keys that make the pick of a row one max.
 ARG_KEYS = r"""

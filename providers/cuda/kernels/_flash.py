@@ -31,6 +31,7 @@ import numpy as np
 from onnx_genrt.core.kernels import KernelContext
 
 from ..flash_tiling import BLOCK_K, HEAD_SIZES, WARP_TILES, WARPS, block_rows
+from ..launch import Kernel
 from ._common import BF16, DEVICE_COMMON, F16, function
 from ._gqa_device import GQA_DEVICE
 from .matmul import MMA_TILES
@@ -268,6 +269,8 @@ __global__ void __launch_bounds__(32 * FA_WARPS, MB)
   constexpr int LD = D + FA_PAD, TILE = FA_BK * LD, WR = 16 * MT, BQ = FA_WARPS * WR;
   static_assert(BQ <= 2 * FA_BK, "the query rows are staged in one stage of K and V tiles");
   extern __shared__ __align__(16) unsigned char fa_smem[];
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   S* sm = reinterpret_cast<S*>(fa_smem);  // stage st: K at 2 st TILE, V at (2 st + 1) TILE
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = blockIdx.x, b = blockIdx.z;
@@ -470,10 +473,10 @@ def flash_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray) -> None:
     )
 
 
-def _raise_shared_limit(kernel: cupy.RawKernel, shared: int) -> None:
+def _raise_shared_limit(kernel: Kernel, shared: int) -> None:
     """Let ``kernel`` take ``shared`` bytes of dynamic shared memory (above the default 48 KiB
     it must opt in; a function attribute, which may be set while a stream captures). Kernels
     stay in ``function``'s cache, so their ids stay theirs."""
     if id(kernel) not in _RAISED:
-        kernel.max_dynamic_shared_size_bytes = shared
+        kernel.raw.max_dynamic_shared_size_bytes = shared
         _RAISED.add(id(kernel))

@@ -133,6 +133,8 @@ __global__ void gqa_append(const S* __restrict__ k_new, long long k_row,
                            const C* __restrict__ cos_c, const C* __restrict__ sin_c, int max_pos,
                            int S_len, int kvh, int D, int cap, int rot, int interleaved,
                            int rotary, int window, int wcache) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const int b = blockIdx.x / S_len, i = blockIdx.x % S_len, h = blockIdx.y;
   const int total = seqlens[b] + 1;
   const int n_new = min(max(total, 0), S_len);
@@ -598,6 +600,8 @@ DEVI void gqa_body(GQA_PARAMS) {
 // grid (splits, H, B * S); block 32 * W threads, at least MB blocks per SM (registers).
 template <typename S, typename C, int NC, int W, int MB>
 __global__ void __launch_bounds__(32 * W, MB) gqa_attn(GQA_PARAMS) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   gqa_body<S, C, NC, W, 0>(GQA_ARGS);
 }
 
@@ -606,6 +610,8 @@ __global__ void __launch_bounds__(32 * W, MB) gqa_attn(GQA_PARAMS) {
 template <typename S, typename C, int NC, int W, int MB>
 __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(32 * W, MB)
     gqa_attn_cluster(GQA_PARAMS) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   gqa_body<S, C, NC, W, 8>(GQA_ARGS);
 }
 #endif
@@ -622,6 +628,8 @@ __global__ void gqa_window_store(const S* __restrict__ k_new, long long k_row,
                                  const C* __restrict__ cos_c, const C* __restrict__ sin_c,
                                  int max_pos, int S_len, int kvh, int D, int cap, int rot,
                                  int interleaved, int rotary, int window) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const int b = blockIdx.x, h = blockIdx.y;
   const int total = seqlens[b] + 1;
   if (total < 1) return;  // a bad length must never write out of bounds
@@ -665,6 +673,8 @@ __global__ void rotary_rows(const S* __restrict__ x, S* __restrict__ y,
                             const long long* __restrict__ pos_ids, int single,
                             const C* __restrict__ cos_c, const C* __restrict__ sin_c, int max_pos,
                             int N, int S_len, int Dh, int rot, int interleaved, int bnsh) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long row = blockIdx.x;
   int b, s;
   if (bnsh) { b = (int)(row / ((long long)N * S_len)); s = (int)(row % S_len); }

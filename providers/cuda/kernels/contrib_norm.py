@@ -42,6 +42,8 @@ __global__ void skip_norm_rows(const S* __restrict__ x, const S* __restrict__ sk
                                float eps, int rms, int has_beta, int has_bias, int want_sum,
                                int want_mean, int want_inv) {
   __shared__ float sh[33];
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long row = blockIdx.x;
   const long long base = row * cols, sbase = (row % skip_rows) * cols;
   float s = 0.f, ss = 0.f;
@@ -85,6 +87,8 @@ __global__ void skip_rms_rows_reg(const S* __restrict__ x, const S* __restrict__
                                   long long cols, long long skip_rows, float eps, int has_bias,
                                   int want_sum, int want_mean, int want_inv) {
   __shared__ float sh[33];
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long row = blockIdx.x;
   const long long base = row * cols, sbase = (row % skip_rows) * cols;
   float h[4];

@@ -61,6 +61,15 @@ from ._common import (
 from ._registry import REGISTRY
 from .matmul import MMA_MAX_M, MMA_TILES, gemv_layout, mma_config, provider_cublas, sum_splits
 
+#: The constant weights each kernel prefetches into L2 before its GRID_WAIT() (the packed
+#: weights and their scales; see matmul.PDL_WEIGHTS).
+PDL_WEIGHTS = {
+    name: ("B", "scales")
+    for name in (
+        "nbits_gemv", "nbits_gemv_stream", "nbits4_gemv16", "nbits4_gemv16_small_k",
+        "gemm_mma_nbits4",
+    )
+}  # fmt: skip
 #: Largest M that runs on the GEMV kernel.
 GEMV_MAX_M = 16
 #: Rows up to which MatMulNBits runs the GEMV in pieces of GEMV_MAX_M rows (capturable).
@@ -190,12 +199,26 @@ __global__ void __launch_bounds__(256) nbits_gemv(
   const long long n0 = ((long long)blockIdx.x * (8 / wpr) + wy / wpr) * NR;
   const int share = wy % wpr;
   const int zint = zp_mode != 2;
+  const int step = 32 * wpr;
+  // The first round's weight words and scales into L2 while the previous kernel finishes.
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int w = share * 32 + lane + u * step;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const long long n = n0 + r;
+      if (w < words && w * E < K && n < N) {
+        pdl_prefetch(B + n * words + w);
+        pdl_prefetch(scales + n * nb + (w * E) / block);
+      }
+    }
+  }
+  GRID_WAIT();
   float acc[NR][MT];
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
-  const int step = 32 * wpr;
   if (n0 < N) {
     for (int w0 = share * 32 + lane; w0 < words; w0 += U * step) {
       unsigned int q[U][NR];
@@ -221,6 +244,7 @@ __global__ void __launch_bounds__(256) nbits_gemv(
       }
     }
   }
+  GRID_LAUNCH_DEPENDENTS();
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -271,9 +295,23 @@ __global__ void __launch_bounds__(256) nbits_gemv_stream(
   const long long nwarps = (long long)gridDim.x * blockDim.y;
   const long long groups = (N + NR - 1) / NR;
   const int zint = zp_mode != 2;
+  long long g = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+  // The first group's weight words and scales into L2 while the previous kernel finishes.
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int w = lane + 32 * u;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const long long n = g * NR + r;
+      if (g < groups && w < words && w * E < K && n < N) {
+        pdl_prefetch(B + n * words + w);
+        pdl_prefetch(scales + n * nb + (w * E) / block);
+      }
+    }
+  }
+  GRID_WAIT();
   unsigned int q[U][NR];
   float s[U][NR], z[U][NR];
-  long long g = (long long)blockIdx.x * blockDim.y + threadIdx.y;
   auto fetch = [&](long long gg) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -319,6 +357,7 @@ __global__ void __launch_bounds__(256) nbits_gemv_stream(
       }
     }
   }
+  GRID_LAUNCH_DEPENDENTS();
 }
 
 // One 16-byte chunk (32 4-bit values from k0, one scale and zero) of each column r: its four
@@ -456,6 +495,13 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
   const int share = wy % wpc;
   const int chunks = K / 32, step = 32 * wpc;
   const int zint = zp_mode != 2;
+  // The first round of the block's loads (each column's first U * step chunks, and the line
+  // of its first scales) into L2 while the previous kernel finishes.
+  if (share == 0 && lane < NR && n0 + lane < N) {
+    pdl_prefetch_bytes(B + (n0 + lane) * row_chunks, min(chunks, U * step) * 16u);
+    pdl_prefetch(scales + (n0 + lane) * nb);
+  }
+  GRID_WAIT();
   float acc[NR][MT];
 #pragma unroll
   for (int r = 0; r < NR; ++r)
@@ -490,6 +536,7 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
   };
   gemv_chunk_loop<NORM, MT, Chunks>(share * 32 + lane, chunks, U * step, load, math, A_in, skip,
                                      gamma, sum_out, eps, norm_flags, M, K);
+  GRID_LAUNCH_DEPENDENTS();
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, bias, has_bias);
 }
 
@@ -511,6 +558,13 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
   const int lane = threadIdx.x, sub = lane % LPC;
   const long long n = ((long long)blockIdx.x * 8 + threadIdx.y) * (32 / LPC) + lane / LPC;
   const int chunks = K / 32;
+  // The column's weights (at most 64 chunks) and the line of its first scales into L2 while
+  // the previous kernel finishes.
+  if (sub == 0 && n < N) {
+    pdl_prefetch_bytes(B + n * row_chunks, chunks * 16u);
+    pdl_prefetch(scales + n * nb);
+  }
+  GRID_WAIT();
   uint4 q[CPL][1];
   float s[CPL][1], z[CPL][1];
 #pragma unroll
@@ -545,6 +599,7 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
     math(0);
   else
     math(1);
+  GRID_LAUNCH_DEPENDENTS();
   // Out-of-range columns (n >= N) summed zeros; they still shuffle, so the masks stay full.
 #pragma unroll
   for (int m = 0; m < MT; ++m) acc[0][m] = warp_sum<LPC>(acc[0][m]);
@@ -562,6 +617,8 @@ __global__ void nbits_dequant(const unsigned char* __restrict__ B, const W* __re
                               const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
                               S* __restrict__ out, int K, long long total, int nb, int block,
                               long long row_bytes, int zrow, int zp_mode) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const long long n = i / K;
@@ -584,6 +641,8 @@ __global__ void gather_block_quant(const unsigned char* __restrict__ data,
                                    const unsigned char* __restrict__ zp, W* __restrict__ out,
                                    long long rows, int cols, int row_bytes, int nb, int block,
                                    int zrow, int has_zp, long long total) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= total) return;
   const long long i = t / cols;
@@ -644,6 +703,16 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
     const S* __restrict__ bias, int has_bias, S* __restrict__ C, float* __restrict__ P, int M,
     int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits) {
+  if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
+    const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
+    const long long n = blockIdx.x * 8 + threadIdx.x;
+    if (kb < ke) {  // value k of row n at byte (n * nb * block + k) / 2 (see Nibbles4)
+      pdl_prefetch_bytes(B + (n * nb * block + kb) / 2,
+                         (unsigned int)(min(ke, kb + 512) - kb) / 2u);
+      pdl_prefetch(scales + n * nb + kb / block);
+    }
+  }
+  GRID_WAIT();
   const Nibbles4<S, W> load{B, scales, zp_u8, zp_f, nb, block, zrow, zp_mode};
   mma_tiles<S, MT>(A, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N, k_per_split,
                    splits);
@@ -652,9 +721,14 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
 )
 
 
+#: The kernels' source with NBITS_HALF2 off and on: made once, so a launch's kernel lookup
+#: (``function``) hashes a string whose hash is kept, not a new 34 KB one each time.
+_SOURCES = tuple(f"#define NBITS_HALF2 {h}\n" + _BODY for h in (0, 1))
+
+
 def _source(ctx: KernelContext) -> str:
     """The kernels' source in the form the provider's ``nbits_half2`` option asks for."""
-    return f"#define NBITS_HALF2 {int(ctx.option('nbits_half2', True))}\n" + _BODY
+    return _SOURCES[bool(ctx.option("nbits_half2", True))]
 
 
 # ----------------------------------------------------------------------------- dequant cache

@@ -68,6 +68,8 @@ __global__ void mtp_accept(const long long* __restrict__ ids,
                            const long long* __restrict__ count, long long* __restrict__ accepted,
                            long long* __restrict__ token, D* __restrict__ row, int k, int H) {
   __shared__ int acc;
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   if (threadIdx.x == 0) {
     const long long n = count[0];
     int a = 0;
@@ -89,6 +91,8 @@ __global__ void mtp_next_inputs(const long long* accepted, const long long* star
                                 long long* next_count, long long* next_pos,
                                 long long* next_mask, int k, int L, float min_conf,
                                 int want_pos, int want_mask) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long begin = start[0] + accepted[0] + 1;
   const long long tok = token[0];
   __syncthreads();  // every thread has read start before next_start (maybe the same) changes
@@ -170,6 +174,8 @@ __global__ void argmax_prob_rows(const S* __restrict__ x, long long* __restrict_
   __shared__ unsigned long long shk[32];
   __shared__ float sh[33];
   __shared__ float row_max;
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const S* xr = x + (long long)blockIdx.x * cols;
   unsigned long long best = 0ull;
   for (long long c = threadIdx.x; c < cols; c += blockDim.x) best = kmax(best, arg_key(ld(xr, c), c, 0));

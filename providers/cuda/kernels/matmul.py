@@ -51,6 +51,9 @@ from ._common import (
 )
 from ._registry import REGISTRY
 
+#: The constant weights each kernel prefetches into L2 before its GRID_WAIT() (only these:
+#: an activation is not ready then; tests/providers/cuda/test_pdl_launch.py checks it).
+PDL_WEIGHTS = {"gemv_nk": ("W",), "gemm_mma": ("W",)}
 #: Largest M (rows of A, batch dims folded in) that runs on the skinny kernel.
 SKINNY_MAX_M = 16
 #: Threads per block of the skinny kernel.
@@ -105,6 +108,7 @@ __global__ void __launch_bounds__(256) skinny_gemm(
     const S* __restrict__ A, const S* __restrict__ B, S* __restrict__ C, float* __restrict__ P,
     int M, int K, int N, int k_chunk, long long b_batch, int splits, int groups) {
   extern __shared__ float red[];
+  GRID_WAIT();  // B may be an activation: nothing is read before the previous kernel ends
   const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
   const int tid = ty * TX + tx, nthreads = TX * TY;
   const int z = blockIdx.z, split = blockIdx.y;
@@ -151,6 +155,7 @@ __global__ void __launch_bounds__(256) skinny_gemm(
       }
     }
   }
+  GRID_LAUNCH_DEPENDENTS();
   // Sum over ty: red[e][ty][tx] with e = m * V + v. Each of the MT * V * TX sums is shared
   // by G adjacent threads (strided partial sums, then a shuffle), so every thread does about
   // MT * V additions instead of a log2(TY)-level tree.
@@ -204,6 +209,11 @@ __global__ void __launch_bounds__(256) gemv_nk(
   const long long n0 = ((long long)blockIdx.x * (8 / wpc) + wy / wpc) * NR;
   const int share = wy % wpc;
   const int chunks = K / V, step = 32 * wpc;
+  // The first round of the block's loads (each column's first U * step chunks) into L2 while
+  // the previous kernel finishes: one bulk prefetch a column.
+  if (share == 0 && lane < NR && n0 + lane < N)
+    pdl_prefetch_bytes(W + (n0 + lane) * K, min(chunks, U * step) * 16u);
+  GRID_WAIT();
   float acc[NR][MT];
 #pragma unroll
   for (int r = 0; r < NR; ++r)
@@ -245,6 +255,7 @@ __global__ void __launch_bounds__(256) gemv_nk(
   };
   gemv_chunk_loop<NORM, MT, float[U][NR][V]>(share * 32 + lane, chunks, U * step, load_w, math,
                                                A_in, skip, gamma, sum_out, eps, norm_flags, M, K);
+  GRID_LAUNCH_DEPENDENTS();
   gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, C, 0);
 }
 
@@ -252,6 +263,8 @@ __global__ void __launch_bounds__(256) gemv_nk(
 template <typename S>
 __global__ void splitk_sum(const float* __restrict__ P, S* __restrict__ C, long long mn,
                            int splits, long long total) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const long long z = i / mn, r = i - z * mn;
@@ -355,6 +368,7 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
                     b[2 * j + 1]);
     }
   }
+  GRID_LAUNCH_DEPENDENTS();
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -398,6 +412,13 @@ template <typename S, int MT>
 __global__ void __launch_bounds__(256) gemm_mma(
     const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, float* __restrict__ P,
     int M, int K, int N, int k_per_split, int splits) {
+  if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
+    const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
+    if (kb < ke)
+      pdl_prefetch_bytes(W + (long long)(blockIdx.x * 8 + threadIdx.x) * K + kb,
+                         (unsigned int)(min(ke, kb + 512) - kb) * (unsigned int)sizeof(S));
+  }
+  GRID_WAIT();
   mma_tiles<S, MT>(A, FloatRows<S>{W, K}, (const S*)nullptr, C, P, M, K, N, k_per_split,
                    splits);
 }

@@ -33,6 +33,8 @@ __global__ void rms_norm_rows(const S* __restrict__ x, const W* __restrict__ sca
                               W* __restrict__ y, float* __restrict__ inv_out, long long cols,
                               long long scale_step, float eps, int want_inv) {
   __shared__ float sh[33];
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long base = (long long)blockIdx.x * cols;
   float ss = 0.f;
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) { float v = ld(x, base + j); ss += v * v; }
@@ -50,6 +52,8 @@ __global__ void layer_norm_rows(const S* __restrict__ x, const W* __restrict__ s
                                 long long cols, long long scale_step, long long bias_step,
                                 int has_bias, float eps, int want_mean, int want_inv) {
   __shared__ float sh[33];
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long base = (long long)blockIdx.x * cols;
   float s = 0.f;
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += ld(x, base + j);

@@ -99,6 +99,8 @@ __global__ void reduce_sum_split(const T* __restrict__ x, T* __restrict__ y,
                                  long long red, long long inner, long long chunk, int blocks) {
   __shared__ A sh[33];
   __shared__ int is_last;
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long out = blockIdx.x;
   const int blk = blockIdx.y;
   const long long o = out / inner, i = out % inner;
@@ -355,6 +357,8 @@ __global__ void argmax_split(const S* __restrict__ x, long long* __restrict__ y,
                              long long cols, long long chunk, int blocks, int last) {
   __shared__ unsigned long long sh[32];
   __shared__ int is_last;
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long row = blockIdx.x;
   const int blk = blockIdx.y;
   const S* xr = x + row * cols;

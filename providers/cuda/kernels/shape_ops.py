@@ -20,7 +20,9 @@ from onnx_genrt.core.op_rules import (
     slice_index,
 )
 
+from ..launch import Kernel
 from ._common import (
+    GRID_DEPENDENCY,
     OPTIONS,
     capturing,
     contiguous,
@@ -102,7 +104,9 @@ def transpose(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
 #: Inputs one Concat launch takes (more are joined CONCAT_MAX at a time).
 CONCAT_MAX = 8
 
-_CONCAT_SOURCE = r"""
+_CONCAT_SOURCE = (
+    GRID_DEPENDENCY
+    + r"""
 // y viewed as [outer, total] elements of type T (total = sum of the parts' widths, each
 // part [outer, width_i] contiguous): one thread per output element finds its part.
 template <typename T>
@@ -112,6 +116,8 @@ __global__ void concat_parts(T* __restrict__ y, long long outer, long long total
                              const T* p4, const T* p5, const T* p6, const T* p7,
                              long long w0, long long w1, long long w2, long long w3,
                              long long w4, long long w5, long long w6, long long w7) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= outer * span) return;
   const long long o = i / span;
@@ -123,6 +129,7 @@ __global__ void concat_parts(T* __restrict__ y, long long outer, long long total
   y[o * total + col0 + (i - o * span)] = src[s][o * w[s] + c];
 }
 """
+)
 _CONCAT_TYPES = {
     1: "unsigned char",
     2: "unsigned short",
@@ -175,7 +182,7 @@ def _concat_launch(y: cupy.ndarray, parts: list[cupy.ndarray], axis: int) -> Non
         col += span
 
 
-def _concat_kernel(itemsize: int) -> cupy.RawKernel:
+def _concat_kernel(itemsize: int) -> Kernel:
     return function(_CONCAT_SOURCE, f"concat_parts<{_CONCAT_TYPES[itemsize]}>")
 
 

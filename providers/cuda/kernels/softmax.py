@@ -26,6 +26,8 @@ _SOURCE = (
 template <typename S>
 __global__ void softmax_rows(const S* __restrict__ x, S* __restrict__ y, long long cols) {
   __shared__ float sh[33];
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
   const long long base = (long long)blockIdx.x * cols;
   float m = neg_inf();
   for (long long j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, ld(x, base + j));

@@ -5,6 +5,7 @@ between modules fails here, not only on a GPU (which then says so at the first c
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -75,3 +76,170 @@ def test_flash_kernel_compiles_without_spills(tmp_path, arch):
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
     assert len(spills) == len(names) == 8
     assert all(s == ("0", "0") for s in spills), done.stderr
+
+
+# ----------------------------------------------------------------------------- every source
+
+#: Instances compiled per source (module attribute; contrib_quant's body in both NBITS_HALF2
+#: forms): every kernel of every source at least once, fp16 / bf16 / fp32 and the fused
+#: prologues among them. flash_attn is compiled by the test above.
+INSTANCES = {
+    "matmul._SOURCE": [
+        "skinny_gemm<half_t, 8, 1>",
+        "skinny_gemm<float, 4, 4>",
+        "skinny_gemm<bf16_t, 8, 2>",
+        "gemv_nk<half_t, 1, 1, 0>",
+        "gemv_nk<bf16_t, 2, 2, 1>",
+        "gemv_nk<float, 4, 1, 2>",
+        "gemv_nk<half_t, 16, 1, 0>",
+        "splitk_sum<half_t>",
+        "splitk_sum<float>",
+    ],
+    "matmul._MMA_SOURCE": ["gemm_mma<half_t, 1>", "gemm_mma<bf16_t, 4>"],
+    "contrib_quant._BODY": [
+        "nbits_gemv<half_t, half_t, 1, 4, 1>",
+        "nbits_gemv<float, float, 2, 8, 2>",
+        "nbits_gemv_stream<half_t, half_t, 1, 4, 2>",
+        "nbits_gemv_stream<bf16_t, float, 4, 2, 1>",
+        "nbits4_gemv16<half_t, half_t, 1, 1, 0>",
+        "nbits4_gemv16<half_t, half_t, 2, 2, 1>",
+        "nbits4_gemv16<bf16_t, bf16_t, 1, 1, 2>",
+        "nbits4_gemv16<float, float, 4, 1, 0>",
+        "nbits4_gemv16_small_k<half_t, half_t, 1, 4, 4, 0>",
+        "nbits4_gemv16_small_k<half_t, half_t, 2, 8, 2, 1>",
+        "nbits4_gemv16_small_k<bf16_t, bf16_t, 1, 2, 8, 2>",
+        "nbits_dequant<half_t, half_t, 4>",
+        "gather_block_quant<long long, float, 4>",
+    ],
+    "contrib_quant._MMA4_SOURCE": [
+        "gemm_mma_nbits4<half_t, half_t, 1>",
+        "gemm_mma_nbits4<bf16_t, bf16_t, 4>",
+    ],
+    "reduce._SOURCE": [
+        "reduce_sum_split<float, float, 4>",
+        "reduce_sum_split<half_t, float, 8>",
+        "reduce_sum_split<long long, long long, 1>",
+    ],
+    "reduce._ARGMAX_SOURCE": ["argmax_split<half_t, 8>", "argmax_split<float, 1>"],
+    "shape_ops._CONCAT_SOURCE": ["concat_parts<unsigned short>", "concat_parts<unsigned int>"],
+    "contrib_attention._SOURCE": [
+        "gqa_append<half_t, half_t>",
+        "gqa_attn<half_t, half_t, 1, 4, 8>",
+        "gqa_attn<float, float, 2, 4, 8>",
+        "gqa_attn<bf16_t, float, 4, 4, 8>",
+        "gqa_attn_cluster<half_t, half_t, 1, 4, 8>",
+        "gqa_window_store<float, float>",
+        "rotary_rows<half_t, float>",
+    ],
+    "normalization._SOURCE": ["rms_norm_rows<half_t, half_t>", "layer_norm_rows<float, float>"],
+    "contrib_norm._SOURCE": ["skip_norm_rows<half_t, half_t>", "skip_rms_rows_reg<bf16_t, bf16_t>"],
+    "softmax._SOURCE": ["softmax_rows<half_t>"],
+    "genrt._SOURCE": ["mtp_accept<half_t, float>", "mtp_next_inputs"],
+    "genrt._ARGMAX_PROB_SOURCE": ["argmax_prob_rows<half_t>"],
+}
+#: Kernels that exist on sm_90 and newer only (their sources guard them).
+SM90_ONLY = ("gqa_attn_cluster",)
+
+_DUMP_SOURCES = r"""
+import importlib, json, sys
+from onnx_genrt.providers.cuda.kernel_source import kernels
+instances = json.loads(sys.argv[1])
+out, found = {}, {}
+for key in instances:
+    module, attr = key.split(".")
+    text = getattr(importlib.import_module("onnx_genrt.providers.cuda.kernels." + module), attr)
+    out[key] = text
+    found[key] = sorted(kernels(text))
+print(json.dumps({"sources": out, "kernels": found}))
+"""
+
+
+def test_every_kernel_has_an_instance_to_compile():
+    """A kernel added to a source is compiled by the test below once it is listed here."""
+    got = run_with_cupy_stub(_DUMP_SOURCES, json.dumps(INSTANCES))
+    for key, names in got["kernels"].items():
+        listed = {n.split("<")[0] for n in INSTANCES[key]}
+        assert listed == set(names), key
+
+
+def _instantiating(source: str, names: list[str]) -> str:
+    lines = []
+    for i, name in enumerate(names):
+        line = f"  auto k{i} = &{name}; (void)k{i};"
+        if name.split("<")[0] in SM90_ONLY:
+            line = f"#if __CUDA_ARCH__ >= 900\n{line}\n#endif"
+        lines.append(line)
+    return source + "\nvoid instantiate() {\n" + "\n".join(lines) + "\n}\n"
+
+
+#: Instances that spill to local memory without PDL too (mangled-name pieces), per
+#: architecture: the attention kernels (their launch bounds cap them at 64 registers), a bf16
+#: SiluMul-fused GEMV and, on sm_90 with NBITS_HALF2 0, a norm-fused small-K GEMV of two rows;
+#: on sm_80 the unfused fp16 chunk16 GEMV of one row.
+KNOWN_SPILLS = {
+    "sm_90": (
+        "8gqa_attnI",
+        "16gqa_attn_clusterI",
+        "13nbits4_gemv16I6bf16_tS0_Li1ELi1ELi2E",
+        "21nbits4_gemv16_small_kIttLi2ELi8ELi2ELi1E",
+    ),
+    "sm_80": (
+        "8gqa_attnI",
+        "13nbits4_gemv16I6bf16_tS0_Li1ELi1ELi2E",
+        "13nbits4_gemv16IttLi1ELi1ELi0E",
+    ),
+}
+#: The three ways the provider compiles a source (``launch.compile_defines``).
+PDL = ("-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1")
+PDL_NO_PREFETCH = ("-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "defines"),
+    [("sm_90", PDL), ("sm_90", PDL_NO_PREFETCH), ("sm_90", ()), ("sm_80", PDL)],
+    ids=["sm90-pdl", "sm90-pdl-no-prefetch", "sm90-plain", "sm80-pdl"],
+)
+def test_every_kernel_source_compiles(tmp_path, arch, defines):
+    """Every source the provider compiles, through nvcc (where installed) as NVRTC builds it
+    at run time (C++17, one architecture, the PDL defines of a programmatic stream or none):
+    it compiles, no kernel spills that does not spill on main, and the PTX has
+    griddepcontrol.wait in every kernel and the L2 prefetches exactly where they are asked
+    for (sm_90 with GENRT_PDL; GENRT_PDL_PREFETCH), nothing of PDL elsewhere."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    got = run_with_cupy_stub(_DUMP_SOURCES, json.dumps(INSTANCES))
+    pdl = arch == "sm_90" and bool(defines)
+    prefetch = pdl and "-DGENRT_PDL_PREFETCH=1" in defines
+    for key, names in INSTANCES.items():
+        variants = [got["sources"][key]]
+        if key == "contrib_quant._BODY":  # contrib_quant._source: NBITS_HALF2 on and off
+            variants = [f"#define NBITS_HALF2 {h}\n" + variants[0] for h in (1, 0)]
+        for v, text in enumerate(variants):
+            path = tmp_path / f"{key.replace('.', '_')}_{v}.cu"
+            path.write_text(_instantiating(text, names))
+            done = subprocess.run(
+                [nvcc, "-std=c++17", f"-arch={arch}", "-cubin", *defines, "-Xptxas", "-v",
+                 "-keep", "-keep-dir", str(tmp_path), "-diag-suppress", "550,177", str(path),
+                 "-o", str(path.with_suffix(".cubin"))],
+                capture_output=True, text=True, timeout=900,
+            )  # fmt: skip
+            assert done.returncode == 0, f"{path.name}: {done.stderr[-3000:]}"
+            spills = re.findall(
+                r"Function properties for (\S+)\n\s+\d+ bytes stack frame, (\d+) bytes spill "
+                r"stores, (\d+) bytes spill loads",
+                done.stderr,
+            )
+            assert spills, done.stderr[-2000:]
+            new = [f for f, st, ld in spills if (st, ld) != ("0", "0")]
+            assert not [f for f in new if not any(k in f for k in KNOWN_SPILLS[arch])], new
+            ptx = path.with_suffix(".ptx").read_text()
+            entries = re.split(r"\.entry\s+", ptx)[1:]
+            assert len(entries) >= len(names) - (arch != "sm_90"), path.name
+            for entry in entries:
+                name = entry.split("(", 1)[0]
+                assert ("griddepcontrol.wait" in entry) == pdl, (path.name, name)
+            assert ("cp.async.bulk.prefetch" in ptx or "prefetch.global.L2" in ptx) == (
+                prefetch and any(k in key for k in ("matmul", "contrib_quant"))
+            ), path.name
