@@ -64,6 +64,12 @@ _SOURCE = (
 #define GD_MERGE_GROUP {MERGE_GROUP}
 """
     + r"""
+// Programmatic dependent launch: the kernel waits for the previous one before it touches
+// memory. Where the common helpers do not define the macro, nothing to wait for.
+#ifndef GRID_WAIT
+#define GRID_WAIT() ((void)0)
+#endif
+
 // How a warp lays out a tile (grouped_decode.DecodeShape): V elements per 16-byte load; LK
 // lanes score one key (KL loads each), TK keys a tile; FS lanes load one value row, KS rows
 // per warp load, VL loads a tile; QP floats per query piece in shared memory (padded: the LK
@@ -180,6 +186,19 @@ DEVI void decode_tile(const float* q_sh, const S* K, const S* Vc, const S* kn, c
   }
 }
 
+// A partial's floats: from shared memory (SH), else from global memory written by other
+// blocks of this launch (past L1).
+template <bool SH>
+DEVI float ld_part(const float* p) {
+  if constexpr (SH) return *p;
+  else return __ldcg(p);
+}
+template <bool SH>
+DEVI float4 ld_part4(const float* p) {
+  if constexpr (SH) return *reinterpret_cast<const float4*>(p);
+  else return __ldcg(reinterpret_cast<const float4*>(p));
+}
+
 // n <= 32 partials of one (row, KV head), src[k] = [G][D + 4] floats (sums relative to the max
 // at D, the denominator at D + 1; shared memory when SH, else global memory written by other
 // blocks), merged in order k = 0, 1, ...: into the partial dst (global memory), or when
@@ -197,8 +216,8 @@ DEVI void decode_merge(const float* src, int n, bool final, float* dst, S* out, 
     const float* pm = src + ((long long)lane * G + j) * PS + D;
     float mk = neg_inf(), lk = 0.f;
     if (lane < n) {
-      mk = SH ? pm[0] : __ldcg(pm);
-      lk = SH ? pm[1] : __ldcg(pm + 1);
+      mk = ld_part<SH>(pm);
+      lk = ld_part<SH>(pm + 1);
     }
     const float mx = warp_max(fmaxf(mk, sink));
     const float w = mk == neg_inf() ? 0.f : expf(mk - mx);
@@ -218,8 +237,8 @@ DEVI void decode_merge(const float* src, int n, bool final, float* dst, S* out, 
       float4 x[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        const float4* p = reinterpret_cast<const float4*>(src + ((long long)(k0 + u) * G + j) * PS + d);
-        x[u] = k0 + u < n ? (SH ? *p : __ldcg(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float* p = src + ((long long)(k0 + u) * G + j) * PS + d;
+        x[u] = k0 + u < n ? ld_part4<SH>(p) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
@@ -267,6 +286,7 @@ __global__ void __launch_bounds__(32 * W, MB)
   constexpr int T = 32 * W, LK = SH::LK, TK = SH::TK, QP = SH::QP, V = SH::V, FS = SH::FS;
   constexpr int PS = D + 4, QE = (G * D + T - 1) / T;
   extern __shared__ __align__(16) unsigned char smem[];
+  GRID_WAIT();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int split = blockIdx.x, g = blockIdx.y, bi = blockIdx.z;
   const int b = bi / S_len, i = bi % S_len;
@@ -511,8 +531,9 @@ def decode_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, splits: i
         buf = scratch(ctx, rows * (splits + groups_max) * floats * 4).view(np.float32)
         part, part2 = buf[: rows * splits * floats], buf[rows * splits * floats :]
         counters = zeroed_counters(ctx, rows * (groups_max + 1))
-    name = f"gqa_decode<{decode_template_args(call.s_type, call.c_type, d, group)}>"
-    kernel = function(_SOURCE, name)
+    kernel = function(
+        _SOURCE, f"gqa_decode<{decode_template_args(call.s_type, call.c_type, d, group)}>"
+    )
     kernel(
         (splits, call.kv_heads, call.batch * call.new),
         (32 * DECODE_WARPS,),

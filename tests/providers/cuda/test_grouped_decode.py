@@ -337,3 +337,58 @@ def test_decode_problem():
     assert "16 x 2^k" in decode_problem(96, 2, 7)  # 192-byte rows: 12 lanes
     assert "16 x 2^k" in decode_problem(256, 4, 1)  # 1 KiB rows: 64 lanes
     assert "16 x 2^k" in decode_problem(4, 2, 1)  # 8-byte rows
+
+
+# Instances compiled by nvcc: each storage type, every head size it takes, the largest group
+# (the most registers) and the 0.5B model's group of 7; (storage, rotary cache, D, G).
+_INSTANCES = [
+    ("half_t", "half_t", 64, 1), ("half_t", "half_t", 64, 7), ("half_t", "float", 64, 8),
+    ("half_t", "half_t", 128, 8), ("half_t", "half_t", 256, 8), ("bf16_t", "bf16_t", 64, 7),
+    ("bf16_t", "float", 128, 8), ("float", "float", 64, 8), ("float", "float", 128, 8),
+]  # fmt: skip
+
+_DECODE_DUMP = r"""
+import json, sys
+from onnx_genrt.providers.cuda.grouped_decode import DecodeShape
+import onnx_genrt.providers.cuda.kernels._gqa_decode as gd
+instances = json.loads(sys.argv[2])
+names = [f"gqa_decode<{gd.decode_template_args(s, c, d, g)}>" for s, c, d, g in instances]
+body = "".join(f"  auto k{i} = &{n}; (void)k{i};\n" for i, n in enumerate(names))
+checks = ""
+for s, _, d, _ in instances:  # the C++ tile layout is the mirror's
+    py = DecodeShape(d, 4 if s == "float" else 2)
+    for field, value in (("TK", py.tile_keys), ("KL", py.key_loads), ("LK", py.lanes_per_key),
+                         ("FS", py.feature_lanes), ("KS", py.value_rows), ("VL", py.value_loads)):
+        checks += f"static_assert(DecodeShape<{s}, {d}>::{field} == {value}, \"{field}\");\n"
+open(sys.argv[1], "w").write(gd._SOURCE + "\n" + checks + "void instantiate() {\n" + body + "}\n")
+print(json.dumps(names))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_decode_kernel_compiles_without_spills(tmp_path, arch):
+    """The grouped decode source through nvcc (where it is installed), for instances of every
+    storage type and head size and the largest groups: it compiles, its tile layout is the
+    mirror's (static_asserts against DecodeShape), and ptxas keeps everything in registers."""
+    import json
+    import re
+    import shutil
+    import subprocess
+
+    from tests.cuda_stub import run_with_cupy_stub
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    source = tmp_path / "decode.cu"
+    names = run_with_cupy_stub(_DECODE_DUMP, str(source), json.dumps(_INSTANCES))
+    done = subprocess.run(
+        [nvcc, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-diag-suppress",
+         "550", str(source), "-o", str(tmp_path / "decode.cubin")],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
+    assert len(spills) == len(names) == len(_INSTANCES)
+    assert all(s == ("0", "0") for s in spills), done.stderr
