@@ -16,6 +16,7 @@ from onnx_genrt.providers.cuda.flash_tiling import Rotary
 from onnx_genrt.providers.cuda.grouped_decode import (
     DECODE_WARPS,
     MAX_DECODE_SPLITS,
+    MAX_GROUP,
     MERGE_GROUP,
     DecodeShape,
     decode_problem,
@@ -392,3 +393,24 @@ def test_decode_kernel_compiles_without_spills(tmp_path, arch):
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
     assert len(spills) == len(names) == len(_INSTANCES)
     assert all(s == ("0", "0") for s in spills), done.stderr
+
+
+def test_decode_shared_memory_fits_the_default_limit():
+    """Every instance the kernel has, at up to FUSE_MAX_NEW new rows, takes at most the 48 KiB
+    of dynamic shared memory a block gets without opting in (the launch does not opt in)."""
+    from tests.cuda_stub import run_with_cupy_stub
+
+    most = run_with_cupy_stub(
+        r"""
+import json
+from onnx_genrt.providers.cuda.grouped_decode import MAX_GROUP, decode_problem
+from onnx_genrt.providers.cuda.kernels._gqa_decode import decode_shared_bytes
+from onnx_genrt.providers.cuda.kernels.contrib_attention import FUSE_MAX_NEW
+sizes = [decode_shared_bytes(s, d, item, g) for item in (2, 4) for d in (8, 16, 32, 64, 128, 256)
+         for g in range(1, MAX_GROUP + 1) for s in (1, FUSE_MAX_NEW)
+         if decode_problem(d, item, g) is None]
+print(json.dumps([len(sizes), max(sizes)]))
+"""
+    )
+    assert most[0] == 2 * (6 + 5) * MAX_GROUP
+    assert most[1] <= 48 << 10
