@@ -123,9 +123,24 @@ class CUDAProvider(ExecutionProvider):
             "attention_cluster_max_keys",
             ATTENTION_CLUSTER_MAX_KEYS,
             "KV cache positions up to which decode and verify attention run as one "
-            "8-block cluster per row (sm_90+; 0: any); a longer cache spreads over up to "
-            "64 blocks per row, merged by the last to finish",
+            "8-block cluster per row (sm_90+; 0: any); a longer cache spreads over many "
+            "blocks per row (attention_grouped_decode)",
             env="ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS",
+        ),
+        ProviderOption(
+            "attention_grouped_decode",
+            True,
+            "decode and verify attention over a cache longer than attention_cluster_max_keys "
+            "run the grouped kernel (one block per split, KV head and row, each key read once "
+            "for the group's query heads); off: up to 64 blocks per query row and head",
+            env="ONNX_GENRT_ATTENTION_GROUPED_DECODE",
+        ),
+        ProviderOption(
+            "attention_decode_splits",
+            0,
+            "splits of each KV head and row in the grouped decode kernel (0: sized from the "
+            "cache capacity and the SM count; at most 512)",
+            env="ONNX_GENRT_ATTENTION_DECODE_SPLITS",
         ),
         ProviderOption(
             "nbits_mma_min_rows",

@@ -35,6 +35,14 @@ sync). The attention kernel has one block per (split, query head, batch x query 
   which it sets back to zero) merges the partials from global memory. Both merge in a
   fixed order (deterministic).
 
+Decode / verify over a cache longer than the provider's ``attention_cluster_max_keys`` runs
+the grouped decode kernel instead (``_gqa_decode``: one block per split, KV head and row,
+scoring the group's query heads against each key it loads, so each key is read once per
+split rather than once per query head; splits sized from the capacity and the SM count,
+merged in two fixed-order levels). Calls it has no instance for (more than 8 query heads per
+KV head, rows that are not 16 x 2^k bytes) keep the many-split ``gqa_attn``, as do all with
+the provider's ``attention_grouped_decode`` off.
+
 Concat mode (a past shorter than the total, or no past at all) is refused.
 
 ``sliding_window_cache=1`` (a window-sized cache, onnxruntime's layout: see
@@ -79,6 +87,7 @@ from ._common import (
     storage,
 )
 from ._flash import flash_attend, flash_attention_problem
+from ._gqa_decode import decode_attend, decode_call_problem, decode_split_count
 from ._gqa_device import GQA_DEVICE
 from ._registry import REGISTRY
 from .reduce import zeroed_counters
@@ -110,13 +119,17 @@ CLUSTER = True
 #: Fewest keys a split of the cluster kernel takes.
 CLUSTER_MIN_CHUNK = 64
 #: Default of the CUDA provider's ``attention_cluster_max_keys``: the KV capacity up to which
-#: decode / verify use the 8-split cluster kernel (0: any capacity). Above it the many-split
-#: kernel spreads a long cache over up to MAX_SPLITS blocks per row: with 8 splits, each
-#: block of a 30000-token cache walks 3750 keys one after another. On the H200 (0.5B shape,
-#: 32768-position cache, docs/performance.md 2026-12-04) the many-split kernel decoded 1150 /
-#: 893 / 647 tok/s after 256 / 8192 / 30000 tokens against the cluster's 1191 / 735 / 351;
-#: a 4096-position cache keeps the cluster.
+#: decode / verify use the 8-split cluster kernel (0: any capacity). Above it the grouped
+#: decode kernel (or, where it has no instance, the many-split kernel) spreads a long cache
+#: over many blocks per row: with 8 splits, each block of a 30000-token cache walks 3750 keys
+#: one after another. On the H200 (0.5B shape, 32768-position cache, docs/performance.md
+#: 2026-12-04) the many-split kernel decoded 1150 / 893 / 647 tok/s after 256 / 8192 / 30000
+#: tokens against the cluster's 1191 / 735 / 351; a 4096-position cache keeps the cluster.
 ATTENTION_CLUSTER_MAX_KEYS = 4096
+#: Decode / verify over a cache longer than ``attention_cluster_max_keys``: the grouped decode
+#: kernel (``_gqa_decode``) where it has an instance; False: the many-split ``gqa_attn`` (for
+#: measurement; the provider's ``attention_grouped_decode`` turns it off per provider).
+GROUPED_DECODE = True
 #: Dynamic shared memory a block may take without opting in.
 _SHARED_MAX = 48 << 10
 
@@ -1141,16 +1154,34 @@ def _gqa_attend_gemm(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray) -> Non
         y4[i] = att.transpose(1, 0, 2).astype(y.dtype)
 
 
+def _short_cache(ctx: KernelContext, call: _GqaCall) -> bool:
+    """Whether the cache has at most the provider's ``attention_cluster_max_keys`` positions
+    (0: any), which decode / verify leave to the 8-split kernels."""
+    most = int(ctx.option("attention_cluster_max_keys", ATTENTION_CLUSTER_MAX_KEYS))
+    return most == 0 or call.cap <= most
+
+
 def _cluster_fits(ctx: KernelContext, call: _GqaCall, fuse: bool) -> bool:
     """Whether the cluster kernel takes a decode / verify call: sm_90+, and a cache of at most
     the provider's ``attention_cluster_max_keys`` positions (0: any)."""
-    most = int(ctx.option("attention_cluster_max_keys", ATTENTION_CLUSTER_MAX_KEYS))
-    return bool(fuse and CLUSTER and _cc_major() >= 9 and (most == 0 or call.cap <= most))
+    return bool(fuse and CLUSTER and _cc_major() >= 9 and _short_cache(ctx, call))
+
+
+def _grouped_decode_fits(ctx: KernelContext, call: _GqaCall) -> bool:
+    """Whether the grouped decode kernel takes a decode / verify call: a cache longer than
+    ``attention_cluster_max_keys``, the kernel on (GROUPED_DECODE and the provider's
+    ``attention_grouped_decode``) and an instance for the call (``decode_call_problem``)."""
+    on = GROUPED_DECODE and bool(ctx.option("attention_grouped_decode", True))
+    return on and not _short_cache(ctx, call) and decode_call_problem(call) is None
 
 
 def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool) -> None:
     """The attention launch: splits of each query row's keys, merged in a cluster or by
-    the last split to finish."""
+    the last split to finish; decode / verify over a long cache: the grouped decode kernel."""
+    if fuse and _grouped_decode_fits(ctx, call):
+        fixed = int(ctx.option("attention_decode_splits", 0))
+        decode_attend(ctx, call, y, decode_split_count(call, fixed))
+        return
     b, s, heads, d = call.batch, call.new, call.heads, call.head_size
     rows = b * s * heads
     warps = ATTN_WARPS

@@ -500,13 +500,14 @@ def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, monkeypatch, s,
     Qwen2.5-0.5B heads (14 q, 2 kv, 64 wide) on a 4096-position cache: one split with keys
     for short lengths, then more and more splits, merged through the thread-block cluster
     (sm_90+) or by the last split to finish (a counter; the path of older GPUs, and of caches
-    longer than the provider's ``attention_cluster_max_keys``)."""
+    longer than the provider's ``attention_cluster_max_keys`` with ``attention_grouped_decode``
+    off: the grouped kernel has its own tests, test_cuda_gqa_decode.py)."""
     from onnx_genrt.providers.cuda.kernels import contrib_attention
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
     prov = fresh
     if cluster == "capacity":
-        prov = CUDAProvider(attention_cluster_max_keys=4095)
+        prov = CUDAProvider(attention_cluster_max_keys=4095, attention_grouped_decode=False)
     else:
         monkeypatch.setattr(contrib_attention, "CLUSTER", cluster)
     launched: list[str] = []

@@ -1,0 +1,318 @@
+"""CUDA grouped decode attention (``kernels/_gqa_decode.py``, ``gqa_decode``) on a real GPU:
+decode / verify GroupQueryAttention over long caches, against float64 attention written from
+the op's rules (``test_grouped_decode._reference``, which also checks the kernel's numpy
+mirror on the CPU), eagerly and replayed in one graph while the device length grows.
+
+Every test is marked ``gpu``. The provider runs with ``attention_cluster_max_keys=1`` so that
+short caches take the grouped kernel too; each test checks which kernel ran. Benchmark (not
+collected): ``python tests/providers/cuda/test_cuda_gqa_decode.py --timings`` prints the
+attention's device time per call for the 0.5B layout on a 32768-position cache (grouped
+with its own and with fixed split counts, many-split, cluster); with ``$OUT`` set it also
+writes ``$OUT/gqa_decode_timings.txt``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onnx_genrt.core.graph_slots import DeviceGraphSlot
+from onnx_genrt.core.kernels import MS_DOMAIN
+from onnx_genrt.providers.cuda.flash_tiling import Rotary
+from onnx_genrt.providers.cuda.grouped_decode import MAX_DECODE_SPLITS, decode_problem
+from tests.providers.cuda.test_cuda_llm_kernels import (
+    BF16,
+    FLOATS_BF16,
+    _DecodeStep,
+    _graph_us,
+    close,
+    dev,
+    gqa_inputs,
+    launch,
+    node,
+    run_gpu,
+)
+from tests.providers.cuda.test_grouped_decode import _reference, _rotate
+
+pytestmark = pytest.mark.gpu
+
+PRIMARY = DeviceGraphSlot.PRIMARY
+
+
+@pytest.fixture
+def launched(monkeypatch) -> list[str]:
+    """The names of the attention kernels compiled (looked up) from here on."""
+    from onnx_genrt.providers.cuda.kernels import _gqa_decode, contrib_attention
+
+    names: list[str] = []
+    for module in (_gqa_decode, contrib_attention):
+        compile_kernel = module.function
+
+        def recording(source, name, *args, compile_kernel=compile_kernel, **kwargs):
+            names.append(name)
+            return compile_kernel(source, name, *args, **kwargs)
+
+        monkeypatch.setattr(module, "function", recording)
+    return names
+
+
+_PROVIDERS: dict[tuple, object] = {}
+
+
+def _provider(**options):
+    """A CUDA provider with ``options`` (and ``attention_cluster_max_keys=1`` unless given),
+    one per option set for the module's eager tests."""
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
+
+    options = {"attention_cluster_max_keys": 1, **options}
+    key = tuple(sorted(options.items()))
+    if key not in _PROVIDERS:
+        _PROVIDERS[key] = CUDAProvider(**options)
+    return _PROVIDERS[key]
+
+
+def _attention(names: list[str]) -> set[str]:
+    """The attention kernels among ``names``, without their template arguments."""
+    return {n.split("<")[0] for n in names if n.startswith("gqa_")}
+
+
+def _split_inputs(inputs, c):
+    """gqa_inputs' arrays as [B, S, N, D] queries and [B, S, kvN, D] new keys and values."""
+    q, k, v = inputs[:3]
+    b, s, h, kvh, d = c["b"], c["s"], c["h"], c["kvh"], c["d"]
+    if k is None:  # packed
+        qkv = q.reshape(b, s, h + 2 * kvh, d)
+        return qkv[:, :, :h], qkv[:, :, h : h + kvh], qkv[:, :, h + kvh :]
+    return q.reshape(b, s, h, d), k.reshape(b, s, kvh, d), v.reshape(b, s, kvh, d)
+
+
+def _table(inputs, c) -> Rotary:
+    """The rotary tables the kernel reads (their stored values), empty without rotary."""
+    if not c.get("rotary", True):
+        return Rotary(np.zeros((1, 0)), np.zeros((1, 0)), False)
+    cos, sin = inputs[7].astype(np.float64), inputs[8].astype(np.float64)
+    return Rotary(cos, sin, bool(c.get("interleaved")))
+
+
+def _want(inputs, c):
+    """float64 output [B, S, H * D] from the op's rules (new rows rounded to the cache type)."""
+    q, k_new, v_new = _split_inputs(inputs, c)
+    pk, pv, seqlens, sink = inputs[3], inputs[4], inputs[5], inputs[11]
+    d = c["d"]
+    sinks = None
+    if sink is not None:
+        sinks = sink.astype(np.float64)
+    elif c.get("smooth"):
+        sinks = np.zeros(c["h"])
+    y = _reference(
+        q, k_new, v_new, pk, pv, seqlens,
+        scale=c.get("scale") or 1.0 / math.sqrt(d), softcap=c.get("softcap", 0.0),
+        window=c.get("window", 0), causal=c.get("causal", True), wcache=False, sinks=sinks,
+        rotary=_table(inputs, c), storage=pk.dtype,
+    )  # fmt: skip
+    return y.reshape(c["b"], c["s"], c["h"] * d)
+
+
+# gqa_inputs' cases: G = h / kvh of 1, 2, 7 and 8, head sizes 64, 128 and 256, S = 1, 5 and 16;
+# lengths 1, a split boundary (128 keys at D = 64) and its next, the capacity.
+CASES = {
+    "g7-d64-decode-lengths": dict(
+        b=4, s=1, h=14, kvh=2, d=64, cap=5000, totals=[1, 128, 129, 5000]
+    ),
+    "g7-d64-verify5": dict(b=2, s=5, h=14, kvh=2, d=64, cap=3000, totals=[5, 2900]),
+    "g2-d128-verify5-separate-interleaved": dict(
+        b=1, s=5, h=8, kvh=4, d=128, cap=2100, totals=[2100], packed=False, interleaved=True
+    ),
+    "g1-d64-norotary-softcap": dict(
+        b=2, s=1, h=4, kvh=4, d=64, cap=1500, totals=[700, 1500], rotary=False, softcap=30.0
+    ),
+    "g7-verify5-window-sink": dict(
+        b=1, s=5, h=14, kvh=2, d=64, cap=3000, totals=[2500], window=500, sink=True
+    ),
+    "g2-d128-smooth-partial-rotary-not-causal": dict(
+        b=1, s=3, h=4, kvh=2, d=128, cap=900, totals=[850], smooth=True, rot=64, causal=False
+    ),
+    "g8-d128-verify16": dict(b=1, s=16, h=16, kvh=2, d=128, cap=2000, totals=[1800]),
+    "g7-verify5-short-entry": dict(b=2, s=5, h=14, kvh=2, d=64, cap=600, totals=[3, 600]),
+    "g4-d256": dict(b=1, s=1, h=4, kvh=1, d=256, cap=1100, totals=[1100], scale=0.05),
+}
+
+
+def _run(cp, prov, c, inputs, attrs):
+    info = node("GroupQueryAttention", inputs, 3, attrs, opset=1, domain=MS_DOMAIN)
+    b, s, h, d = c["b"], c["s"], c["h"], c["d"]
+    return run_gpu(cp, prov, info, inputs, [((b, s, h * d), inputs[3].dtype), None, None])
+
+
+@pytest.mark.parametrize("splits", [0, 1, 40], ids=["auto", "one-split", "two-levels"])
+@pytest.mark.parametrize("dtype", FLOATS_BF16)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_grouped_decode_matches_float64(cp, rng, launched, case, dtype, splits):
+    """Output and cache (the new rows rotated at [past, total), all else untouched) against
+    float64; the grouped kernel ran unless it has no instance for the call (fp32 at head size
+    256). Splits: the kernel's own count, one (the block writes the output), 40 (groups of
+    splits merged, then the groups)."""
+    c = CASES[case]
+    inputs, attrs = gqa_inputs(rng, c, dtype)
+    if not c.get("causal", True):
+        attrs["causal"] = 0
+    prov = _provider(attention_decode_splits=splits)
+    got, d_in, res = _run(cp, prov, c, inputs if inputs[11] is not None else inputs[:9], attrs)
+    assert res[1] is d_in[3] and res[2] is d_in[4], "present must be the past buffer itself"
+    grouped = decode_problem(c["d"], np.dtype(dtype).itemsize, c["h"] // c["kvh"]) is None
+    assert _attention(launched) == ({"gqa_decode"} if grouped else {"gqa_attn"}), launched
+    close(got[0], _want(inputs, c), dtype, what="output")
+    _, k_new, v_new = _split_inputs(inputs, c)
+    table = _table(inputs, c)
+    for bi, t in enumerate(c["totals"]):
+        new = min(t, c["s"])
+        past = t - new
+        keys = _rotate(k_new[bi].astype(np.float64), past + np.arange(c["s"]), table)[:new]
+        close(got[1][bi, :, past:t], keys.transpose(1, 0, 2), dtype, what="new keys")
+        np.testing.assert_array_equal(got[2][bi, :, past:t], v_new[bi, :new].transpose(1, 0, 2))
+        for cache, host in ((got[1], inputs[3]), (got[2], inputs[4])):
+            np.testing.assert_array_equal(cache[bi, :, :past], host[bi, :, :past])
+            np.testing.assert_array_equal(cache[bi, :, t:], host[bi, :, t:])
+
+
+def test_grouped_decode_is_deterministic_and_leaves_the_counters_zero(cp, rng, launched):
+    """Two runs on the same inputs give the same bits (fixed-order merges at every level);
+    every merge counter is back at zero after the launch."""
+    from onnx_genrt.providers.cuda.kernels import reduce
+
+    c = dict(b=2, s=5, h=14, kvh=2, d=64, cap=4500, totals=[4400, 4500])
+    inputs, attrs = gqa_inputs(rng, c, np.float16)
+    prov = _provider(attention_decode_splits=MAX_DECODE_SPLITS)
+    first, _, _ = _run(
+        cp, prov, c, [x.copy() if x is not None else None for x in inputs[:9]], attrs
+    )
+    again, _, _ = _run(
+        cp, prov, c, [x.copy() if x is not None else None for x in inputs[:9]], attrs
+    )
+    assert _attention(launched) == {"gqa_decode"}
+    np.testing.assert_array_equal(first[0].view(np.uint16), again[0].view(np.uint16))
+    prov.synchronize()
+    for held in reduce._COUNTERS.get(prov, []):
+        assert int(cp.count_nonzero(held)) == 0
+
+
+def test_grouped_decode_marks_a_device_length_past_the_cache(cp, rng, launched):
+    """total_sequence_length on the device: a length past the cache gives that sequence's rows
+    NaN and writes no key past the buffer; the other sequence is unaffected."""
+    c = dict(b=2, s=5, h=14, kvh=2, d=64, cap=300, totals=[200, 302])
+    inputs, attrs = gqa_inputs(rng, c, np.float16)
+    info = node("GroupQueryAttention", inputs[:9], 3, attrs, opset=1, domain=MS_DOMAIN)
+    prov = _provider()
+    d_in = [dev(prov, x) for x in inputs[:9]]
+    with prov.stream:  # a plain device copy: no host shadow of the total length
+        d_in[6] = cp.asarray(inputs[6])
+    out = prov.to_numpy(launch(prov, info, d_in)[0])
+    assert _attention(launched) == {"gqa_decode"}
+    assert np.isnan(out[1]).all()
+    assert np.isfinite(out[0]).all()
+    cache = prov.to_numpy(d_in[3])
+    np.testing.assert_array_equal(cache[1, :, :297], inputs[3][1, :, :297])
+
+
+@pytest.mark.parametrize(
+    "options,h,kernel",
+    [
+        (dict(), 14, "gqa_decode"),
+        (dict(attention_grouped_decode=False), 14, "gqa_attn"),
+        (dict(attention_cluster_max_keys=0), 14, "gqa_attn"),  # cluster (sm_90) or many-split
+        (dict(), 18, "gqa_attn"),  # 9 query heads per KV head: no instance
+    ],
+    ids=["grouped", "option-off", "short-cache", "group-of-9"],
+)
+def test_grouped_decode_is_chosen_for_long_caches(cp, rng, launched, options, h, kernel):
+    c = dict(b=1, s=1, h=h, kvh=2, d=64, cap=700, totals=[650])
+    inputs, attrs = gqa_inputs(rng, c, np.float16)
+    _run(cp, _provider(**options), c, inputs[:9], attrs)
+    assert {k[: len(kernel)] for k in _attention(launched)} == {kernel}, launched
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+@pytest.mark.parametrize("s", [1, 5])
+def test_grouped_decode_one_graph_follows_the_device_length(cp, rng, launched, s, dtype):
+    """One captured graph on the 0.5B layout (14 query heads, 2 KV heads, 64 wide) with a
+    32768-position cache, replayed while the mask (hence seqlens_k) grows in device memory:
+    one split, then more, then groups of splits merged twice, up to the capacity."""
+    prov = _provider(attention_cluster_max_keys=4096)  # the provider's default
+    step = _DecodeStep(cp, prov, rng, s, dtype=dtype, cap=32768)
+    q = step.write(s)
+    step.run()  # eager: compiles, sizes the scratch and the counters
+    step.check(q, s)
+    assert _attention(launched) == {"gqa_decode"}, launched
+    prov.begin_capture(PRIMARY)
+    step.run()
+    prov.end_capture(PRIMARY)
+    lengths = (s + 1, 128, 129, 2048, 2177, 4096, 4097, 8192, 16384, 30000, 32767, 32768)
+    for total in lengths:
+        q = step.write(total)
+        prov.replay(PRIMARY)
+        step.check(q, total)
+    prov.reset_graph(PRIMARY)
+
+
+# ----------------------------------------------------------------------------- timings
+
+
+def gqa_decode_timings(cp, rng) -> str:
+    """Device time per GroupQueryAttention call (graph replay) of the 0.5B layout on a
+    32768-position fp16 cache after 256 / 8192 / 30000 tokens, decode (S = 1) and verify
+    (S = 5): the grouped kernel with its own split count and fixed ones, the many-split
+    kernel and the 8-block cluster kernel (sm_90)."""
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
+
+    prov = CUDAProvider()
+    variants = [("grouped auto", {})]
+    variants += [
+        (f"grouped {n} splits", {"attention_decode_splits": n}) for n in (32, 66, 132, 264, 512)
+    ]
+    variants += [
+        ("many-split", {"attention_grouped_decode": False}),
+        ("cluster", {"attention_cluster_max_keys": 0}),
+    ]
+    lines = []
+    for s in (1, 5):
+        step = _DecodeStep(cp, prov, rng, s, cap=32768)
+        info, ins, buf = step.steps[-1]
+        for total in (256, 8192, 30000):
+            step.write(total)
+            step.run()  # the mask -> seqlens for this length
+            kv_bytes = 2 * step.kvh * total * step.d * 2
+            for label, options in variants:
+                saved = prov._options
+                prov._options = {**saved, **options}
+                try:
+
+                    def gqa(info=info, ins=ins, buf=buf):
+                        launch(prov, info, ins, [buf])
+
+                    us = _graph_us(cp, prov, gqa)
+                finally:
+                    prov._options = saved
+                lines.append(
+                    f"GQA fp16 S={s} H=14 KVH=2 D=64 cap 32768 length {total} {label}: "
+                    f"{us:.1f} us ({kv_bytes / us / 1e3:.0f} GB/s of KV)"
+                )
+    return "\n".join(lines)
+
+
+def _print_timings() -> None:
+    import cupy
+
+    text = gqa_decode_timings(cupy, np.random.default_rng(0))
+    print(text)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, "gqa_decode_timings.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__" and "--timings" in sys.argv:
+    _print_timings()
