@@ -3,7 +3,7 @@
 # 32768 positions, prefill (time to first token) and decode after P prompt tokens, with the
 # prompt attention on the flash-attention kernel (default), as matrix products
 # (ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0) and as the attention kernels (both options 0), decode
-# attention on the many-split kernel instead of the grouped one (ONNX_GENRT_ATTENTION_GROUPED_DECODE=0)
+# attention on the grouped kernel instead of the many-split one (ONNX_GENRT_ATTENTION_GROUPED_DECODE=1)
 # and on the 8-block cluster (ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS=0), then HF transformers
 # (sdpa) on the same weights.
 #   bash scripts/gpu_long_bench.sh            (GPU_LONG_PROMPTS="256 8192 30000" by default)
@@ -16,7 +16,7 @@ LOGDIR="${OUT:-/tmp/gpu_lane}"
 PROMPTS="${GPU_LONG_PROMPTS:-256 8192 30000}"
 TOKENS="${GPU_LONG_TOKENS:-64}"
 # Provider settings each prompt length runs with: "default" or comma-separated VAR=value.
-SETTINGS="${GPU_LONG_SETTINGS:-default ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0 ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0,ONNX_GENRT_ATTENTION_GEMM_MIN_ROWS=0 ONNX_GENRT_ATTENTION_GROUPED_DECODE=0 ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS=0}"
+SETTINGS="${GPU_LONG_SETTINGS:-default ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0 ONNX_GENRT_ATTENTION_FLASH_MIN_ROWS=0,ONNX_GENRT_ATTENTION_GEMM_MIN_ROWS=0 ONNX_GENRT_ATTENTION_GROUPED_DECODE=1 ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS=0}"
 mkdir -p "$WORK" "$LOGDIR"
 whl=$(ls .whl/onnxruntime_genai-*.whl 2>/dev/null | head -n 1)
 [ -n "$whl" ] || { echo "no onnxruntime-genai wheel in .whl/"; exit 1; }

@@ -129,7 +129,7 @@ class CUDAProvider(ExecutionProvider):
         ),
         ProviderOption(
             "attention_grouped_decode",
-            True,
+            False,  # not yet run on a GPU (NOTES.md): on once its GPU tests pass
             "decode and verify attention over a cache longer than attention_cluster_max_keys "
             "run the grouped kernel (one block per split, KV head and row, each key read once "
             "for the group's query heads); off: up to 64 blocks per query row and head",
@@ -175,7 +175,7 @@ class CUDAProvider(ExecutionProvider):
         ),
         ProviderOption(
             "programmatic_launch",
-            True,
+            False,  # not yet run on a GPU (NOTES.md): on once its GPU tests pass
             "programmatic dependent launch of the provider's own kernels (sm_90+ and a driver "
             "with cuLaunchKernelEx and cuFuncGetParamInfo): each may start while the one "
             "before it finishes; `programmatic_launch_problem` says why it is not used",

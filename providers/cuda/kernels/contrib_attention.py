@@ -1171,7 +1171,7 @@ def _grouped_decode_fits(ctx: KernelContext, call: _GqaCall) -> bool:
     """Whether the grouped decode kernel takes a decode / verify call: a cache longer than
     ``attention_cluster_max_keys``, the kernel on (GROUPED_DECODE and the provider's
     ``attention_grouped_decode``) and an instance for the call (``decode_call_problem``)."""
-    on = GROUPED_DECODE and bool(ctx.option("attention_grouped_decode", True))
+    on = GROUPED_DECODE and bool(ctx.option("attention_grouped_decode", False))
     return on and not _short_cache(ctx, call) and decode_call_problem(call) is None
 
 

@@ -65,11 +65,12 @@ _PROVIDERS: dict[tuple, object] = {}
 
 
 def _provider(**options):
-    """A CUDA provider with ``options`` (and ``attention_cluster_max_keys=1`` unless given),
-    one per option set for the module's eager tests."""
+    """A CUDA provider with ``options`` (``attention_cluster_max_keys=1`` and
+    ``attention_grouped_decode=True`` unless given), one per option set for the module's
+    eager tests."""
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
-    options = {"attention_cluster_max_keys": 1, **options}
+    options = {"attention_cluster_max_keys": 1, "attention_grouped_decode": True, **options}
     key = tuple(sorted(options.items()))
     if key not in _PROVIDERS:
         _PROVIDERS[key] = CUDAProvider(**options)
@@ -270,9 +271,10 @@ def gqa_decode_timings(cp, rng) -> str:
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
     prov = CUDAProvider()
-    variants = [("grouped auto", {})]
+    variants = [("grouped auto", {"attention_grouped_decode": True})]
     variants += [
-        (f"grouped {n} splits", {"attention_decode_splits": n}) for n in (32, 66, 132, 264, 512)
+        (f"grouped {n} splits", {"attention_grouped_decode": True, "attention_decode_splits": n})
+        for n in (32, 66, 132, 264, 512)
     ]
     variants += [
         ("many-split", {"attention_grouped_decode": False}),

@@ -41,7 +41,8 @@ def test_the_provider_says_whether_programmatic_launch_is_on(cp):
     from onnx_genrt.providers.cuda import driver as cuda_driver
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
-    prov = CUDAProvider()
+    assert not CUDAProvider().programmatic_launch  # off by default until measured
+    prov = CUDAProvider(programmatic_launch=True)
     cc = int(cp.cuda.Device(0).compute_capability)
     drv = cuda_driver.load()
     assert prov.programmatic_launch == (cc >= 90 and not isinstance(drv, str))

@@ -486,7 +486,8 @@ cuda_driver.load = lambda: cuda_driver.Driver(lib)
 streams = iter(range(0x100, 0x200, 0x10))
 cupy.cuda.Stream.side_effect = lambda **kw: type("S", (), {"ptr": next(streams)})()
 out = []
-for kw in ({}, {"programmatic_launch": False}, {"pdl_prefetch": False}):
+on = {"programmatic_launch": True}
+for kw in (on, {}, {**on, "pdl_prefetch": False}):
     p = CUDAProvider(**kw)
     out.append([p.programmatic_launch, list(p.status_notes()), dict(launch._PROGRAMMATIC)])
     del p
@@ -520,5 +521,6 @@ def test_provider_allows_its_stream_only_where_it_can(monkeypatch):
         {},
     ]
     monkeypatch.setenv("CC", "90")
-    monkeypatch.setenv("ONNX_GENRT_PROGRAMMATIC_LAUNCH", "0")
-    assert run_with_cupy_stub(_PROVIDER)[0][0] is False
+    # Off by default; the environment variable turns it on for a provider given no option.
+    monkeypatch.setenv("ONNX_GENRT_PROGRAMMATIC_LAUNCH", "1")
+    assert run_with_cupy_stub(_PROVIDER)[1][0] is True
