@@ -33,7 +33,8 @@ def test_bench_rows_read_back_what_the_bench_prints():
 
 def test_step_ratios_read_back_what_step_cost_prints(monkeypatch, capsys, tmp_path):
     measured = {"decode": 0.8, "verify": 1.2, "ratio": 1.5, "replays_primary": 51,
-                "replays_verify": 104, "verify+mtp": 2.0}  # fmt: skip
+                "replays_verify": 104, "verify+mtp": 2.0,
+                "notes": ("programmatic launch: on (with L2 weight prefetch)",)}  # fmt: skip
     monkeypatch.setattr(step_cost, "measure", lambda *a: measured)
     monkeypatch.setattr(step_cost, "model_folder", lambda a: tmp_path)
     step_cost.run(argparse.Namespace(provider="cuda", k=4, context=256, steps=10))
