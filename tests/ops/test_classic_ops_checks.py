@@ -112,12 +112,9 @@ def test_pool_attribute_refusals_when_loading(
 _POOL_EDGE_CASES = [
     # p = 1, the smallest LpPool takes
     ("LpPool", (1, 2, 6, 5), {"kernel_shape": [3, 2], "p": 1, "strides": [2, 1]}),
-    # SAME padding that needs no pad at all (total 0), and one whose stride is past the
-    # kernel (the formula's total is negative: still no pad)
+    # SAME padding that needs no pad at all (total 0)
     ("MaxPool", (1, 2, 6, 8), {"kernel_shape": [2, 2], "strides": [2, 2], "auto_pad": "SAME_LOWER"}),
     ("AveragePool", (1, 2, 6, 8), {"kernel_shape": [2, 2], "strides": [2, 2], "auto_pad": "SAME_LOWER"}),
-    ("MaxPool", (1, 2, 7, 8), {"kernel_shape": [1, 2], "strides": [3, 3], "auto_pad": "SAME_UPPER"}),
-    ("AveragePool", (1, 2, 7, 8), {"kernel_shape": [1, 2], "strides": [3, 3], "auto_pad": "SAME_LOWER"}),
     # ceil_mode: the last window runs past the end pad (onto the extension), with pads that
     # differ between the ends and between the axes
     ("MaxPool", (1, 2, 7, 7), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1}),
@@ -140,6 +137,27 @@ def test_pool_edges_match_onnxruntime(
     opset = 18 if op == "LpPool" else 19
     model = _model([helper.make_node(op, ["x"], ["y"], **attrs)], {"x": x}, [("y", FLOAT)], opset)
     _assert_same(_ours(tester, model, {"x": x}), _onnxruntime(model, {"x": x}))
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+def test_pool_same_with_strides_past_the_kernel_pads_nothing(
+    op: str, auto_pad: str, tester: OpTester
+) -> None:
+    """SAME where the strides pass the kernel: the pad formula's total is -1 and -2 here, and
+    no pad is added (as TensorFlow's SAME, where the mode comes from, clamps it at 0). The
+    references disagree: onnxruntime fails on MaxPool ("padding values must be non-negative")
+    and shifts SAME_UPPER AveragePool windows by the negative pad, ONNX's reference evaluator
+    fails on AveragePool and gives SAME_LOWER MaxPool one row too few; the windows are taken
+    with numpy."""
+    x = RNG.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    attrs = {"kernel_shape": [1, 2], "strides": [3, 4], "auto_pad": auto_pad}
+    model = _model([helper.make_node(op, ["x"], ["y"], **attrs)], {"x": x}, [("y", FLOAT)], 19)
+    (got,) = _ours(tester, model, {"x": x})
+    pairs = np.stack([x[:, :, ::3, 0::4], x[:, :, ::3, 1::4]]).astype(np.float64)
+    want = pairs.max(axis=0) if op == "MaxPool" else pairs.mean(axis=0)
+    assert got.shape == want.shape == (1, 2, 2, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 # -- ConvTranspose ---------------------------------------------------------------------------
