@@ -284,6 +284,11 @@ def pool_geometry(node: NodeInfo, in_spatial: Sequence[int]) -> PoolGeometry:
             f"{node.describe()}: kernel_shape {list(kernel)} has {len(kernel)} axes but the "
             f"input has {n} spatial axes"
         )
+    if 0 in in_spatial:
+        raise ValueError(
+            f"{node.describe()}: X has spatial shape {list(in_spatial)}; pooling needs at "
+            f"least one element on every spatial axis"
+        )
     strides = _ints(node, "strides", n, 1)
     dils = _ints(node, "dilations", n, 1)
     if min(kernel + strides + dils, default=1) < 1:
@@ -301,7 +306,12 @@ def pool_geometry(node: NodeInfo, in_spatial: Sequence[int]) -> PoolGeometry:
             small = total // 2
             pads.append((small, total - small) if auto == "SAME_UPPER" else (total - small, small))
         elif auto == "VALID":
-            o = max(0, -(-(size - e + 1) // s))
+            if size < e:
+                raise ValueError(
+                    f"{node.describe()}: window of {e} does not fit axis {i} of size {size} "
+                    f"(auto_pad=VALID pads nothing)"
+                )
+            o = -(-(size - e + 1) // s)
             pads.append((0, 0))
         else:
             flat = _ints(node, "pads", 2 * n, 0)
@@ -319,7 +329,7 @@ def pool_geometry(node: NodeInfo, in_spatial: Sequence[int]) -> PoolGeometry:
             if ceil_mode and (o - 1) * s >= size + b:
                 o -= 1  # the last window would start inside the end padding only
         out.append(o)
-        need = (o - 1) * s + e if o > 0 else 0
+        need = (o - 1) * s + e  # o >= 1: every axis has an element and the window fits
         extra.append(max(0, need - (size + pads[-1][0] + pads[-1][1])))
     return PoolGeometry(kernel, strides, dils, tuple(pads), tuple(extra), tuple(out))
 
@@ -451,10 +461,10 @@ def prelu_slope_shape(
             return s
     except ValueError:
         pass
+    per_channel_hint = f", a per-channel slope of {x[1]} values" if len(x) > 1 else ""
     raise ValueError(
         f"{node.describe()}: slope {list(s)} does not broadcast to X {list(x)}; give one "
-        f"slope, a per-channel slope of {x[1] if len(x) > 1 else '?'} values, or a shape that "
-        f"broadcasts to X"
+        f"slope{per_channel_hint} or a shape that broadcasts to X"
     )
 
 

@@ -99,21 +99,6 @@ class GraphPlan:
             counts[s.provider.name] = counts.get(s.provider.name, 0) + 1
         return counts
 
-    def cross_device_edges(self) -> int:
-        """Values read on a provider other than the one that made them (copies inserted)."""
-        where = {name: None for name in self.constants}
-        for spec in self.inputs:
-            where[spec.name] = None
-        count = 0
-        for s in self.steps:
-            for name in s.inputs:
-                src = where.get(name)
-                if name and src is not None and src is not s.provider:
-                    count += 1
-            for name in s.outputs:
-                where[name] = s.provider
-        return count
-
 
 def _value_spec(vi: onnx.ValueInfoProto) -> ValueSpec:
     t = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
@@ -228,7 +213,10 @@ def build_plan(
     opsets = opset_map(model)
     constants = _read_initializers(graph, weights or {})
     if graph.sparse_initializer:
-        raise ModelLoadError("sparse initializers are not supported")
+        names = [sp.values.name for sp in graph.sparse_initializer]
+        raise ModelLoadError(
+            f"sparse initializers {names[:5]} are not supported; store them as dense initializers"
+        )
     init_names = set(constants)
     inputs = [_value_spec(vi) for vi in graph.input if vi.name not in init_names]
     outputs = [_value_spec(vi) for vi in graph.output]
