@@ -189,15 +189,15 @@ def fuse_gate_up(
 
 
 def _with(node: NodeInfo, **changes) -> NodeInfo:
-    """A copy of ``node`` with other inputs, outputs or extra attributes."""
-    attrs = {**node.attrs, **changes.pop("attrs", {})}
-    name = node.name if node.name.endswith("/fused") else f"{node.name}/fused"
+    """A copy of ``node`` with other inputs, outputs or extra attributes (an unnamed node's
+    copy is named after its first output)."""
+    name = (node.name or node.output_names[0]).removesuffix("/fused") + "/fused"
     return NodeInfo(
         node.op_type,
         name,
         node.domain,
         node.opset,
-        attrs,
+        {**node.attrs, **changes.pop("attrs", {})},
         tuple(changes.get("inputs", node.input_names)),
         tuple(changes.get("outputs", node.output_names)),
     )
