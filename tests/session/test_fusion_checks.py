@@ -447,7 +447,9 @@ def test_every_fused_onnx_genrt_node_fits_its_version_and_has_a_body():
 # -- decomposed RMS norms --------------------------------------------------------------------
 
 
-def _rms(x_first: bool = True, power: tuple[str, float] = ("x", 2.0)) -> onnx.ModelProto:
+def _rms(
+    x_first: bool = True, eps_first: bool = False, power: tuple[str, float] = ("x", 2.0)
+) -> onnx.ModelProto:
     """y = w * (x * 1 / sqrt(mean(base ** p, -1) + eps)) with (base, p) = ``power``."""
     rng = np.random.default_rng(12)
     inits = {
@@ -459,7 +461,7 @@ def _rms(x_first: bool = True, power: tuple[str, float] = ("x", 2.0)) -> onnx.Mo
     nodes = [
         helper.make_node("Pow", [power[0], "p"], ["sq"]),
         helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1),
-        helper.make_node("Add", ["mean", "eps"], ["var"]),
+        helper.make_node("Add", ["eps", "mean"] if eps_first else ["mean", "eps"], ["var"]),
         helper.make_node("Sqrt", ["var"], ["root"]),
         helper.make_node("Reciprocal", ["root"], ["inv"]),
         helper.make_node("Mul", ["x", "inv"] if x_first else ["inv", "x"], ["normed"]),
@@ -468,8 +470,11 @@ def _rms(x_first: bool = True, power: tuple[str, float] = ("x", 2.0)) -> onnx.Mo
     return _model(nodes, {"x": [3, 16], "x2": [3, 16]}, {"y": [3, 16]}, inits)
 
 
-def test_an_rms_norm_that_scales_x_from_the_right_fuses():
-    sess = _check_against_onnxruntime(_rms(x_first=False))
+@pytest.mark.parametrize(
+    "order", [{"x_first": False}, {"eps_first": True}], ids=["inv-times-x", "eps-plus-mean"]
+)
+def test_an_rms_norm_with_operands_swapped_fuses(order):
+    sess = _check_against_onnxruntime(_rms(**order))
     assert _ops(sess) == ["SimplifiedLayerNormalization"]
 
 
