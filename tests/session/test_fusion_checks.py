@@ -448,9 +448,13 @@ def test_every_fused_onnx_genrt_node_fits_its_version_and_has_a_body():
 
 
 def _rms(
-    x_first: bool = True, eps_first: bool = False, power: tuple[str, float] = ("x", 2.0)
+    x_first: bool = True,
+    eps_first: bool = False,
+    power: tuple[str, float] = ("x", 2.0),
+    opset: int = 18,
 ) -> onnx.ModelProto:
-    """y = w * (x * 1 / sqrt(mean(base ** p, -1) + eps)) with (base, p) = ``power``."""
+    """y = w * (x * 1 / sqrt(mean(base ** p, -1) + eps)) with (base, p) = ``power``; before
+    opset 18, ReduceMean's axes are an attribute."""
     rng = np.random.default_rng(12)
     inits = {
         "w": rng.standard_normal(16).astype(np.float32),
@@ -460,21 +464,25 @@ def _rms(
     }
     nodes = [
         helper.make_node("Pow", [power[0], "p"], ["sq"]),
-        helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1)
+        if opset >= 18
+        else helper.make_node("ReduceMean", ["sq"], ["mean"], keepdims=1, axes=[-1]),
         helper.make_node("Add", ["eps", "mean"] if eps_first else ["mean", "eps"], ["var"]),
         helper.make_node("Sqrt", ["var"], ["root"]),
         helper.make_node("Reciprocal", ["root"], ["inv"]),
         helper.make_node("Mul", ["x", "inv"] if x_first else ["inv", "x"], ["normed"]),
         helper.make_node("Mul", ["w", "normed"], ["y"]),
     ]
-    return _model(nodes, {"x": [3, 16], "x2": [3, 16]}, {"y": [3, 16]}, inits)
+    return _model(nodes, {"x": [3, 16], "x2": [3, 16]}, {"y": [3, 16]}, inits, opset=opset)
 
 
 @pytest.mark.parametrize(
-    "order", [{"x_first": False}, {"eps_first": True}], ids=["inv-times-x", "eps-plus-mean"]
+    "form",
+    [{"x_first": False}, {"eps_first": True}, {"opset": 13}],
+    ids=["inv-times-x", "eps-plus-mean", "axes-attribute"],
 )
-def test_an_rms_norm_with_operands_swapped_fuses(order):
-    sess = _check_against_onnxruntime(_rms(**order))
+def test_an_rms_norm_in_each_form_an_exporter_writes_fuses(form):
+    sess = _check_against_onnxruntime(_rms(**form))
     assert _ops(sess) == ["SimplifiedLayerNormalization"]
 
 
@@ -559,6 +567,7 @@ def _norm_then(*after: onnx.NodeProto, skip: bool = False, axis: int = -1, bias:
     inits = {
         "g": (1 + 0.1 * rng.standard_normal(32)).astype(np.float32),
         **_weights("w1", "w2", shape=(32, 32)),
+        **_weights("w3d", shape=(2, 32, 32)),
     }
     feeds = {"x": [1, 3, 32], "b": [1, 3, 32], "w": [32, 32]}
     return _model([norm, *after], feeds, {"y": None}, inits)
@@ -575,7 +584,8 @@ def _silu_then(*after: onnx.NodeProto):
         *after,
     ]
     feeds = {"x": [3, 32], "w": [32, 32]}
-    return _model(nodes, feeds, {"y": None}, _weights("w1", "w2", "w3", shape=(32, 32)))
+    inits = {**_weights("w1", "w2", "w3", shape=(32, 32)), **_weights("w3d", shape=(2, 32, 32))}
+    return _model(nodes, feeds, {"y": None}, inits)
 
 
 MATMUL_N = helper.make_node("MatMul", ["n", "w1"], ["y"])
@@ -592,6 +602,10 @@ MATMUL_N = helper.make_node("MatMul", ["n", "w1"], ["y"])
             ["SimplifiedLayerNormalization", "MatMul"],
         ),
         (
+            _norm_then(helper.make_node("MatMul", ["n", "w3d"], ["y"])),  # batched weights
+            ["SimplifiedLayerNormalization", "MatMul"],
+        ),
+        (
             _norm_then(
                 helper.make_node("MatMul", ["n", "w1"], ["h"]),
                 helper.make_node("MatMul", ["h", "w2"], ["y"]),
@@ -604,16 +618,22 @@ MATMUL_N = helper.make_node("MatMul", ["n", "w1"], ["y"])
             ["MatMul", "SiluMul", "MatMul"],
         ),
         (_silu_then(helper.make_node("Neg", ["m"], ["y"])), ["MatMul", "SiluMul", "Neg"]),
+        (
+            _silu_then(helper.make_node("MatMul", ["m", "w3d"], ["y"])),  # batched weights
+            ["MatMul", "SiluMul", "MatMul"],
+        ),
     ],
     ids=[
         "norm",
         "skip-norm-no-bias",
         "norm-axis-1",
         "norm-weights-fed",
+        "norm-3-d-weights",
         "two-projections",
         "silu",
         "silu-weights-fed",
         "silu-read-by-neg",
+        "silu-3-d-weights",
     ],
 )
 def test_norms_and_silu_go_into_projections_with_constant_weights_only(model, want):
@@ -629,3 +649,19 @@ def test_a_projection_on_another_provider_keeps_its_norm():
         ("ai.onnx::SimplifiedLayerNormalization", "norms-only"),
         ("ai.onnx::MatMul", "fusing-cpu"),
     ]
+
+
+@pytest.mark.parametrize("total", ["unread", "read", "output"])
+def test_skip_norm_writes_the_residual_sum_where_it_is_still_needed(total):
+    """The fused step has the sum as output 3 where a later step or the caller reads it,
+    and only the normalized output otherwise."""
+    model = _skip_norm()
+    if total == "read":
+        model.graph.node.append(helper.make_node("Neg", ["r"], ["z"]))
+        model.graph.output.append(helper.make_tensor_value_info("z", F, None))
+    elif total == "output":
+        model.graph.output.append(helper.make_tensor_value_info("r", F, None))
+    sess = _check_against_onnxruntime(model)
+    fused = sess.plan.steps[0]
+    assert fused.node.op_type == "SkipSimplifiedLayerNormalization"
+    assert tuple(fused.outputs) == (("y",) if total == "unread" else ("y", "", "", "r"))
