@@ -163,6 +163,23 @@ def test_gate_and_up_that_are_not_two_projections_of_one_input_stay_apart(gate, 
     assert "wg" in sess.plan.constants and ("wu" in sess.plan.constants or up[1][1] == "x2")
 
 
+@pytest.mark.parametrize("reader", ["output", "node"])
+def test_gate_and_up_whose_outputs_are_read_elsewhere_stay_apart(reader):
+    """Merged, the gate's and up's own outputs would no longer exist."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "wg"], ["g"], name="gate"),
+        helper.make_node("MatMul", ["x", "wu"], ["u"], name="up"),
+    ]
+    model = _gated(*nodes, _weights("wg", "wu"))
+    if reader == "node":
+        model.graph.node.append(helper.make_node("Neg", ["u"], ["z"]))
+        model.graph.output.append(helper.make_tensor_value_info("z", F, None))
+    else:
+        model.graph.output.append(helper.make_tensor_value_info("u", F, None))
+    sess = _check_against_onnxruntime(model)
+    assert _ops(sess)[:3] == ["MatMul", "MatMul", "SiluMul"]
+
+
 class UpOnly(CPUProvider):
     """A partial provider that runs one MatMul, the node named 'up'."""
 
