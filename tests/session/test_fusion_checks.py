@@ -305,6 +305,7 @@ def _pick(
     if ties:
         logits[..., 7] = logits.max(axis=-1)
     argmax_attrs = {"axis": -1, "keepdims": 0, **(argmax or {})}
+    argmax_attrs = {k: v for k, v in argmax_attrs.items() if v is not None}  # None: default
     reduce_inputs, reduce_attrs = ["probs"], {"keepdims": reduce_keep}
     inits = {"logits0": logits}
     if opset >= 18:
@@ -350,6 +351,7 @@ def test_argmax_and_softmax_maximum_fuse_into_argmax_prob(opset):
     [
         {"argmax": {"select_last_index": 1}, "ties": True},
         {"argmax": {"keepdims": 1}},
+        {"argmax": {"keepdims": None}},
         {"argmax": {"axis": 1}},
         {"reduce_keep": 1},
         {"softmax": "LogSoftmax"},
@@ -359,6 +361,7 @@ def test_argmax_and_softmax_maximum_fuse_into_argmax_prob(opset):
     ids=[
         "argmax-last-index",
         "argmax-keepdims",
+        "argmax-keepdims-by-default",
         "argmax-axis-1",
         "reducemax-keepdims",
         "log-softmax",
@@ -570,14 +573,24 @@ def _fusing(*, without_matmul: bool = False):
     return NormsOnly()
 
 
-def _norm_then(*after: onnx.NodeProto, skip: bool = False, axis: int = -1, bias: str = None):
+def _norm_then(
+    *after: onnx.NodeProto,
+    skip: bool = False,
+    axis: int = -1,
+    bias: str | None = None,
+    outputs: tuple[str, ...] = ("n",),
+):
     """x [1, 3, 32] (+ b with ``skip``) -> (Skip)SimplifiedLayerNormalization -> n, then
     ``after`` (constants w1, w2 [32, 32], an input w [32, 32]); output y."""
     rng = np.random.default_rng(14)
     if skip:
         inputs = ["x", "b", "g"] + ([bias] if bias is not None else [])
         norm = helper.make_node(
-            "SkipSimplifiedLayerNormalization", inputs, ["n"], domain="com.microsoft", epsilon=1e-5
+            "SkipSimplifiedLayerNormalization",
+            inputs,
+            list(outputs),
+            domain="com.microsoft",
+            epsilon=1e-5,
         )
     else:
         norm = helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["n"], axis=axis)
@@ -613,6 +626,10 @@ MATMUL_N = helper.make_node("MatMul", ["n", "w1"], ["y"])
     [
         (_norm_then(MATMUL_N), ["NormMatMul"]),
         (_norm_then(MATMUL_N, skip=True, bias=""), ["NormMatMul"]),  # no bias: an empty name
+        (  # mean and inverse std named, unread
+            _norm_then(MATMUL_N, skip=True, outputs=("n", "mean", "inv_std")),
+            ["NormMatMul"],
+        ),
         (_norm_then(MATMUL_N, axis=1), ["SimplifiedLayerNormalization", "MatMul"]),
         (
             _norm_then(helper.make_node("MatMul", ["n", "w"], ["y"])),  # weights fed
@@ -643,6 +660,7 @@ MATMUL_N = helper.make_node("MatMul", ["n", "w1"], ["y"])
     ids=[
         "norm",
         "skip-norm-no-bias",
+        "skip-norm-statistics-unread",
         "norm-axis-1",
         "norm-weights-fed",
         "norm-3-d-weights",
