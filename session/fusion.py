@@ -138,8 +138,8 @@ def _match(
 def fuse_gate_up(
     steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
 ) -> tuple[list[Step], int]:
-    """Gate and up projections of a SiluMul, read from the same input with constant weights,
-    become one projection onto the concatenated weights; SiluMul then splits its one input.
+    """Gate and up projections of one width, read from one input with constant weights,
+    become one projection onto the concatenated weights; SiluMul then splits it in halves.
 
     One GEMV over 2N columns instead of two over N: one launch fewer per layer and a wider
     grid. Handles MatMul (2-D weights) and com.microsoft MatMulNBits (no bias, no g_idx).
@@ -219,7 +219,7 @@ def _merge_projections(gate: Step, up: Step, constants: Constants, provider: obj
     if op == "MatMul" and gate.node.domain == "":
         ((gw, uw),) = weights
         a, b = constants[gw], constants[uw]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0] or a.dtype != b.dtype:
+        if a.ndim != 2 or b.ndim != 2 or a.shape != b.shape or a.dtype != b.dtype:
             return None
         return (
             gate.node,
@@ -227,7 +227,7 @@ def _merge_projections(gate: Step, up: Step, constants: Constants, provider: obj
             {prefix + "W": np.concatenate([a, b], axis=1)},
         )
     if op == "MatMulNBits" and gate.node.domain == "com.microsoft":
-        keys = ("K", "bits", "block_size", "accuracy_level")
+        keys = ("K", "N", "bits", "block_size", "accuracy_level")
         if any(gate.node.attrs.get(k) != up.node.attrs.get(k) for k in keys):
             return None
         if len(gate.inputs) > 4:  # g_idx or bias

@@ -245,8 +245,8 @@ def _nbits(name: str, out: str, x: str, k: int, n: int, rng, *, zp: bool, flat: 
 
 
 def _nbits_gated(rng, gate: dict, up: dict, k: int = 32):
-    g, g_inits = _nbits("gate", "g", "x", k, 16, rng, **gate)
-    u, u_inits = _nbits("up", "u", "x", k, 24 if up.pop("wider", False) else 16, rng, **up)
+    g, g_inits = _nbits("gate", "g", "x", k, gate.pop("n", 16), rng, **gate)
+    u, u_inits = _nbits("up", "u", "x", k, up.pop("n", 16), rng, **up)
     rest = [
         helper.make_node("Sigmoid", ["g"], ["s"], name="sig"),
         helper.make_node("Mul", ["g", "s"], ["a"], name="act"),
@@ -265,6 +265,26 @@ def test_matmul_nbits_gate_and_up_merge_into_one_projection(zp, flat):
     proj = sess.plan.steps[0]
     assert proj.node.attrs["N"] == 32 and len(proj.inputs) == 3 + zp
     assert not any(n.startswith(("gate_", "up_")) for n in sess.plan.constants)
+
+
+@pytest.mark.parametrize("nbits", [False, True], ids=["matmul", "matmul-nbits"])
+@pytest.mark.parametrize(("n_gate", "n_up"), [(1, 16), (16, 1)])
+def test_gate_and_up_of_two_widths_that_broadcast_stay_apart(n_gate, n_up, nbits):
+    """silu(g) * u broadcasts a width of 1 against 16: merged, the split SiluMul got 17
+    columns and failed at run time (a KernelError) on a model onnxruntime runs."""
+    rng = np.random.default_rng(10)
+    if nbits:
+        common = {"zp": False, "flat": False}
+        model = _nbits_gated(rng, {"n": n_gate, **common}, {"n": n_up, **common})
+    else:
+        nodes = [
+            helper.make_node("MatMul", ["x", "wg"], ["g"], name="gate"),
+            helper.make_node("MatMul", ["x", "wu"], ["u"], name="up"),
+        ]
+        inits = {**_weights("wg", shape=(8, n_gate)), **_weights("wu", shape=(8, n_up))}
+        model = _gated(*nodes, inits)
+    sess = _check_against_onnxruntime(model)
+    assert _ops(sess)[:3] == [sess.plan.steps[0].node.op_type] * 2 + ["SiluMul"]
 
 
 @pytest.mark.parametrize(
