@@ -1,5 +1,6 @@
-"""``core.tensor``: a tensor's host copy and the data address of each kind of array (found by a
-mutation run: only numpy arrays had a test; CuPy's paths run on a GPU). The stand-ins below
+"""``core.tensor`` and ``core.device``: a tensor's host copy, the data address of each kind of
+array and a device's name (found by a mutation run: only numpy arrays had a test; CuPy's
+paths run on a GPU). The stand-ins below
 follow the CUDA array interface and CuPy's ``data.ptr``; numpy's own address is the
 reference for host arrays."""
 
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from onnx_genrt.core.device import Device
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.tensor import Tensor, buffer_address
 
@@ -63,3 +65,13 @@ def test_a_tensor_comes_to_the_host_as_is_or_through_get():
     np.testing.assert_array_equal(on_device.numpy(), host)
     with pytest.raises(TypeError, match="cannot bring a list to the host"):
         Tensor([1, 2], DType.INT64).numpy()
+
+
+@pytest.mark.parametrize(
+    ("device", "text"),
+    [(Device("cpu"), "cpu"), (Device("cuda"), "cuda:0"), (Device("cuda", 1), "cuda:1")],
+)
+def test_a_device_reads_as_torch_and_cupy_name_it(device, text):
+    """The host is "cpu"; an accelerator is "kind:index", index 0 unless given."""
+    assert str(device) == text
+    assert Device("cuda") == Device("cuda", 0) != Device("cuda", 1)
