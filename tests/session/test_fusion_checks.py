@@ -447,6 +447,8 @@ def _fusion_cases():
     yield norm_projections(), [FusingCPU()], fused
     fused = [("MatMul", "{g}/fused"), ("SiluMulMatMulNBits", "{y}/SiluMulMatMulNBits")]
     yield silu_projection(), [FusingCPU()], fused
+    unsplit = _silu_then(helper.make_node("MatMul", ["m", "w3"], ["y"]), up_input="x2")
+    yield unsplit, [FusingCPU()], [("SiluMulMatMul", "{y}/SiluMulMatMul")]
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named-nodes", "unnamed-nodes"])
@@ -483,7 +485,14 @@ def test_every_fused_onnx_genrt_node_fits_its_version_and_has_a_body():
             check_node(step.node, types)
             assert expand(step.node, types).nodes, step.node.describe()
             seen.add(step.node.op_type)
-    assert seen == {"SiluMul", "ArgMaxProb", "NormMatMul", "NormMatMulNBits", "SiluMulMatMulNBits"}
+    assert seen == {
+        "SiluMul",
+        "ArgMaxProb",
+        "NormMatMul",
+        "NormMatMulNBits",
+        "SiluMulMatMul",
+        "SiluMulMatMulNBits",
+    }
 
 
 # -- decomposed RMS norms --------------------------------------------------------------------
@@ -625,17 +634,17 @@ def _norm_then(
     return _model([norm, *after], feeds, {"y": None}, inits)
 
 
-def _silu_then(*after: onnx.NodeProto):
+def _silu_then(*after: onnx.NodeProto, up_input: str = "x"):
     """SiluMul(g, u) -> m as the gated MLP fuses (x [3, 32]), then ``after``; output y."""
     nodes = [
         helper.make_node("MatMul", ["x", "w1"], ["g"]),
-        helper.make_node("MatMul", ["x", "w2"], ["u"]),
+        helper.make_node("MatMul", [up_input, "w2"], ["u"]),
         helper.make_node("Sigmoid", ["g"], ["s"]),
         helper.make_node("Mul", ["g", "s"], ["a"]),
         helper.make_node("Mul", ["a", "u"], ["m"]),
         *after,
     ]
-    feeds = {"x": [3, 32], "w": [32, 32]}
+    feeds = {"x": [3, 32], "x2": [3, 32], "w": [32, 32]}
     inits = {**_weights("w1", "w2", "w3", shape=(32, 32)), **_weights("w3d", shape=(2, 32, 32))}
     return _model(nodes, feeds, {"y": None}, inits)
 
@@ -669,6 +678,10 @@ MATMUL_N = helper.make_node("MatMul", ["n", "w1"], ["y"])
             ["NormMatMul", "MatMul"],  # the second projection reads no norm and no SiLU
         ),
         (_silu_then(helper.make_node("MatMul", ["m", "w3"], ["y"])), ["MatMul", "SiluMulMatMul"]),
+        (  # gate and up read two inputs: a SiluMul of two inputs goes in
+            _silu_then(helper.make_node("MatMul", ["m", "w3"], ["y"]), up_input="x2"),
+            ["MatMul", "MatMul", "SiluMulMatMul"],
+        ),
         (
             _silu_then(helper.make_node("MatMul", ["m", "w"], ["y"])),  # weights fed
             ["MatMul", "SiluMul", "MatMul"],
@@ -688,6 +701,7 @@ MATMUL_N = helper.make_node("MatMul", ["n", "w1"], ["y"])
         "norm-3-d-weights",
         "two-projections",
         "silu",
+        "silu-unsplit",
         "silu-weights-fed",
         "silu-read-by-neg",
         "silu-3-d-weights",
@@ -722,3 +736,35 @@ def test_skip_norm_writes_the_residual_sum_where_it_is_still_needed(total):
     fused = sess.plan.steps[0]
     assert fused.node.op_type == "SkipSimplifiedLayerNormalization"
     assert tuple(fused.outputs) == (("y",) if total == "unread" else ("y", "", "", "r"))
+
+
+#: Attributes at their schema's default value: written out or left away, the same node.
+DEFAULTS = {
+    ("ReduceMean", "keepdims"): 1,
+    ("SimplifiedLayerNormalization", "axis"): -1,
+    ("Softmax", "axis"): -1,
+}
+
+
+@pytest.mark.parametrize(
+    ("make", "fusing"),
+    [
+        (lambda: _rms(), False),
+        (lambda: _skip_norm(), False),
+        (lambda: _pick(), False),
+        (lambda: _norm_then(MATMUL_N), True),
+    ],
+    ids=["rms-norm", "skip-norm", "argmax-prob", "norm-matmul"],
+)
+def test_attributes_left_at_their_defaults_fuse_as_written_out(make, fusing):
+    written, left = make(), make()
+    for node in left.graph.node:
+        for attr in list(node.attribute):
+            if DEFAULTS.get((node.op_type, attr.name)) == helper.get_attribute_value(attr):
+                node.attribute.remove(attr)
+    assert written != left  # something was left away
+    providers = [_fusing()] if fusing else None
+    assert _ops(_check_against_onnxruntime(left, providers)) == _ops(
+        _check_against_onnxruntime(written, providers)
+    )
+    assert _ops(_check_against_onnxruntime(left, providers)) != [n.op_type for n in left.graph.node]
