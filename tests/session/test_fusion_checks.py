@@ -409,10 +409,12 @@ def test_an_argmax_on_another_provider_stays_unfused():
 # -- what every fusion writes: names and the onnx_genrt version ------------------------------
 
 
-def _skip_norm() -> onnx.ModelProto:
+def _skip_norm(outputs: tuple[str, ...] = ("y",)) -> onnx.ModelProto:
     nodes = [
         helper.make_node("Add", ["a", "b"], ["r"]),
-        helper.make_node("SimplifiedLayerNormalization", ["r", "w"], ["y"], axis=-1, epsilon=1e-5),
+        helper.make_node(
+            "SimplifiedLayerNormalization", ["r", "w"], list(outputs), axis=-1, epsilon=1e-5
+        ),
     ]
     w = np.random.default_rng(4).standard_normal(16).astype(np.float32)
     return _model(nodes, {"a": [2, 3, 16], "b": [2, 3, 16]}, {"y": [2, 3, 16]}, {"w": w})
@@ -768,3 +770,28 @@ def test_attributes_left_at_their_defaults_fuse_as_written_out(make, fusing):
         _check_against_onnxruntime(written, providers)
     )
     assert _ops(_check_against_onnxruntime(left, providers)) != [n.op_type for n in left.graph.node]
+
+
+@pytest.mark.parametrize("sum_read", [False, True])
+def test_a_norm_whose_unused_output_is_written_as_an_empty_name_fuses(sum_read):
+    """``["y", ""]``: the inverse std declared absent; the fused step writes y (and the sum
+    where it is read)."""
+    model = _skip_norm(outputs=("y", ""))
+    if sum_read:
+        model.graph.output.append(helper.make_tensor_value_info("r", F, None))
+    sess = _check_against_onnxruntime(model)
+    (placed,) = sess.placement()
+    assert placed.op == "com.microsoft::SkipSimplifiedLayerNormalization"
+    assert placed.node == "y/SkipRMSNorm"
+    assert tuple(sess.plan.steps[0].outputs) == (("y", "", "", "r") if sum_read else ("y",))
+
+
+@pytest.mark.parametrize("read", ["mean", "inv_std"])
+def test_a_skip_norm_whose_statistics_are_read_keeps_them(read):
+    """Its mean or inverse std read by a later node: the norm cannot go into a projection,
+    which writes neither."""
+    model = _norm_then(MATMUL_N, skip=True, outputs=("n", "mean", "inv_std"))
+    model.graph.node.append(helper.make_node("Neg", [read], ["z"]))
+    model.graph.output.append(helper.make_tensor_value_info("z", F, None))
+    sess = _check_against_onnxruntime(model, [_fusing()])
+    assert _ops(sess) == ["SkipSimplifiedLayerNormalization", "MatMul", "Neg"]
