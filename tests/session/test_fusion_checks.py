@@ -795,3 +795,16 @@ def test_a_skip_norm_whose_statistics_are_read_keeps_them(read):
     model.graph.output.append(helper.make_tensor_value_info("z", F, None))
     sess = _check_against_onnxruntime(model, [_fusing()])
     assert _ops(sess) == ["SkipSimplifiedLayerNormalization", "MatMul", "Neg"]
+
+
+def test_a_matmul_nbits_whose_scales_are_fed_still_takes_its_norm():
+    """Only the packed weight must be a constant: scales fed at run time go into the fused
+    step as they are."""
+    rng = np.random.default_rng(15)
+    proj, inits = _nbits("proj", "y", "n", 32, 16, rng, zp=False, flat=False)
+    scales = inits.pop("proj_s")
+    model = _norm_then(proj)
+    model.graph.initializer.append(numpy_helper.from_array(inits["proj_B"], "proj_B"))
+    model.graph.input.append(helper.make_tensor_value_info("proj_s", F, list(scales.shape)))
+    sess = _check_against_onnxruntime(model, [_fusing()])
+    assert _ops(sess) == ["NormMatMulNBits"]
