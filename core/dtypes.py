@@ -15,7 +15,7 @@ import numpy as np
 
 class DType(enum.Enum):
     """An element type. The value is the ONNX ``TensorProto.DataType`` code (fixed by the
-    ONNX standard; ``tests/test_dtypes.py`` checks them against onnx)."""
+    ONNX standard; ``tests/core/test_dtypes.py`` checks them against onnx)."""
 
     FLOAT32 = 1
     FLOAT16 = 10

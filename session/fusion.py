@@ -138,8 +138,8 @@ def _match(
 def fuse_gate_up(
     steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
 ) -> tuple[list[Step], int]:
-    """Gate and up projections of a SiluMul, read from the same input with constant weights,
-    become one projection onto the concatenated weights; SiluMul then splits its one input.
+    """Gate and up projections of one width, read from one input with constant weights,
+    become one projection onto the concatenated weights; SiluMul then splits it in halves.
 
     One GEMV over 2N columns instead of two over N: one launch fewer per layer and a wider
     grid. Handles MatMul (2-D weights) and com.microsoft MatMulNBits (no bias, no g_idx).
@@ -189,15 +189,15 @@ def fuse_gate_up(
 
 
 def _with(node: NodeInfo, **changes) -> NodeInfo:
-    """A copy of ``node`` with other inputs, outputs or extra attributes."""
-    attrs = {**node.attrs, **changes.pop("attrs", {})}
-    name = node.name if node.name.endswith("/fused") else f"{node.name}/fused"
+    """A copy of ``node`` with other inputs, outputs or extra attributes (an unnamed node's
+    copy is named after its first output)."""
+    name = (node.name or node.output_names[0]).removesuffix("/fused") + "/fused"
     return NodeInfo(
         node.op_type,
         name,
         node.domain,
         node.opset,
-        attrs,
+        {**node.attrs, **changes.pop("attrs", {})},
         tuple(changes.get("inputs", node.input_names)),
         tuple(changes.get("outputs", node.output_names)),
     )
@@ -219,7 +219,7 @@ def _merge_projections(gate: Step, up: Step, constants: Constants, provider: obj
     if op == "MatMul" and gate.node.domain == "":
         ((gw, uw),) = weights
         a, b = constants[gw], constants[uw]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0] or a.dtype != b.dtype:
+        if a.ndim != 2 or b.ndim != 2 or a.shape != b.shape or a.dtype != b.dtype:
             return None
         return (
             gate.node,
@@ -227,7 +227,7 @@ def _merge_projections(gate: Step, up: Step, constants: Constants, provider: obj
             {prefix + "W": np.concatenate([a, b], axis=1)},
         )
     if op == "MatMulNBits" and gate.node.domain == "com.microsoft":
-        keys = ("K", "bits", "block_size", "accuracy_level")
+        keys = ("K", "N", "bits", "block_size", "accuracy_level")
         if any(gate.node.attrs.get(k) != up.node.attrs.get(k) for k in keys):
             return None
         if len(gate.inputs) > 4:  # g_idx or bias
