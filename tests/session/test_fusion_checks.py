@@ -208,9 +208,11 @@ def test_gate_and_up_on_two_providers_stay_apart():
     assert _ops(sess) == ["MatMul", "MatMul", "SiluMul"]
 
 
-def _nbits(name: str, out: str, x: str, k: int, n: int, rng, *, zp: bool, flat: bool, **attrs):
+def _nbits(
+    name: str, out: str, x: str, k: int, n: int, rng, *, zp: bool | str, flat: bool, **attrs
+):
     """(MatMulNBits node, its initializers): 4-bit, block 16, ``n`` x ``k``; scales and zero
-    points as [N, blocks] or flattened."""
+    points as [N, blocks] or flattened; ``zp="float"``: zero points of the scales' type."""
     block = int(attrs.pop("block_size", 16))
     blocks = k // block
     q = rng.integers(0, 16, (n, blocks, block))
@@ -218,13 +220,13 @@ def _nbits(name: str, out: str, x: str, k: int, n: int, rng, *, zp: bool, flat: 
         f"{name}_B": (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8),
         f"{name}_s": rng.uniform(0.02, 0.06, (n, blocks)).astype(np.float32),
     }
-    if zp:
+    if zp == "float":
+        inits[f"{name}_zp"] = rng.integers(0, 16, (n, blocks)).astype(np.float32)
+    elif zp:
         zeros = rng.integers(0, 16, (n, blocks + blocks % 2))
         inits[f"{name}_zp"] = (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).astype(np.uint8)
     if flat:
-        inits[f"{name}_s"] = inits[f"{name}_s"].reshape(-1)
-        if zp:
-            inits[f"{name}_zp"] = inits[f"{name}_zp"].reshape(-1)
+        inits = {key: v if key.endswith("_B") else v.reshape(-1) for key, v in inits.items()}
     inputs = [x, *inits]
     if "bias" in attrs:
         inits[f"{name}_bias"] = rng.standard_normal(n).astype(np.float32) * attrs.pop("bias")
@@ -294,13 +296,18 @@ def test_gate_and_up_of_two_widths_that_broadcast_stay_apart(n_gate, n_up, nbits
         ({"accuracy_level": 4}, {}),  # another accuracy level
         ({"bias": 1.0}, {"bias": 1.0}),  # a bias (input 5)
         ({"zp": True}, {}),  # zero points on one only: other inputs
+        ({"zp": True, "flat": True}, {"zp": "float", "flat": True}),  # zero points' types
     ],
-    ids=["block-size", "accuracy-level", "bias", "zero-points-on-one"],
+    ids=["block-size", "accuracy-level", "bias", "zero-points-on-one", "zero-point-types"],
 )
 def test_matmul_nbits_gate_and_up_that_differ_stay_apart(gate, up):
+    """Apart where their attributes or inputs differ (packed uint8 zero points and zero
+    points of the scales' type cannot be concatenated: with one block per row, K 16, both
+    have one element per row)."""
     rng = np.random.default_rng(8)
+    k = 16 if up.get("zp") == "float" else 32
     model = _nbits_gated(
-        rng, {"zp": False, "flat": False, **gate}, {"zp": False, "flat": False, **up}
+        rng, {"zp": False, "flat": False, **gate}, {"zp": False, "flat": False, **up}, k=k
     )
     sess = _check_against_onnxruntime(model)
     assert _ops(sess) == ["MatMulNBits", "MatMulNBits", "SiluMul"]
