@@ -98,6 +98,6 @@ def add_threads_argument(p: argparse.ArgumentParser) -> None:
         type=POSITIVE_INT,
         default=None,
         help="CPU provider threads (default: one per physical core this process may use, "
-        f"{physical_cores()} here); a core busy with other work costs its share of a step, "
-        "the calling thread never waits for it",
+        f"{physical_cores()} here); a core busy with other work costs about its share of a "
+        "step: the calling thread waits for it only a bounded time",
     )

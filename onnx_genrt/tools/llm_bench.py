@@ -152,10 +152,18 @@ def bench_ours(
     return once
 
 
-def bench_onnxruntime_genai(folder: Path, prompt: list[int], new: int):
+def bench_onnxruntime_genai(folder: Path, prompt: list[int], new: int, threads: int | None = None):
+    """onnxruntime-genai's own greedy loop; ``threads`` its intra-op threads (None: its
+    default, one per physical core)."""
+    import json
+
     import onnxruntime_genai as og
 
-    model = og.Model(str(folder))
+    config = og.Config(str(folder))
+    if threads is not None:
+        options = {"intra_op_num_threads": threads}
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+    model = og.Model(config)
 
     def once():
         params = og.GeneratorParams(model)
@@ -175,14 +183,18 @@ def bench_onnxruntime_genai(folder: Path, prompt: list[int], new: int):
     return once
 
 
-def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int):
-    """A plain onnxruntime greedy loop: growing KV cache fed back as numpy arrays."""
+def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int, threads: int | None = None):
+    """A plain onnxruntime greedy loop: growing KV cache fed back as numpy arrays;
+    ``threads`` its intra-op threads (None: onnxruntime's default)."""
     import onnxruntime as ort
 
     from onnx_genrt.engine.config import load_config
 
     cfg = load_config(folder)
-    sess = ort.InferenceSession(str(cfg.model_path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    sess = ort.InferenceSession(str(cfg.model_path), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     past_names = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values")]
     dtype = np.float16 if "float16" in sess.get_inputs()[-1].type else np.float32
@@ -218,6 +230,80 @@ def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int):
                 t1 = time.perf_counter()
         t2 = time.perf_counter()
         return t1 - t0, (new - 1) / (t2 - t1), ids, {}
+
+    return once
+
+
+#: Reference rows by label: the function that builds one timed run.
+REFERENCES = {
+    "onnxruntime-genai": bench_onnxruntime_genai,
+    "onnxruntime loop": bench_onnxruntime_loop,
+}
+
+
+def _reference_child(conn, label: str, folder: Path, prompt: list[int], new: int, threads) -> None:
+    """A child process's loop: build the reference, then one timed run per message."""
+    try:
+        once = REFERENCES[label](folder, prompt, new, threads)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which re-raises
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while conn.recv() == "run":
+        try:
+            conn.send(("ok", once()))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which re-raises
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def reference_in_child(label: str, folder: Path, prompt: list[int], new: int, threads: int | None):
+    """A reference row run in its own process, stopped (SIGSTOP) between its runs, so its
+    thread pool and ours never share the cores: onnxruntime's intra-op threads spin on after
+    a run, and in one process (or a live child) they took the core our workers run on.
+    Returns ``once`` as the in-process builders do; raises ImportError (and the like) as
+    they would."""
+    import atexit
+    import multiprocessing
+    import os
+    import signal
+
+    pause = getattr(signal, "SIGSTOP", None)  # POSIX; elsewhere the child is left running
+
+    def signal_child(sig) -> None:
+        if sig is not None and proc.is_alive():
+            os.kill(proc.pid, sig)
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=_reference_child, args=(child, label, folder, prompt, new, threads), daemon=True
+    )
+    proc.start()
+    kind, detail = parent.recv()
+    if kind == "error":
+        proc.join()
+        if detail.startswith(("ImportError", "ModuleNotFoundError")):
+            raise ImportError(detail)
+        raise RuntimeError(f"{label}: {detail}")
+
+    signal_child(pause)
+
+    def stop() -> None:
+        if proc.is_alive():
+            signal_child(getattr(signal, "SIGCONT", None))
+            parent.send("stop")
+            proc.join(5)
+
+    atexit.register(stop)
+
+    def once():
+        signal_child(getattr(signal, "SIGCONT", None))
+        parent.send("run")
+        kind, result = parent.recv()
+        signal_child(pause)
+        if kind == "error":
+            raise RuntimeError(f"{label}: {result}")
+        return result
 
     return once
 
@@ -374,22 +460,21 @@ def run_bench(args: argparse.Namespace) -> int:
             cases.append((f"onnx-genrt[{tag},eager prompts]", eager_prompts))
         providers = provider_args(names, args.threads)
         cases += _stream_cases(args, folder, tag, prompt, new, providers, rng, cfg.vocab_size)
+    used = {name for names in args.provider for name in names}
+    # The references get the CPU provider's thread count when it runs (the same cores).
+    ref_threads = cpu_threads if "cpu" in used else None
     if not args.no_reference:
-        for label, make in (
-            ("onnxruntime-genai", bench_onnxruntime_genai),
-            ("onnxruntime loop", bench_onnxruntime_loop),
-        ):
+        for label in REFERENCES:
             try:
-                cases.append((label, make(folder, prompt, new)))
+                cases.append((label, reference_in_child(label, folder, prompt, new, ref_threads)))
             except ImportError as exc:
                 _progress(f"  {label} skipped: {exc}")
     rows = _interleaved(cases, args.repeats, args.cprofile)
     print(format_rows(rows))
-    used = {name for names in args.provider for name in names}
     if "cpu" in used and any(label.startswith("onnxruntime") for label, _ in cases):
         print(
             f"threads: onnx-genrt[cpu] {cpu_threads} (--threads); the onnxruntime rows "
-            "use onnxruntime's default intra-op threads (one per physical core)"
+            f"{ref_threads} intra-op threads each, each in its own process (run in turn)"
         )
     if "cuda" in used:
         _print_cuda_summary(cfg.model_path, args.bandwidth)

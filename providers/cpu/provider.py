@@ -128,9 +128,9 @@ class CPUProvider(ExecutionProvider):
         (:func:`~onnx_genrt.providers.cpu.cores.physical_cores`), ``None`` leaves them (and
         BLAS's). BLAS gets the ``blas_threads`` option (default 1).
 
-        The skinny kernels' workers never make the caller wait (``kernels/_worker_pool``),
-        so a core busy with other work costs at most the share of a step it would have
-        done; OpenBLAS's threads do make it wait (docs/performance.md).
+        The skinny kernels' workers make the caller wait only a bounded time
+        (``kernels/_worker_pool``), so a core busy with other work costs about the share of
+        a step it would have done; OpenBLAS's threads make it wait (docs/performance.md).
         """
         super().__init__(**options)
         self._graphs: dict[tuple[DeviceGraphSlot, int], RecordedGraph] = {}

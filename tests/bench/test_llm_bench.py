@@ -8,10 +8,19 @@ fixture (so the check does not depend on which tests ran before).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 from onnx_genrt.core.errors import InvalidInputError
-from onnx_genrt.tools.llm_bench import bench_onnxruntime_genai, bench_onnxruntime_loop, bench_ours
+from onnx_genrt.tools.llm_bench import (
+    bench_onnxruntime_genai,
+    bench_onnxruntime_loop,
+    bench_ours,
+    reference_in_child,
+)
 
 from ..llm_fixtures import TINY_QWEN2, build_qwen2
 
@@ -185,3 +194,42 @@ def test_graph_prompt_rows_set_and_restore_the_generator_default(folder, referen
         once = bench_ours(folder, PROMPT, NEW, "cpu", None, 4, True, graph_prompts=graph_prompts)
         assert once()[2] == reference_tokens
         assert Generator.graph_prefill is None
+
+
+@pytest.mark.parametrize("label", ["onnxruntime-genai", "onnxruntime loop"])
+def test_reference_rows_run_in_a_child_stopped_between_runs(folder, reference_tokens, label):
+    """The bench's reference rows run in their own process, with the thread count given,
+    and that process is stopped (state T) between its runs, so its spinning intra-op threads
+    never share the cores with the next row."""
+    import multiprocessing
+    import sys
+
+    if sys.platform == "win32":
+        pytest.skip("SIGSTOP is POSIX")
+    before = {p.pid for p in multiprocessing.active_children()}
+    once = reference_in_child(label, folder, PROMPT, NEW, 1)
+    (child,) = [p for p in multiprocessing.active_children() if p.pid not in before]
+
+    def state() -> str:
+        """The child's state once settled (a stop signal lands asynchronously)."""
+        for _ in range(100):
+            with open(f"/proc/{child.pid}/stat") as f:
+                now = f.read().rsplit(")", 1)[1].split()[0]
+            if now == "T":
+                break
+            time.sleep(0.01)
+        return now
+
+    try:
+        assert state() == "T"
+        for _ in range(2):
+            assert once()[2] == reference_tokens
+            assert state() == "T"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(5)
+
+
+def test_a_reference_that_fails_to_build_raises_in_the_parent(tmp_path):
+    with pytest.raises(RuntimeError, match="onnxruntime loop"):
+        reference_in_child("onnxruntime loop", tmp_path, PROMPT, NEW, 1)

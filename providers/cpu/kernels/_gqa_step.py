@@ -10,16 +10,15 @@ each row exactly what a batch-1 step of that row gives.
 Passes (:func:`attend_rows`):
 
 1. ``_prepare``: checks every row, writes the new keys and values of the rows that fit (the
-   others are left untouched, for the caller to run otherwise), lays out each item's scores
-   in one flat buffer.
-2. ``_scores``: Q·K (scaled, rotated queries), softcap, minus the row max; each item has one
-   more slot holding ``sink - max`` (-inf without a head sink).
-3. numpy's exp over every slot at once: its SIMD exp (Numba calls scalar libm ``expf`` here,
-   3-5x slower per element on these sizes, measured here).
-4. ``_values``: the sum of the exps (float64), ``1/sum``, and the exp-weighted sum of values.
+   others are left untouched, for the caller to run otherwise), counts the score slots.
+2. ``_items``: per item, Q·K (scaled, rotated queries), softcap, minus the row max, with one
+   more slot holding ``sink - max`` (-inf without a head sink) in a scratch row of the
+   thread; the exps of those slots (``_vector_exp.exp32``, which vectorizes: Numba would
+   call scalar libm ``expf``), their sum (float64), and the exp-weighted sum of the values
+   over it.
 
-Passes 2 and 4 run items on Numba's threads when there are several and the work is large
-enough (the rule of ``_skinny_matmul``); each item is the same code either way.
+Pass 2 runs items on Numba's threads when there are several and the work is large enough
+(the rule of ``_skinny_matmul``); each item is the same code either way.
 """
 
 from __future__ import annotations
@@ -30,22 +29,25 @@ import threading
 import numba
 import numpy as np
 
-from ._skinny_matmul import PARALLEL_MIN_WORK
+from ._vector_exp import exp32
 
 _F32 = np.float32
+#: Multiply-adds of a step below which its items run on the calling thread alone (Numba's
+#: parallel regions make the caller wait for every thread).
+PARALLEL_MIN_WORK = 1 << 19
 # Sums may be reordered so LLVM vectorizes them (as in _skinny_matmul); no nnan/ninf: the
 # -inf of the sink slot keeps its meaning.
 _FM = {"reassoc", "contract"}
 
-_SCRATCH = threading.local()  # .scores: the score buffer of this thread's steps
+_SCRATCH = threading.local()  # .scores: the score rows of this thread's steps
 
 
-def score_scratch(size: int) -> np.ndarray:
-    """``size`` float32 elements of this thread's score scratch (grown, never shrunk)."""
+def score_scratch(rows: int, width: int) -> np.ndarray:
+    """(rows, width) float32 score rows of this thread's scratch (grown, never shrunk)."""
     buf = getattr(_SCRATCH, "scores", None)
-    if buf is None or buf.size < size:
-        buf = _SCRATCH.scores = np.empty(max(size, 1 << 16), _F32)
-    return buf[:size]
+    if buf is None or buf.size < rows * width:
+        buf = _SCRATCH.scores = np.empty(max(rows * width, 1 << 16), _F32)
+    return buf[: rows * width].reshape(rows, width)
 
 
 @numba.njit(cache=True)
@@ -89,17 +91,16 @@ def _softcapped(s, softcap):
 
 
 @numba.njit(cache=True)
-def _prepare(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active, offsets, derive,
-             rot, interleaved, window, causal):  # fmt: skip
-    """Check the rows, write the new keys/values of those that fit, lay out their scores;
-    returns (score slots needed, rows that step).
+def _prepare(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active, derive, rot,
+             interleaved, window, causal):  # fmt: skip
+    """Check the rows, write the new keys/values of those that fit; returns (score slots
+    the stepping items use, rows that step).
 
     A row fits when it has at least M tokens and its positions are in the cos/sin cache;
     with ``derive``, also when its cache holds it and ``total_len``: its new rows then start
     at seqlens[b] + 1 - M. Without ``derive`` (a window-sized cache placed by the caller)
     ``starts`` holds each row's first new cache row and ``active`` is False for the rows the
-    caller could not place. ``active`` gets which rows step; ``offsets[item]`` each item's
-    first score slot (rows that do not step have no slots).
+    caller could not place. ``active`` gets which rows step.
     """
     bsz, m, n, h = q.shape
     kvn, cap = kc.shape[1], kc.shape[2]
@@ -114,17 +115,14 @@ def _prepare(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active, offs
         else:
             fits = fits and active[b]
         active[b] = fits
-        stepped += fits
+        if not fits:
+            continue
+        stepped += 1
         start = starts[b]
         pos0 = t - m
         for i in range(m):
             k0, k1 = _key_range(start, i, m, window, causal)
-            for hq in range(n):
-                offsets[(b * m + i) * n + hq] = used
-                if fits:
-                    used += k1 - k0 + 1
-            if not fits:
-                continue
+            used += n * (k1 - k0 + 1)
             row = start + i
             for kh in range(kvn):
                 if rot > 0:
@@ -135,15 +133,15 @@ def _prepare(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active, offs
                         kc[b, kh, row, d] = k[b, i, kh, d]
                 for d in range(h):
                     vc[b, kh, row, d] = v[b, i, kh, d]
-    offsets[bsz * m * n] = used
     return used, stepped
 
 
 @numba.njit(cache=True, fastmath=_FM)
-def _item_scores(item, q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks,
-                 scale, rot, interleaved, window, softcap, causal):  # fmt: skip
-    """Scores of one (row, token, head) item: scaled rotated query · keys, softcapped, minus
-    their max; the slot after them holds sink - max (-inf without sinks)."""
+def _item(item, q, kc, vc, cos, sin, seqlens, starts, active, qs, sc, sinks, out, scale, rot,
+          interleaved, window, softcap, causal):  # fmt: skip
+    """One (row, token, head) item: scores (scaled rotated query · keys, softcapped, minus
+    their max; the slot after them sink - max, -inf without sinks) into the scratch row
+    ``sc``, their exps, and the exp-weighted sum of the values over the sum of the exps."""
     _, m, n, h = q.shape
     hq = item % n
     i = (item // n) % m
@@ -163,7 +161,6 @@ def _item_scores(item, q, kc, cos, sin, seqlens, starts, active, offsets, scores
     k0, k1 = _key_range(start, i, m, window, causal)
     w = k1 - k0
     keys = kc[b, kvh]
-    sc = scores[offsets[item] : offsets[item] + w + 1]
     has_sink = sinks.shape[0] > 0
     mx = sinks[hq] if has_sink else _F32(-np.inf)
     j = 0
@@ -199,26 +196,11 @@ def _item_scores(item, q, kc, cos, sin, seqlens, starts, active, offsets, scores
         mx = max(mx, s)
         j += 1
     for j in range(w):
-        sc[j] = sc[j] - mx
-    sc[w] = sinks[hq] - mx if has_sink else _F32(-np.inf)
-
-
-@numba.njit(cache=True, fastmath=_FM)
-def _item_values(item, vc, starts, active, offsets, exps, out, window, causal):
-    """Output of one item: the exp-weighted sum of its values over the sum of its exps."""
-    _, m, n, h = out.shape
-    hq = item % n
-    i = (item // n) % m
-    b = item // (n * m)
-    if not active[b]:
-        return
-    kvh = hq // (n // vc.shape[1])
-    k0, k1 = _key_range(starts[b], i, m, window, causal)
-    w = k1 - k0
-    e = exps[offsets[item] : offsets[item] + w + 1]
+        sc[j] = exp32(sc[j] - mx)
+    sc[w] = exp32(sinks[hq] - mx) if has_sink else _F32(0)
     total = 0.0
     for j in range(w + 1):
-        total += e[j]
+        total += sc[j]
     inv = _F32(1.0 / total)
     vals = vc[b, kvh]
     o = out[b, i, hq]
@@ -226,10 +208,10 @@ def _item_values(item, vc, starts, active, offsets, exps, out, window, causal):
         o[d] = 0
     j = 0
     while j + 4 <= w:
-        ea = e[j]
-        eb = e[j + 1]
-        ec = e[j + 2]
-        ed = e[j + 3]
+        ea = sc[j]
+        eb = sc[j + 1]
+        ec = sc[j + 2]
+        ed = sc[j + 3]
         va = vals[k0 + j]
         vb = vals[k0 + j + 1]
         vc_ = vals[k0 + j + 2]
@@ -238,7 +220,7 @@ def _item_values(item, vc, starts, active, offsets, exps, out, window, causal):
             o[d] += ea * va[d] + eb * vb[d] + ec * vc_[d] + ed * vd[d]
         j += 4
     while j < w:
-        ea = e[j]
+        ea = sc[j]
         va = vals[k0 + j]
         for d in range(h):
             o[d] += ea * va[d]
@@ -248,35 +230,23 @@ def _item_values(item, vc, starts, active, offsets, exps, out, window, causal):
 
 
 @numba.njit(cache=True)
-def _scores_serial(q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks, scale,
-                   rot, interleaved, window, softcap, causal):  # fmt: skip
-    for item in range(offsets.shape[0] - 1):
-        _item_scores(item, q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs[0],
-                     sinks, scale, rot, interleaved, window, softcap, causal)  # fmt: skip
+def _items_serial(q, kc, vc, cos, sin, seqlens, starts, active, qs, scores, sinks, out, scale,
+                  rot, interleaved, window, softcap, causal):  # fmt: skip
+    bsz, m, n, _ = q.shape
+    for item in range(bsz * m * n):
+        _item(item, q, kc, vc, cos, sin, seqlens, starts, active, qs[0], scores[0], sinks, out,
+              scale, rot, interleaved, window, softcap, causal)  # fmt: skip
 
 
 @numba.njit(cache=True, parallel=True)
-def _scores_parallel(q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks,
-                     scale, rot, interleaved, window, softcap, causal, parts):  # fmt: skip
-    items = offsets.shape[0] - 1
+def _items_parallel(q, kc, vc, cos, sin, seqlens, starts, active, qs, scores, sinks, out, scale,
+                    rot, interleaved, window, softcap, causal, parts):  # fmt: skip
+    bsz, m, n, _ = q.shape
+    items = bsz * m * n
     for p in numba.prange(parts):
         for item in range(p * items // parts, (p + 1) * items // parts):
-            _item_scores(item, q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs[p],
-                         sinks, scale, rot, interleaved, window, softcap, causal)  # fmt: skip
-
-
-@numba.njit(cache=True)
-def _values_serial(vc, starts, active, offsets, exps, out, window, causal):
-    for item in range(offsets.shape[0] - 1):
-        _item_values(item, vc, starts, active, offsets, exps, out, window, causal)
-
-
-@numba.njit(cache=True, parallel=True)
-def _values_parallel(vc, starts, active, offsets, exps, out, window, causal, parts):
-    items = offsets.shape[0] - 1
-    for p in numba.prange(parts):
-        for item in range(p * items // parts, (p + 1) * items // parts):
-            _item_values(item, vc, starts, active, offsets, exps, out, window, causal)
+            _item(item, q, kc, vc, cos, sin, seqlens, starts, active, qs[p], scores[p], sinks,
+                  out, scale, rot, interleaved, window, softcap, causal)  # fmt: skip
 
 
 def step_parts(items: int, slots: int, head_size: int) -> int:
@@ -299,7 +269,6 @@ def attend_rows(
     total_len: np.ndarray,
     starts: np.ndarray,
     active: np.ndarray,
-    offsets: np.ndarray,
     qs: np.ndarray,
     sinks: np.ndarray,
     out: np.ndarray,
@@ -317,24 +286,19 @@ def attend_rows(
     q (B, M, N, H), k/v (B, M, kvN, H) float32 views; kc/vc (B, kvN, cap, H) the caches;
     cos/sin (positions, rot/2) (unused when ``rot`` is 0); seqlens (B,) and total_len (1,)
     the node's inputs; starts (B,) int64 each row's first new cache row and active (B,) bool
-    (both given when not ``derive``); offsets (B*M*N + 1,) int64 scratch; qs (threads, H)
-    float32 scratch; sinks (N,) float32 or empty; out (B, M, N, H) float32.
+    (both given when not ``derive``); qs (threads, H) float32 scratch; sinks (N,) float32 or empty; out (B, M, N, H) float32.
     """
     used, stepped = _prepare(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active,
-                             offsets, derive, rot, interleaved, window, causal)  # fmt: skip
+                             derive, rot, interleaved, window, causal)  # fmt: skip
     if stepped == 0:
         return 0
-    scores = score_scratch(used)
-    parts = min(step_parts(len(offsets) - 1, used, q.shape[3]), len(qs))
+    items = q.shape[0] * q.shape[1] * q.shape[2]
+    parts = min(step_parts(items, used, q.shape[3]), len(qs))
+    scores = score_scratch(parts, kc.shape[2] + 1)
     if parts == 1:
-        _scores_serial(q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks,
-                       scale, rot, interleaved, window, softcap, causal)  # fmt: skip
+        _items_serial(q, kc, vc, cos, sin, seqlens, starts, active, qs, scores, sinks, out,
+                      scale, rot, interleaved, window, softcap, causal)  # fmt: skip
     else:
-        _scores_parallel(q, kc, cos, sin, seqlens, starts, active, offsets, scores, qs, sinks,
-                         scale, rot, interleaved, window, softcap, causal, parts)  # fmt: skip
-    np.exp(scores, out=scores)
-    if parts == 1:
-        _values_serial(vc, starts, active, offsets, scores, out, window, causal)
-    else:
-        _values_parallel(vc, starts, active, offsets, scores, out, window, causal, parts)
+        _items_parallel(q, kc, vc, cos, sin, seqlens, starts, active, qs, scores, sinks, out,
+                        scale, rot, interleaved, window, softcap, causal, parts)  # fmt: skip
     return stepped

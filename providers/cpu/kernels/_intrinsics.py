@@ -222,3 +222,33 @@ def call_c_void_int(typingctx, addr):
         return builder.sext(builder.call(fn, []), _I64)
 
     return types.int64(addr), codegen
+
+
+@intrinsic
+def float32_from_bits(typingctx, bits):
+    """The float32 whose IEEE-754 bit pattern is the low 32 bits of the integer ``bits``
+    (LLVM ``trunc`` and ``bitcast``; Numba widens int32 arithmetic to int64)."""
+    if not isinstance(bits, types.Integer):
+        raise TypeError(f"float32_from_bits takes an integer, got {bits}")
+
+    def codegen(context, builder, sig, args):
+        low = args[0]
+        if bits.bitwidth > 32:
+            low = builder.trunc(low, ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def cycle_counter(typingctx):
+    """The CPU's cycle counter (LLVM ``readcyclecounter``: x86 ``rdtsc``, arm64 ``cntvct``;
+    0 where the target has none), for bounding spin waits, not for timing."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I64, []), "llvm.readcyclecounter"
+        )
+        return builder.call(fn, [])
+
+    return types.int64(), codegen

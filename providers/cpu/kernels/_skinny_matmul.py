@@ -50,9 +50,10 @@ _FM = {"reassoc", "contract"}
 #: Rows of X up to which a prepacked weight runs the skinny kernel; more rows use BLAS.
 SKINNY_MAX_M = 16
 # Multiply-adds (M * N * K) below which a call stays on the calling thread, and about the
-# multiply-adds per chunk of a pooled call (docs/performance.md).
-PARALLEL_MIN_WORK = 1 << 19
-CHUNK_WORK = 1 << 17
+# multiply-adds per chunk of a pooled call (docs/performance.md): a 256 x 384 GEMV (4-5 us
+# alone) gains from a second thread since the caller waits for a running worker.
+PARALLEL_MIN_WORK = 1 << 16
+CHUNK_WORK = 1 << 16
 _NO_BIAS = np.zeros(0, _F32)
 
 

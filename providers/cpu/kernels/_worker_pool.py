@@ -4,7 +4,7 @@ A decode step is a chain of matmuls of 3-500 us each. Numba's parallel regions (
 workqueue) hand each thread its share when the region starts and make the caller wait for
 every share at the end: when another process holds a core, the caller waits for a worker
 that is not even running, at every node (docs/performance.md: two threads fell to 35 tok/s
-from 2900). Here the caller never waits for a worker:
+from 2900). Here the caller waits for a worker only a bounded time:
 
 - A job is a kernel's chunk runner (a ``numba.cfunc`` ``int64 run(args, chunk, mode)``),
   its arguments (addresses and sizes, ``ARGS`` int64 words) and a number of chunks (runs of
@@ -14,11 +14,14 @@ from 2900). Here the caller never waits for a worker:
   never takes a chunk of another job). The atomics are LLVM's, emitted by ``_intrinsics``.
 - A worker writes its chunks into its own scratch region laid out like the output, then
   marks the chunk done (the job's ``seq``, the worker and whether the runner failed, in one
-  word). Once every chunk is taken, the caller copies the finished ones from scratch and
-  computes again, into the output, any chunk a worker took but has not finished (it was
-  descheduled): a late worker costs at most the chunk it holds, and it never writes the
-  output after the call returns. Every chunk is computed by the same code in any thread, so
-  results are identical to the serial kernel's.
+  word). Once every chunk is taken, the caller copies the finished ones from scratch; a
+  chunk a worker took but has not finished gets up to ``WAIT_CHUNKS`` times the caller's
+  own time per chunk (all such chunks together, measured with the cycle counter), since a
+  running worker finishes about when the caller does; then the caller computes it again,
+  into the output (the worker was descheduled). A late worker costs at most that wait and
+  the chunk it holds, and it never writes the output after the call returns.
+  Every chunk is computed by the same code in any thread, so results are identical to the
+  serial kernel's.
 - A worker that went without work spins on the job word with the CPU's pause hint for
   ``IDLE_PAUSE_US`` (the gaps between the matmuls of a step), then calls ``sched_yield``
   ``IDLE_YIELDS`` times (a thread of this process waiting for its core runs first), then
@@ -67,6 +70,7 @@ from ._intrinsics import (
     call_c_int,
     call_c_void_int,
     cpu_pause,
+    cycle_counter,
     load_acquire,
     load_relaxed,
     load_seq_cst,
@@ -99,9 +103,12 @@ IDLE_YIELDS = 1000
 #: a spinning worker that shares a core with the caller only takes the caller's time.
 MISS_LIMIT = 16
 MISS_MIN_CHUNKS = 4
-NAP_JOBS = 2048
+NAP_JOBS = 256
 #: Further jobs a worker may miss after the caller woke it (it takes a while to run).
 WAKE_GRACE = 48
+#: The caller waits for workers' unfinished chunks at most this many times its own average
+#: chunk time (cycle counter), all chunks together, before computing them itself.
+WAIT_CHUNKS = 2
 
 # ctrl layout (int64 words); each line of 8 words is 64 bytes, one cache line.
 _LINE = 8
@@ -276,6 +283,7 @@ def run_job(ctrl, fn, total):
     done_at = ctrl[_DONE_AT]
     code = 0
     mine = 0
+    began = cycle_counter()
     while True:
         c = atomic_add(ctrl, _JOB, 1) & _COUNT
         if c >= total:
@@ -285,12 +293,22 @@ def run_job(ctrl, fn, total):
         if call_address(fn, args, c, OUT) != 0:
             code = 3
     _count_miss(ctrl, seq, total, mine, woke)
+    # A worker's chunk still running gets up to WAIT_CHUNKS times the caller's own time per
+    # chunk to finish (a running worker ends about when the caller does), then is computed
+    # here: a worker that is not running costs that wait plus one chunk, never more.
+    budget = (cycle_counter() - began) * WAIT_CHUNKS // max(mine, 1)
     # every chunk is taken: no worker reads the arguments any more
     region = 4 * ctrl[_SCRATCH_LEN]
     for c in range(total):
         if ctrl[mine_at + c] == seq:
             continue
         flag = load_acquire(ctrl, done_at + c)
+        if flag >> 9 != seq and budget > 0:
+            waited = cycle_counter()
+            while flag >> 9 != seq and cycle_counter() - waited < budget:
+                cpu_pause()
+                flag = load_acquire(ctrl, done_at + c)
+            budget -= cycle_counter() - waited
         if flag >> 9 == seq and not flag & 1:
             store_relaxed(ctrl, _ARGS, ctrl[_SCRATCH] + region * ((flag >> 1) & 0xFF))
             if call_address(fn, args, c, COPY) != 0:

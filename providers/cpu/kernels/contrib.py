@@ -14,7 +14,7 @@ from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 from . import contrib_attention, contrib_norm, contrib_quant  # noqa: F401  (register on import)
 from ._nn_common import compute_dtype
 from ._registry import REGISTRY
-from .elementwise import _gelu_loop, _sigmoid_into
+from .elementwise import _gelu_loop, sigmoid_into
 
 
 def _work(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -60,7 +60,7 @@ def quick_gelu(ctx: KernelContext, x: np.ndarray) -> np.ndarray:
     h = _work(x)
     y = np.empty_like(h)
     with np.errstate(over="ignore"):
-        _sigmoid_into(h, y, alpha)
+        sigmoid_into(h, y, alpha)
     y *= h
     out = ctx.out(0, x.shape, x.dtype)
     out[...] = y

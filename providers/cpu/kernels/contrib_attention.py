@@ -529,10 +529,9 @@ class _GqaStep:
         step.caches = (past_key, past_value)
         starts = np.zeros(b, np.int64)
         active = np.zeros(b, np.bool_)
-        offsets = np.empty(b * m * n + 1, np.int64)
         qs = np.empty((numba.config.NUMBA_NUM_THREADS, h), _F32)
         step.call = (q, k, v, past_key, past_value, cos, sin, step.seqlens,
-                     np.asarray(total_len).reshape(-1), starts, active, offsets, qs, sinks,
+                     np.asarray(total_len).reshape(-1), starts, active, qs, sinks,
                      out.reshape(b, m, n, h), np.float32(scale), rot, cfg.interleaved,
                      cfg.window, cfg.softcap, cfg.causal, not cfg.window_cache)  # fmt: skip
         step.fallback = None

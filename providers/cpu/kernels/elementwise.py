@@ -28,6 +28,7 @@ from onnx_genrt.core.op_rules import (
 )
 
 from ._registry import REGISTRY
+from ._vector_exp import exp32
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
@@ -242,7 +243,37 @@ def _celu(ctx: KernelContext, x: Array, out: Array) -> None:
     _exp_linear(x, out, alpha, 1.0, 1.0 / alpha)
 
 
-def _sigmoid_into(x: Array, out: Array, alpha: float = 1.0) -> None:
+def _rows(x: Array) -> Array:
+    """``x`` as 2-D (rows, last axis): a view where the strides allow, else a copy."""
+    return x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+
+
+# error_model="numpy": a float division without the zero check, so the loop vectorizes.
+@numba.njit(cache=True, error_model="numpy")
+def _sigmoid_rows(x, alpha, out):
+    """out = 1 / (1 + exp(-alpha x)) over 2-D float32 arrays, with the vectorized exp."""
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[i, j] = np.float32(1) / (np.float32(1) + exp32(-alpha * x[i, j]))
+
+
+@numba.njit(cache=True, error_model="numpy")
+def silu_mul_rows(g, u, out):
+    """out = (sigmoid(g) * g) * u over 2-D float32 arrays (SiluMul's order of operations)."""
+    for i in range(g.shape[0]):
+        for j in range(g.shape[1]):
+            x = g[i, j]
+            s = np.float32(1) / (np.float32(1) + exp32(-x))
+            out[i, j] = (s * x) * u[i, j]
+
+
+def sigmoid_into(x: Array, out: Array, alpha: float = 1.0) -> None:
+    """out = 1 / (1 + exp(-alpha x)); float32 through one Numba pass (``out`` C-contiguous
+    or 1-D), other dtypes through numpy."""
+    same = x.dtype == F32 and out.dtype == F32 and x.shape == out.shape and out.size
+    if same and (out.flags.c_contiguous or out.ndim <= 1):
+        _sigmoid_rows(_rows(x), np.float32(alpha), _rows(out))
+        return
     np.multiply(x, -alpha, out=out)
     np.exp(out, out=out)
     out += 1
@@ -261,13 +292,13 @@ def _softplus_into(x: Array, out: Array) -> None:
 @_float_op
 def _sigmoid(ctx: KernelContext, x: Array, out: Array) -> None:
     """Sigmoid: 1 / (1 + exp(-x))."""
-    _sigmoid_into(x, out)
+    sigmoid_into(x, out)
 
 
 @_float_op
 def _swish(ctx: KernelContext, x: Array, out: Array) -> None:
     """Swish: x * sigmoid(alpha * x)."""
-    _sigmoid_into(x, out, float(ctx.attr("alpha", 1.0)))
+    sigmoid_into(x, out, float(ctx.attr("alpha", 1.0)))
     out *= x
 
 

@@ -11,7 +11,7 @@ from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
 
 from ._nn_common import compute_dtype
 from ._registry import REGISTRY
-from .elementwise import _sigmoid_into
+from .elementwise import _rows, sigmoid_into, silu_mul_rows
 
 
 def split_halves(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None):
@@ -34,34 +34,34 @@ def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> 
     shape = np.broadcast_shapes(g.shape, u.shape)
     y = ctx.out(0, shape, g.dtype)
     cdt = compute_dtype(g.dtype)
-    if cdt == g.dtype and shape == g.shape and y.flags.c_contiguous and g.flags.c_contiguous:
-        _sigmoid_into(g, y)
-        y *= g
-        y *= u
+    f32 = g.dtype == np.float32 and u.dtype == np.float32 and shape == g.shape == u.shape
+    if f32 and y.flags.c_contiguous and y.size:
+        silu_mul_rows(_rows(g), _rows(u), _rows(y))
         return y
     gw = g.astype(cdt)
     s = np.empty(g.shape, cdt)
-    _sigmoid_into(gw, s)
+    sigmoid_into(gw, s)
     s *= gw
     np.multiply(s, u, out=y, casting="unsafe")
     return y
 
 
 def _bind_silu_mul(ctx: KernelContext, inputs, out):
-    """Replay closure for float32 into a contiguous output: three in-place ufunc calls on
-    views made once (the same operations as the kernel). None (the generic call) otherwise."""
+    """Replay closure for float32 into a contiguous output: the kernel's one Numba pass on
+    2-D views made once. None (the generic call) otherwise."""
     g, u = split_halves(ctx, inputs[0], inputs[1] if len(inputs) > 1 else None)
     if not isinstance(out, np.ndarray) or out.dtype != np.float32 or g.dtype != np.float32:
         return None
     if u.dtype != g.dtype or out.shape != g.shape or u.shape != g.shape:
         return None
-    if not out.flags.c_contiguous:  # g and u may be strided halves of a fused projection
+    if not out.flags.c_contiguous or not out.size:  # g and u may be strided halves
         return None
+    g2, u2, y2 = _rows(g), _rows(u), _rows(out)
+    if not (np.shares_memory(g2, g) and np.shares_memory(u2, u)):
+        return None  # a copy made now would not see later writes
 
     def run() -> None:
-        _sigmoid_into(g, out)
-        np.multiply(out, g, out=out)
-        np.multiply(out, u, out=out)
+        silu_mul_rows(g2, u2, y2)
 
     return run
 

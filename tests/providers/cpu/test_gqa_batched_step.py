@@ -389,8 +389,8 @@ def test_threaded_step_equals_serial(monkeypatch: pytest.MonkeyPatch) -> None:
     tables = [numpy_helper.to_array(t) for t in model.graph.initializer]
     info = NodeInfo.from_proto(model.graph.node[0], 1)
     parallel_calls = []
-    real = gs._scores_parallel
-    monkeypatch.setattr(gs, "_scores_parallel", lambda *a: parallel_calls.append(1) or real(*a))
+    real = gs._items_parallel
+    monkeypatch.setattr(gs, "_items_parallel", lambda *a: parallel_calls.append(1) or real(*a))
 
     def run(threads: int) -> list[np.ndarray]:
         numba.set_num_threads(threads)
