@@ -17,8 +17,9 @@ Passes (:func:`attend_rows`):
    call scalar libm ``expf``), their sum (float64), and the exp-weighted sum of the values
    over it.
 
-Pass 2 runs items on Numba's threads when there are several and the work is large enough
-(the rule of ``_skinny_matmul``); each item is the same code either way.
+Pass 2 runs items on Numba's threads when there are several and the step's multiply-adds
+reach ``PARALLEL_MIN_WORK``; each item is the same code either way. A smaller step is one
+Numba call (``_step_serial``: both passes).
 """
 
 from __future__ import annotations
@@ -249,6 +250,22 @@ def _items_parallel(q, kc, vc, cos, sin, seqlens, starts, active, qs, scores, si
                   out, scale, rot, interleaved, window, softcap, causal)  # fmt: skip
 
 
+@numba.njit(cache=True)
+def _step_serial(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active, qs, scores,
+                 sinks, out, scale, rot, interleaved, window, softcap, causal, derive,
+                 serial_below):  # fmt: skip
+    """``_prepare`` and, when the items' multiply-adds are below ``serial_below``, the items
+    on this thread: one call for a small step. Returns (rows that step, score slots, whether
+    the items ran)."""
+    used, stepped = _prepare(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active,
+                             derive, rot, interleaved, window, causal)  # fmt: skip
+    if stepped == 0 or 2 * used * q.shape[3] >= serial_below:
+        return stepped, used, False
+    _items_serial(q, kc, vc, cos, sin, seqlens, starts, active, qs, scores, sinks, out, scale,
+                  rot, interleaved, window, softcap, causal)  # fmt: skip
+    return stepped, used, True
+
+
 def step_parts(items: int, slots: int, head_size: int) -> int:
     """Threads a step runs its items on: 1 below PARALLEL_MIN_WORK multiply-adds (Q·K and
     the weighted values), else Numba's thread count (at most one per item)."""
@@ -288,13 +305,18 @@ def attend_rows(
     the node's inputs; starts (B,) int64 each row's first new cache row and active (B,) bool
     (both given when not ``derive``); qs (threads, H) float32 scratch; sinks (N,) float32 or empty; out (B, M, N, H) float32.
     """
-    used, stepped = _prepare(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts, active,
-                             derive, rot, interleaved, window, causal)  # fmt: skip
-    if stepped == 0:
-        return 0
+    width = kc.shape[2] + 1
+    threaded = len(qs) > 1 and numba.get_num_threads() > 1
+    serial_below = PARALLEL_MIN_WORK if threaded else 1 << 62
+    stepped, used, done = _step_serial(q, k, v, kc, vc, cos, sin, seqlens, total_len, starts,
+                                       active, qs, score_scratch(1, width), sinks, out, scale,
+                                       rot, interleaved, window, softcap, causal, derive,
+                                       serial_below)  # fmt: skip
+    if stepped == 0 or done:
+        return stepped
     items = q.shape[0] * q.shape[1] * q.shape[2]
     parts = min(step_parts(items, used, q.shape[3]), len(qs))
-    scores = score_scratch(parts, kc.shape[2] + 1)
+    scores = score_scratch(parts, width)
     if parts == 1:
         _items_serial(q, kc, vc, cos, sin, seqlens, starts, active, qs, scores, sinks, out,
                       scale, rot, interleaved, window, softcap, causal)  # fmt: skip
