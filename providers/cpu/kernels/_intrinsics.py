@@ -12,8 +12,12 @@ nopython code needs them on the CPU. These emit LLVM's own instructions:
   ``numba.carray``;
 - ``call_address(addr, a, b, c)``: a call of the C function ``int64 f(int64, int64, int64)``
   at ``addr`` (a ``numba.cfunc``'s ``address``); ``call_c_int(addr, a)``: a call of ``int
-  f(void *)`` (such as libc's ``sem_post``), ``call_c_void_int(addr)`` of ``int f(void)``. Addresses come in at run time, so functions
-  using them stay cacheable (a ctypes function as a global is not).
+  f(void *)`` (such as libc's ``sem_post``), ``call_c_void_int(addr)`` of ``int
+  f(void)``. Addresses come in at run time, so functions using them stay cacheable (a
+  ctypes function as a global is not);
+- ``float32_from_bits`` (a bit pattern as a float32, for a vectorizable ``2**n``),
+  ``cycle_counter`` (for bounded spin waits) and ``stack_float32`` (a fixed-size array on
+  the stack, which LLVM can keep in registers: the skinny kernels' accumulators).
 """
 
 from __future__ import annotations
@@ -252,3 +256,32 @@ def cycle_counter(typingctx):
         return builder.call(fn, [])
 
     return types.int64(), codegen
+
+
+@intrinsic
+def stack_float32(typingctx, size):
+    """A 1-D float32 array of compile-time ``size`` on the calling function's stack
+    (``alloca`` in its entry block, uninitialized). LLVM keeps such an array in vector
+    registers when every index is known after unrolling, which a Numba ``np.empty`` (a heap
+    block whose loads and stores must stay) never is. It must not outlive the function."""
+    if not isinstance(size, types.IntegerLiteral):
+        return None  # Numba then types the call again with the literal, where it has one
+    n = size.literal_value
+    array_type = types.Array(types.float32, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        element = context.get_value_type(types.float32)
+        block = cgutils.alloca_once(builder, ir.ArrayType(element, n))
+        intp = context.get_value_type(types.intp)
+        array = context.make_array(array_type)(context, builder)
+        context.populate_array(
+            array,
+            data=builder.bitcast(block, element.as_pointer()),
+            shape=[ir.Constant(intp, n)],
+            strides=[ir.Constant(intp, 4)],
+            itemsize=ir.Constant(intp, 4),
+            meminfo=None,
+        )
+        return array._getvalue()
+
+    return array_type(size), codegen

@@ -14,7 +14,7 @@ from ._nn_common import (
     compute_dtype,
 )
 from ._registry import REGISTRY
-from ._skinny_matmul import SKINNY_MAX_M, TransposedWeight, pack_weight, skinny_call
+from ._skinny_matmul import SKINNY_MAX_M, TiledWeight, pack_weight, skinny_call
 
 _F64 = np.dtype(np.float64)
 _F32 = np.dtype(np.float32)
@@ -43,7 +43,7 @@ def _matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
 def _bind_matmul(ctx, inputs, out: np.ndarray):
     """Replay closure for the float32 path: one BLAS or skinny-kernel call on prebuilt views."""
     a, b = inputs
-    if isinstance(b, TransposedWeight):
+    if isinstance(b, TiledWeight):
         if a.dtype == out.dtype == _F32 and out.shape == _packed_shape(ctx, a, b):
             return _packed_call(a, b, out)
         return functools.partial(_replay_kernel, matmul_kernel, ctx, a, b, out)
@@ -82,9 +82,9 @@ def matmul(ctx, a: np.ndarray, b: np.ndarray, index: int = 0) -> np.ndarray:
     return out
 
 
-def prepack_weight(provider, node, index: int, host: np.ndarray) -> TransposedWeight | None:
-    """A constant 2-D float32 weight (input B) transposed for ``skinny_matmul``; for Gemm,
-    a B that ``transB`` already stores as [N, K] is kept as it is (no copy)."""
+def prepack_weight(provider, node, index: int, host: np.ndarray) -> TiledWeight | None:
+    """A constant 2-D float32 weight (input B) tiled for ``skinny_matmul`` (for Gemm, read
+    as [N, K] when ``transB``); the tiles replace the initializer, which is not kept."""
     host = np.asarray(host)
     if not provider.option("skinny_matmul") or index != 1 or host.ndim != 2 or host.dtype != _F32:
         return None
@@ -94,7 +94,7 @@ def prepack_weight(provider, node, index: int, host: np.ndarray) -> TransposedWe
     return pack_weight(host, transposed=transposed)
 
 
-def _packed_shape(ctx, a: np.ndarray, w: TransposedWeight) -> tuple[int, ...]:
+def _packed_shape(ctx, a: np.ndarray, w: TiledWeight) -> tuple[int, ...]:
     if a.dtype != w.dtype:
         raise TypeError(
             f"{ctx.node.describe()}: MatMul operand dtypes differ: {a.dtype}, {w.dtype}"
@@ -102,9 +102,9 @@ def _packed_shape(ctx, a: np.ndarray, w: TransposedWeight) -> tuple[int, ...]:
     return matmul_shape(ctx, a.shape, w.shape)
 
 
-def _packed_call(a: np.ndarray, w: TransposedWeight, out: np.ndarray, bias=None):
+def _packed_call(a: np.ndarray, w: TiledWeight, out: np.ndarray, bias=None):
     """A call computing ``out = a @ W (+ bias)`` for a prepacked W: the skinny kernel for at
-    most ``SKINNY_MAX_M`` contiguous rows, else BLAS on the transposed view ``w.t.T``."""
+    most ``SKINNY_MAX_M`` contiguous rows, else BLAS on the weight untiled for the call."""
     k, n = w.shape
     m = a.size // k if k else 0
     if (
@@ -117,30 +117,31 @@ def _packed_call(a: np.ndarray, w: TransposedWeight, out: np.ndarray, bias=None)
         return skinny_call(a.reshape(m, k), w, out.reshape(m, n), bias)
     if a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous and a.dtype == out.dtype:
         a, out = a.reshape(-1, k), out.reshape(-1, n)
-    if bias is None:
-        return functools.partial(np.matmul, a, w.t.T, out=out)
-    return functools.partial(_matmul_bias, a, w.t.T, bias, out)
+    return functools.partial(_matmul_dense, a, w, bias, out)
 
 
-def _matmul_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
-    np.matmul(a, b, out=out)
-    out += bias
+def _matmul_dense(a: np.ndarray, w: TiledWeight, bias: np.ndarray | None, out: np.ndarray):
+    """out = a @ W (+ bias) through BLAS on a dense copy of W made for this call (a prompt:
+    the copy reads the weight once more; the matmul reads it once per block of rows)."""
+    np.matmul(a, w.dense(), out=out)
+    if bias is not None:
+        out += bias
 
 
-def _matmul_packed(ctx, a: np.ndarray, w: TransposedWeight) -> np.ndarray:
+def _matmul_packed(ctx, a: np.ndarray, w: TiledWeight) -> np.ndarray:
     out = ctx.out(0, _packed_shape(ctx, a, w), a.dtype)
     _packed_call(a, w, out)()
     return out
 
 
-def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | TransposedWeight) -> np.ndarray:
+def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | TiledWeight) -> np.ndarray:
     """ONNX MatMul (numpy matmul semantics, batched broadcasting, 1-D operands).
 
     A constant float32 weight arrives prepacked (:func:`prepack_weight`): up to
     ``SKINNY_MAX_M`` rows of A run ``skinny_matmul``, which reads the weight once for all
     rows; more rows run BLAS on the same memory.
     """
-    if isinstance(b, TransposedWeight):
+    if isinstance(b, TiledWeight):
         return _matmul_packed(ctx, a, b)
     return matmul(ctx, a, b)
 
@@ -148,7 +149,7 @@ def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | TransposedWeight) -> np.nd
 REGISTRY.register("MatMul", since=1, prepack=prepack_weight, bind=_bind_matmul)(matmul_kernel)
 
 
-def _gemm_packed_call(ctx, a: np.ndarray, w: TransposedWeight, c: np.ndarray | None, out):
+def _gemm_packed_call(ctx, a: np.ndarray, w: TiledWeight, c: np.ndarray | None, out):
     """The prepacked-weight call of a Gemm that is A @ B + C (alpha = 1, no transA, C absent
     or a float32 row of N with beta = 1), else None."""
     if float(ctx.attr("alpha", 1.0)) != 1.0 or ctx.attr("transA", 0):
@@ -169,7 +170,7 @@ def _gemm_packed_call(ctx, a: np.ndarray, w: TransposedWeight, c: np.ndarray | N
 def _bind_gemm(ctx, inputs, out: np.ndarray):
     """Replay closure for a Gemm on a prepacked weight (see ``_gemm_packed_call``)."""
     a, b, *rest = inputs
-    if not isinstance(b, TransposedWeight):
+    if not isinstance(b, TiledWeight):
         return None
     c = rest[0] if rest else None
     if c is not None and not c.flags.c_contiguous:  # the bias view must stay live
@@ -178,7 +179,7 @@ def _bind_gemm(ctx, inputs, out: np.ndarray):
 
 
 def gemm_kernel(
-    ctx, a: np.ndarray, b: np.ndarray | TransposedWeight, c: np.ndarray | None = None
+    ctx, a: np.ndarray, b: np.ndarray | TiledWeight, c: np.ndarray | None = None
 ) -> np.ndarray:
     """Y = alpha * A' @ B' + beta * C, with C broadcast to (M, N).
 
@@ -187,7 +188,7 @@ def gemm_kernel(
     """
     alpha = float(ctx.attr("alpha", 1.0))
     beta = float(ctx.attr("beta", 1.0))
-    if isinstance(b, TransposedWeight):
+    if isinstance(b, TiledWeight):
         if a.ndim == 2 and b.dtype == a.dtype:
             m = a.shape[1] if ctx.attr("transA", 0) else a.shape[0]
             out = ctx.out(0, (m, b.shape[1]), a.dtype)
@@ -195,7 +196,7 @@ def gemm_kernel(
             if call is not None:
                 call()
                 return out
-        b = b.t.T  # [K, N], whatever transB said: prepack applied it
+        b = b.dense()  # [K, N], whatever transB said: prepack applied it
     elif ctx.attr("transB", 0):
         b = b.T
     if ctx.attr("transA", 0):

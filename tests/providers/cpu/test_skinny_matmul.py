@@ -49,19 +49,19 @@ def test_kernel_matches_float64_for_every_m(k, n, with_bias):
 
 @pytest.mark.parametrize("chunks", [2, 3, 11])
 def test_column_chunks_over_the_worker_pool_cover_every_column(two_threads, chunks):
-    """The pooled kernel splits the N/4 column groups into chunks; the last chunk takes the
-    N mod 4 tail. Whichever thread computes a chunk, every column is the serial kernel's,
-    bit for bit (the same per-column summation), and within the float64 bound. The calls
-    repeat until the worker thread has computed chunks of them (``worker_helps``)."""
+    """The pooled kernel splits the weight's tiles of 32 columns into chunks; the last tile
+    is partial. Whichever thread computes a chunk, every column is the serial kernel's, bit
+    for bit (the same per-column summation), and within the float64 bound. The calls repeat
+    until the worker thread has computed chunks of them (``worker_helps``)."""
     rng = np.random.default_rng(chunks)
-    k, n = 4099, 4 * 11 + 3  # a long K: chunks of one column group still take microseconds
+    k, n = 4099, 32 * 11 + 3  # a long K: chunks of one tile still take microseconds
     w = rng.standard_normal((k, n), dtype=F32)
     bias = rng.standard_normal(n, dtype=F32)
     packed = sk.pack_weight(w)
     for m in (1, 5, 16):
         x = rng.standard_normal((m, k), dtype=F32)
         serial = np.full((m, n), np.nan, F32)
-        sk._skinny_serial(x, packed.t, bias, serial)
+        sk._skinny_serial(x, packed.tiles, bias, serial)
         _check(serial, x, w, bias)
 
         def call(x=x, serial=serial):
@@ -72,11 +72,19 @@ def test_column_chunks_over_the_worker_pool_cover_every_column(two_threads, chun
         worker_helps(two_threads, call)
 
 
-def test_pack_keeps_an_nk_gemm_weight_without_a_copy():
-    wt = np.arange(12, dtype=F32).reshape(3, 4)  # [N, K]
-    packed = sk.pack_weight(wt, transposed=True)
-    assert packed.t is wt and packed.shape == (4, 3)
-    np.testing.assert_array_equal(packed.t.T, wt.T)
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 70])
+def test_tiles_hold_the_weight_once_zero_padded(n):
+    """tiles[t, k, c] = W[k, 32 t + c], zero past N; an [N, K] Gemm weight (transB) packs
+    to the same tiles as its transpose."""
+    w = np.arange(5 * n, dtype=F32).reshape(5, n) + 1
+    packed = sk.pack_weight(w)
+    assert packed.shape == (5, n) and packed.tiles.shape == (-(-n // 32), 5, 32)
+    for t in range(packed.tiles.shape[0]):
+        cols = w[:, 32 * t : 32 * t + 32]
+        np.testing.assert_array_equal(packed.tiles[t, :, : cols.shape[1]], cols)
+        assert not packed.tiles[t, :, cols.shape[1] :].any()
+    np.testing.assert_array_equal(packed.dense(), w)
+    np.testing.assert_array_equal(sk.pack_weight(w.T.copy(), transposed=True).tiles, packed.tiles)
 
 
 # ----------------------------------------------------------------------------- sessions
@@ -120,10 +128,9 @@ CASES = [
 def test_decode_and_verify_steps_replay_the_prebound_kernel(op, rank, attrs):
     model, w, bias = _model(op, rank, **attrs)
     sess = InferenceSession(model, providers=["cpu"])
-    packed = [v for v in sess.executor.constants.values() if isinstance(v, sk.TransposedWeight)]
+    packed = [v for v in sess.executor.constants.values() if isinstance(v, sk.TiledWeight)]
     assert len(packed) == 1
-    if attrs.get("transB"):  # the [N, K] initializer is used as it is
-        np.testing.assert_array_equal(packed[0].t, w.T)
+    np.testing.assert_array_equal(packed[0].dense(), w)  # [K, N], whatever transB said
     rng = np.random.default_rng(11)
     slots = [
         (DeviceGraphSlot.PRIMARY, 1),
@@ -167,7 +174,7 @@ def test_disabled_prepack_keeps_the_plain_weight(monkeypatch, how):
     else:
         monkeypatch.setenv("ONNX_GENRT_SKINNY_MATMUL", "0")
         sess = InferenceSession(model, providers=["cpu"])
-    assert not any(isinstance(v, sk.TransposedWeight) for v in sess.executor.constants.values())
+    assert not any(isinstance(v, sk.TiledWeight) for v in sess.executor.constants.values())
     x = np.random.default_rng(4).standard_normal((3, K), dtype=F32)
     (y,) = sess.run(None, {"x": x})
     _check(y, x, w)

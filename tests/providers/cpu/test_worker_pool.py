@@ -215,7 +215,7 @@ def test_a_forked_child_starts_its_own_pool(two_threads):
     w = sk.pack_weight(rng.standard_normal((512, 256), dtype=F32))
     x = rng.standard_normal((2, 512), dtype=F32)
     want = np.empty((2, 256), F32)
-    sk._skinny_serial(x, w.t, sk._NO_BIAS, want)
+    sk._skinny_serial(x, w.tiles, sk._NO_BIAS, want)
     parent_pool = two_threads
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
@@ -242,7 +242,7 @@ def test_concurrent_callers_each_get_their_own_result(two_threads):
         w = sk.pack_weight(rng.standard_normal((1024, 260), dtype=F32))
         x = rng.standard_normal((3, 1024), dtype=F32)
         want = np.empty((3, 260), F32)
-        sk._skinny_serial(x, w.t, sk._NO_BIAS, want)
+        sk._skinny_serial(x, w.tiles, sk._NO_BIAS, want)
         cases.append((w, x, want))
     errors: list[BaseException] = []
 
