@@ -15,6 +15,7 @@ NormMatMul             ``MatMul(rms_norm(x [+ skip]) * gamma, W)``              
 NormMatMulNBits        the same with ``com.microsoft::MatMulNBits``                  fusion
 SiluMulMatMul          ``MatMul(SiluMul(g, u), W)``                                  fusion
 SiluMulMatMulNBits     the same with ``com.microsoft::MatMulNBits``                  fusion
+MatMulAdd              ``MatMul(A, W) + bias`` (bias a row of N)                     fusion
 MTPAccept              accepted drafts of a verify step, and the row to draft from   MTP chain
 MTPNextInputs          the next verify step's start, ids, positions, mask, count     MTP chain
 =====================  ===========================================================  =========
@@ -372,6 +373,17 @@ def _silu_mul_matmul_body(b: BodyBuilder, types) -> None:
     _projection(b, act)
 
 
+# -- MatMulAdd ------------------------------------------------------------------------------
+
+
+def _matmul_add_body(b: BodyBuilder, types) -> None:
+    """``y = MatMul(A, W) + bias``, the MatMul at the opset it had in the model."""
+    a, w, bias = b.node.input_names[:3]
+    product = b.add("MatMul", [a, w], [b.tmp("product")])
+    b.body.node_opsets[b.body.nodes[-1].name] = int(b.node.attrs.get("projection_opset", 1))
+    b.add("Add", [product, bias], [b.output(0, "y")])
+
+
 # -- MTPAccept, MTPNextInputs -----------------------------------------------------------------
 
 
@@ -485,7 +497,8 @@ _NBITS_TYPES = {
 
 
 def _fused_ops() -> list[GenrtOp]:
-    """The ops fusion makes: activations, the argmax head, norms and SiluMul in projections."""
+    """The ops fusion makes: activations, the argmax head, norms and SiluMul in projections,
+    a projection's bias."""
     return [
         GenrtOp(
             "SiluMul",
@@ -545,6 +558,21 @@ def _fused_ops() -> list[GenrtOp]:
             _T,
             _silu_mul_matmul_body,
             projection=("", "MatMul", 2),
+        ),
+        GenrtOp(
+            "MatMulAdd",
+            "``y = MatMul(A, W) + bias``: a projection and the Add of its bias (a row of N, "
+            "broadcast over A's rows), each result rounded as the two ops round it; the "
+            "MatMul is ai.onnx MatMul at ``projection_opset``.",
+            (
+                Formal("A", "T", "activations [..., K]"),
+                Formal("W", "T", "weight [K, N]"),
+                Formal("bias", "T", "bias [N]"),
+            ),
+            (Formal("y", "T", "[..., N]"),),
+            (_PROJ_OPSET,),
+            _T,
+            _matmul_add_body,
         ),
         GenrtOp(
             "SiluMulMatMulNBits",

@@ -5,8 +5,9 @@ steps says yes to that node, asked exactly as placement asks (``provider.support
 the fused node and its input types), so a provider that claims only some forms of a fused
 op (say, SiluMul without ``split``) is never handed the others.
 
-Both run on a plan's steps after constant folding; see :func:`fuse_silu_mul` and
-:func:`fuse_gate_up`.
+They run on a plan's steps after constant folding, in ``session.plan``'s order (SiluMul, RMS
+norms, skip norms, the argmax head, gate/up projections, norms and SiluMul into projections,
+a projection's bias), each where the provider has the fused op.
 
 The fused ops of domain ``onnx_genrt`` are declared in ``core.genrt_ops``.
 
@@ -662,4 +663,51 @@ def fuse_silu_matmul(
             continue
         drop.add(i)
         replace[j] = step
+    return _rewrite(steps, replace, drop), len(replace)
+
+
+def fuse_matmul_add(
+    steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
+    """``Add(MatMul(A, W), bias)`` (either order of the Add's inputs) becomes ``MatMulAdd``
+    (domain ``onnx_genrt``) where W is a constant 2-D weight [K, N], bias a constant 1-D
+    array of N, the Add the MatMul's one reader, and both on one provider that has the
+    fused kernel: a projection's bias (Qwen2's q/k/v, Phi's every projection) added by its
+    GEMV, one step fewer per biased projection."""
+    keep = set(keep)
+    readers, producer = _index(steps)
+    drop: set[int] = set()
+    replace: dict[int, object] = {}
+    for i, add in enumerate(steps):
+        if (add.node.domain, add.node.op_type) != ("", "Add") or len(add.inputs) != 2:
+            continue
+        for product, bias in (add.inputs, add.inputs[::-1]):
+            j = producer.get(product)
+            if j is None or j in drop or product in keep or readers[product] != 1:
+                continue
+            mm = steps[j]
+            if (mm.node.domain, mm.node.op_type) != (
+                "",
+                "MatMul",
+            ) or mm.provider is not add.provider:
+                continue
+            a, w = mm.inputs
+            weight, row = constants.get(w), constants.get(bias)
+            if weight is None or row is None or weight.ndim != 2 or row.shape != weight.shape[1:]:
+                continue
+            node = NodeInfo(
+                "MatMulAdd",
+                f"{mm.node.name or mm.outputs[0]}/MatMulAdd",
+                GENRT_DOMAIN,
+                1,
+                {"projection_opset": mm.node.opset},
+                (a, w, bias),
+                (add.outputs[0],),
+            )
+            step = step_for(add, node, type_of)
+            if step is None:
+                continue
+            drop.add(j)
+            replace[i] = step
+            break
     return _rewrite(steps, replace, drop), len(replace)

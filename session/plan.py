@@ -26,6 +26,7 @@ from onnx_genrt.core.provider import ExecutionProvider
 from .fusion import (
     fuse_argmax_prob,
     fuse_gate_up,
+    fuse_matmul_add,
     fuse_norm_matmul,
     fuse_rms_norm,
     fuse_silu_matmul,
@@ -303,6 +304,8 @@ def build_plan(
     fused += normed
     steps, activated = fuse_silu_matmul(steps, constants, keep, type_of)
     fused += activated
+    steps, biased = fuse_matmul_add(steps, constants, keep, type_of)
+    fused += biased
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)
     plan.value_types = value_types
     plan.bodies = bodies

@@ -48,13 +48,17 @@ class RowTail:
 
 
 def _is_projection(step: Any, constants: Mapping[str, Any]) -> bool:
-    """A MatMul on a constant 2-D weight, or a MatMulNBits (row input 0, the rest constant)."""
+    """A MatMul on a constant 2-D weight (or a fused ``MatMulAdd`` with its constant bias
+    row), or a MatMulNBits (row input 0, the rest constant)."""
     op, domain = step.node.op_type, normalize_domain(step.node.domain)
     rest = [name for name in step.inputs[1:] if name]
     if not all(name in constants for name in rest):
         return False
     if (domain, op) == ("", "MatMul"):
         return len(step.inputs) == 2 and getattr(constants[step.inputs[1]], "ndim", 0) == 2
+    if (domain, op) == ("onnx_genrt", "MatMulAdd"):
+        weight, bias = (constants[name] for name in step.inputs[1:3])
+        return getattr(weight, "ndim", 0) == 2 and getattr(bias, "ndim", 0) == 1
     return (domain, op) == ("com.microsoft", "MatMulNBits")
 
 

@@ -63,10 +63,11 @@ def test_inspect_shows_each_node_on_the_first_provider_that_takes_it(relu_only, 
     where = _table(out)
     assert where["relu"] == "relu-only"
     assert {n: p for n, p in where.items() if n != "relu"} == {
-        n: "cpu" for n in ("mm1", "bias", "mm2", "scale", "residual")
+        n: "cpu"
+        for n in ("mm1/MatMulAdd", "mm2", "scale", "residual")  # mm1 took its bias
     }
-    assert "steps: cpu 5, relu-only 1" in out
-    assert "segments: 3 (cpu:2 | relu-only:1 | cpu:3)" in out
+    assert "steps: cpu 4, relu-only 1" in out
+    assert "segments: 3 (cpu:1 | relu-only:1 | cpu:3)" in out
 
 
 def test_inspect_without_fallback_names_the_node_no_provider_takes(relu_only, mlp_file, capsys):

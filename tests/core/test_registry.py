@@ -84,7 +84,7 @@ def assert_cpu_session_runs(providers: list) -> None:
     """A CPU session runs the small MLP and matches numpy in float64."""
     model = mlp(hidden=8)
     sess = InferenceSession(model, providers=providers)
-    assert sess.plan.placement_counts() == {"cpu": len(model.graph.node)}
+    assert set(sess.plan.placement_counts()) == {"cpu"}
     x = np.random.default_rng(7).standard_normal((3, 8)).astype(np.float32)
     (y,) = sess.run(None, {"x": x})
     np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-6)

@@ -56,7 +56,8 @@ def test_a_hook_wraps_every_launch_of_an_eager_run_in_node_order():
     x = _feed()
     with sess.on_launch(_hook(events)):
         (y,) = sess.run(["y"], {"x": x})
-    order = [n.name for n in model.graph.node]  # the model's own node order (no fusion here)
+    order = [s.node.name for s in sess.plan.steps]  # plan order: mm1 and its bias are one step
+    assert order[0] == "mm1/MatMulAdd"
     assert events == [(kind, name) for name in order for kind in ("enter", "launch", "exit")]
     np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
     events.clear()
@@ -68,7 +69,7 @@ def test_hooks_nest_in_the_order_they_were_added_and_leave_one_by_one():
     model = mlp(hidden=HIDDEN)
     events: list[tuple[str, str]] = []
     sess = InferenceSession(model, providers=[LoggingCPU(events)])
-    first = model.graph.node[0].name
+    first = sess.plan.steps[0].node.name
     with sess.on_launch(_hook(events, "1")):
         with sess.on_launch(_hook(events, "2")):
             sess.run(["y"], {"x": _feed()})
@@ -93,7 +94,7 @@ def test_bound_runs_show_their_eager_and_capture_walks_but_no_replay():
     binding = sess.io_binding()
     x = binding.bind_input("x", _feed())
     y = binding.bind_output("y", shape=(2, HIDDEN))
-    nodes = len(model.graph.node)
+    nodes = len(sess.plan.steps)
     seen = []
     with sess.on_launch(_hook(events)):
         for _ in range(4):
@@ -121,9 +122,9 @@ def test_a_hook_sees_the_failing_launch_and_the_error_still_names_the_node():
             raise
 
     wrong = np.zeros((2, HIDDEN + 1), np.float32)  # mm1 cannot multiply it by w1
-    with sess.on_launch(hook), pytest.raises(KernelError, match="node 'mm1'"):
+    with sess.on_launch(hook), pytest.raises(KernelError, match="node 'mm1/MatMulAdd'"):
         sess.executor.run({"x": wrong}, ["y"])
-    assert failures == [("mm1", KernelError)]
+    assert failures == [("mm1/MatMulAdd", KernelError)]  # mm1 with its bias Add
 
 
 def test_without_hooks_no_hook_machinery_runs(monkeypatch):
@@ -144,7 +145,7 @@ def test_without_hooks_no_hook_machinery_runs(monkeypatch):
     assert hooked == []
     with sess.on_launch(_hook([])):
         sess.run(["y"], {"x": x})
-    assert hooked == [n.name for n in model.graph.node]
+    assert hooked == [s.node.name for s in sess.plan.steps]
     hooked.clear()
     (again,) = sess.run(["y"], {"x": x})
     assert hooked == []
@@ -171,7 +172,7 @@ def test_step_profile_times_every_node_of_the_step_and_of_the_work_after_it():
     nodes = profile_nodes(
         runner, 2, repeats=2, then=lambda: after.run(None, {"x": x}), then_session=after
     )
-    expected = [p.node for p in model.session.placement()] + [n.name for n in tail_model.graph.node]
+    expected = [p.node for p in model.session.placement()] + [s.node.name for s in after.plan.steps]
     assert [n.name for n in nodes] == expected
     assert all(n.ms >= 0 for n in nodes)
     assert runner.cache.length == 8  # rewound to where it was

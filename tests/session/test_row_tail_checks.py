@@ -157,10 +157,10 @@ def _cases():
     rng = np.random.default_rng(2)
     mat = ("MatMul", {"logits"})
     yield "matmul", _projected([]), mat
-    yield (
+    yield (  # the bias goes into the projection (fuse_matmul_add): the fused step starts it
         "bias_1d",
         _projected([helper.make_node("Add", ["z", "bias"], ["logits"])], [BIAS_1D]),
-        mat,
+        ("MatMulAdd", {"logits"}),
     )
     # a 2-D constant gives each row its own bias: not row-local
     yield (

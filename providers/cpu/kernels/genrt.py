@@ -12,6 +12,7 @@ from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
 from ._nn_common import compute_dtype
 from ._registry import REGISTRY
 from .elementwise import _rows, sigmoid_into, silu_mul_rows
+from .matmul import TiledWeight, matmul_kernel, packed_call, packed_shape, prepack_weight
 
 
 def split_halves(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None):
@@ -199,3 +200,34 @@ def mtp_next_inputs(ctx: KernelContext, accepted, start, token, drafts, confiden
         mask[0] = np.arange(length) < begin + k + 1
         results.append(mask)
     return tuple(results)
+
+
+def matmul_add(ctx, a: np.ndarray, w: np.ndarray | TiledWeight, bias: np.ndarray) -> np.ndarray:
+    """onnx_genrt MatMulAdd: ``MatMul(a, w) + bias`` rounded as the two ops round it. A
+    float32 weight arrives tiled: the skinny kernel (at most ``SKINNY_MAX_M`` rows) adds the
+    bias to each float32 sum as the Add would, BLAS rows get it afterwards."""
+    if isinstance(w, TiledWeight) and a.dtype == np.float32 and bias.dtype == np.float32:
+        out = ctx.out(0, packed_shape(ctx, a, w), np.float32)
+        packed_call(a, w, out, np.ascontiguousarray(bias))()
+        return out
+    product = matmul_kernel(ctx, a, w)
+    shape = np.broadcast_shapes(product.shape, bias.shape)
+    out = ctx.out(0, shape, product.dtype)
+    np.add(product, bias, out=out)
+    return out
+
+
+def _bind_matmul_add(ctx, inputs, out: np.ndarray):
+    """Replay closure for a float32 MatMulAdd on a tiled weight: one prebound skinny or BLAS
+    call with the bias; None (the generic call) otherwise."""
+    a, w, bias = inputs
+    if not isinstance(w, TiledWeight) or not (a.dtype == bias.dtype == out.dtype == np.float32):
+        return None
+    if not bias.flags.c_contiguous or out.shape != packed_shape(ctx, a, w):
+        return None
+    return packed_call(a, w, out, bias)
+
+
+REGISTRY.register(
+    "MatMulAdd", since=1, domain=GENRT_DOMAIN, prepack=prepack_weight, bind=_bind_matmul_add
+)(matmul_add)

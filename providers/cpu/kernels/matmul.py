@@ -44,8 +44,8 @@ def _bind_matmul(ctx, inputs, out: np.ndarray):
     """Replay closure for the float32 path: one BLAS or skinny-kernel call on prebuilt views."""
     a, b = inputs
     if isinstance(b, TiledWeight):
-        if a.dtype == out.dtype == _F32 and out.shape == _packed_shape(ctx, a, b):
-            return _packed_call(a, b, out)
+        if a.dtype == out.dtype == _F32 and out.shape == packed_shape(ctx, a, b):
+            return packed_call(a, b, out)
         return functools.partial(_replay_kernel, matmul_kernel, ctx, a, b, out)
     if not (a.dtype == b.dtype == out.dtype == np.float32):
         return functools.partial(_replay_kernel, matmul_kernel, ctx, a, b, out)
@@ -94,7 +94,7 @@ def prepack_weight(provider, node, index: int, host: np.ndarray) -> TiledWeight 
     return pack_weight(host, transposed=transposed)
 
 
-def _packed_shape(ctx, a: np.ndarray, w: TiledWeight) -> tuple[int, ...]:
+def packed_shape(ctx, a: np.ndarray, w: TiledWeight) -> tuple[int, ...]:
     if a.dtype != w.dtype:
         raise TypeError(
             f"{ctx.node.describe()}: MatMul operand dtypes differ: {a.dtype}, {w.dtype}"
@@ -102,7 +102,7 @@ def _packed_shape(ctx, a: np.ndarray, w: TiledWeight) -> tuple[int, ...]:
     return matmul_shape(ctx, a.shape, w.shape)
 
 
-def _packed_call(a: np.ndarray, w: TiledWeight, out: np.ndarray, bias=None):
+def packed_call(a: np.ndarray, w: TiledWeight, out: np.ndarray, bias=None):
     """A call computing ``out = a @ W (+ bias)`` for a prepacked W: the skinny kernel for at
     most ``SKINNY_MAX_M`` contiguous rows, else BLAS on the weight untiled for the call."""
     k, n = w.shape
@@ -129,8 +129,8 @@ def _matmul_dense(a: np.ndarray, w: TiledWeight, bias: np.ndarray | None, out: n
 
 
 def _matmul_packed(ctx, a: np.ndarray, w: TiledWeight) -> np.ndarray:
-    out = ctx.out(0, _packed_shape(ctx, a, w), a.dtype)
-    _packed_call(a, w, out)()
+    out = ctx.out(0, packed_shape(ctx, a, w), a.dtype)
+    packed_call(a, w, out)()
     return out
 
 
@@ -149,7 +149,7 @@ def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | TiledWeight) -> np.ndarray
 REGISTRY.register("MatMul", since=1, prepack=prepack_weight, bind=_bind_matmul)(matmul_kernel)
 
 
-def _gemm_packed_call(ctx, a: np.ndarray, w: TiledWeight, c: np.ndarray | None, out):
+def _gemmpacked_call(ctx, a: np.ndarray, w: TiledWeight, c: np.ndarray | None, out):
     """The prepacked-weight call of a Gemm that is A @ B + C (alpha = 1, no transA, C absent
     or a float32 row of N with beta = 1), else None."""
     if float(ctx.attr("alpha", 1.0)) != 1.0 or ctx.attr("transA", 0):
@@ -164,7 +164,7 @@ def _gemm_packed_call(ctx, a: np.ndarray, w: TiledWeight, c: np.ndarray | None, 
         if float(ctx.attr("beta", 1.0)) != 1.0 or c.dtype != _F32 or c.shape not in ((n,), (1, n)):
             return None
         bias = np.ascontiguousarray(c).reshape(n)
-    return _packed_call(a, w, out, bias)
+    return packed_call(a, w, out, bias)
 
 
 def _bind_gemm(ctx, inputs, out: np.ndarray):
@@ -175,7 +175,7 @@ def _bind_gemm(ctx, inputs, out: np.ndarray):
     c = rest[0] if rest else None
     if c is not None and not c.flags.c_contiguous:  # the bias view must stay live
         return None
-    return _gemm_packed_call(ctx, a, b, c, out)
+    return _gemmpacked_call(ctx, a, b, c, out)
 
 
 def gemm_kernel(
@@ -192,7 +192,7 @@ def gemm_kernel(
         if a.ndim == 2 and b.dtype == a.dtype:
             m = a.shape[1] if ctx.attr("transA", 0) else a.shape[0]
             out = ctx.out(0, (m, b.shape[1]), a.dtype)
-            call = _gemm_packed_call(ctx, a, b, c, out)
+            call = _gemmpacked_call(ctx, a, b, c, out)
             if call is not None:
                 call()
                 return out
