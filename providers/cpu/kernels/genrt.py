@@ -11,7 +11,7 @@ from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
 
 from ._nn_common import compute_dtype
 from ._registry import REGISTRY
-from .elementwise import _rows, sigmoid_into, silu_mul_rows
+from .elementwise import _rows, sigmoid_into, silu_mul_halves, silu_mul_rows
 from .matmul import TiledWeight, matmul_kernel, packed_call, packed_shape, prepack_weight
 
 
@@ -27,6 +27,7 @@ def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> 
     """``g * sigmoid(g) * u``, the gated-MLP activation, in the same order of operations as
     the Sigmoid/Mul/Mul it replaces (float16 computes in float32 and rounds once). With one
     input and ``split=1``, g and u are its two halves (a fused gate/up projection)."""
+    whole = g if u is None else None
     g, u = split_halves(ctx, g, u)
     if g.dtype != u.dtype or not is_float_dtype(g.dtype):
         raise TypeError(
@@ -37,7 +38,10 @@ def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> 
     cdt = compute_dtype(g.dtype)
     f32 = g.dtype == np.float32 and u.dtype == np.float32 and shape == g.shape == u.shape
     if f32 and y.flags.c_contiguous and y.size:
-        silu_mul_rows(_rows(g), _rows(u), _rows(y))
+        if whole is not None and whole.flags.c_contiguous:
+            silu_mul_halves(_rows(whole), g.shape[-1], _rows(y))
+        else:
+            silu_mul_rows(_rows(g), _rows(u), _rows(y))
         return y
     gw = g.astype(cdt)
     s = np.empty(g.shape, cdt)
@@ -57,7 +61,17 @@ def _bind_silu_mul(ctx: KernelContext, inputs, out):
         return None
     if not out.flags.c_contiguous or not out.size:  # g and u may be strided halves
         return None
-    g2, u2, y2 = _rows(g), _rows(u), _rows(out)
+    y2 = _rows(out)
+    whole = inputs[0]
+    split = len(inputs) < 2 or inputs[1] is None
+    if split and whole.flags.c_contiguous:  # the halves of one contiguous input
+        gu, half = _rows(whole), g.shape[-1]
+
+        def run_halves() -> None:
+            silu_mul_halves(gu, half, y2)
+
+        return run_halves
+    g2, u2 = _rows(g), _rows(u)
     if not (np.shares_memory(g2, g) and np.shares_memory(u2, u)):
         return None  # a copy made now would not see later writes
 

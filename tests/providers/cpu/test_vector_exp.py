@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 
 from onnx_genrt.providers.cpu.kernels._vector_exp import EXP32_MAX, EXP32_MIN, exp32_into
-from onnx_genrt.providers.cpu.kernels.elementwise import sigmoid_into, silu_mul_rows
+from onnx_genrt.providers.cpu.kernels.elementwise import (
+    sigmoid_into,
+    silu_mul_halves,
+    silu_mul_rows,
+)
 
 F32 = np.float32
 
@@ -66,3 +70,16 @@ def test_silu_mul_of_strided_halves_matches_float64() -> None:
     silu_mul_rows(g, u, out)
     g64 = g.astype(np.float64)
     np.testing.assert_allclose(out, g64 / (1 + np.exp(-g64)) * u, rtol=1e-6, atol=1e-30)
+
+
+def test_silu_mul_of_the_halves_of_contiguous_rows_equals_the_strided_kernel() -> None:
+    """The split form (a fused gate/up projection's rows): float64 within rounding, and
+    bit for bit what the kernel on the strided halves gives."""
+    gu = np.random.default_rng(3).standard_normal((8, 96)).astype(F32) * 6
+    got = np.empty((8, 48), F32)
+    silu_mul_halves(gu, 48, got)
+    strided = np.empty_like(got)
+    silu_mul_rows(gu[:, :48], gu[:, 48:], strided)
+    np.testing.assert_array_equal(got, strided)
+    g64, u64 = gu[:, :48].astype(np.float64), gu[:, 48:].astype(np.float64)
+    np.testing.assert_allclose(got, g64 / (1 + np.exp(-g64)) * u64, rtol=1e-6, atol=1e-30)
