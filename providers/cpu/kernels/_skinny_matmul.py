@@ -201,50 +201,10 @@ def _rows4(x0r, x1r, x2r, x3r, w, bias, out, i, rows, c0, width):
 
 @numba.njit(cache=True, fastmath=_FM)
 def _gemv(x, tiles, bias, out, t0, t1):
-    """Tiles [t0, t1) for the one row of x (``_row1``'s loop, written out: inlined, LLVM
-    made it about 5% slower)."""
-    xi = x[0]
-    k = xi.shape[0]
+    """Tiles [t0, t1) for the one row of x."""
     n = out.shape[1]
-    has_bias = bias.shape[0] != 0
     for t in range(t0, t1):
-        w = tiles[t]
-        acc = stack_float32(32)
-        for j in range(32):
-            acc[j] = 0
-        kk = 0
-        while kk + 4 <= k:
-            x0 = xi[kk]
-            x1 = xi[kk + 1]
-            x2 = xi[kk + 2]
-            x3 = xi[kk + 3]
-            w0 = w[kk]
-            w1 = w[kk + 1]
-            w2 = w[kk + 2]
-            w3 = w[kk + 3]
-            for j in range(32):
-                acc[j] += (x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j])
-            kk += 4
-        while kk < k:
-            x0 = xi[kk]
-            w0 = w[kk]
-            for j in range(32):
-                acc[j] += x0 * w0[j]
-            kk += 1
-        c0 = t * 32
-        if c0 + 32 <= n:
-            if has_bias:
-                for j in range(32):
-                    out[0, c0 + j] = acc[j] + bias[c0 + j]
-            else:
-                for j in range(32):
-                    out[0, c0 + j] = acc[j]
-        else:
-            part = stack_float32(32)
-            for j in range(32):
-                part[j] = acc[j]
-            for j in range(n - c0):
-                out[0, c0 + j] = part[j] + bias[c0 + j] if has_bias else part[j]
+        _row1(x[0], tiles[t], bias, out, 0, t * 32, min(32, n - t * 32))
 
 
 @numba.njit(cache=True, fastmath=_FM_ROWS)
