@@ -255,10 +255,11 @@ def _int4_serial(x, tiles, scales, zeros, block, out):
     """out (M, N) = x (M, K) @ dequant(W)^T on the calling thread."""
     nt, half, _ = tiles.shape
     xe, xo, xs = _split_x(x, half, scales.shape[0], block)
+    # np.int64(0), not Literal[0]: the pool's chunk runner reuses these compilations
     if x.shape[0] == 1:
-        _tiles_gemv(tiles, 0, nt, xe, xo, xs, scales, zeros, out)
+        _tiles_gemv(tiles, np.int64(0), nt, xe, xo, xs, scales, zeros, out)
     else:
-        _tiles_gemm(tiles, 0, nt, xe, xo, xs, scales, zeros, out)
+        _tiles_gemm(tiles, np.int64(0), nt, xe, xo, xs, scales, zeros, out)
 
 
 # A tile job's argument words (``set_arg`` indices): a kernel's own operands in 0-3, then the

@@ -206,7 +206,8 @@ def _q8_serial(x, block, tiles, scales, zeros, out):
     """out (M, N) = x (M, K) quantized to int8 @ dequant(W)^T on the calling thread."""
     q, q_scales, q_sums = _quantize_blocks(x, block, scales.shape[0])
     e, f = _pairs(q)
-    _q8_tiles(tiles, 0, tiles.shape[0], e, f, q_scales, q_sums, scales, zeros, out)
+    # np.int64(0), not Literal[0]: the pool's runner reuses this compilation
+    _q8_tiles(tiles, np.int64(0), tiles.shape[0], e, f, q_scales, q_sums, scales, zeros, out)
 
 
 def _q8_chunk(args, chunk, mode):

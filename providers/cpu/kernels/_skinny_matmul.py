@@ -173,9 +173,9 @@ def _rows2(x0r, x1r, w, bias, out, i, c0, width):
 
 
 @numba.njit(cache=True, inline="always")
-def _rows4(x0r, x1r, x2r, x3r, w, bias, out, i, rows, c0, width):
+def _rows4(x0r, x1r, x2r, x3r, w, bias, out, i, fourth, c0, width):
     """Four rows of x against tile ``w`` (eight accumulators, each tile row loaded once);
-    stores the first ``rows`` of them."""
+    stores the fourth only when ``fourth``."""
     k = x0r.shape[0]
     acc = stack_float32(128)
     for j in range(128):
@@ -195,7 +195,7 @@ def _rows4(x0r, x1r, x2r, x3r, w, bias, out, i, rows, c0, width):
     _store(out, i, c0, width, bias, acc, 0)
     _store(out, i + 1, c0, width, bias, acc, 32)
     _store(out, i + 2, c0, width, bias, acc, 64)
-    if rows == 4:
+    if fourth:
         _store(out, i + 3, c0, width, bias, acc, 96)
 
 
@@ -209,25 +209,29 @@ def _gemv(x, tiles, bias, out, t0, t1):
 
 @numba.njit(cache=True, fastmath=_FM_ROWS)
 def _rows(x, tiles, bias, out, t0, t1):
-    """Tiles [t0, t1) for two or more rows of x: four at a time, then a last group of three
-    (the four-row kernel with its last row repeated), two or one."""
+    """Tiles [t0, t1) for two or more rows of x: four at a time (a last group of three
+    repeats its last row), then a last two or one. Each kernel is inlined at one call site:
+    Numba's first run compiles each once (the four-row kernel takes seconds)."""
     m = x.shape[0]
     n = out.shape[1]
-    full = m - m % 4
     for t in range(t0, t1):
         w = tiles[t]
         c0 = t * 32
         width = min(32, n - c0)
-        for i in range(0, full, 4):
-            _rows4(x[i], x[i + 1], x[i + 2], x[i + 3], w, bias, out, i, 4, c0, width)
-        left = m - full
-        if left == 3:
-            _rows4(x[full], x[full + 1], x[full + 2], x[full + 2], w, bias, out, full, 3, c0,
-                   width)  # fmt: skip
-        elif left == 2:
-            _rows2(x[full], x[full + 1], w, bias, out, full, c0, width)
-        elif left == 1:
-            _row1(x[full], w, bias, out, full, c0, width)
+        i = 0
+        while i < m:
+            left = m - i
+            if left >= 3:
+                last = min(i + 3, m - 1)
+                _rows4(x[i], x[i + 1], x[i + 2], x[last], w, bias, out, i, left >= 4, c0,
+                       width)  # fmt: skip
+                i += 4
+            elif left == 2:
+                _rows2(x[i], x[i + 1], w, bias, out, i, c0, width)
+                i += 2
+            else:
+                _row1(x[i], w, bias, out, i, c0, width)
+                i += 1
 
 
 @numba.njit(cache=True)
@@ -242,7 +246,7 @@ def _tiles(x, tiles, bias, out, t0, t1):
 @numba.njit(cache=True)
 def _skinny_serial(x, tiles, bias, out):
     """out (M, N) = x (M, K) @ the tiled weight (+ bias) on the calling thread."""
-    _tiles(x, tiles, bias, out, 0, tiles.shape[0])
+    _tiles(x, tiles, bias, out, np.int64(0), tiles.shape[0])  # not Literal[0]: compiled once
 
 
 def _skinny_chunk(args, chunk, mode):
@@ -281,7 +285,7 @@ def _skinny_pooled(x, tiles, bias, out, ctrl, runner, chunks):
     Returns ``run_job``'s status (0: nothing left to do)."""
     contiguous = x.flags.c_contiguous and tiles.flags.c_contiguous and out.flags.c_contiguous
     if not (contiguous and bias.flags.c_contiguous) or not enter(ctrl):
-        _tiles(x, tiles, bias, out, 0, tiles.shape[0])
+        _tiles(x, tiles, bias, out, np.int64(0), tiles.shape[0])  # not Literal[0]: compiled once
         return 0
     m, k = x.shape
     set_arg(ctrl, 0, x.ctypes.data)
