@@ -72,6 +72,13 @@ def test_a_mask_output_without_mask_length_is_refused(provider, length):
         InferenceSession(model, providers, cpu_fallback=False)
 
 
+def test_a_mask_of_one_column_is_allowed():
+    feeds = _next_feeds(3)
+    model = _model("MTPNextInputs", feeds, {}, ["s", "i", "c", "", "mask"], mask_length=1)
+    for out in (_run_body(model, feeds), _run_fused(model, feeds)):
+        np.testing.assert_array_equal(out["mask"], [[1]])
+
+
 def test_mask_length_without_a_mask_output_is_allowed():
     feeds = _next_feeds(3)
     for length in (None, 0, 16):
