@@ -46,7 +46,7 @@ BODY_OPSETS: Mapping[str, int] = {"": 21, MS_DOMAIN: 1}
 
 class AttrKind(IntEnum):
     """The ONNX ``AttributeProto.AttributeType`` codes of the ops' attributes (fixed by the
-    standard; ``tests/test_genrt_ops.py`` checks them against onnx)."""
+    standard; ``tests/engine/test_import_cost.py`` checks them against onnx)."""
 
     FLOAT = 1
     INT = 2
@@ -147,7 +147,10 @@ class BodyBuilder:
 
     def __init__(self, node: NodeInfo) -> None:
         self.node = node
-        self.prefix = f"{node.name or node.output_names[0]}/"
+        # an unnamed node's first output that it writes (output 0 may be left out): values
+        # are made once in a graph, so two unnamed nodes never share a prefix
+        named = next((o for o in node.output_names if o), node.op_type)
+        self.prefix = f"{node.name or named}/"
         self.body = Body()
 
     def tmp(self, name: str) -> str:
@@ -197,6 +200,9 @@ class GenrtOp:
     #: (domain, op, index of its first weight input) of the projection this op ends in (its
     #: attributes carried by the op's node), or None.
     projection: tuple[str, str, int] | None = None
+    #: ``check(op, node)``: what the op's own rules refuse beyond arity, attribute names and
+    #: element types (an attribute an output needs), or None.
+    check: Callable[[GenrtOp, NodeInfo], str | None] | None = None
 
     def attr(self, node: NodeInfo, name: str) -> Any:
         """The node's value of attribute ``name``, or its default."""
@@ -235,7 +241,7 @@ class GenrtOp:
             seen = by_constraint.setdefault(formal.types, np.dtype(t.dtype))
             if seen != t.dtype and allowed is not None:
                 return f"inputs of type {formal.types} differ: {seen} and {t.dtype}"
-        return None
+        return None if self.check is None else self.check(self, node)
 
     def expand(self, node: NodeInfo, types: Sequence[TensorType | None] = ()) -> Body:
         """The body of ``node``: standard-op nodes and constants computing its outputs
@@ -278,13 +284,14 @@ def _is_16bit(t: TensorType | None) -> bool:
 def _silu_mul(b: BodyBuilder, types, gate: str, up: str, out: str) -> str:
     """``out = g * sigmoid(g) * u`` from inputs ``gate`` and (optional) ``up``; ``split``."""
     node = b.node
+    split = int(GENRT_OPS[node.op_type].attr(node, "split"))
     if not up:
-        if not node.attrs.get("split", 0):
+        if not split:
             raise ModelLoadError(f"{node.describe()}: one input (no up) needs split=1")
         halves = (b.tmp("gate"), b.tmp("up"))
         b.add("Split", [gate], halves, axis=-1, num_outputs=2)
         gate, up = halves
-    elif node.attrs.get("split", 0):
+    elif split:
         raise ModelLoadError(f"{node.describe()}: split=1 takes one input, got gate and up")
     # 16-bit floats compute in float32 and round once, as the fused kernels do.
     wide = _is_16bit(types[0])
@@ -336,7 +343,7 @@ def projection_node(node: NodeInfo, activations: str) -> NodeInfo:
         op,
         node.name,
         domain,
-        int(node.attrs.get("projection_opset", 1)),
+        int(GENRT_OPS[node.op_type].attr(node, "projection_opset")),
         {k: v for k, v in node.attrs.items() if k not in _OWN_ATTRIBUTES},
         (activations, *weights),
         tuple(node.output_names[:1]),
@@ -416,6 +423,15 @@ def _mtp_accept_body(b: BodyBuilder, types) -> None:
     b.add("Gather", [hidden, accepted], [gathered], axis=1)
     if not same:
         b.add("Cast", [gathered], [row], to=to)
+
+
+def _mtp_next_inputs_problem(op: GenrtOp, node: NodeInfo) -> str | None:
+    """The mask output is [1, mask_length]: it needs a width."""
+    names = node.output_names
+    length = int(op.attr(node, "mask_length"))
+    if len(names) > 4 and names[4] and length < 1:
+        return f"the mask output (4) needs mask_length >= 1, got {length}"
+    return None
 
 
 def _mtp_next_inputs_body(b: BodyBuilder, types) -> None:
@@ -644,6 +660,7 @@ def _mtp_ops() -> list[GenrtOp]:
             ),
             {**_T, "I": _INT64},
             _mtp_next_inputs_body,
+            check=_mtp_next_inputs_problem,
         ),
     ]
 

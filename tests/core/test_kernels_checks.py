@@ -88,3 +88,49 @@ def test_scratch_without_a_provider_is_the_size_a_workspace_gives(nbytes):
     held = KernelContext(node, CPUProvider()).scratch(nbytes)
     assert alone.dtype == held.dtype == np.uint8
     assert alone.shape == held.shape == (max(nbytes, 1),)
+
+
+def test_attributes_are_decoded_to_arrays_graphs_and_strings():
+    """What kernels read from ``NodeInfo.attrs``: a tensor as a numpy array, a graph as the
+    GraphProto, strings decoded; other values as onnx's helper gives them."""
+    from onnx import helper, numpy_helper
+
+    value = np.arange(6, dtype=np.float32).reshape(2, 3)
+    branch = helper.make_graph([], "branch", [], [])
+    proto = helper.make_node(
+        "Op",
+        ["x"],
+        ["y"],
+        name="n",
+        value=numpy_helper.from_array(value),
+        then_branch=branch,
+        mode="nearest",
+        names=["a", "bc"],
+        alpha=0.5,
+        axes=[1, -1],
+    )
+    attrs = NodeInfo.from_proto(proto, 7).attrs
+    assert isinstance(attrs["value"], np.ndarray)
+    np.testing.assert_array_equal(attrs["value"], value)
+    assert attrs["then_branch"] == branch
+    assert attrs["mode"] == "nearest"
+    assert attrs["names"] == ["a", "bc"]
+    assert attrs["alpha"] == 0.5
+    assert attrs["axes"] == [1, -1]
+    assert attrs["value"].dtype == np.float32
+
+
+def test_out_returns_the_planned_buffer_only_when_it_fits():
+    node = NodeInfo("Op", "n", "", 1, {})
+    planned = np.zeros((2, 3), np.float32)
+    ctx = KernelContext(node, None, [planned, None])
+    assert ctx.out(0, (2, 3), np.float32) is planned
+    for shape, dtype in [((3, 2), np.float32), ((2, 3), np.float16), ((6,), np.float32)]:
+        got = ctx.out(0, shape, dtype)
+        assert got is not planned and got.shape == shape and got.dtype == dtype
+    strided = np.zeros((2, 6), np.float32)[:, ::2]
+    ctx = KernelContext(node, None, [strided])
+    got = ctx.out(0, (2, 3), np.float32)
+    assert got is not strided and got.flags.c_contiguous
+    assert KernelContext(node, None, [planned]).out(1, (2, 3), np.float32) is not planned
+    assert KernelContext(node, None, [None]).out(0, (2, 3), np.float32).shape == (2, 3)

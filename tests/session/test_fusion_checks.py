@@ -815,3 +815,185 @@ def test_a_matmul_nbits_whose_scales_are_fed_still_takes_its_norm():
     model.graph.input.append(helper.make_tensor_value_info("proj_s", F, list(scales.shape)))
     sess = _check_against_onnxruntime(model, [_fusing()])
     assert _ops(sess) == ["NormMatMulNBits"]
+
+
+# -- found by the recorded mutation run (docs/mutation.md, session/fusion.py) ------------------
+
+
+def _check_feeds(model: onnx.ModelProto, feeds: dict, providers=None) -> InferenceSession:
+    """``_check_against_onnxruntime`` with the feeds given (inputs other than float32)."""
+    sess = InferenceSession(model, providers)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in model.graph.output]
+    for name, got, ref in zip(names, sess.run(names, feeds), want.run(names, feeds), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=name)
+    return sess
+
+
+def test_a_silu_written_up_times_activation_fuses():
+    """``Mul(u, Mul(g, Sigmoid(g)))``: the activation is the second operand of the last Mul."""
+    nodes = [
+        helper.make_node("Sigmoid", ["g"], ["s"]),
+        helper.make_node("Mul", ["g", "s"], ["a"]),
+        helper.make_node("Mul", ["u", "a"], ["y"]),
+    ]
+    model = _model(nodes, {"g": [2, 8], "u": [2, 8]}, {"y": [2, 8]})
+    assert _ops(_check_against_onnxruntime(model)) == ["SiluMul"]
+
+
+def test_a_silu_whose_gate_is_a_graph_input_fuses_without_merging_projections():
+    """The gate has no producing step (a graph input): the SiluMul stays, with nothing to
+    merge its up projection with."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "wu"], ["u"], name="up"),
+        helper.make_node("Sigmoid", ["x2"], ["s"]),
+        helper.make_node("Mul", ["x2", "s"], ["a"]),
+        helper.make_node("Mul", ["a", "u"], ["y"]),
+    ]
+    model = _model(nodes, {"x": [8, 8], "x2": [8, 8]}, {"y": None}, _weights("wu"))
+    assert _ops(_check_against_onnxruntime(model)) == ["MatMul", "SiluMul"]
+
+
+def test_a_scale_of_a_graph_input_is_no_rms_norm():
+    """``w * x`` with a 1-D constant w and x fed: no producer to match a norm in."""
+    w = np.random.default_rng(15).standard_normal(16).astype(np.float32)
+    model = _model(
+        [helper.make_node("Mul", ["w", "x"], ["y"])], {"x": [3, 16]}, {"y": None}, {"w": w}
+    )
+    assert _ops(_check_against_onnxruntime(model)) == ["Mul"]
+
+
+def _rms_mean(mean: onnx.NodeProto, rows: int = 16, axes_input: bool = False):
+    """An RMS norm of x [rows, 16] whose ReduceMean (reading sq, writing mean) is ``mean``."""
+    rng = np.random.default_rng(16)
+    inits = {
+        "w": rng.standard_normal(16).astype(np.float32),
+        "p": np.array(2.0, np.float32),
+        "eps": np.array(1e-6, np.float32),
+    }
+    if not axes_input:
+        inits.update(
+            axes=np.array([-1], np.int64),
+            axes0=np.array([0], np.int64),
+            axes_f=np.array([-1.0], np.float32),
+        )
+    nodes = [
+        helper.make_node("Pow", ["x", "p"], ["sq"]),
+        mean,
+        helper.make_node("Add", ["mean", "eps"], ["var"]),
+        helper.make_node("Sqrt", ["var"], ["root"]),
+        helper.make_node("Reciprocal", ["root"], ["inv"]),
+        helper.make_node("Mul", ["x", "inv"], ["normed"]),
+        helper.make_node("Mul", ["w", "normed"], ["y"]),
+    ]
+    inputs = [helper.make_tensor_value_info("x", F, [rows, 16])]
+    if axes_input:
+        inputs.append(helper.make_tensor_value_info("axes", TensorProto.INT64, [1]))
+    graph = helper.make_graph(
+        nodes,
+        "rms",
+        inputs,
+        [helper.make_tensor_value_info("y", F, None)],
+        [numpy_helper.from_array(v, n) for n, v in inits.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize(
+    "mean",
+    [
+        helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=0),
+        helper.make_node("ReduceMean", ["sq", "axes0"], ["mean"], keepdims=1),
+    ],
+    ids=["keepdims-0", "axis-0"],
+)
+def test_a_mean_not_over_the_last_axis_kept_is_no_rms_norm(mean):
+    """A square x [16, 16]: a mean without the kept axis, or over the rows, still broadcasts
+    (per column), and is no RMS norm."""
+    rng = np.random.default_rng(17)
+    sess = _check_feeds(_rms_mean(mean), {"x": rng.standard_normal((16, 16)).astype(np.float32)})
+    assert "SimplifiedLayerNormalization" not in _ops(sess)
+
+
+def test_a_mean_over_fed_axes_is_no_rms_norm():
+    """Axes that are not a constant cannot be read at planning time: no fusion (and no
+    error)."""
+    mean = helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1)
+    model = _rms_mean(mean, rows=3, axes_input=True)
+    feeds = {
+        "x": np.random.default_rng(18).standard_normal((3, 16)).astype(np.float32),
+        "axes": np.array([-1], np.int64),
+    }
+    assert "SimplifiedLayerNormalization" not in _ops(_check_feeds(model, feeds))
+
+
+def test_an_add_then_a_scale_is_no_skip_norm():
+    """Only a SimplifiedLayerNormalization after the Add becomes a skip norm: a Mul by a 1-D
+    constant after it (two inputs, the shape a norm's scale has) stays as written."""
+    w = np.random.default_rng(19).standard_normal(16).astype(np.float32)
+    nodes = [helper.make_node("Add", ["a", "b"], ["r"]), helper.make_node("Mul", ["r", "w"], ["y"])]
+    model = _model(nodes, {"a": [2, 3, 16], "b": [2, 3, 16]}, {"y": None}, {"w": w})
+    assert _ops(_check_against_onnxruntime(model)) == ["Add", "Mul"]
+
+
+def test_a_silu_written_sigmoid_times_gate_fuses():
+    """``Mul(Sigmoid(g), g)``: the gate is the second operand of the activation's Mul."""
+    nodes = [
+        helper.make_node("Sigmoid", ["g"], ["s"]),
+        helper.make_node("Mul", ["s", "g"], ["a"]),
+        helper.make_node("Mul", ["a", "u"], ["y"]),
+    ]
+    model = _model(nodes, {"g": [2, 8], "u": [2, 8]}, {"y": [2, 8]})
+    assert _ops(_check_against_onnxruntime(model)) == ["SiluMul"]
+
+
+def test_a_softmax_before_opset_13_without_an_axis_stays_unfused():
+    """Before opset 13 Softmax's default axis is 1 and it normalizes over every axis from
+    there (coerced to 2-D): over [2, 3, 10] logits that is 30 values, not the last axis."""
+    model = _pick(opset=12)
+    softmax = model.graph.node[3]
+    assert softmax.op_type == "Softmax"
+    del softmax.attribute[:]
+    assert "ArgMaxProb" not in _pick_ops(model)
+
+
+def test_an_rms_norm_written_normed_times_weight_fuses():
+    """``Mul(normed, w)``: the weight is the second operand of the last Mul."""
+    model = _rms()
+    last = model.graph.node[-1]
+    assert list(last.input) == ["w", "normed"]
+    last.input[:] = ["normed", "w"]
+    assert _ops(_check_against_onnxruntime(model)) == ["SimplifiedLayerNormalization"]
+
+
+@pytest.mark.parametrize(("one", "fuses"), [(1.0, True), (2.0, False)])
+def test_an_rms_norm_with_a_division_for_the_reciprocal(one, fuses):
+    """``Div(1, Sqrt(..))`` is the reciprocal; ``Div(2, Sqrt(..))`` is not."""
+    model = _rms()
+    (recip,) = [n for n in model.graph.node if n.op_type == "Reciprocal"]
+    recip.op_type = "Div"
+    recip.input[:] = ["one", "root"]
+    model.graph.initializer.append(numpy_helper.from_array(np.array(one, np.float32), "one"))
+    ops = _ops(_check_against_onnxruntime(model))
+    assert (ops == ["SimplifiedLayerNormalization"]) == fuses, ops
+
+
+def test_a_norm_with_a_fed_scale_keeps_it_out_of_the_projection():
+    model = _norm_then(MATMUL_N)
+    (gamma,) = [i for i in model.graph.initializer if i.name == "g"]
+    model.graph.initializer.remove(gamma)
+    model.graph.input.append(helper.make_tensor_value_info("g", F, [32]))
+    sess = _check_against_onnxruntime(model, [_fusing()])
+    assert _ops(sess) == ["SimplifiedLayerNormalization", "MatMul"]
+
+
+def test_a_merged_gate_and_up_counts_as_one_fusion():
+    """The plan's count of fusions: the SiluMul, then gate and up merged into one projection
+    (two steps replaced, one fusion)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "wg"], ["g"], name="gate"),
+        helper.make_node("MatMul", ["x", "wu"], ["u"], name="up"),
+    ]
+    sess = _check_against_onnxruntime(_gated(*nodes, _weights("wg", "wu")))
+    assert _ops(sess) == ["MatMul", "SiluMul"]
+    assert sess.plan.fused == 2
