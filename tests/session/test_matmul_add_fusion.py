@@ -44,10 +44,15 @@ def _model(
     bias_input: bool = False,
     product_output: bool = False,
     second_reader: bool = False,
+    producer: str = "MatMul",
+    consumer: str = "Add",
 ):
-    """y = x @ W + b (x [1, m, K]); the variants break one condition of the fusion each."""
+    """y = x @ W + b (x [1, m, K]); the variants break one condition of the fusion each
+    (``producer="Mul"``: x * W with W [1, K], then the bias a row of K; ``consumer="Mul"``:
+    (x @ W) * b)."""
     rng = np.random.default_rng(7)
-    inits = [numpy_helper.from_array(rng.standard_normal((K, N)).astype(F32), "W")]
+    shape = (K, N) if producer == "MatMul" else (1, K)
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(F32), "W")]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m", K])]
     if bias_input:
         inputs.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, list(bias_shape)))
@@ -55,15 +60,16 @@ def _model(
         inits.append(numpy_helper.from_array(rng.standard_normal(bias_shape).astype(F32), "b"))
     add_inputs = ["b", "p"] if bias_first else ["p", "b"]
     nodes = [
-        helper.make_node("MatMul", ["x", "W"], ["p"]),
-        helper.make_node("Add", add_inputs, ["y"]),
+        helper.make_node(producer, ["x", "W"], ["p"]),
+        helper.make_node(consumer, add_inputs, ["y"]),
     ]
-    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m", N])]
+    width = N if producer == "MatMul" else K
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m", width])]
     if product_output:
-        outputs.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, "m", N]))
+        outputs.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, "m", width]))
     if second_reader:
         nodes.append(helper.make_node("Relu", ["p"], ["r"]))
-        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, "m", N]))
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, "m", width]))
     graph = helper.make_graph(nodes, "biased", inputs, outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -114,12 +120,14 @@ def test_decode_and_verify_steps_replay_the_fused_kernel():
         {"bias_input": True},  # not a constant
         {"product_output": True},  # the product is a graph output
         {"second_reader": True},  # the product has another reader
+        {"consumer": "Mul"},  # a scale, not a bias
+        {"producer": "Mul", "bias_shape": (K,)},  # a constant 2-D operand, but no MatMul
     ],
 )
 def test_what_does_not_fuse(variant):
     model = _model(**variant)
     sess = InferenceSession(model, providers=["cpu"])
-    assert "MatMulAdd" not in _ops(sess) and "Add" in _ops(sess)
+    assert "MatMulAdd" not in _ops(sess), _ops(sess)
     feeds = {"x": np.random.default_rng(3).standard_normal((1, 2, K)).astype(F32)}
     if variant.get("bias_input"):
         feeds["b"] = np.ones(N, F32)
