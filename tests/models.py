@@ -281,19 +281,28 @@ def mtp_chain_case(seed: int, k: int = 4):
     return chain, feeds
 
 
+def cpu_kernels(skip=lambda domain, op: False):
+    """A new registry holding every CPU kernel whose (domain, op) ``skip`` does not name:
+    the start of a test provider that lacks, replaces or adds kernels."""
+    from onnx_genrt.core.kernels import KernelRegistry
+    from onnx_genrt.providers.cpu.kernels import REGISTRY
+
+    registry = KernelRegistry()
+    for domain, op in REGISTRY.ops():
+        if skip(domain, op):
+            continue
+        for since in REGISTRY.versions(domain, op):
+            registry.add(REGISTRY.lookup(domain, op, since))
+    return registry
+
+
 def standard_ops_cpu():
     """A CPU provider ("cpu-standard") without any ``onnx_genrt`` kernel: placement runs the
     bodies of that domain's ops (``core.genrt_ops``) on it, and no fusion applies."""
     from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelRegistry
-    from onnx_genrt.providers.cpu.kernels import REGISTRY
     from onnx_genrt.providers.cpu.provider import CPUProvider
 
-    registry = KernelRegistry()
-    for domain, op in REGISTRY.ops():
-        if domain == GENRT_DOMAIN:
-            continue
-        for since in REGISTRY.versions(domain, op):
-            registry.add(REGISTRY.lookup(domain, op, since))
+    registry = cpu_kernels(lambda domain, op: domain == GENRT_DOMAIN)
 
     class StandardOpsCPU(CPUProvider):
         name = "cpu-standard"

@@ -14,10 +14,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_genrt.core.kernels import KernelRegistry
-from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
 from onnx_genrt.session.constant_cache import ReleasedConstant
+from tests.models import cpu_kernels
 
 ROWS, K, N = 3, 6, 4
 
@@ -47,12 +47,7 @@ class PackingCPU(CPUProvider):
 
     @functools.cached_property
     def kernels(self) -> KernelRegistry:
-        reg = KernelRegistry()
-        for domain, op in REGISTRY.ops():
-            if (domain, op) == ("", "MatMul"):
-                continue
-            for since in REGISTRY.versions(domain, op):
-                reg.add(REGISTRY.lookup(domain, op, since))
+        reg = cpu_kernels(lambda domain, op: (domain, op) == ("", "MatMul"))
         reg.register("MatMul", since=1, prepack=_prepack)(_matmul)
         return reg
 

@@ -12,9 +12,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelRegistry
-from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
+from tests.models import cpu_kernels
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -29,13 +29,7 @@ class UnfusedCPU(CPUProvider):
 
     @functools.cached_property
     def kernels(self) -> KernelRegistry:
-        reg = KernelRegistry()
-        for domain, op in REGISTRY.ops():
-            if (domain, op) == (GENRT_DOMAIN, "MatMulAdd"):
-                continue
-            for since in REGISTRY.versions(domain, op):
-                reg.add(REGISTRY.lookup(domain, op, since))
-        return reg
+        return cpu_kernels(lambda domain, op: (domain, op) == (GENRT_DOMAIN, "MatMulAdd"))
 
 
 def _model(

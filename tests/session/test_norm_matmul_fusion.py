@@ -15,7 +15,7 @@ from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
 from onnx_genrt.session.fusion import GENRT_DOMAIN
-from tests.models import norm_projections
+from tests.models import cpu_kernels, norm_projections
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -72,10 +72,7 @@ class FusingCPU(CPUProvider):
 
     @functools.cached_property
     def kernels(self) -> KernelRegistry:
-        reg = KernelRegistry()
-        for domain, op in REGISTRY.ops():
-            for since in REGISTRY.versions(domain, op):
-                reg.add(REGISTRY.lookup(domain, op, since))
+        reg = cpu_kernels()
         reg.add(KernelDef(GENRT_DOMAIN, "NormMatMul", 1, _norm_matmul))
         reg.add(KernelDef(GENRT_DOMAIN, "SiluMulMatMul", 1, _silu_matmul))
         reg.add(
