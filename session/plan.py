@@ -100,6 +100,21 @@ class GraphPlan:
             counts[s.provider.name] = counts.get(s.provider.name, 0) + 1
         return counts
 
+    def type_of(self, name: str) -> TensorType | None:
+        """The type a value had when providers were asked about it (see :func:`value_type`)."""
+        return value_type(self.constants, self.value_types, name)
+
+
+def value_type(
+    constants: dict[str, np.ndarray], value_types: dict[str, ValueSpec], name: str
+) -> TensorType | None:
+    """A value's type: a constant's dtype and shape, else ONNX shape inference's (None when
+    it knows nothing). Placement and fusions ask providers with these."""
+    if name in constants:
+        return TensorType(constants[name].dtype, tuple(constants[name].shape))
+    spec = value_types.get(name)
+    return None if spec is None else TensorType(spec.dtype, spec.shape)
+
 
 def _value_spec(vi: onnx.ValueInfoProto) -> ValueSpec:
     t = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
@@ -226,10 +241,7 @@ def build_plan(
     value_types = _infer_value_types(model)
 
     def type_of(name: str) -> TensorType | None:
-        if name in constants:
-            return TensorType(constants[name].dtype, tuple(constants[name].shape))
-        spec = value_types.get(name)
-        return None if spec is None else TensorType(spec.dtype, spec.shape)
+        return value_type(constants, value_types, name)
 
     steps: list[Step] = []
     unsupported: list[str] = []

@@ -494,14 +494,7 @@ def test_the_nodes_fusions_make_fit_their_schemas():
             for step in plan.steps:
                 if step.node.domain != GENRT_DOMAIN:
                     continue
-                types = []
-                for name in step.inputs:
-                    spec = plan.value_types.get(name)
-                    value = plan.constants.get(name)
-                    if value is not None:
-                        types.append(TensorType(value.dtype, value.shape))
-                    else:
-                        types.append(None if spec is None else TensorType(spec.dtype, spec.shape))
+                types = [plan.type_of(name) for name in step.inputs]
                 op = GENRT_OPS[step.node.op_type]
                 assert op.problem(step.node, types) is None, step.node
                 seen.add((step.node.op_type, len(step.inputs), int(step.node.attr("split", 0))))

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_genrt.core.genrt_ops import check_node, expand
-from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelRegistry, TensorType
+from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelRegistry
 from onnx_genrt.providers.cpu.kernels import REGISTRY
 from onnx_genrt.providers.cpu.provider import CPUProvider
 from onnx_genrt.session import InferenceSession
@@ -483,13 +483,7 @@ def test_every_fused_onnx_genrt_node_fits_its_version_and_has_a_body():
         for step in plan.steps:
             if step.node.domain != GENRT_DOMAIN:
                 continue
-            types = []
-            for name in step.inputs:
-                value, spec = plan.constants.get(name), plan.value_types.get(name)
-                if value is not None:
-                    types.append(TensorType(value.dtype, tuple(value.shape)))
-                else:
-                    types.append(None if spec is None else TensorType(spec.dtype, spec.shape))
+            types = [plan.type_of(name) for name in step.inputs]
             assert step.node.opset == 1, step.node.describe()
             check_node(step.node, types)
             assert expand(step.node, types).nodes, step.node.describe()

@@ -243,7 +243,7 @@ def _celu(ctx: KernelContext, x: Array, out: Array) -> None:
     _exp_linear(x, out, alpha, 1.0, 1.0 / alpha)
 
 
-def _rows(x: Array) -> Array:
+def as_rows(x: Array) -> Array:
     """``x`` as 2-D (rows, last axis): a view where the strides allow, else a copy."""
     return x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
 
@@ -286,7 +286,7 @@ def sigmoid_into(x: Array, out: Array, alpha: float = 1.0) -> None:
     or 1-D), other dtypes through numpy."""
     same = x.dtype == F32 and out.dtype == F32 and x.shape == out.shape and out.size
     if same and (out.flags.c_contiguous or out.ndim <= 1):
-        _sigmoid_rows(_rows(x), np.float32(alpha), _rows(out))
+        _sigmoid_rows(as_rows(x), np.float32(alpha), as_rows(out))
         return
     np.multiply(x, -alpha, out=out)
     np.exp(out, out=out)

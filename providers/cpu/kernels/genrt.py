@@ -11,7 +11,7 @@ from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
 
 from ._nn_common import compute_dtype
 from ._registry import REGISTRY
-from .elementwise import _rows, sigmoid_into, silu_mul_halves, silu_mul_rows
+from .elementwise import as_rows, sigmoid_into, silu_mul_halves, silu_mul_rows
 from .matmul import TiledWeight, matmul_kernel, packed_call, packed_shape, prepack_weight
 
 
@@ -39,9 +39,9 @@ def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> 
     f32 = g.dtype == np.float32 and u.dtype == np.float32 and shape == g.shape == u.shape
     if f32 and y.flags.c_contiguous and y.size:
         if whole is not None and whole.flags.c_contiguous:
-            silu_mul_halves(_rows(whole), g.shape[-1], _rows(y))
+            silu_mul_halves(as_rows(whole), g.shape[-1], as_rows(y))
         else:
-            silu_mul_rows(_rows(g), _rows(u), _rows(y))
+            silu_mul_rows(as_rows(g), as_rows(u), as_rows(y))
         return y
     gw = g.astype(cdt)
     s = np.empty(g.shape, cdt)
@@ -61,17 +61,17 @@ def _bind_silu_mul(ctx: KernelContext, inputs, out):
         return None
     if not out.flags.c_contiguous or not out.size:  # g and u may be strided halves
         return None
-    y2 = _rows(out)
+    y2 = as_rows(out)
     whole = inputs[0]
     split = len(inputs) < 2 or inputs[1] is None
     if split and whole.flags.c_contiguous:  # the halves of one contiguous input
-        gu, half = _rows(whole), g.shape[-1]
+        gu, half = as_rows(whole), g.shape[-1]
 
         def run_halves() -> None:
             silu_mul_halves(gu, half, y2)
 
         return run_halves
-    g2, u2 = _rows(g), _rows(u)
+    g2, u2 = as_rows(g), as_rows(u)
     if not (np.shares_memory(g2, g) and np.shares_memory(u2, u)):
         return None  # a copy made now would not see later writes
 
