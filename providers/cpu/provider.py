@@ -19,6 +19,8 @@ from onnx_genrt.core.tensor import buffer_address
 
 from .cores import physical_cores
 from .kernels import REGISTRY
+from .kernels._native_calls import NativeCall, NativeRun
+from .kernels._worker_pool import pool_epoch
 
 ALIGNMENT = 64
 #: The ``threads`` option's default: one thread per physical core this process may use.
@@ -32,9 +34,15 @@ class RecordedGraph:
     the recorded output buffer, which is what later calls read. No lookup, no planning.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
         self.calls: list[Callable[[], Any]] = []
         self.bound = 0  # calls recorded as prebound closures
+        #: Whether runs of calls with a native form replay from one compiled loop
+        #: (``kernels._native_calls``); the program is made again when the pool changes.
+        self.native = native
+        self._program: list[Callable[[], Any]] | None = None
+        self._epoch = -1
+        self.native_calls = 0  # calls the program runs natively
 
     def record(
         self,
@@ -69,8 +77,35 @@ class RecordedGraph:
         self.calls.append(call)
 
     def replay(self) -> None:
+        if not self.native:
+            for call in self.calls:
+                call()
+            return
+        if self._epoch != pool_epoch():
+            self._make_program()
+        for step in self._program:
+            step()
+
+    def _make_program(self) -> None:
+        """The calls as the replay runs them: each run of calls with a native form
+        (``call.native()``) as one ``NativeRun``, the others as they are."""
+        program: list[Callable[[], Any]] = []
+        run: list[NativeCall] = []
         for call in self.calls:
-            call()
+            make = getattr(call, "native", None)
+            native = make() if make is not None else None
+            if native is not None:
+                run.append(native)
+                continue
+            if run:
+                program.append(NativeRun(run))
+                run = []
+            program.append(call)
+        if run:
+            program.append(NativeRun(run))
+        self._program = program
+        self.native_calls = sum(len(s.calls) for s in program if isinstance(s, NativeRun))
+        self._epoch = pool_epoch()  # after the natives were made: making one may start the pool
 
 
 def _copy_kernel(ctx: Any, src: np.ndarray) -> np.ndarray:
@@ -112,6 +147,14 @@ class CPUProvider(ExecutionProvider):
             "None: OpenBLAS's caller waits for each of its threads, so more than 1 pays only on "
             "otherwise idle cores (docs/performance.md)",
             env="ONNX_GENRT_BLAS_THREADS",
+        ),
+        ProviderOption(
+            "native_replay",
+            True,
+            "replay runs of recorded kernel calls that have a native form from one compiled "
+            "loop, without a Python call and Numba dispatch per kernel (off: every call "
+            "from Python)",
+            env="ONNX_GENRT_NATIVE_REPLAY",
         ),
         ProviderOption(
             "nbits_cache",
@@ -181,7 +224,7 @@ class CPUProvider(ExecutionProvider):
 
     # graph hooks: one recording per (slot, part)
     def graph_begin(self, slot: DeviceGraphSlot, part: int) -> None:
-        self._recording = RecordedGraph()
+        self._recording = RecordedGraph(native=bool(self.option("native_replay")))
 
     def graph_end(self, slot: DeviceGraphSlot, part: int) -> None:
         graph, self._recording = self._recording, None

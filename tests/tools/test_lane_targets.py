@@ -37,7 +37,7 @@ def test_step_ratios_read_back_what_step_cost_prints(monkeypatch, capsys, tmp_pa
                 "notes": ("programmatic launch: on (with L2 weight prefetch)",)}  # fmt: skip
     monkeypatch.setattr(step_cost, "measure", lambda *a: measured)
     monkeypatch.setattr(step_cost, "model_folder", lambda a: tmp_path)
-    step_cost.run(argparse.Namespace(provider="cuda", k=4, context=256, steps=10))
+    step_cost.run(argparse.Namespace(provider=["cuda"], threads=None, k=4, context=256, steps=10))
     assert lane_targets.step_ratios(capsys.readouterr().out) == (1.5, 2.5)
 
 

@@ -29,6 +29,7 @@ import numba
 import numpy as np
 
 from ._intrinsics import address_as_pointer, stack_float32
+from ._native_calls import NativeCall, address_of, native_runner, word_view, words
 from ._worker_pool import (
     ARGS,
     COPY,
@@ -368,4 +369,59 @@ def skinny_call(
         if status & 3:
             pool.settle(status, (x, tiles, b, out), "MatMul (skinny float32)")
 
+    def native() -> NativeCall:
+        chunks = skinny_chunks(m, k, n)
+        ctrl, runner = _NO_CTRL, 0
+        if chunks > 1:
+            pool = worker_pool()
+            pool.reserve(m * n)
+            ctrl, runner = pool.ctrl, _skinny_runner()
+        w = words(
+            address_of(x), m, k, address_of(tiles), tiles.shape[0], n, address_of(b),
+            b.shape[0], address_of(out), address_of(ctrl), ctrl.shape[0], runner, chunks, 0,
+        )  # fmt: skip
+
+        def on_code(code: int) -> None:
+            if code == _SETTLE:
+                worker_pool().settle(int(w[_STATUS]), (x, tiles, b, out), "MatMul (skinny float32)")
+            else:
+                call()
+
+        return NativeCall(_skinny_native_runner(), w, on_code, (x, tiles, b, out, ctrl))
+
+    call.native = native  # type: ignore[attr-defined]
     return call
+
+
+_NO_CTRL = np.zeros(1, np.int64)
+#: Native codes: a late worker may still read the arrays (the pool keeps them), or rerun
+#: the Python call (it raises the kernel's own error).
+_SETTLE, _RERUN = 1, 2
+_STATUS = 13  # the word the native form leaves run_job's status in
+
+
+def _skinny_native(args, _a, _b):
+    """Native form of ``skinny_call``'s call (``_native_calls``): words x, m, k, tiles,
+    tile count, n, bias, bias length, out, the pool's ctrl and its length, the chunk
+    runner, chunks, and the status word."""
+    try:
+        w = word_view(args, 14)
+        m, k, count, n = w[1], w[2], w[4], w[5]
+        x = numba.carray(address_as_pointer(w[0], np.float32), (m, k))
+        tiles = numba.carray(address_as_pointer(w[3], np.float32), (count, k, 32))
+        bias = numba.carray(address_as_pointer(w[6], np.float32), (w[7],))
+        out = numba.carray(address_as_pointer(w[8], np.float32), (m, n))
+        if w[12] <= 1:
+            _tiles(x, tiles, bias, out, np.int64(0), count)
+            return 0
+        ctrl = numba.carray(address_as_pointer(w[9], np.int64), (w[10],))
+        status = _skinny_pooled(x, tiles, bias, out, ctrl, w[11], w[12])
+        if status & 3:
+            w[13] = status
+            return 1
+        return 0
+    except Exception:  # noqa: BLE001 - a native call reports failure by its code
+        return 2
+
+
+_skinny_native_runner = native_runner(_skinny_native)

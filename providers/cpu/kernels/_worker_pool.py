@@ -452,6 +452,7 @@ class WorkerPool:
 
 
 _THREADS = 1
+_EPOCH = 0
 _POOL: WorkerPool | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -459,8 +460,17 @@ _POOL_LOCK = threading.Lock()
 def set_pool_threads(threads: int) -> None:
     """Threads (caller included) the pooled kernels use from now on; the pool is started
     again with ``threads - 1`` workers at its next use."""
-    global _THREADS
-    _THREADS = max(1, int(threads))
+    global _THREADS, _EPOCH
+    threads = max(1, int(threads))
+    if threads != _THREADS:
+        _EPOCH += 1
+    _THREADS = threads
+
+
+def pool_epoch() -> int:
+    """A number that changes whenever the thread count or the pool object does: what a
+    kernel worked out from them (chunks, the pool's ``ctrl`` address) holds while it stays."""
+    return _EPOCH
 
 
 def pool_threads() -> int:
@@ -477,7 +487,7 @@ def worker_pool() -> WorkerPool:
 
 
 def _start_pool() -> WorkerPool:
-    global _POOL
+    global _POOL, _EPOCH
     with _POOL_LOCK:
         if _POOL is not None and _POOL.threads == _THREADS:
             return _POOL
@@ -487,16 +497,18 @@ def _start_pool() -> WorkerPool:
         if _THREADS < 2:
             raise ValueError("the worker pool is for two threads or more")
         _POOL = WorkerPool(_THREADS - 1)
+        _EPOCH += 1
         return _POOL
 
 
 def stop_pool() -> None:
     """Stop the process's pool (started again on next use)."""
-    global _POOL
+    global _POOL, _EPOCH
     with _POOL_LOCK:
         if _POOL is not None:
             _POOL.stop()
             _POOL = None
+            _EPOCH += 1
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -560,8 +572,9 @@ def _pauses_per_us() -> float:
 
 
 def _forget_in_child() -> None:
-    global _POOL, _POOL_LOCK
+    global _POOL, _POOL_LOCK, _EPOCH
     _POOL = None  # its threads were not copied into this process
+    _EPOCH += 1
     _POOL_LOCK = threading.Lock()
 
 

@@ -6,6 +6,7 @@ import numpy as np
 
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 
+from ._native_rows import skip_rms_native
 from ._nn_common import compute_dtype, layer_norm_rows, output_count, rms_norm_rows
 from ._registry import REGISTRY
 
@@ -106,6 +107,7 @@ def _bind_skip_rms(ctx: KernelContext, inputs, out):
         np.add(x2, s2, out=h)
         rms_norm_rows(h, g, eps, y2, inv)
 
+    run.native = skip_rms_native(x2, s2, h, g, eps, y2, inv, run)  # type: ignore[attr-defined]
     return run
 
 

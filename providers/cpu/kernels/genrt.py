@@ -9,6 +9,7 @@ from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
 
+from ._native_rows import silu_halves_native
 from ._nn_common import compute_dtype
 from ._registry import REGISTRY
 from .elementwise import as_rows, sigmoid_into, silu_mul_halves, silu_mul_rows
@@ -70,6 +71,7 @@ def _bind_silu_mul(ctx: KernelContext, inputs, out):
         def run_halves() -> None:
             silu_mul_halves(gu, half, y2)
 
+        run_halves.native = silu_halves_native(gu, half, y2, run_halves)  # type: ignore[attr-defined]
         return run_halves
     g2, u2 = as_rows(g), as_rows(u)
     if not (np.shares_memory(g2, g) and np.shares_memory(u2, u)):

@@ -9,6 +9,7 @@ from onnx import TensorProto
 from onnx_genrt.core.kernels import MS_DOMAIN, ONNX_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import normalize_axis
 
+from ._native_rows import rms_native
 from ._nn_common import (
     as_compute,
     layer_norm_rows,
@@ -214,6 +215,7 @@ def _bind_simplified_layer_norm(ctx: KernelContext, inputs, out):
     def run() -> None:
         rms_norm_rows(x2, g, eps, y2, inv)
 
+    run.native = rms_native(x2, g, eps, y2, inv, run)  # type: ignore[attr-defined]
     return run
 
 

@@ -19,6 +19,7 @@ from onnx_genrt.core.op_rules import (
     slice_index,
 )
 
+from ._native_rows import gather_rows_native
 from ._registry import REGISTRY
 
 Array = np.ndarray
@@ -406,6 +407,8 @@ def _bind_gather(
             check_index_range(ctx, idx, dim)
         np.take(x, idx, axis=axis, out=out, mode="wrap")
 
+    if axis == 0:
+        run.native = gather_rows_native(x, idx, out, run)  # type: ignore[attr-defined]
     return run
 
 

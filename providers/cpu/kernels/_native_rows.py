@@ -1,0 +1,168 @@
+"""Native forms (``_native_calls``) of the small row kernels a decode step replays: the RMS
+norm, the skip RMS norm, SiluMul of a row's halves and a Gather of rows (the token
+embedding). Each runs the same Numba code as its Python replay closure, on the buffers that
+closure was bound to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numba
+import numpy as np
+
+from ._intrinsics import address_as_pointer
+from ._native_calls import NativeCall, address_of, native_runner, word_view, words
+from ._nn_common import rms_norm_rows
+from .elementwise import silu_mul_halves
+
+_F32 = np.float32
+#: The code a native form returns when its Python closure must run instead (it raises the
+#: kernel's own error).
+RERUN = 1
+
+
+def _rerun(run: Callable[[], None]) -> Callable[[int], None]:
+    def on_code(_code: int) -> None:
+        run()
+
+    return on_code
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _f32(addr, rows, cols):
+    """The (rows, cols) float32 array at ``addr``."""
+    return numba.carray(address_as_pointer(addr, np.float32), (rows, cols))
+
+
+def _rms_native(args, _a, _b):
+    """Words: x, y, gamma, inv, rows, cols, params (eps as float32)."""
+    try:
+        w = word_view(args, 7)
+        rows, cols = w[4], w[5]
+        eps = numba.carray(address_as_pointer(w[6], np.float32), (1,))[0]
+        gamma = numba.carray(address_as_pointer(w[2], np.float32), (cols,))
+        inv = numba.carray(address_as_pointer(w[3], np.float32), (rows,))
+        rms_norm_rows(_f32(w[0], rows, cols), gamma, eps, _f32(w[1], rows, cols), inv)
+        return 0
+    except Exception:  # noqa: BLE001 - a native call reports failure by its code
+        return 1
+
+
+def _skip_rms_native(args, _a, _b):
+    """Words: x, skip, sum, y, gamma, inv, rows, cols, params (eps as float32)."""
+    try:
+        w = word_view(args, 9)
+        rows, cols = w[6], w[7]
+        eps = numba.carray(address_as_pointer(w[8], np.float32), (1,))[0]
+        x, skip, total = _f32(w[0], rows, cols), _f32(w[1], rows, cols), _f32(w[2], rows, cols)
+        for i in range(rows):
+            for j in range(cols):
+                total[i, j] = x[i, j] + skip[i, j]
+        gamma = numba.carray(address_as_pointer(w[4], np.float32), (cols,))
+        inv = numba.carray(address_as_pointer(w[5], np.float32), (rows,))
+        rms_norm_rows(total, gamma, eps, _f32(w[3], rows, cols), inv)
+        return 0
+    except Exception:  # noqa: BLE001 - a native call reports failure by its code
+        return 1
+
+
+def _silu_halves_native(args, _a, _b):
+    """Words: gu (rows, 2 half), out (rows, half), rows, half."""
+    try:
+        w = word_view(args, 4)
+        rows, half = w[2], w[3]
+        silu_mul_halves(_f32(w[0], rows, 2 * half), half, _f32(w[1], rows, half))
+        return 0
+    except Exception:  # noqa: BLE001 - a native call reports failure by its code
+        return 1
+
+
+def _gather_rows_native(args, _a, _b):
+    """Words: table (dim, cols), indices (count,) int64, out (count, cols), dim, cols,
+    count. Returns ``RERUN`` for an index outside [-dim, dim) (the closure raises)."""
+    try:
+        w = word_view(args, 6)
+        dim, cols, count = w[3], w[4], w[5]
+        table = _f32(w[0], dim, cols)
+        idx = numba.carray(address_as_pointer(w[1], np.int64), (count,))
+        out = _f32(w[2], count, cols)
+        for i in range(count):
+            r = idx[i]
+            if r < -dim or r >= dim:
+                return 1
+            if r < 0:
+                r += dim
+            out[i, :] = table[r]
+        return 0
+    except Exception:  # noqa: BLE001 - a native call reports failure by its code
+        return 1
+
+
+_rms_runner = native_runner(_rms_native)
+_skip_rms_runner = native_runner(_skip_rms_native)
+_silu_halves_runner = native_runner(_silu_halves_native)
+_gather_rows_runner = native_runner(_gather_rows_native)
+
+
+def _eps(eps: np.float32) -> np.ndarray:
+    return np.array([eps], _F32)
+
+
+def rms_native(x2, gamma, eps, y2, inv, run: Callable[[], None]) -> Callable[[], NativeCall]:
+    """Native form of ``rms_norm_rows(x2, gamma, eps, y2, inv)`` (``run`` is the closure)."""
+
+    def make() -> NativeCall:
+        params = _eps(eps)
+        rows, cols = x2.shape
+        w = words(*map(address_of, (x2, y2, gamma, inv)), rows, cols, address_of(params))
+        return NativeCall(_rms_runner(), w, _rerun(run), (x2, y2, gamma, inv, params))
+
+    return make
+
+
+def skip_rms_native(
+    x2, s2, h, gamma, eps, y2, inv, run: Callable[[], None]
+) -> Callable[[], NativeCall]:
+    """Native form of ``h = x2 + s2; rms_norm_rows(h, gamma, eps, y2, inv)``."""
+
+    def make() -> NativeCall:
+        params = _eps(eps)
+        rows, cols = x2.shape
+        addrs = map(address_of, (x2, s2, h, y2, gamma, inv))
+        w = words(*addrs, rows, cols, address_of(params))
+        return NativeCall(_skip_rms_runner(), w, _rerun(run), (x2, s2, h, y2, gamma, inv, params))
+
+    return make
+
+
+def silu_halves_native(gu, half: int, y2, run: Callable[[], None]) -> Callable[[], NativeCall]:
+    """Native form of ``silu_mul_halves(gu, half, y2)``."""
+
+    def make() -> NativeCall:
+        w = words(address_of(gu), address_of(y2), gu.shape[0], half)
+        return NativeCall(_silu_halves_runner(), w, _rerun(run), (gu, y2))
+
+    return make
+
+
+def gather_rows_native(
+    table: np.ndarray, idx: np.ndarray, out: np.ndarray, run: Callable[[], None]
+) -> Callable[[], NativeCall] | None:
+    """Native form of ``np.take(table, idx, axis=0, out=out)`` with its range check, for a
+    C-contiguous float32 table and output and int64 indices; None otherwise."""
+    if table.dtype != _F32 or out.dtype != _F32 or idx.dtype != np.int64 or table.ndim < 1:
+        return None
+    if not (table.flags.c_contiguous and out.flags.c_contiguous and idx.flags.c_contiguous):
+        return None
+    dim = table.shape[0]
+    cols = table.size // dim if dim else 0
+    if out.size != idx.size * cols or cols == 0:
+        return None
+    t2, o2 = table.reshape(dim, cols), out.reshape(idx.size, cols)
+
+    def make() -> NativeCall:
+        w = words(address_of(t2), address_of(idx), address_of(o2), dim, cols, idx.size)
+        return NativeCall(_gather_rows_runner(), w, _rerun(run), (t2, idx, o2))
+
+    return make
