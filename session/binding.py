@@ -31,6 +31,7 @@ class IOBinding:
         self.inputs: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
         self._signature: Signature | None = None
+        self._checked: Signature | None = None  # the signature check_complete last passed
 
     def bind_input(self, name: str, value: Any) -> Any:
         """Bind ``value`` (a host array is copied to the device once). Returns the bound buffer."""
@@ -79,6 +80,22 @@ class IOBinding:
         return dict(
             zip(self.outputs, self._provider.read(list(self.outputs.values())), strict=True)
         )
+
+    def check_complete(self, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+        """Raise ``InvalidInputError`` unless every one of ``inputs`` and ``outputs`` is
+        bound; checked again only after a binding changed."""
+        sig = self.signature()
+        if self._checked is sig:
+            return
+        missing = [n for n in inputs if n not in self.inputs]
+        if missing:
+            raise InvalidInputError(f"unbound inputs {missing}")
+        unbound = [n for n in outputs if n not in self.outputs]
+        if unbound:
+            raise InvalidInputError(
+                f"unbound outputs {unbound}; bind every output before a bound run"
+            )
+        self._checked = sig
 
     def signature(self) -> Signature:
         if self._signature is None:

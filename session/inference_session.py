@@ -267,14 +267,7 @@ class InferenceSession:
 
         ``variant`` picks one of several graphs the slot keeps side by side (one per batch
         bucket of a batched decode step, say); each is captured once and replayed."""
-        missing = [n for n in self._inputs if n not in binding.inputs]
-        if missing:
-            raise InvalidInputError(f"unbound inputs {missing}")
-        unbound = [n for n in self._outputs if n not in binding.outputs]
-        if unbound:
-            raise InvalidInputError(
-                f"unbound outputs {unbound}; bind every output before a bound run"
-            )
+        binding.check_complete(self._inputs, self._outputs)
         self.executor.run_bound(binding, slot, variant)
 
     def run_eager_with_iobinding(self, binding: IOBinding, last_row_of: str | None = None) -> None:
