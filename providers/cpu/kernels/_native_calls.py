@@ -28,7 +28,7 @@ import numba
 import numpy as np
 
 from ._intrinsics import address_as_pointer, call_address
-from ._worker_pool import RUNNER_SIGNATURE
+from ._worker_pool import chunk_runner
 
 #: Bits of a :func:`run_calls` result that hold the call's code.
 CODE_BITS = 8
@@ -51,17 +51,10 @@ class NativeCall:
     keep: tuple[Any, ...] = ()
 
 
-def native_runner(fn: Callable) -> Callable[[], int]:
-    """``fn(words_address, a, b) -> int64`` compiled as a ``numba.cfunc`` on first use
-    (cached on disk); returns a function giving its address."""
-    compiled: list[int] = []
-
-    def address() -> int:
-        if not compiled:
-            compiled.append(numba.cfunc(RUNNER_SIGNATURE, cache=True)(fn).address)
-        return compiled[0]
-
-    return address
+#: ``fn(words_address, a, b) -> int64`` compiled as a ``numba.cfunc`` on first use (cached
+#: on disk); returns a function giving its address. The pool's chunk runners have the same
+#: signature.
+native_runner = chunk_runner
 
 
 def address_of(a: np.ndarray | None) -> int:

@@ -35,33 +35,23 @@ def _f32(addr, rows, cols):
     return numba.carray(address_as_pointer(addr, np.float32), (rows, cols))
 
 
-def _rms_native(args, _a, _b):
-    """Words: x, y, gamma, inv, rows, cols, params (eps as float32)."""
-    try:
-        w = word_view(args, 7)
-        rows, cols = w[4], w[5]
-        eps = numba.carray(address_as_pointer(w[6], np.float32), (1,))[0]
-        gamma = numba.carray(address_as_pointer(w[2], np.float32), (cols,))
-        inv = numba.carray(address_as_pointer(w[3], np.float32), (rows,))
-        rms_norm_rows(_f32(w[0], rows, cols), gamma, eps, _f32(w[1], rows, cols), inv)
-        return 0
-    except Exception:  # noqa: BLE001 - a native call reports failure by its code
-        return 1
-
-
-def _skip_rms_native(args, _a, _b):
-    """Words: x, skip, sum, y, gamma, inv, rows, cols, params (eps as float32)."""
+def _norm_native(args, _a, _b):
+    """Words: x, skip (0: none), sum (with a skip), y, gamma, inv, rows, cols, params (eps
+    as float32): ``rms_norm_rows`` of x, or of ``sum = x + skip``."""
     try:
         w = word_view(args, 9)
         rows, cols = w[6], w[7]
         eps = numba.carray(address_as_pointer(w[8], np.float32), (1,))[0]
-        x, skip, total = _f32(w[0], rows, cols), _f32(w[1], rows, cols), _f32(w[2], rows, cols)
-        for i in range(rows):
-            for j in range(cols):
-                total[i, j] = x[i, j] + skip[i, j]
+        x = _f32(w[0], rows, cols)
+        if w[1] != 0:
+            skip, total = _f32(w[1], rows, cols), _f32(w[2], rows, cols)
+            for i in range(rows):
+                for j in range(cols):
+                    total[i, j] = x[i, j] + skip[i, j]
+            x = total
         gamma = numba.carray(address_as_pointer(w[4], np.float32), (cols,))
         inv = numba.carray(address_as_pointer(w[5], np.float32), (rows,))
-        rms_norm_rows(total, gamma, eps, _f32(w[3], rows, cols), inv)
+        rms_norm_rows(x, gamma, eps, _f32(w[3], rows, cols), inv)
         return 0
     except Exception:  # noqa: BLE001 - a native call reports failure by its code
         return 1
@@ -99,8 +89,7 @@ def _gather_rows_native(args, _a, _b):
         return 1
 
 
-_rms_runner = native_runner(_rms_native)
-_skip_rms_runner = native_runner(_skip_rms_native)
+_norm_runner = native_runner(_norm_native)
 _silu_halves_runner = native_runner(_silu_halves_native)
 _gather_rows_runner = native_runner(_gather_rows_native)
 
@@ -111,27 +100,21 @@ def _eps(eps: np.float32) -> np.ndarray:
 
 def rms_native(x2, gamma, eps, y2, inv, run: Callable[[], None]) -> Callable[[], NativeCall]:
     """Native form of ``rms_norm_rows(x2, gamma, eps, y2, inv)`` (``run`` is the closure)."""
-
-    def make() -> NativeCall:
-        params = _eps(eps)
-        rows, cols = x2.shape
-        w = words(*map(address_of, (x2, y2, gamma, inv)), rows, cols, address_of(params))
-        return NativeCall(_rms_runner(), w, _rerun(run), (x2, y2, gamma, inv, params))
-
-    return make
+    return skip_rms_native(x2, None, None, gamma, eps, y2, inv, run)
 
 
 def skip_rms_native(
     x2, s2, h, gamma, eps, y2, inv, run: Callable[[], None]
 ) -> Callable[[], NativeCall]:
-    """Native form of ``h = x2 + s2; rms_norm_rows(h, gamma, eps, y2, inv)``."""
+    """Native form of ``h = x2 + s2; rms_norm_rows(h, gamma, eps, y2, inv)`` (the norm of
+    x2 itself when ``s2`` is None)."""
 
     def make() -> NativeCall:
         params = _eps(eps)
         rows, cols = x2.shape
-        addrs = map(address_of, (x2, s2, h, y2, gamma, inv))
-        w = words(*addrs, rows, cols, address_of(params))
-        return NativeCall(_skip_rms_runner(), w, _rerun(run), (x2, s2, h, y2, gamma, inv, params))
+        arrays = (x2, s2, h, y2, gamma, inv)
+        w = words(*map(address_of, arrays), rows, cols, address_of(params))
+        return NativeCall(_norm_runner(), w, _rerun(run), (*arrays, params))
 
     return make
 
