@@ -20,6 +20,7 @@ from onnx_genrt.core.tensor import buffer_address
 from .cores import physical_cores
 from .kernels import REGISTRY
 from .kernels._native_calls import NativeCall, NativeRun
+from .kernels._native_small import copy_native
 from .kernels._worker_pool import pool_epoch
 
 ALIGNMENT = 64
@@ -113,7 +114,10 @@ def _copy_kernel(ctx: Any, src: np.ndarray) -> np.ndarray:
 
 
 def _bind_copy(ctx: Any, inputs: Sequence[Any], out: np.ndarray) -> Callable[[], Any]:
-    return functools.partial(np.copyto, out, inputs[0])
+    call = functools.partial(np.copyto, out, inputs[0])
+    if isinstance(inputs[0], np.ndarray) and inputs[0].dtype == out.dtype:
+        call.native = copy_native(inputs[0], out, call)  # type: ignore[attr-defined]
+    return call
 
 
 def _same_memory(a: Any, b: Any) -> bool:

@@ -57,6 +57,15 @@ class NativeCall:
 native_runner = chunk_runner
 
 
+def rerun(run: Callable[[], None]) -> Callable[[int], None]:
+    """An ``on_code`` that runs the Python form ``run`` (which raises the kernel's error)."""
+
+    def on_code(_code: int) -> None:
+        run()
+
+    return on_code
+
+
 def address_of(a: np.ndarray | None) -> int:
     """The data address of ``a`` (0 for None)."""
     return 0 if a is None else int(a.ctypes.data)

@@ -1,6 +1,6 @@
 """Native forms (``_native_calls``) of the small row kernels a decode step replays: the RMS
 norm, the skip RMS norm, SiluMul of a row's halves and a Gather of rows (the token
-embedding). Each runs the same Numba code as its Python replay closure, on the buffers that
+embedding, an element of a shape). Each runs the same Numba code as its Python replay closure, on the buffers that
 closure was bound to.
 """
 
@@ -12,7 +12,7 @@ import numba
 import numpy as np
 
 from ._intrinsics import address_as_pointer
-from ._native_calls import NativeCall, address_of, native_runner, word_view, words
+from ._native_calls import NativeCall, address_of, native_runner, rerun, word_view, words
 from ._nn_common import rms_norm_rows
 from .elementwise import silu_mul_halves
 
@@ -20,13 +20,6 @@ _F32 = np.float32
 #: The code a native form returns when its Python closure must run instead (it raises the
 #: kernel's own error).
 RERUN = 1
-
-
-def _rerun(run: Callable[[], None]) -> Callable[[int], None]:
-    def on_code(_code: int) -> None:
-        run()
-
-    return on_code
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -68,23 +61,36 @@ def _silu_halves_native(args, _a, _b):
         return 1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _take_rows(table, idx, out):
+    """out[i] = table[idx[i]] (negative indices from the end); False for an index outside
+    [-dim, dim)."""
+    dim = table.shape[0]
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        if r < -dim or r >= dim:
+            return False
+        if r < 0:
+            r += dim
+        out[i, :] = table[r]
+    return True
+
+
 def _gather_rows_native(args, _a, _b):
     """Words: table (dim, cols), indices (count,) int64, out (count, cols), dim, cols,
-    count. Returns ``RERUN`` for an index outside [-dim, dim) (the closure raises)."""
+    count, element bytes (4 or 8: the rows are copied as bits). Returns ``RERUN`` for an
+    index outside [-dim, dim) (the closure raises)."""
     try:
-        w = word_view(args, 6)
+        w = word_view(args, 7)
         dim, cols, count = w[3], w[4], w[5]
-        table = _f32(w[0], dim, cols)
         idx = numba.carray(address_as_pointer(w[1], np.int64), (count,))
-        out = _f32(w[2], count, cols)
-        for i in range(count):
-            r = idx[i]
-            if r < -dim or r >= dim:
-                return 1
-            if r < 0:
-                r += dim
-            out[i, :] = table[r]
-        return 0
+        if w[6] == 8:
+            t8 = numba.carray(address_as_pointer(w[0], np.int64), (dim, cols))
+            o8 = numba.carray(address_as_pointer(w[2], np.int64), (count, cols))
+            return 0 if _take_rows(t8, idx, o8) else 1
+        t4 = numba.carray(address_as_pointer(w[0], np.int32), (dim, cols))
+        o4 = numba.carray(address_as_pointer(w[2], np.int32), (count, cols))
+        return 0 if _take_rows(t4, idx, o4) else 1
     except Exception:  # noqa: BLE001 - a native call reports failure by its code
         return 1
 
@@ -114,7 +120,7 @@ def skip_rms_native(
         rows, cols = x2.shape
         arrays = (x2, s2, h, y2, gamma, inv)
         w = words(*map(address_of, arrays), rows, cols, address_of(params))
-        return NativeCall(_norm_runner(), w, _rerun(run), (*arrays, params))
+        return NativeCall(_norm_runner(), w, rerun(run), (*arrays, params))
 
     return make
 
@@ -124,7 +130,7 @@ def silu_halves_native(gu, half: int, y2, run: Callable[[], None]) -> Callable[[
 
     def make() -> NativeCall:
         w = words(address_of(gu), address_of(y2), gu.shape[0], half)
-        return NativeCall(_silu_halves_runner(), w, _rerun(run), (gu, y2))
+        return NativeCall(_silu_halves_runner(), w, rerun(run), (gu, y2))
 
     return make
 
@@ -133,8 +139,11 @@ def gather_rows_native(
     table: np.ndarray, idx: np.ndarray, out: np.ndarray, run: Callable[[], None]
 ) -> Callable[[], NativeCall] | None:
     """Native form of ``np.take(table, idx, axis=0, out=out)`` with its range check, for a
-    C-contiguous float32 table and output and int64 indices; None otherwise."""
-    if table.dtype != _F32 or out.dtype != _F32 or idx.dtype != np.int64 or table.ndim < 1:
+    C-contiguous table and output of one 4- or 8-byte element type and int64 indices; None
+    otherwise."""
+    if table.dtype != out.dtype or table.dtype.itemsize not in (4, 8) or table.ndim < 1:
+        return None
+    if idx.dtype != np.int64 or table.dtype.kind not in "fiu":
         return None
     if not (table.flags.c_contiguous and out.flags.c_contiguous and idx.flags.c_contiguous):
         return None
@@ -143,9 +152,10 @@ def gather_rows_native(
     if out.size != idx.size * cols or cols == 0:
         return None
     t2, o2 = table.reshape(dim, cols), out.reshape(idx.size, cols)
+    size = table.dtype.itemsize
 
     def make() -> NativeCall:
-        w = words(address_of(t2), address_of(idx), address_of(o2), dim, cols, idx.size)
-        return NativeCall(_gather_rows_runner(), w, _rerun(run), (t2, idx, o2))
+        w = words(address_of(t2), address_of(idx), address_of(o2), dim, cols, idx.size, size)
+        return NativeCall(_gather_rows_runner(), w, rerun(run), (t2, idx, o2))
 
     return make

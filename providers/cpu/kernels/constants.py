@@ -12,6 +12,7 @@ import numpy as np
 from onnx_genrt.core.kernels import KernelContext
 from onnx_genrt.core.op_rules import constant_problem, constant_value, shape_value
 
+from ._native_small import copy_native
 from ._registry import REGISTRY
 
 
@@ -34,7 +35,9 @@ def _bind_shape(ctx: KernelContext, inputs, out):
     value = shape_value(ctx.node, inputs[0].shape)
     if not isinstance(out, np.ndarray) or out.shape != value.shape or out.dtype != value.dtype:
         return None
-    return functools.partial(np.copyto, out, value)
+    call = functools.partial(np.copyto, out, value)
+    call.native = copy_native(value, out, call)  # type: ignore[attr-defined]
+    return call
 
 
 REGISTRY.register("Shape", since=1, bind=_bind_shape)(shape)

@@ -27,6 +27,7 @@ from onnx_genrt.core.op_rules import (
     prelu_slope_shape,
 )
 
+from ._native_small import binary_native, copy_native
 from ._registry import REGISTRY
 from ._vector_exp import exp32
 
@@ -105,7 +106,9 @@ def _binary(
         return ufunc(a, b, out=ctx.out(0, _bshape(a, b), dt))
 
     def bind(ctx: KernelContext, inputs: Sequence[Array], out: Array) -> Callable[[], Any]:
-        return functools.partial(ufunc, inputs[0], inputs[1], out=out)
+        call = functools.partial(ufunc, inputs[0], inputs[1], out=out)
+        call.native = binary_native(ufunc, inputs[0], inputs[1], out, call)  # type: ignore[attr-defined]
+        return call
 
     kernel.__name__ = ufunc.__name__
     return REGISTRY.register(name, since=since, bind=bind)(kernel)
@@ -623,7 +626,9 @@ def _bind_cast(ctx: KernelContext, inputs: Sequence[Array], out: Array) -> Calla
     if x.dtype.kind not in _PLAIN_CAST_KINDS or target.kind not in _PLAIN_CAST_KINDS:
         return None
     if x.dtype.kind != "f" and target != np.float16:  # no floating-point warnings possible
-        return functools.partial(np.copyto, out, x, casting="unsafe")
+        call = functools.partial(np.copyto, out, x, casting="unsafe")
+        call.native = copy_native(x, out, call)  # type: ignore[attr-defined]
+        return call
 
     def run() -> None:
         with _quiet():

@@ -18,6 +18,7 @@ import numpy as np
 from onnx_genrt.core.kernels import KernelContext
 from onnx_genrt.core.op_rules import normalize_axis
 
+from ._native_small import argmax_native, int_sum_native
 from ._registry import REGISTRY
 
 F32 = np.dtype(np.float32)
@@ -191,7 +192,10 @@ def _bind_reduce(ctx: KernelContext, inputs, out) -> Callable[[], Any] | None:
         else:
             fast()
 
-    return run if recorded is not None else fast
+    call = run if recorded is not None else fast
+    if tuple(sorted(ax)) == tuple(range(x.ndim - len(ax), x.ndim)):  # trailing axes
+        call.native = int_sum_native(x, axes, out, call)  # type: ignore[attr-defined]
+    return call
 
 
 REGISTRY.register(list(_REDUCERS), since=1, bind=_bind_reduce)(reduce)
@@ -231,7 +235,10 @@ def _arg_binder(fn: Callable[..., Array]) -> Callable[..., Callable[[], Any] | N
         kd = bool(ctx.attr("keepdims", 1))
         if out.dtype != np.int64 or out.shape != _out_shape(x, (axis,), kd):
             return None
-        return functools.partial(fn, x, axis=axis, out=out, keepdims=kd)
+        call = functools.partial(fn, x, axis=axis, out=out, keepdims=kd)
+        if fn is np.argmax and axis == x.ndim - 1:
+            call.native = argmax_native(x, out, call)  # type: ignore[attr-defined]
+        return call
 
     return bind
 

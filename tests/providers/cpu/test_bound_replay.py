@@ -60,6 +60,13 @@ class Case:
         return model
 
 
+def _with_nan_and_inf(x):
+    """Row 0 gets a NaN (numpy's rule, left to numpy), row 1 an infinity (the largest)."""
+    x[0, 7] = np.nan
+    x[1, 3] = np.inf
+    return x
+
+
 def _rms(f):
     x = f["x"].astype(np.float64)
     return [x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * f["scale"]]
@@ -175,6 +182,7 @@ CASES = [
         lambda r: {"x": r.integers(0, 2, (1, 37)), "axes": np.array([1])},
         lambda f: [f["x"].sum(1, keepdims=True)],
         exact=True,
+        native=True,
     ),
     Case(
         "ReduceSum",
@@ -206,6 +214,65 @@ CASES = [
         exact=True,
     ),
     Case(
+        "ArgMax",
+        {"x": ((4, 37), F32)},
+        {"y": ((4,), I64)},
+        lambda r: {"x": r.integers(0, 6, (4, 37)).astype(F32)},  # ties: the first index wins
+        lambda f: [f["x"].argmax(-1)],
+        {"axis": -1, "keepdims": 0},
+        exact=True,
+        native=True,
+    ),
+    Case(
+        "ArgMax",
+        {"x": ((3, 20), F32)},
+        {"y": ((3, 1), I64)},
+        lambda r: {"x": _with_nan_and_inf(r.standard_normal((3, 20)).astype(F32))},
+        lambda f: [f["x"].argmax(-1)[:, None]],
+        {"axis": -1, "keepdims": 1},
+        exact=True,
+        native=True,
+    ),
+    Case(
+        "Sub",
+        {"a": ((3, 40), F32), "b": ((3, 40), F32)},
+        {"y": ((3, 40), F32)},
+        lambda r: {
+            "a": r.standard_normal((3, 40)).astype(F32),
+            "b": r.standard_normal((3, 40)).astype(F32),
+        },
+        lambda f: [f["a"] - f["b"]],
+        exact=True,
+        native=True,
+    ),
+    Case(
+        "Sub",
+        {"a": ((2, 5), I64), "b": ((1,), I64)},
+        {"y": ((2, 5), I64)},
+        lambda r: {"a": r.integers(-100, 100, (2, 5)), "b": r.integers(-9, 9, (1,))},
+        lambda f: [f["a"] - f["b"]],
+        exact=True,
+        native=True,
+    ),
+    Case(
+        "Mul",
+        {"a": ((1,), F32), "b": ((6,), F32)},
+        {"y": ((6,), F32)},
+        lambda r: {"a": r.standard_normal(1).astype(F32), "b": r.standard_normal(6).astype(F32)},
+        lambda f: [f["a"] * f["b"]],
+        exact=True,
+        native=True,
+    ),
+    Case(
+        "Gather",
+        {"shape": ((3,), I64), "i": ((), I64)},
+        {"y": ((), I64)},
+        lambda r: {"shape": r.integers(1, 9, 3), "i": np.array(r.integers(-3, 3))},
+        lambda f: [f["shape"][int(f["i"])]],
+        exact=True,
+        native=True,
+    ),
+    Case(
         "Concat",
         {"a": ((2, 3), F32), "b": ((2, 1), F32), "c": ((2, 4), F32)},
         {"y": ((2, 8), F32)},
@@ -224,6 +291,7 @@ CASES = [
         lambda f: [f["x"].astype(np.int32)],
         {"to": TensorProto.INT32},
         exact=True,
+        native=True,
     ),
     Case(
         "Cast",
@@ -242,6 +310,7 @@ CASES = [
         lambda f: [np.array(f["x"].shape[1:])],
         {"start": 1},
         exact=True,
+        native=True,
     ),
 ]
 
