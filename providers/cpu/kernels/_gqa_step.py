@@ -339,7 +339,27 @@ def _head1(d, q, hq, pos, keys, values, w, out, work):
     sp = _fp(sa)
     kp = _fp(keys)
     mx = _sink(d, hq)
-    for j in range(w):
+    j = 0
+    while j + 4 <= w:  # four keys per pass over the query
+        kr = j * h
+        a0 = a1 = a2 = a3 = _F32(0)
+        for e in range(h):
+            x = qp[e]
+            a0 += x * kp[kr + e]
+            a1 += x * kp[kr + h + e]
+            a2 += x * kp[kr + 2 * h + e]
+            a3 += x * kp[kr + 3 * h + e]
+        a0 = _softcapped(a0, d)
+        a1 = _softcapped(a1, d)
+        a2 = _softcapped(a2, d)
+        a3 = _softcapped(a3, d)
+        sp[j] = a0
+        sp[j + 1] = a1
+        sp[j + 2] = a2
+        sp[j + 3] = a3
+        mx = max(mx, max(max(a0, a1), max(a2, a3)))
+        j += 4
+    while j < w:
         kr = j * h
         a = _F32(0)
         for e in range(h):
@@ -347,6 +367,7 @@ def _head1(d, q, hq, pos, keys, values, w, out, work):
         a = _softcapped(a, d)
         sp[j] = a
         mx = max(mx, a)
+        j += 1
     inv = _exps(d, sp, w, mx, hq)
     vp = _fp(values)
     op = _fp(out)
