@@ -15,7 +15,7 @@ from typing import Any
 from onnx_genrt.cli_args import POSITIVE_INT
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
-from .step_options import RunnerOwner, add_step_arguments, model_folder
+from .step_options import RunnerOwner, add_step_arguments, model_folder, step_providers
 
 
 def measure(folder: Path, provider: str, k: int, context: int, steps: int) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> int:
     """``onnx-genrt step-cost``: measure, print the two lines."""
     folder = model_folder(a)
-    r = measure(folder, a.provider, a.k, a.context, a.steps)
+    r = measure(folder, step_providers(a), a.k, a.context, a.steps)
     print(
         f"{folder.name}: decode (M=1) {r['decode']:.3f} ms, verify (M={a.k + 1}) {r['verify']:.3f} ms, "
         f"verify/decode {r['ratio']:.2f}x (replays primary {r['replays_primary']}, verify {r['replays_verify']})"

@@ -6,18 +6,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from onnx_genrt.cli_args import POSITIVE_INT
-from onnx_genrt.generate_cli import add_provider_argument
+from onnx_genrt.cli_args import POSITIVE_INT, add_threads_argument
+from onnx_genrt.generate_cli import add_provider_argument, provider_args
 
 
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
-    """Model, providers, cached positions and timed steps."""
+    """Model, providers, the CPU provider's threads, cached positions and timed steps."""
     p.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
     add_provider_argument(p)
+    add_threads_argument(p)
     p.add_argument(
         "--context", type=POSITIVE_INT, default=256, help="cached positions before each step"
     )
     p.add_argument("--steps", type=POSITIVE_INT, default=50, help="timed steps (default: 50)")
+
+
+def step_providers(args: argparse.Namespace) -> list:
+    """``--provider`` as the model's provider list, ``--threads`` going to the CPU one."""
+    return provider_args(args.provider, args.threads)
 
 
 def model_folder(args: argparse.Namespace) -> Path:

@@ -28,7 +28,7 @@ from onnx_genrt.cli_args import POSITIVE_INT
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
-from .step_options import RunnerOwner, add_step_arguments, model_folder
+from .step_options import RunnerOwner, add_step_arguments, model_folder, step_providers
 
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -213,7 +213,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(a: argparse.Namespace) -> int:
     """``onnx-genrt profile``: time the step, print the report."""
-    result = profile_step(model_folder(a), a.provider, a.width, a.context, a.steps, a.mtp)
+    result = profile_step(model_folder(a), step_providers(a), a.width, a.context, a.steps, a.mtp)
     print(report(result, a.top))
     return 0
 
