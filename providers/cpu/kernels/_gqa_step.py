@@ -33,11 +33,14 @@ multiply-adds each, at least two per thread) that the caller and the pool's work
 of the output, so a chunk is one run too. Scratch: each thread computing groups needs the
 rotated queries and the score rows of four heads. A worker's is in its own scratch region,
 after the chunk outputs it writes there (a region holds the whole output's layout, then the
-work scratch); the caller's is the step's own array (``work``, made by ``plan_step``; a step
+work scratch). The caller's is the step's own array (``work``, made by ``plan_step``: four
+score rows of the cache's length, little beside the cache's 2 x kvN rows of H values; a step
 runs on one thread at a time), never a worker's: a chunk the caller computes again while a
 late worker still runs it shares nothing with that worker. A late worker may read a later
-step's lengths: a group whose lengths fall outside the cache or the cos/sin tables is
-skipped, so it reads and writes only within its arrays (its result is never copied).
+step's lengths (or other data: seqlens_k is an intermediate of the recorded graph, whose
+memory later nodes reuse): a group whose lengths fall outside the cache or the cos/sin
+tables is skipped, so it reads and writes only within its arrays (its result is never
+copied).
 
 Every group, pooled or not, runs in the chunk runner (``_step_chunk``): one compiled copy of
 the arithmetic. Numba links a callee into each caller compiled in one process and optimizes
@@ -74,8 +77,10 @@ from ._worker_pool import (
 
 _F32 = np.float32
 #: Multiply-adds of a step (Q·K and the weighted values, all heads) below which its groups
-#: run on the calling thread alone, and about the multiply-adds per chunk of a pooled step
-#: (docs/performance.md).
+#: run on the calling thread alone, and about the multiply-adds per chunk of a pooled step.
+#: In the embedded model's decode and verify steps at two threads (docs/performance.md) the
+#: pool paid from about 64K (8 rows from context ~16, one row from ~128; below, one row was
+#: within the noise), and chunks of 16K and 32K did alike.
 PARALLEL_MIN_WORK = 1 << 16
 CHUNK_WORK = 1 << 15
 # Sums may be reordered so LLVM vectorizes them (as in _skinny_matmul); no nnan/ninf: the
