@@ -22,8 +22,10 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def step_providers(args: argparse.Namespace) -> list:
-    """``--provider`` as the model's provider list, ``--threads`` going to the CPU one."""
-    return provider_args(args.provider, args.threads)
+    """``--provider`` as the model's provider list, ``--threads`` (when given) going to the
+    CPU one."""
+    threads = getattr(args, "threads", None)
+    return args.provider if threads is None else provider_args(args.provider, threads)
 
 
 def model_folder(args: argparse.Namespace) -> Path:
