@@ -258,19 +258,18 @@ class CPUProvider(ExecutionProvider):
 
 
 def set_threads(threads: int, blas_threads: int | None = None) -> None:
-    """Set the threads of this process's skinny kernels (their worker pool) and Numba, and
-    BLAS's to ``blas_threads`` (default: ``threads``)."""
+    """Set the threads of this process's pooled kernels (the worker pool: skinny matmuls,
+    the GroupQueryAttention step), and BLAS's to ``blas_threads`` (default: ``threads``).
+    No kernel uses Numba's parallel regions, whose threads this leaves unstarted."""
     threads = check_int(threads, "CPU provider option threads", minimum=1)
     blas = threads if blas_threads is None else blas_threads
     blas = check_int(blas, "CPU provider option blas_threads", minimum=1)
-    import numba
     from threadpoolctl import threadpool_limits
 
     from .kernels._worker_pool import set_pool_threads
 
     set_pool_threads(threads)
     threadpool_limits(limits=blas, user_api="blas")
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -55,3 +55,18 @@ def test_profile_mtp_needs_a_verify_width(capsys: pytest.CaptureFixture[str]) ->
     assert main(["profile", "--mtp", "--width", "1", "--steps", "1", "--context", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--mtp needs --width k+1 >= 2, got --width 1" in err, err
+
+
+@pytest.mark.parametrize("command", ["profile", "step-cost"])
+def test_step_tools_take_the_cpu_threads(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--threads goes to the CPU provider (its worker pool), as in generate and bench."""
+    from onnx_genrt.providers.cpu.kernels import _worker_pool as wp
+
+    before = wp.pool_threads()
+    try:
+        for threads in (1, 2):
+            assert main([command, "--threads", str(threads), "--steps", "2", "--context", "8"]) == 0
+            assert wp.pool_threads() == threads
+    finally:
+        wp.set_pool_threads(before)
+    assert "ms" in capsys.readouterr().out

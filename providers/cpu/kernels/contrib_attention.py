@@ -15,7 +15,7 @@ and the rows are then compacted in place. RoPE keeps absolute positions.
 A decode or verify step (B >= 1 rows of up to 16 new tokens each, every row at its own
 length, float32, shared buffers) runs as a _GqaStep built once per node and buffers: the
 kernel's ``bind`` (KernelDef.bind) hands it to a recorded CPU graph, and eager calls keep one
-in ``ctx.state``. Its arithmetic (Numba, ``_gqa_step``) is per row and head, so a row gives
+in ``ctx.state``. Its arithmetic (Numba, ``_gqa_step``) is per row and KV head, so a row gives
 the same bits in any batch; it agrees with the general path to float32 rounding. Anything
 else takes the general path, and a step-shaped call that does is counted
 (``general_path_steps``).
@@ -43,7 +43,7 @@ from onnx_genrt.core.op_rules import (
     windowed_cache_length,
 )
 
-from ._gqa_step import attend_rows
+from ._gqa_step import attend_rows, plan_problem, plan_step
 from ._nn_common import softmax_rows
 from ._registry import REGISTRY
 from .attention import _rope
@@ -443,8 +443,9 @@ class _GqaStep:
     present buffers (written in place).
 
     What follows from shapes and attributes (config, head views of q/k/v, cos/sin, sinks,
-    the output view, scratch) is made once; a call is one ``_gqa_step.attend_rows`` (which
-    reads seqlens_k and total_sequence_length). A row whose lengths fall outside what the
+    the output view, scratch) is planned once (``_gqa_step.plan_step``: the kernels read
+    the buffers' addresses, so they must be contiguous where ``plan_problem`` says); a call
+    is one ``_gqa_step.attend_rows`` (which reads seqlens_k and total_sequence_length). A row whose lengths fall outside what the
     step handles (the cache would have to grow, fewer valid tokens than M, a rotary position
     past the cos/sin cache, a window-sized cache that would drop rows a new query still
     sees) runs the general kernel alone, as it would at batch 1; when no row can step,
@@ -453,7 +454,7 @@ class _GqaStep:
     """
 
     __slots__ = ("ctx", "args", "y", "results", "seqlens", "m", "cap", "cfg", "caches",
-                 "call", "fallback")  # fmt: skip
+                 "rope_len", "starts", "active", "plan", "fallback")  # fmt: skip
 
     @classmethod
     def build(
@@ -519,21 +520,26 @@ class _GqaStep:
         else:
             sinks = np.zeros(n, _F32) if cfg.smooth else _NO_SINKS
         scale = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(h)
+        seqlens, total = seqlens_k.reshape(-1), np.asarray(total_len).reshape(-1)
+        out4 = out.reshape(b, m, n, h)
+        problem = plan_problem(q, k, v, past_key, past_value, cos, sin, seqlens, total, out4)
+        if problem is not None:
+            return problem
         step = cls()
         step.ctx = ctx
         step.args = tuple(args)
         step.y = out
         step.results = (out, past_key, past_value)
-        step.seqlens = seqlens_k.reshape(-1)
+        step.seqlens = seqlens
         step.m, step.cap, step.cfg = m, past_key.shape[2], cfg
         step.caches = (past_key, past_value)
-        starts = np.zeros(b, np.int64)
-        active = np.zeros(b, np.bool_)
-        qs = np.empty((numba.config.NUMBA_NUM_THREADS, h), _F32)
-        step.call = (q, k, v, past_key, past_value, cos, sin, step.seqlens,
-                     np.asarray(total_len).reshape(-1), starts, active, qs, sinks,
-                     out.reshape(b, m, n, h), np.float32(scale), rot, cfg.interleaved,
-                     cfg.window, cfg.softcap, cfg.causal, not cfg.window_cache)  # fmt: skip
+        step.rope_len = len(cos) if cfg.rotary else 1 << 62
+        step.starts = np.zeros(b, np.int64)
+        step.active = np.zeros(b, np.bool_)
+        step.plan = plan_step(q, k, v, past_key, past_value, cos, sin, seqlens, total,
+                              step.starts, step.active, sinks, out4, scale, rot,
+                              cfg.interleaved, cfg.window, cfg.softcap, cfg.causal,
+                              not cfg.window_cache)  # fmt: skip
         step.fallback = None
         return step
 
@@ -551,8 +557,7 @@ class _GqaStep:
         ``starts`` after dropping the rows its cache must drop, or ``active`` False (nothing
         changed) for a row that cannot step."""
         m, cap, window = self.m, self.cap, self.cfg.window
-        rope_len = len(self.call[5]) if self.cfg.rotary else 1 << 62
-        starts, active = self.call[9], self.call[10]
+        rope_len, starts, active = self.rope_len, self.starts, self.active
         for b, t in enumerate(int(s) + 1 for s in self.seqlens):
             active[b] = False
             if t < m or t > rope_len:
@@ -571,7 +576,7 @@ class _GqaStep:
         """Run the step for the current seqlens_k; False (nothing done) when no row can."""
         if self.cfg.window_cache:
             self._place_window_rows()
-        stepped = attend_rows(*self.call)
+        stepped = attend_rows(self.plan)
         if stepped == 0:
             return False
         if stepped < len(self.seqlens):
@@ -580,8 +585,7 @@ class _GqaStep:
 
     def _rows_alone(self) -> None:
         """The general kernel on each row the step left, alone (as at batch 1), counted."""
-        active = self.call[10]
-        for b in np.flatnonzero(~active):
+        for b in np.flatnonzero(~self.active):
             _GENERAL_STEPS["a row's lengths outside the prebuilt step"] += 1
             args = [
                 x[b : b + 1] if i in (0, 1, 2, 3, 4, 5) and x is not None else x

@@ -5,14 +5,17 @@ For B in 1, 2, 5, 8 and every feature the step takes, each replayed step is comp
 float64 numpy attention over each row's whole history (absolute positions, no cache layout)
 and with onnxruntime's GroupQueryAttention fed a copy of the cache (where onnxruntime takes
 the step: with a past, it refuses several rows of several new tokens); and each row with the
-same node run on that row alone at batch 1, which must be equal to the bit. Threaded and
-serial steps are equal to the bit too. The general path must not run, and when it does
-(lengths outside the step, inputs the step refuses) it is counted.
+same node run on that row alone at batch 1, which must be equal to the bit. Steps split
+over the worker pool equal serial ones to the bit too, a late worker included. The general
+path must not run, and when it does (lengths outside the step, inputs the step refuses) it
+is counted.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import numba
@@ -24,8 +27,18 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.kernels import KernelContext, NodeInfo
 from onnx_genrt.core.op_rules import windowed_cache_length
 from onnx_genrt.providers.cpu.kernels import _gqa_step as gs
+from onnx_genrt.providers.cpu.kernels import _worker_pool as wp
 from onnx_genrt.providers.cpu.kernels import contrib_attention as ca
+from onnx_genrt.providers.cpu.kernels._intrinsics import (
+    address_as_pointer,
+    atomic_add,
+    call_address,
+    cpu_pause,
+    load_acquire,
+)
 from onnx_genrt.session import InferenceSession
+
+from .pool_helpers import worker_helps
 
 ort = pytest.importorskip("onnxruntime")
 ort.set_default_logger_severity(3)
@@ -370,47 +383,141 @@ def test_refused_batched_steps_run_the_general_path_counted() -> None:
     assert bound.sess.graph_stats(PRIMARY).replays == 2
 
 
-# ----------------------------------------------------------------------------- threads
+# ----------------------------------------------------------------------------- the worker pool
 
 
-def test_threaded_step_equals_serial(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With more than one Numba thread and enough work, items are split between threads;
-    each item is the same code, so the results equal the serial step's to the bit. The
-    split follows the CPU provider's ``threads`` (Numba's thread count) and the work."""
-    if numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("one Numba thread on this machine")
-    b, m, cap = 8, 4, ROPE_LEN
-    model = _model(m, cap, {"do_rotary": 1, "softcap": 5.0}, F32)
+def _step_case(attrs: dict[str, Any], b: int = 8, m: int = 4) -> tuple[ca._GqaStep, list]:
+    """A prebuilt step of ``b`` rows of ``m`` new tokens at their own lengths (float32 inputs
+    as the node gets them), and its caches before the step."""
+    cap = ROPE_LEN
+    model = _model(m, cap, attrs, F32)
     rng = np.random.default_rng(6)
     q = rng.standard_normal((b, m, HEADS * H)).astype(F32)
     k, v = (rng.standard_normal((b, m, KV_HEADS * H)).astype(F32) for _ in range(2))
     caches = [rng.standard_normal((b, KV_HEADS, cap, H)).astype(F32) for _ in range(2)]
-    seqlens = (cap - 1 - np.arange(b) * 3).astype(np.int32)
-    tables = [numpy_helper.to_array(t) for t in model.graph.initializer]
-    info = NodeInfo.from_proto(model.graph.node[0], 1)
-    parallel_calls = []
-    real = gs._items_parallel
-    monkeypatch.setattr(gs, "_items_parallel", lambda *a: parallel_calls.append(1) or real(*a))
+    seqlens = (cap - 1 - np.arange(b) * 7).astype(np.int32)
+    tables = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    node = model.graph.node[0]
+    args = (q, k, v, *caches, seqlens, np.array(cap, np.int32))
+    args += tuple(tables.get(name) for name in node.input[len(args) :])
+    step = ca._GqaStep.build(KernelContext(NodeInfo.from_proto(node, 1)), args, None)
+    assert isinstance(step, ca._GqaStep), step
+    return step, [c.copy() for c in caches]
 
-    def run(threads: int) -> list[np.ndarray]:
-        numba.set_num_threads(threads)
-        args = (q, k, v, *(c.copy() for c in caches), seqlens, np.array(cap, np.int32), *tables)
-        step = ca._GqaStep.build(KernelContext(info), args, None)
-        assert isinstance(step, ca._GqaStep) and step.run()
+
+@pytest.fixture
+def pool(two_threads) -> Iterator[wp.WorkerPool]:
+    """``two_threads``, stopped afterwards: a step's chunks are short, so a worker slow to
+    run misses jobs and the pool may end these tests napping (its worker asleep through the
+    next jobs), which later tests of a running worker must not inherit."""
+    yield two_threads
+    wp.stop_pool()
+
+
+POOL_FEATURES = [
+    pytest.param({"do_rotary": 1, "softcap": 5.0}, id="rope-softcap"),
+    pytest.param({"do_rotary": 1, "head_sink": 1, "local_window_size": 9}, id="sink-window"),
+]
+
+
+@pytest.mark.parametrize("attrs", POOL_FEATURES)
+@pytest.mark.parametrize("chunks", [2, 3, 7, 64])
+def test_pooled_step_equals_serial(pool, chunks: int, attrs: dict) -> None:
+    """The groups (row, token, KV head) split into chunks that the caller and the pool's
+    worker take; every group is the same code on either thread, so output and caches equal
+    the serial step's (one chunk on the calling thread) to the bit, for any split. The calls
+    repeat until the worker computed chunks of them (copied from its scratch region)."""
+    step, caches = _step_case(attrs)
+
+    def run(split: int) -> list[np.ndarray]:
+        for cache, before in zip(step.caches, caches, strict=True):
+            cache[...] = before
+        step.y[...] = np.nan
+        assert gs.attend_rows(step.plan, split) == 8
         return [x.copy() for x in step.results]
 
-    previous = numba.get_num_threads()
-    try:
-        serial = run(1)
-        assert not parallel_calls
-        monkeypatch.setattr(gs, "PARALLEL_MIN_WORK", 0)
-        assert gs.step_parts(120, 1000, H) == 1  # one thread: serial whatever the work
-        threaded = run(2)
-        assert parallel_calls == [1]
-        assert gs.step_parts(120, 1000, H) == 2
-        monkeypatch.setattr(gs, "PARALLEL_MIN_WORK", 2 * 1000 * H + 1)
-        assert gs.step_parts(120, 1000, H) == 1  # too little work for a second thread
-    finally:
-        numba.set_num_threads(previous)
-    for got, want in zip(threaded, serial, strict=True):
+    serial = run(1)
+    assert not np.isnan(serial[0]).any()
+
+    def pooled() -> None:
+        for got, want in zip(run(chunks), serial, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+    worker_helps(pool, pooled)
+
+
+def test_the_split_follows_the_threads_and_the_work(pool, monkeypatch) -> None:
+    """At one thread, or below ``PARALLEL_MIN_WORK`` multiply-adds, a step runs on the
+    calling thread (no pool job); above it, its groups go to the pool in chunks of about
+    ``CHUNK_WORK`` multiply-adds, at least two per thread, at most one per group."""
+    step, _ = _step_case({"do_rotary": 1})
+    jobs = pool.stats()["jobs"]
+    monkeypatch.setattr(gs, "PARALLEL_MIN_WORK", 1 << 40)
+    assert step.run() and pool.stats()["jobs"] == jobs
+    monkeypatch.setattr(gs, "PARALLEL_MIN_WORK", 0)
+    assert step.run() and pool.stats()["jobs"] == jobs + 1
+    wp.set_pool_threads(1)
+    assert step.run() and pool.stats()["jobs"] == jobs + 1  # one thread: no pool
+    used = 8 * 4 * 100  # score slots of the stepping groups
+    d = step.plan.desc
+    assert gs.step_chunks(d, used, 1, 0, 1) == 1
+    assert gs.step_chunks(d, used, 2, 2 * used * H + 1, 1) == 1  # too little work
+    assert gs.step_chunks(d, used, 2, 0, 1 << 40) == 4  # two per thread
+    assert gs.step_chunks(d, used, 2, 0, 2 * used * H // 10) == 10
+    assert gs.step_chunks(d, used, 2, 0, 1) == 8 * 4 * KV_HEADS  # one per group
+
+
+# A runner wrapping the step's: on the worker (mode SCRATCH) it waits inside its chunk until
+# the test releases it (a descheduled worker); the caller's chunk 0 waits for the worker to
+# have taken a chunk. GATE: release, entered.
+_GATE = np.zeros(2, np.int64)
+_GATE_ADDRESS = _GATE.ctypes.data
+_REAL_RUNNER = gs._step_runner()
+
+
+def _held_runner(args, chunk, mode):
+    gate = numba.carray(address_as_pointer(_GATE_ADDRESS, np.int64), (2,))
+    if mode == wp.SCRATCH:
+        atomic_add(gate, 1, 1)
+        while not load_acquire(gate, 0):
+            cpu_pause()
+    elif mode == wp.OUT and chunk == 0:
+        for _ in range(400_000_000):  # about seconds
+            if load_acquire(gate, 1):
+                break
+            cpu_pause()
+    return call_address(_REAL_RUNNER, args, chunk, mode)
+
+
+def test_a_late_worker_costs_its_chunk_and_never_writes_the_step(pool) -> None:
+    """The worker is held inside its chunk of the step (as if descheduled): the caller
+    computes that chunk itself, with its own scratch, and returns the serial result; the
+    step's arrays stay referenced until the worker leaves, and its late result goes to its
+    scratch region, never to the output."""
+    step, caches = _step_case({"do_rotary": 1, "softcap": 5.0})
+    serial = gs.attend_rows(step.plan, 1) and [x.copy() for x in step.results]
+    for cache, before in zip(step.caches, caches, strict=True):
+        cache[...] = before
+    step.y[...] = np.nan
+    held = numba.cfunc(wp.RUNNER_SIGNATURE)(_held_runner).address
+    _GATE[:] = 0
+    plan = step.plan
+    pool.reserve(plan.region_values)
+    stepped, status = gs._step(plan.desc, plan.args, pool.ctrl, held, 2, 0, 1, 4)
+    assert stepped == 8 and _GATE[1] == 1, "the worker never took a chunk"
+    assert status & 3 == 1  # taken, not finished: computed by the caller
+    for got, want in zip(step.results, serial, strict=True):
         np.testing.assert_array_equal(got, want)
+    pool.settle(status, plan.keep, "test step")
+    assert pool.pending() == 1
+    step.y[...] = -1
+    _GATE[0] = 1
+    _wait_for(lambda: pool.pending() == 0)
+    assert (step.y == -1).all()
+
+
+def _wait_for(condition, timeout: float = 30.0) -> None:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "timed out"
+        time.sleep(0.001)

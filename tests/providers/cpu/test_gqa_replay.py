@@ -279,15 +279,23 @@ FEATURES = [
 ]
 
 
+# (heads, KV heads, head size): query heads per KV head one at a time (3) or a block of four
+# and one (5); head sizes below 32 and 32 plus a tail (the weighted values go 32 at a time).
+SHAPES = [pytest.param((6, 2, 16), id="3x16"), pytest.param((10, 2, 40), id="5x40")]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
 @pytest.mark.parametrize("attrs", FEATURES)
-def test_gqa_step_agrees_with_general_path(m: int, packed: bool, attrs: dict) -> None:
+def test_gqa_step_agrees_with_general_path(
+    m: int, packed: bool, attrs: dict, shape: tuple[int, int, int]
+) -> None:
     """The step sums in its own order (per query row and head), so its output agrees with
     the general path's to float32 rounding; the cache rows it writes are equal."""
     attrs = dict(attrs)
     rng = np.random.default_rng(6)
-    heads, kvn, h, cap = 6, 2, 16, 40
+    (heads, kvn, h), cap = shape, 40
     use_sink = attrs.pop("head_sink", False)
 
     def rand(*shape: int) -> np.ndarray:
@@ -367,5 +375,12 @@ def test_gqa_step_declines_what_it_does_not_handle() -> None:
     frozen.flags.writeable = False
     read_only = build(q, kv, kv, frozen, cache.copy(), seq, tot)
     assert read_only == "past_key/past_value not writeable float32 arrays"
+    # the step reads raw addresses: contiguous caches, int32 lengths
+    strided = np.zeros((1, 1, 8, 16), F32)[..., ::2]
+    assert (
+        build(q, kv, kv, strided, cache.copy(), seq, tot) == "past_key/past_value not C-contiguous"
+    )
+    lengths = "seqlens_k / total_sequence_length not int32"
+    assert build(q, kv, kv, cache, cache.copy(), seq.astype(np.int64), tot) == lengths
     step = build(q, kv, kv, cache, cache.copy(), np.array([8], np.int32), tot)
     assert isinstance(step, ca._GqaStep) and not step.run()  # past the cache: general path
