@@ -52,6 +52,7 @@ callers did, by an ulp. So a pooled step equals a serial one bit for bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numba
@@ -60,6 +61,7 @@ import numpy as np
 from onnx_genrt.core.errors import KernelError
 
 from ._intrinsics import address_as_pointer, call_address, float32_from_bits, stack_float32
+from ._native_calls import NativeCall, native_runner, word_view, words
 from ._vector_exp import exp32
 from ._worker_pool import (
     ARGS,
@@ -618,3 +620,64 @@ def attend_rows(plan: StepPlan, chunks: int = 0) -> int:
     if status & 3:
         pool.settle(status, plan.keep, "GroupQueryAttention step")
     return stepped
+
+
+# -- native form (``_native_calls``) ------------------------------------------------------------
+
+#: Words of the native form: plan's descriptor and argument block, the pool's ctrl and its
+#: length (a one-word stand-in at one thread), the chunk runner, threads, then the results:
+#: rows that stepped and ``run_job``'s status.
+_N_WORDS = 9
+_N_STEPPED, _N_STATUS = 7, 8
+
+
+def _step_native(args, _a, _b):
+    """``attend_rows`` as a native call: 0 when every row stepped and no worker is late;
+    1 otherwise, the rows that stepped and the pool's status left in the words."""
+    try:
+        w = word_view(args, _N_WORDS)
+        d = numba.carray(address_as_pointer(w[0], np.int64), (_WORDS,))
+        plan_args = numba.carray(address_as_pointer(w[1], np.int64), (ARGS,))
+        ctrl = numba.carray(address_as_pointer(w[2], np.int64), (w[3],))
+        threads = w[5]
+        if threads < 2:
+            stepped, status = _step(d, plan_args, ctrl, w[4], 1, 0, 1, 1)
+        else:
+            stepped, status = _step(d, plan_args, ctrl, w[4], threads, PARALLEL_MIN_WORK,
+                                    CHUNK_WORK, 0)  # fmt: skip
+        w[_N_STEPPED] = stepped
+        w[_N_STATUS] = status
+        return 0 if stepped == d[_B] and status == 0 else 1
+    except Exception:  # noqa: BLE001 - a native call reports failure by its code
+        w = word_view(args, _N_WORDS)
+        w[_N_STEPPED] = -1
+        return 1
+
+
+_step_native_runner = native_runner(_step_native)
+
+
+def native_step(plan: StepPlan, finish: Callable[[int], None]) -> Callable[[], NativeCall]:
+    """The native form of ``attend_rows(plan)``: ``finish(stepped)`` runs in Python when not
+    every row stepped (after the pool kept a late worker's arrays, or raised for a failed
+    chunk); ``stepped`` is -1 when the native call failed before stepping."""
+
+    def make() -> NativeCall:
+        threads = pool_threads()
+        ctrl = _NO_POOL
+        if threads >= 2:
+            pool = worker_pool()
+            pool.reserve(plan.region_values)
+            ctrl = pool.ctrl
+        w = words(plan.desc.ctypes.data, plan.args.ctypes.data, ctrl.ctypes.data, ctrl.size,
+                  _step_runner(), threads, 0, 0, 0)  # fmt: skip
+
+        def on_code(_code: int) -> None:
+            status = int(w[_N_STATUS])
+            if status & 3:
+                worker_pool().settle(status, plan.keep, "GroupQueryAttention step")
+            finish(int(w[_N_STEPPED]))
+
+        return NativeCall(_step_native_runner(), w, on_code, (*plan.keep, ctrl))
+
+    return make

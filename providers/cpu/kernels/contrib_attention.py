@@ -43,7 +43,7 @@ from onnx_genrt.core.op_rules import (
     windowed_cache_length,
 )
 
-from ._gqa_step import attend_rows, plan_problem, plan_step
+from ._gqa_step import attend_rows, native_step, plan_problem, plan_step
 from ._nn_common import softmax_rows
 from ._registry import REGISTRY
 from .attention import _rope
@@ -454,7 +454,7 @@ class _GqaStep:
     """
 
     __slots__ = ("ctx", "args", "y", "results", "seqlens", "m", "cap", "cfg", "caches",
-                 "rope_len", "starts", "active", "plan", "fallback")  # fmt: skip
+                 "rope_len", "starts", "active", "plan", "fallback", "native")  # fmt: skip
 
     @classmethod
     def build(
@@ -541,6 +541,7 @@ class _GqaStep:
                               cfg.interleaved, cfg.window, cfg.softcap, cfg.causal,
                               not cfg.window_cache)  # fmt: skip
         step.fallback = None
+        step.native = None
         return step
 
     def serves(self, ctx: KernelContext, args: tuple[np.ndarray | None, ...]) -> bool:
@@ -601,6 +602,19 @@ class _GqaStep:
             _GENERAL_STEPS["lengths outside the prebuilt step"] += 1
             self.fallback()
 
+    __call__ = replay
+
+    def _after_native(self, stepped: int) -> None:
+        """What the native form (``_gqa_step.native_step``) leaves to Python: the rows it
+        could not step, or everything when it failed before stepping (-1)."""
+        if stepped < 0:
+            self.replay()
+        elif stepped == 0:
+            _GENERAL_STEPS["lengths outside the prebuilt step"] += 1
+            self.fallback()
+        elif stepped < len(self.seqlens):
+            self._rows_alone()
+
 
 def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
     return (
@@ -646,7 +660,9 @@ def _bind_gqa(
 
         return general
     step.fallback = lambda: _replay_general(ctx, args, targets)
-    return step.replay
+    if not step.cfg.window_cache:  # a window-sized cache is placed from Python first
+        step.native = native_step(step.plan, step._after_native)
+    return step
 
 
 # ----------------------------------------------------------------------------- GQA kernel

@@ -365,6 +365,8 @@ def test_a_row_outside_the_step_runs_alone_and_is_counted() -> None:
         np.testing.assert_allclose(bound.out, want[0], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(bound.keys, want[1])
     assert bound.sess.graph_stats(PRIMARY).fallbacks == 0
+    # the replays ran the step's native form, whose Python side took the rows it left
+    assert bound.sess.main_provider.recorded_graph(PRIMARY).native_calls == 1
 
 
 def test_refused_batched_steps_run_the_general_path_counted() -> None:
