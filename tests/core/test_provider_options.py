@@ -19,13 +19,19 @@ def test_an_option_comes_from_the_argument_then_the_environment_then_the_default
     monkeypatch.setenv("ONNX_GENRT_NBITS_CACHE", "1")
     assert CPUProvider().option("nbits_cache") is True
     assert CPUProvider(nbits_cache=False).option("nbits_cache") is False
-    assert CPUProvider().options == {"skinny_matmul": True, "blas_threads": 1, "nbits_cache": True}
+    monkeypatch.delenv("ONNX_GENRT_INT4_VNNI", raising=False)
+    assert CPUProvider().options == {
+        "skinny_matmul": True,
+        "blas_threads": 1,
+        "nbits_cache": True,
+        "int4_vnni": True,
+    }
 
 
 def test_an_unknown_option_is_refused_with_the_known_ones():
     with pytest.raises(
         InvalidInputError,
-        match=r"provider 'cpu' has no option 'skinny' \(its options: blas_threads, nbits_cache, skinny_matmul\)",
+        match=r"provider 'cpu' has no option 'skinny' \(its options: blas_threads, int4_vnni, nbits_cache, skinny_matmul\)",
     ):
         InferenceSession(mlp(hidden=4), providers=[("cpu", {"skinny": False})])
 

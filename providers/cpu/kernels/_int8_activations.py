@@ -9,7 +9,8 @@ factor out of each block, the result is also ``(q * scale_a) @ dequant(W)^T``, w
 calls with many rows use it (:func:`fake_quantize`, then BLAS).
 
 Few rows (decode, speculative verify) run :func:`int4_int8_matmul` on the row tiles of
-``_int4_matmul`` (128 rows per tile, ``ROWS``). Per byte ``v`` of a tile (nibbles lo, hi) and
+``_int4_matmul`` (128 rows per tile, ``ROWS``), or on CPUs with AVX-512 VNNI
+``_int4_vnni.int4_vnni_matmul`` on tiles in the VNNI layout (``vpdpbusd``, the same bits). Per byte ``v`` of a tile (nibbles lo, hi) and
 activations e = q[2t], o = q[2t+1], ``lo * e + hi * o = v * e + (v >> 4) * (o - 16 e)``: two
 int16 multiplies and no nibble masking, which LLVM vectorizes as 32 lanes per AVX-512
 register, two bytes of the tile per step. The products are taken modulo 2**16, and each
