@@ -18,7 +18,10 @@ of a single row only with a horizontal sum per block, which measured slower
 At accuracy_level 4 on a CPU with AVX-512 VNNI the tiles take the VNNI layout instead
 (``tile_weight(..., vnni=True)``, read by ``_int4_vnni``): ``tiles[i, s, r, j]`` holds the
 weights of columns ``8s + j`` (low nibble) and ``8s + 4 + j`` (high nibble) of row ``i *
-rows + r``, the same bytes rearranged. ``untile_weight`` and ``dequantize_tiles`` read both.
+rows + r``, the same bytes rearranged; the scales and zero points are then tile by tile,
+(n_tiles, blocks, rows), so that a tile reads its own as one run (from memory, scales a
+whole row of tiles apart per block cost the kernel a third of its time).
+``untile_weight``, ``untile_params`` and ``dequantize_tiles`` read both layouts.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ class Int4Tiles(NamedTuple):
     (row tiles), or for ``int4_vnni_matmul`` (the VNNI layout: 4-D tiles)."""
 
     tiles: np.ndarray  # (n_tiles, K/2, rows) or VNNI (n_tiles, K/8, rows, 4) uint8; K padded
-    scales: np.ndarray  # (blocks, n_tiles * rows) float32
-    zeros: np.ndarray  # zero points minus 8, like scales; (0, 0) for the default 8
+    scales: np.ndarray  # (blocks, n_tiles * rows), VNNI (n_tiles, blocks, rows) float32
+    zeros: np.ndarray  # zero points minus 8, like scales; size 0 for the default 8
     n: int
     block: int
 
@@ -94,9 +97,14 @@ def pack_int4(
 ) -> Int4Tiles:
     """Tiles of ``rows`` rows (default ``tile_rows(n)``) from (N, blocks, blob) uint8 weights,
     (N, blocks) float32 scales and zeros; in the VNNI layout when ``vnni``."""
-    zt = np.zeros((0, 0), _F32) if zeros is None else tile_params(zeros - _F32(8), n, rows)
+    zt = no_zeros(vnni) if zeros is None else tile_params(zeros - _F32(8), n, rows, vnni)
     tiles = tile_weight(packed, n, rows, vnni)
-    return Int4Tiles(tiles, tile_params(scales, n, rows), zt, n, block)
+    return Int4Tiles(tiles, tile_params(scales, n, rows, vnni), zt, n, block)
+
+
+def no_zeros(vnni: bool = False) -> np.ndarray:
+    """The zero points of a weight that has none (the default 8), in either layout."""
+    return np.zeros((0, 0, 0) if vnni else (0, 0), _F32)
 
 
 def tile_weight(
@@ -120,12 +128,24 @@ def tile_weight(
     return np.ascontiguousarray(w.reshape(nt, rows, half).transpose(0, 2, 1))
 
 
-def tile_params(p: np.ndarray, n: int, rows: int | None = None) -> np.ndarray:
-    """(N, blocks) per-block scales or zero points as float32 (blocks, n_tiles * rows)."""
+def tile_params(p: np.ndarray, n: int, rows: int | None = None, vnni: bool = False) -> np.ndarray:
+    """(N, blocks) per-block scales or zero points as float32 (blocks, n_tiles * rows), or
+    (n_tiles, blocks, rows) for VNNI tiles."""
     rows = tile_rows(n) if rows is None else rows
-    out = np.zeros((p.shape[1], -(-n // rows) * rows), _F32)
+    nt = -(-n // rows)
+    out = np.zeros((p.shape[1], nt * rows), _F32)
     out[:, :n] = p.T
+    if vnni:
+        return np.ascontiguousarray(out.reshape(p.shape[1], nt, rows).transpose(1, 0, 2))
     return out
+
+
+def untile_params(packed: np.ndarray, n: int) -> np.ndarray:
+    """The (N, blocks) float32 values that ``tile_params`` rearranged (either layout)."""
+    if packed.ndim == 3:
+        nt, blocks, rows = packed.shape
+        return np.ascontiguousarray(packed.transpose(0, 2, 1).reshape(nt * rows, blocks)[:n])
+    return np.ascontiguousarray(packed[:, :n].T)
 
 
 def untile_weight(tiles: np.ndarray, n: int) -> np.ndarray:
@@ -162,8 +182,8 @@ def _dequant_vnni_tiles(tiles, scales, zeros, block, out):
         live = min(rows, n - r0)
         for s in range(min(steps, (k + 7) // 8)):
             b = 8 * s // block
-            sc = scales[b, r0 : r0 + live]
-            z = zeros[b, r0 : r0 + live] if zeros.shape[0] else sc[:0]
+            sc = scales[ti, b, :live]
+            z = zeros[ti, b, :live] if zeros.size else sc[:0]
             for j in range(8):
                 c = 8 * s + j
                 if c >= k:
@@ -171,7 +191,7 @@ def _dequant_vnni_tiles(tiles, scales, zeros, block, out):
                 q = tiles[ti, s, :live, j % 4]
                 shift = 4 * (j // 4)
                 col = out[c, r0 : r0 + live]
-                if zeros.shape[0]:
+                if zeros.size:
                     for r in range(live):
                         col[r] = (_F32((q[r] >> shift) & 15) - (_F32(8) + z[r])) * sc[r]
                 else:

@@ -128,15 +128,14 @@ class _Panel:
         }
         shape = cgutils.unpack_tuple
         w_shape = shape(builder, arrays["w"].shape, 4)
-        self.blocks = shape(builder, arrays["s"].shape, 2)[0]
-        self.s_row = shape(builder, arrays["s"].shape, 2)[1]
+        s_shape = shape(builder, arrays["s"].shape, 3)
+        self.blocks, self.s_row = s_shape[1], s_shape[2]
         self.steps = builder.sdiv(w_shape[1], self.blocks)  # per block
         self.w_step = builder.mul(w_shape[2], _const(4))
         self.q_row = shape(builder, arrays["q"].shape, 2)[1]
         self.out_row = shape(builder, arrays["out"].shape, 2)[1]
-        self.has_zeros = builder.icmp_signed(
-            "!=", shape(builder, arrays["z"].shape, 2)[0], _const(0)
-        )
+        z_tiles = shape(builder, arrays["z"].shape, 3)[0]
+        self.has_zeros = builder.icmp_signed("!=", z_tiles, _const(0))
         self.mc = ints["mc"]
         i0 = ints["i0"]
 
@@ -277,8 +276,9 @@ def dot_vnni_panel(typingctx, w, w_off, q, i0, mc, q_scales, q_sums, scales, zer
       ``w_off`` (step 0); step ``s`` is ``4 * rows`` bytes further per step;
     - ``q`` (int8, (M, K padded)), ``q_scales`` (float32, (M, blocks)), ``q_sums`` (int32, the
       block sums of q): rows ``i0 ..``;
-    - ``scales`` and ``zeros`` (float32 (blocks, columns), zero points minus 8; zeros (0, 0)
-      for the default 8): columns ``c0 ..``.
+    - ``scales`` and ``zeros`` (float32 (n_tiles, blocks, rows), zero points minus 8; zeros
+      of size 0 for the default 8): block ``b`` of the panel's rows at element ``c0 + b *
+      rows`` (``c0`` is the first row's at block 0).
 
     The loops keep their int32 and float32 accumulators in registers (``_SHAPES``); the
     IR holds one loop nest per row count and zero-point kind, chosen at run time.
@@ -286,7 +286,7 @@ def dot_vnni_panel(typingctx, w, w_off, q, i0, mc, q_scales, q_sums, scales, zer
     arrays = (w, q, q_scales, q_sums, scales, zeros, out)
     kinds = (types.uint8, types.int8, types.float32, types.int32, types.float32, types.float32)
     for arr, dtype, ndim in zip(
-        arrays, (*kinds, types.float32), (4, 2, 2, 2, 2, 2, 2), strict=True
+        arrays, (*kinds, types.float32), (4, 2, 2, 2, 3, 3, 2), strict=True
     ):
         if not isinstance(arr, types.Array) or arr.dtype != dtype or arr.ndim != ndim:
             raise TypeError(f"dot_vnni_panel takes a {ndim}-D {dtype} array, got {arr}")
@@ -330,6 +330,7 @@ def _vnni_tiles(tiles, t0, t1, q, q_scales, q_sums, scales, zeros, out):
     _, steps, rows, _ = tiles.shape
     m = q.shape[0]
     n = out.shape[1]
+    nb = scales.shape[1]
     tail = np.empty((m, rows if t1 * rows > n else 0), _F32)
     for ti in range(t0, t1):
         r0 = ti * rows
@@ -340,8 +341,9 @@ def _vnni_tiles(tiles, t0, t1, q, q_scales, q_sums, scales, zeros, out):
             w_off = (ti * steps * rows + p) * 4
             for i0 in range(0, m, 4):
                 mc = min(4, m - i0)
+                c0 = ti * nb * rows + p
                 dot_vnni_panel(
-                    tiles, w_off, q, i0, mc, q_scales, q_sums, scales, zeros, r0 + p, dst, d0 + p
+                    tiles, w_off, q, i0, mc, q_scales, q_sums, scales, zeros, c0, dst, d0 + p
                 )
         if not whole:
             for i in range(m):
@@ -352,7 +354,7 @@ def _vnni_tiles(tiles, t0, t1, q, q_scales, q_sums, scales, zeros, out):
 @numba.njit(cache=True)
 def _vnni_serial(x, block, tiles, scales, zeros, out):
     """out (M, N) = x (M, K) quantized to int8 @ dequant(W)^T on the calling thread."""
-    q, q_scales, q_sums = _quantize_blocks(x, block, scales.shape[0])
+    q, q_scales, q_sums = _quantize_blocks(x, block, scales.shape[1])
     # np.int64(0), not Literal[0]: the pool's runner reuses this compilation
     _vnni_tiles(tiles, np.int64(0), tiles.shape[0], q, q_scales, q_sums, scales, zeros, out)
 
@@ -364,8 +366,14 @@ def _vnni_chunk(args, chunk, mode):
         a, m, half, nb, t0, t1, tiles, scales, zeros, dst = tile_chunk(args, chunk, mode)
         if mode == COPY:
             return 0
+        # the VNNI views of the job's tiles, scales and zero points (tile_chunk's are the
+        # row tiles' shapes over the same memory)
         nt, rows = tiles.shape[0], tiles.shape[2]
         w = tiles.reshape((nt, half // 4, rows, 4))
+        scales = scales.reshape((nt, nb, rows))
+        zeros = numba.carray(
+            address_as_pointer(zeros.ctypes.data, _F32), (zeros.shape[0], nb, rows)
+        )
         q = numba.carray(address_as_pointer(a[FIRST_ARG], _INT8), (m, 2 * half))
         q_scales = numba.carray(address_as_pointer(a[FIRST_ARG + 1], _F32), (m, nb))
         q_sums = numba.carray(address_as_pointer(a[FIRST_ARG + 2], np.int32), (m, nb))
@@ -386,7 +394,7 @@ def _vnni_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
         _vnni_serial(x, block, tiles, scales, zeros, out)
         return 0
     m = x.shape[0]
-    nb = scales.shape[0]
+    nb = scales.shape[1]
     addr = operand_address(ctrl)
     q, addr = carve(addr, (m, nb * block), _INT8)
     q_scales, addr = carve(addr, (m, nb), _F32)
@@ -414,7 +422,7 @@ def int4_vnni_matmul(
         _vnni_serial(x, w.block, w.tiles, w.scales, w.zeros, out)
         return out
     m = x.shape[0]
-    nb = w.scales.shape[0]
+    nb = w.scales.shape[1]
     operands = m * nb * (w.block + 8) + 3 * 64
     run_pooled(_vnni_pooled, _vnni_runner, x, w, out, chunks, operands, "MatMulNBits (int4, VNNI)")
     return out

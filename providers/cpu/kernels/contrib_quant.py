@@ -53,9 +53,11 @@ from ._int4_matmul import (
     Int4Tiles,
     dequantize_tiles,
     int4_matmul,
+    no_zeros,
     pack_int4,
     tile_params,
     tile_weight,
+    untile_params,
     untile_weight,
 )
 from ._int4_vnni import PANEL as VNNI_TILE_ROWS
@@ -287,7 +289,7 @@ class Int4Input:
         """The input in its own layout again (zero points as float32 values)."""
         if self.role == "weight":
             return untile_weight(self.packed, self.n).reshape(self.shape)
-        values = self.packed[:, : self.n].T
+        values = untile_params(self.packed, self.n)
         return values.astype(self.dtype) if self.role == "scales" else values + np.float32(8)
 
 
@@ -305,15 +307,15 @@ def prepack_int4(provider, node, index: int, host: np.ndarray) -> Int4Input | No
     if host.size == 0 or n <= 0:
         return None
     layout = _prepack_layout(provider, node)
-    rows = layout.rows
+    rows, vnni = layout.rows, layout.vnni
     try:
         if role == "weight":
             w = np.ascontiguousarray(host, _U8).reshape(n, nb, block // 2)
-            packed = tile_weight(w, n, rows, layout.vnni)
+            packed = tile_weight(w, n, rows, vnni)
         elif role == "scales":
-            packed = tile_params(np.ascontiguousarray(host, _F32).reshape(n, nb), n, rows)
+            packed = tile_params(np.ascontiguousarray(host, _F32).reshape(n, nb), n, rows, vnni)
         else:
-            packed = tile_params(_nbits_zeros(host, n, nb, 4) - np.float32(8), n, rows)
+            packed = tile_params(_nbits_zeros(host, n, nb, 4) - np.float32(8), n, rows, vnni)
     except ValueError:  # sizes that do not fit
         return None
     return Int4Input(role, packed, tuple(host.shape), host.dtype, n)
@@ -340,7 +342,7 @@ def _prepacked(
     b: Int4Input, scales: Int4Input, zp: Int4Input | None, n: int, block: int
 ) -> Int4Tiles:
     """The tiles of a weight whose inputs all arrived prepacked, as they are."""
-    zeros = np.zeros((0, 0), _F32) if zp is None else zp.packed
+    zeros = no_zeros(b.packed.ndim == 4) if zp is None else zp.packed
     return Int4Tiles(b.packed, scales.packed, zeros, n, block)
 
 
