@@ -3,7 +3,8 @@
 MatMulNBits takes one of two paths:
 
 * 4-bit weights with at most ``PACKED_MAX_M`` rows of A (``INT8_PACKED_MAX_M`` at
-  accuracy_level 4: decode, speculative verify, short prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
+  accuracy_level 4, ``VNNI_PACKED_MAX_M`` with VNNI: decode, speculative verify, short
+  prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
   rearranged into row tiles of the same bytes, about 1.25x the packed size. Constant
   weights, scales and zero points are prepacked so once, when the session is built
   (``prepack_int4``), and the session then releases the originals: the weight is held
@@ -74,14 +75,19 @@ _T = TypeVar("_T")
 
 # Rows of A up to which 4-bit weights are multiplied packed; more use the float32 copy. The
 # integer kernel of accuracy_level 4 stays ahead of dequantizing + BLAS to about 32 rows
-# (docs/performance.md), the float one to about 16.
+# (docs/performance.md), the float one to about 16; the VNNI kernel is still 2-3x ahead at
+# 512 rows, the most measured.
 PACKED_MAX_M = 16
 INT8_PACKED_MAX_M = 32
+VNNI_PACKED_MAX_M = 512
 
 
-def packed_max_m(int8: bool) -> int:
-    """Rows of A up to which a 4-bit weight is multiplied packed (int8 activations or not)."""
-    return INT8_PACKED_MAX_M if int8 else PACKED_MAX_M
+def packed_max_m(int8: bool, vnni: bool = False) -> int:
+    """Rows of A up to which a 4-bit weight is multiplied packed (int8 activations or not,
+    on VNNI tiles or not)."""
+    if not int8:
+        return PACKED_MAX_M
+    return VNNI_PACKED_MAX_M if vnni else INT8_PACKED_MAX_M
 
 
 def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -399,9 +405,9 @@ def _bind_matmul_nbits(ctx: KernelContext, inputs: Any, out: Any) -> Callable[[]
     m = a.size // k
     zp_dtype = None if zero_points is None else zero_points.dtype
     int8 = matmul_nbits_int8_activations(ctx.node, zp_dtype)
-    if not 0 < m <= packed_max_m(int8):
-        return None
     layout = tile_layout(int8, ctx.option("int4_vnni"))
+    if not 0 < m <= packed_max_m(int8, layout.vnni):
+        return None
     w4 = _int4_weight(b, scales, zero_points, k, n, dims.block, layout)
     kernel = _int8_kernel(w4) if int8 else int4_matmul
     return functools.partial(kernel, a.reshape(m, k), w4, out.reshape(m, n))
@@ -441,11 +447,11 @@ def matmul_nbits(
     a2 = a.reshape(-1, k)
     zp_dtype = None if zero_points is None else zero_points.dtype
     int8 = matmul_nbits_int8_activations(ctx.node, zp_dtype)
-    vnni = ctx.option("int4_vnni")
+    layout = tile_layout(int8, ctx.option("int4_vnni"))
     direct = a.dtype == _F32 and out2.flags.c_contiguous and bias is None
     y = out2 if direct else np.empty(out2.shape, _F32)
-    if bits == 4 and a2.shape[0] <= packed_max_m(int8):
-        w4 = _int4_weight(b, scales, zero_points, k, n, block, tile_layout(int8, vnni))
+    if bits == 4 and a2.shape[0] <= packed_max_m(int8, layout.vnni):
+        w4 = _int4_weight(b, scales, zero_points, k, n, block, layout)
         x = np.ascontiguousarray(a2, _F32)
         (_int8_kernel(w4) if int8 else int4_matmul)(x, w4, y)
     else:

@@ -140,10 +140,11 @@ CASES = [
     (1, 200, 150, 4, 16, "uint8", False),  # K no multiple of the block
     (5, 512, 128, 4, 64, "uint8", True),  # a verify step, with a bias
     (16, 768, 1100, 4, 32, "uint8", False),  # nine tiles
-    (32, 256, 300, 4, 32, "uint8", False),  # the most rows the integer kernel takes packed
+    (32, 256, 300, 4, 32, "uint8", False),  # the most rows the int16 kernel takes packed
     (3, 320, 64, 4, 128, "none", False),
     (2, 512, 40, 4, 256, "uint8", False),
-    (40, 256, 96, 4, 32, "uint8", False),  # a prompt: A quantized and back, then BLAS
+    (40, 256, 96, 4, 32, "uint8", False),  # a prompt: int16 A quantized and back, then BLAS
+    (520, 256, 96, 4, 32, "uint8", False),  # the same above the VNNI kernel's 512 rows
     (3, 200, 40, 8, 32, "uint8", True),  # 8-bit weights: same contract in onnxruntime
     (2, 256, 32, 2, 64, "none", False),  # 2-bit weights
 ]
@@ -262,11 +263,13 @@ def test_level4_with_float_zero_points_keeps_float_activations(int8_kernel) -> N
 
 def test_packed_and_prompt_paths_agree_row_by_row(int8_kernel) -> None:
     """The same rows through the packed int8 kernel (16 rows) and through quantize-and-back
-    then BLAS (24 rows): a prefill and the decode steps after it see one contract."""
+    then BLAS (more rows than the packed kernel takes): a prefill and the decode steps after
+    it see one contract."""
     rng = np.random.default_rng(7)
     k, n = 384, 200
     w = _weights(rng, n, k, 4, 64, "uint8")
-    a = rng.standard_normal((24, k)).astype(F32)
+    rows = contrib_quant.packed_max_m(True, int8_kernel == "vnni") + 8
+    a = rng.standard_normal((rows, k)).astype(F32)
     sess = InferenceSession(_model(w, k, n, 4, 64, 4), providers=["cpu"])
     packed = sess.run(None, {"A": a[:16]})[0]
     prompt = sess.run(None, {"A": a})[0][:16]
