@@ -189,6 +189,15 @@ class _Panel:
         first = b.mul(blk, self.steps)
         w_blk = b.gep(w, [b.mul(first, self.w_step)])
         q_blk = b.gep(self.q, [b.mul(first, _const(8))])
+        # the default zero point comes off in the integers: the first accumulator of each
+        # row starts at -8 * qsum (exact, as the float32 subtraction is)
+        start = []
+        for i in range(m):
+            if zeros:
+                start.append(ir.Constant(_V16I32, [0] * 16))
+                continue
+            qsum = b.load(b.gep(self.qsum, [b.add(b.mul(_const(i), self.blocks), blk)]))
+            start.append(_splat(b, b.mul(qsum, ir.Constant(_I32, -8)), _V16I32))
 
         # for each step of 8 columns: acc[i][gi * halves + h] int32 accumulators
         step_entry = b.block
@@ -198,8 +207,11 @@ class _Panel:
         step = b.phi(_I64)
         step.add_incoming(_const(0), step_entry)
         acc = [[b.phi(_V16I32) for _ in range(g * halves)] for _ in range(m)]
-        for p in (p for row in acc for p in row):
-            p.add_incoming(ir.Constant(_V16I32, [0] * 16), step_entry)
+        for i in range(m):
+            for j, p in enumerate(acc[i]):
+                p.add_incoming(
+                    start[i] if j % halves == 0 else ir.Constant(_V16I32, [0] * 16), step_entry
+                )
         w_step = b.gep(w_blk, [b.mul(step, self.w_step)])
         q_step = b.gep(q_blk, [b.mul(step, _const(8))])
         nibbles = []
@@ -241,15 +253,18 @@ class _Panel:
         for i in range(m):
             pi = b.add(b.mul(_const(i), self.blocks), blk)
             sa = _splat(b, b.load(b.gep(self.qs, [pi])), _V16F32)
-            qsum = b.sitofp(b.load(b.gep(self.qsum, [pi])), _FLOAT)
-            neg_qsum = _splat(b, b.fneg(qsum), _V16F32)
+            if zeros:
+                qsum = b.sitofp(b.load(b.gep(self.qsum, [pi])), _FLOAT)
+                neg_qsum = _splat(b, b.fneg(qsum), _V16F32)
             row = []
             for gi in range(g):
                 total = b.add(summed[i][2 * gi], summed[i][2 * gi + 1]) if split else summed[i][gi]
                 col_at = b.add(at, _const(16 * gi))
                 scale = b.fmul(sa, self.vector(self.s, col_at, _V16F32))
-                zero = b.fadd(self.vector(self.z, col_at, _V16F32), eight) if zeros else eight
-                centred = b.call(self.fma, [zero, neg_qsum, b.sitofp(total, _V16F32)])
+                centred = b.sitofp(total, _V16F32)
+                if zeros:
+                    zero = b.fadd(self.vector(self.z, col_at, _V16F32), eight)
+                    centred = b.call(self.fma, [zero, neg_qsum, centred])
                 row.append(b.call(self.fma, [scale, centred, tot[i][gi]]))
             new_tot.append(row)
         blk_next = b.add(blk, _const(1))
