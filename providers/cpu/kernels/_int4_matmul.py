@@ -173,8 +173,8 @@ def dequantize_tiles(w: Int4Tiles, k: int) -> np.ndarray:
 
 @numba.njit(cache=True)
 def _dequant_vnni_tiles(tiles, scales, zeros, block, out):
-    """``_dequant_tiles`` for the VNNI layout: byte ``j`` of step ``s`` gives columns ``8s +
-    j`` and ``8s + 4 + j`` of all the tile's rows."""
+    """``_dequant_tiles`` for the VNNI layout: a row's 4 bytes at step ``s``, read as one
+    uint32 word, hold column ``8s + j`` at bit ``8 (j % 4) + 4 (j // 4)``."""
     _, steps, rows, _ = tiles.shape
     k, n = out.shape
     for ti in range(tiles.shape[0]):
@@ -184,19 +184,17 @@ def _dequant_vnni_tiles(tiles, scales, zeros, block, out):
             b = 8 * s // block
             sc = scales[ti, b, :live]
             z = zeros[ti, b, :live] if zeros.size else sc[:0]
-            for j in range(8):
-                c = 8 * s + j
-                if c >= k:
-                    break
-                q = tiles[ti, s, :live, j % 4]
-                shift = 4 * (j // 4)
-                col = out[c, r0 : r0 + live]
+            words = tiles[ti, s].reshape(4 * rows).view(np.uint32)
+            for j in range(min(8, k - 8 * s)):
+                shift = 8 * (j % 4) + 4 * (j // 4)
+                col = out[8 * s + j, r0 : r0 + live]
                 if zeros.size:
                     for r in range(live):
-                        col[r] = (_F32((q[r] >> shift) & 15) - (_F32(8) + z[r])) * sc[r]
+                        v = _F32((words[r] >> shift) & 15)
+                        col[r] = (v - (_F32(8) + z[r])) * sc[r]
                 else:
                     for r in range(live):
-                        col[r] = (_F32((q[r] >> shift) & 15) - _F32(8)) * sc[r]
+                        col[r] = (_F32((words[r] >> shift) & 15) - _F32(8)) * sc[r]
 
 
 @numba.njit(cache=True)

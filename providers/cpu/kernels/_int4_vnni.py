@@ -298,11 +298,17 @@ def dot_vnni_panel(typingctx, w, w_off, q, i0, mc, q_scales, q_sums, scales, zer
     The loops keep their int32 and float32 accumulators in registers (``_SHAPES``); the
     IR holds one loop nest per row count and zero-point kind, chosen at run time.
     """
-    arrays = (w, q, q_scales, q_sums, scales, zeros, out)
-    kinds = (types.uint8, types.int8, types.float32, types.int32, types.float32, types.float32)
-    for arr, dtype, ndim in zip(
-        arrays, (*kinds, types.float32), (4, 2, 2, 2, 3, 3, 2), strict=True
-    ):
+    f32 = types.float32
+    arrays = (
+        (w, types.uint8, 4),
+        (q, types.int8, 2),
+        (q_scales, f32, 2),
+        (q_sums, types.int32, 2),
+        (scales, f32, 3),
+        (zeros, f32, 3),
+        (out, f32, 2),
+    )
+    for arr, dtype, ndim in arrays:
         if not isinstance(arr, types.Array) or arr.dtype != dtype or arr.ndim != ndim:
             raise TypeError(f"dot_vnni_panel takes a {ndim}-D {dtype} array, got {arr}")
 

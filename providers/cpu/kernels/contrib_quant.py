@@ -274,8 +274,8 @@ _INT4_ROLES = {1: "weight", 2: "scales", 3: "zero_points"}
 class Int4Input:
     """A constant input of a 4-bit MatMulNBits in the layout its packed kernel reads: B as
     tiles (row tiles, or the VNNI layout at accuracy_level 4 on a VNNI CPU), scales or zero
-    points (minus 8) as float32 (blocks, rows); with the shape and dtype the input had,
-    which placement and fusions still ask."""
+    points (minus 8) as float32 (blocks, rows), or (n_tiles, blocks, rows) beside VNNI tiles;
+    with the shape and dtype the input had, which placement and fusions still ask."""
 
     role: str
     packed: np.ndarray
