@@ -167,6 +167,13 @@ class CPUProvider(ExecutionProvider):
             "(8x their packed bytes) instead of dequantizing again on each prompt",
             env="ONNX_GENRT_NBITS_CACHE",
         ),
+        ProviderOption(
+            "int4_vnni",
+            True,
+            "accuracy-level-4 MatMulNBits with AVX-512 VNNI (vpdpbusd) where the CPU has it "
+            "(off: the int16 kernel, on any x86-64)",
+            env="ONNX_GENRT_INT4_VNNI",
+        ),
     )
 
     def __init__(self, threads: int | str | None = AUTO_THREADS, **options: Any) -> None:

@@ -19,11 +19,14 @@ def test_an_option_comes_from_the_argument_then_the_environment_then_the_default
     monkeypatch.setenv("ONNX_GENRT_NBITS_CACHE", "1")
     assert CPUProvider().option("nbits_cache") is True
     assert CPUProvider(nbits_cache=False).option("nbits_cache") is False
+    monkeypatch.delenv("ONNX_GENRT_INT4_VNNI", raising=False)
+    monkeypatch.delenv("ONNX_GENRT_NATIVE_REPLAY", raising=False)
     assert CPUProvider().options == {
         "skinny_matmul": True,
         "blas_threads": 1,
         "native_replay": True,
         "nbits_cache": True,
+        "int4_vnni": True,
     }
 
 
@@ -31,7 +34,7 @@ def test_an_unknown_option_is_refused_with_the_known_ones():
     with pytest.raises(
         InvalidInputError,
         match=r"provider 'cpu' has no option 'skinny' \(its options: blas_threads, "
-        r"native_replay, nbits_cache, skinny_matmul\)",
+        r"int4_vnni, native_replay, nbits_cache, skinny_matmul\)",
     ):
         InferenceSession(mlp(hidden=4), providers=[("cpu", {"skinny": False})])
 

@@ -49,9 +49,9 @@ from .conftest import (
 
 TOL = 1e-4
 QUANTIZED = ("MatMulNBits", "GatherBlockQuantized")
-#: A prompt of more rows than the packed kernels take (at any accuracy level): its prefill
-#: takes MatMulNBits' dequantizing path (shorter ones and decode steps multiply the packed
-#: nibbles).
+#: A prompt of more rows than the packed kernels take (at any accuracy level, but for the
+#: VNNI kernel's 512 rows at level 4): its prefill takes MatMulNBits' dequantizing path
+#: (shorter ones and decode steps multiply the packed nibbles).
 LONG_PROMPT = [(7 * i + 3) % 500 for i in range(max(PACKED_MAX_M, INT8_PACKED_MAX_M) + 5)]
 INT4_PROMPTS = [*PROMPTS, LONG_PROMPT]
 

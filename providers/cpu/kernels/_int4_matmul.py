@@ -14,6 +14,14 @@ the per-block scales (and zero points, when given) transposed to (blocks, rows):
 Row-major nibbles cannot be summed this way: Numba (LLVM) vectorizes the per-block dot
 of a single row only with a horizontal sum per block, which measured slower
 (docs/performance.md).
+
+At accuracy_level 4 on a CPU with AVX-512 VNNI the tiles take the VNNI layout instead
+(``tile_weight(..., vnni=True)``, read by ``_int4_vnni``): ``tiles[i, s, r, j]`` holds the
+weights of columns ``8s + j`` (low nibble) and ``8s + 4 + j`` (high nibble) of row ``i *
+rows + r``, the same bytes rearranged; the scales and zero points are then tile by tile,
+(n_tiles, blocks, rows), so that a tile reads its own as one run (from memory, scales a
+whole row of tiles apart per block cost the kernel a third of its time).
+``untile_weight``, ``untile_params`` and ``dequantize_tiles`` read both layouts.
 """
 
 from __future__ import annotations
@@ -53,13 +61,24 @@ CHUNK_WORK = 1 << 17
 
 
 class Int4Tiles(NamedTuple):
-    """A 4-bit MatMulNBits weight laid out for ``int4_matmul``."""
+    """A 4-bit MatMulNBits weight laid out for ``int4_matmul`` and ``int4_int8_matmul``
+    (row tiles), or for ``int4_vnni_matmul`` (the VNNI layout: 4-D tiles)."""
 
-    tiles: np.ndarray  # (n_tiles, K/2 padded to whole blocks, rows) uint8
-    scales: np.ndarray  # (blocks, n_tiles * rows) float32
-    zeros: np.ndarray  # zero points minus 8, like scales; (0, 0) for the default 8
+    tiles: np.ndarray  # (n_tiles, K/2, rows) or VNNI (n_tiles, K/8, rows, 4) uint8; K padded
+    scales: np.ndarray  # (blocks, n_tiles * rows), VNNI (n_tiles, blocks, rows) float32
+    zeros: np.ndarray  # zero points minus 8, like scales; size 0 for the default 8
     n: int
     block: int
+
+    @property
+    def vnni(self) -> bool:
+        """Whether the tiles are in the VNNI layout."""
+        return self.tiles.ndim == 4
+
+    @property
+    def rows(self) -> int:
+        """Output rows per tile."""
+        return int(self.tiles.shape[2])
 
 
 def tile_rows(n: int) -> int:
@@ -74,33 +93,68 @@ def pack_int4(
     n: int,
     block: int,
     rows: int | None = None,
+    vnni: bool = False,
 ) -> Int4Tiles:
     """Tiles of ``rows`` rows (default ``tile_rows(n)``) from (N, blocks, blob) uint8 weights,
-    (N, blocks) float32 scales and zeros."""
-    zt = np.zeros((0, 0), _F32) if zeros is None else tile_params(zeros - _F32(8), n, rows)
-    return Int4Tiles(tile_weight(packed, n, rows), tile_params(scales, n, rows), zt, n, block)
+    (N, blocks) float32 scales and zeros; in the VNNI layout when ``vnni``."""
+    zt = no_zeros(vnni) if zeros is None else tile_params(zeros - _F32(8), n, rows, vnni)
+    tiles = tile_weight(packed, n, rows, vnni)
+    return Int4Tiles(tiles, tile_params(scales, n, rows, vnni), zt, n, block)
 
 
-def tile_weight(packed: np.ndarray, n: int, rows: int | None = None) -> np.ndarray:
-    """(N, blocks, blob) uint8 weights as (n_tiles, K/2, rows) tiles (the last padded)."""
+def no_zeros(vnni: bool = False) -> np.ndarray:
+    """The zero points of a weight that has none (the default 8), in either layout."""
+    return np.zeros((0, 0, 0) if vnni else (0, 0), _F32)
+
+
+def tile_weight(
+    packed: np.ndarray, n: int, rows: int | None = None, vnni: bool = False
+) -> np.ndarray:
+    """(N, blocks, blob) uint8 weights as (n_tiles, K/2, rows) tiles (the last padded), or
+    in the VNNI layout (n_tiles, K/8, rows, 4) when ``vnni``."""
     half = packed.shape[1] * packed.shape[2]
     rows = tile_rows(n) if rows is None else rows
     nt = -(-n // rows)
     w = np.zeros((nt * rows, half), _U8)
     w[:n] = packed.reshape(n, half)
+    if vnni:
+        if half % 4:
+            raise ValueError(f"the VNNI layout needs K a multiple of 8, got {2 * half}")
+        # byte j of step s: column 8s + j (byte 4s + j // 2 of the row) low, 8s + 4 + j high
+        steps = w.reshape(nt * rows, half // 4, 4)
+        nib = np.stack((steps & 15, steps >> 4), axis=-1).reshape(nt * rows, half // 4, 2, 4)
+        w = nib[:, :, 0] | (nib[:, :, 1] << 4)
+        return np.ascontiguousarray(w.reshape(nt, rows, half // 4, 4).transpose(0, 2, 1, 3))
     return np.ascontiguousarray(w.reshape(nt, rows, half).transpose(0, 2, 1))
 
 
-def tile_params(p: np.ndarray, n: int, rows: int | None = None) -> np.ndarray:
-    """(N, blocks) per-block scales or zero points as float32 (blocks, n_tiles * rows)."""
+def tile_params(p: np.ndarray, n: int, rows: int | None = None, vnni: bool = False) -> np.ndarray:
+    """(N, blocks) per-block scales or zero points as float32 (blocks, n_tiles * rows), or
+    (n_tiles, blocks, rows) for VNNI tiles."""
     rows = tile_rows(n) if rows is None else rows
-    out = np.zeros((p.shape[1], -(-n // rows) * rows), _F32)
+    nt = -(-n // rows)
+    out = np.zeros((p.shape[1], nt * rows), _F32)
     out[:, :n] = p.T
+    if vnni:
+        return np.ascontiguousarray(out.reshape(p.shape[1], nt, rows).transpose(1, 0, 2))
     return out
 
 
+def untile_params(packed: np.ndarray, n: int) -> np.ndarray:
+    """The (N, blocks) float32 values that ``tile_params`` rearranged (either layout)."""
+    if packed.ndim == 3:
+        nt, blocks, rows = packed.shape
+        return np.ascontiguousarray(packed.transpose(0, 2, 1).reshape(nt * rows, blocks)[:n])
+    return np.ascontiguousarray(packed[:, :n].T)
+
+
 def untile_weight(tiles: np.ndarray, n: int) -> np.ndarray:
-    """The (N, K/2) uint8 rows that ``tile_weight`` rearranged."""
+    """The (N, K/2) uint8 rows that ``tile_weight`` rearranged (either layout)."""
+    if tiles.ndim == 4:
+        nt, steps, rows, _ = tiles.shape
+        v = tiles[:, :, :, :, None] >> np.array([0, 4], _U8)  # (nt, steps, rows, j, lo/hi)
+        cols = (v & 15).transpose(0, 2, 1, 4, 3).reshape(nt * rows, 4 * steps, 2)[:n]
+        return np.ascontiguousarray(cols[:, :, 0] | (cols[:, :, 1] << 4))
     nt, half, rows = tiles.shape
     return np.ascontiguousarray(tiles.transpose(0, 2, 1).reshape(nt * rows, half)[:n])
 
@@ -110,8 +164,37 @@ def dequantize_tiles(w: Int4Tiles, k: int) -> np.ndarray:
     layout the tiles give without a transpose (a tile's byte ``t`` is a run of rows), and
     one BLAS reads as well as (N, K)."""
     out = np.empty((k, w.n), _F32)
-    _dequant_tiles(w.tiles, w.scales, w.zeros, w.block, out)
+    if w.vnni:
+        _dequant_vnni_tiles(w.tiles, w.scales, w.zeros, w.block, out)
+    else:
+        _dequant_tiles(w.tiles, w.scales, w.zeros, w.block, out)
     return out
+
+
+@numba.njit(cache=True)
+def _dequant_vnni_tiles(tiles, scales, zeros, block, out):
+    """``_dequant_tiles`` for the VNNI layout: a row's 4 bytes at step ``s``, read as one
+    uint32 word, hold column ``8s + j`` at bit ``8 (j % 4) + 4 (j // 4)``."""
+    _, steps, rows, _ = tiles.shape
+    k, n = out.shape
+    for ti in range(tiles.shape[0]):
+        r0 = ti * rows
+        live = min(rows, n - r0)
+        for s in range(min(steps, (k + 7) // 8)):
+            b = 8 * s // block
+            sc = scales[ti, b, :live]
+            z = zeros[ti, b, :live] if zeros.size else sc[:0]
+            words = tiles[ti, s].reshape(4 * rows).view(np.uint32)
+            for j in range(min(8, k - 8 * s)):
+                shift = 8 * (j % 4) + 4 * (j // 4)
+                col = out[8 * s + j, r0 : r0 + live]
+                if zeros.size:
+                    for r in range(live):
+                        v = _F32((words[r] >> shift) & 15)
+                        col[r] = (v - (_F32(8) + z[r])) * sc[r]
+                else:
+                    for r in range(live):
+                        col[r] = (_F32((words[r] >> shift) & 15) - _F32(8)) * sc[r]
 
 
 @numba.njit(cache=True)
@@ -271,7 +354,8 @@ _T_SCALES, _T_ZEROS, _T_ZROWS, _T_OUT, _T_N = 10, 11, 12, 13, 14
 @numba.njit(cache=True, nogil=True, inline="always")
 def set_tile_args(ctrl, m, nb, tiles, scales, zeros, out):
     """The shared words of a tile job: sizes, the tiles, scales, zero points and output."""
-    nt, half, rows = tiles.shape
+    nt, rows = tiles.shape[0], tiles.shape[2]
+    half = tiles.size // (nt * rows)  # bytes per row, either layout
     set_arg(ctrl, _T_M, m)
     set_arg(ctrl, _T_HALF, half)
     set_arg(ctrl, _T_NB, nb)

@@ -9,7 +9,8 @@ factor out of each block, the result is also ``(q * scale_a) @ dequant(W)^T``, w
 calls with many rows use it (:func:`fake_quantize`, then BLAS).
 
 Few rows (decode, speculative verify) run :func:`int4_int8_matmul` on the row tiles of
-``_int4_matmul`` (128 rows per tile, ``ROWS``). Per byte ``v`` of a tile (nibbles lo, hi) and
+``_int4_matmul`` (128 rows per tile, ``ROWS``), or on CPUs with AVX-512 VNNI
+``_int4_vnni.int4_vnni_matmul`` on tiles in the VNNI layout (``vpdpbusd``, the same bits). Per byte ``v`` of a tile (nibbles lo, hi) and
 activations e = q[2t], o = q[2t+1], ``lo * e + hi * o = v * e + (v >> 4) * (o - 16 e)``: two
 int16 multiplies and no nibble masking, which LLVM vectorizes as 32 lanes per AVX-512
 register, two bytes of the tile per step. The products are taken modulo 2**16, and each
@@ -85,14 +86,18 @@ def _quantize_blocks_into(x, block, q, scales, sums):
     top_value = top_bits.view(_F32)
     for i in range(m):
         row = x[i]
-        bits = row.view(np.int32)
+        q_row = q[i]
         for b in range(nb):
             c0 = b * block
             c1 = min(c0 + block, k)
+            # loops over slices from 0: with range(c0, c1) LLVM kept the conversion loop
+            # scalar (3x slower), the indices possibly negative for all it knew
+            seg = row[c0:c1]
+            bits = seg.view(np.int32)
             # max|x| as the integer max of the bits without the sign: it vectorizes, and
             # NaN and infinities (exponent all ones) sort above every finite value
             top = np.int32(0)
-            for c in range(c0, c1):
+            for c in range(c1 - c0):
                 top = max(top, np.int32(bits[c] & 0x7FFFFFFF))
             total = 0
             if top >= _NON_FINITE:
@@ -104,11 +109,12 @@ def _quantize_blocks_into(x, block, q, scales, sums):
                 amax = top_value[0]
                 scales[i, b] = amax / _F32(127)
                 inv = _F32(127) / amax
-                for c in range(c0, c1):
+                q_seg = q_row[c0:c1]
+                for c in range(c1 - c0):
                     # round half to even: adding and taking away 1.5 * 2**23 leaves the
                     # nearest integer (|x * inv| <= 127), in the default rounding mode
-                    v = _I8((row[c] * inv + _ROUND) - _ROUND)
-                    q[i, c] = v
+                    v = np.int32((seg[c] * inv + _ROUND) - _ROUND)
+                    q_seg[c] = _I8(v)
                     total += v
             sums[i, b] = total
 

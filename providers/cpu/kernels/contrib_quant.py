@@ -3,14 +3,17 @@
 MatMulNBits takes one of two paths:
 
 * 4-bit weights with at most ``PACKED_MAX_M`` rows of A (``INT8_PACKED_MAX_M`` at
-  accuracy_level 4: decode, speculative verify, short prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
+  accuracy_level 4, ``VNNI_PACKED_MAX_M`` with VNNI: decode, speculative verify, short
+  prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
   rearranged into row tiles of the same bytes, about 1.25x the packed size. Constant
   weights, scales and zero points are prepacked so once, when the session is built
   (``prepack_int4``), and the session then releases the originals: the weight is held
   once, as tiles. Weights that are not constants are tiled on first use (``DequantCache``).
   At ``accuracy_level`` 4 (with uint8 zero points or none) A is quantized to int8 per
-  block and the tiles are multiplied in integers (``_int8_activations``), as onnxruntime
-  does; otherwise in float32 (``_int4_matmul``).
+  block and the tiles are multiplied in integers, as onnxruntime does: with ``vpdpbusd`` on
+  tiles in the VNNI layout where the CPU has AVX-512 VNNI (``_int4_vnni``; the provider's
+  ``int4_vnni`` option, ``ONNX_GENRT_INT4_VNNI=0`` turns it off), else with int16
+  multiplies (``_int8_activations``); otherwise in float32 (``_int4_matmul``).
 * Otherwise (prompts, other bit widths) the call dequantizes the weight (from the tiles,
   for a prepacked one) into a float32 buffer and runs one BLAS matmul, on A quantized to
   int8 and back per block at ``accuracy_level`` 4 (the same result: the scales factor out
@@ -51,11 +54,15 @@ from ._int4_matmul import (
     Int4Tiles,
     dequantize_tiles,
     int4_matmul,
+    no_zeros,
     pack_int4,
     tile_params,
     tile_weight,
+    untile_params,
     untile_weight,
 )
+from ._int4_vnni import PANEL as VNNI_TILE_ROWS
+from ._int4_vnni import int4_vnni_matmul, vnni_enabled
 from ._int8_activations import ROWS as INT8_TILE_ROWS
 from ._int8_activations import fake_quantize, int4_int8_matmul
 from ._registry import REGISTRY
@@ -68,14 +75,19 @@ _T = TypeVar("_T")
 
 # Rows of A up to which 4-bit weights are multiplied packed; more use the float32 copy. The
 # integer kernel of accuracy_level 4 stays ahead of dequantizing + BLAS to about 32 rows
-# (docs/performance.md), the float one to about 16.
+# (docs/performance.md), the float one to about 16; the VNNI kernel is still 2-3x ahead at
+# 512 rows, the most measured.
 PACKED_MAX_M = 16
 INT8_PACKED_MAX_M = 32
+VNNI_PACKED_MAX_M = 512
 
 
-def packed_max_m(int8: bool) -> int:
-    """Rows of A up to which a 4-bit weight is multiplied packed (int8 activations or not)."""
-    return INT8_PACKED_MAX_M if int8 else PACKED_MAX_M
+def packed_max_m(int8: bool, vnni: bool = False) -> int:
+    """Rows of A up to which a 4-bit weight is multiplied packed (int8 activations or not,
+    on VNNI tiles or not)."""
+    if not int8:
+        return PACKED_MAX_M
+    return VNNI_PACKED_MAX_M if vnni else INT8_PACKED_MAX_M
 
 
 def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -201,6 +213,40 @@ def dequantize_nbits(
     return out
 
 
+@dataclass(frozen=True)
+class TileLayout:
+    """How a 4-bit weight's tiles are laid out for a kernel: ``rows`` per tile (None: the
+    float kernel's default, ``tile_rows``) and whether in the VNNI layout."""
+
+    rows: int | None = None
+    vnni: bool = False
+
+    def fits(self, tiles: np.ndarray) -> bool:
+        """Whether prepacked ``tiles`` are in this layout (any width when ``rows`` is None)."""
+        return (tiles.ndim == 4) == self.vnni and self.rows in (None, tiles.shape[2])
+
+
+#: The layouts of the three packed kernels: float activations (``int4_matmul``), int8
+#: activations with int16 multiplies (``int4_int8_matmul``), with VNNI (``int4_vnni_matmul``).
+FLOAT_TILES = TileLayout()
+INT8_TILES = TileLayout(INT8_TILE_ROWS)
+VNNI_TILES = TileLayout(VNNI_TILE_ROWS, vnni=True)
+
+
+def tile_layout(int8: bool, vnni_option: bool | None = None) -> TileLayout:
+    """The tile layout of a node's packed kernel: int8 activations (accuracy_level 4) take
+    the VNNI layout where ``vnni_enabled(vnni_option)``."""
+    if not int8:
+        return FLOAT_TILES
+    return VNNI_TILES if vnni_enabled(vnni_option) else INT8_TILES
+
+
+def _provider_vnni(provider: Any) -> bool | None:
+    """The provider's ``int4_vnni`` option; None without a provider or such an option."""
+    options = getattr(provider, "OPTIONS", ())
+    return provider.option("int4_vnni") if any(o.name == "int4_vnni" for o in options) else None
+
+
 def int4_tiles(
     b: np.ndarray,
     scales: np.ndarray,
@@ -208,15 +254,14 @@ def int4_tiles(
     k: int,
     n: int,
     block: int,
-    rows: int | None = None,
+    layout: TileLayout = FLOAT_TILES,
 ) -> Int4Tiles:
-    """The 4-bit weight of a MatMulNBits node, tiled for ``int4_matmul`` (``rows`` per
-    tile; ``INT8_TILE_ROWS`` for ``int4_int8_matmul``)."""
+    """The 4-bit weight of a MatMulNBits node, tiled in ``layout``."""
     nb = -(-k // block)
     packed = np.ascontiguousarray(b, _U8).reshape(n, nb, block // 2)
     sc = np.ascontiguousarray(scales, _F32).reshape(n, nb)
     zeros = None if zp is None else _nbits_zeros(zp, n, nb, 4)
-    return pack_int4(packed, sc, zeros, n, block, rows)
+    return pack_int4(packed, sc, zeros, n, block, layout.rows, layout.vnni)
 
 
 _nbits_check = matmul_nbits_unsupported
@@ -227,9 +272,10 @@ _INT4_ROLES = {1: "weight", 2: "scales", 3: "zero_points"}
 
 @dataclass(frozen=True, eq=False)
 class Int4Input:
-    """A constant input of a 4-bit MatMulNBits in the layout ``int4_matmul`` reads: B as
-    row tiles, scales or zero points (minus 8) as float32 (blocks, rows); with the shape
-    and dtype the input had, which placement and fusions still ask."""
+    """A constant input of a 4-bit MatMulNBits in the layout its packed kernel reads: B as
+    tiles (row tiles, or the VNNI layout at accuracy_level 4 on a VNNI CPU), scales or zero
+    points (minus 8) as float32 (blocks, rows), or (n_tiles, blocks, rows) beside VNNI tiles;
+    with the shape and dtype the input had, which placement and fusions still ask."""
 
     role: str
     packed: np.ndarray
@@ -249,7 +295,7 @@ class Int4Input:
         """The input in its own layout again (zero points as float32 values)."""
         if self.role == "weight":
             return untile_weight(self.packed, self.n).reshape(self.shape)
-        values = self.packed[:, : self.n].T
+        values = untile_params(self.packed, self.n)
         return values.astype(self.dtype) if self.role == "scales" else values + np.float32(8)
 
 
@@ -266,25 +312,27 @@ def prepack_int4(provider, node, index: int, host: np.ndarray) -> Int4Input | No
     nb = -(-k // block)
     if host.size == 0 or n <= 0:
         return None
-    rows = _prepack_rows(node)
+    layout = _prepack_layout(provider, node)
+    rows, vnni = layout.rows, layout.vnni
     try:
         if role == "weight":
             w = np.ascontiguousarray(host, _U8).reshape(n, nb, block // 2)
-            packed = tile_weight(w, n, rows)
+            packed = tile_weight(w, n, rows, vnni)
         elif role == "scales":
-            packed = tile_params(np.ascontiguousarray(host, _F32).reshape(n, nb), n, rows)
+            packed = tile_params(np.ascontiguousarray(host, _F32).reshape(n, nb), n, rows, vnni)
         else:
-            packed = tile_params(_nbits_zeros(host, n, nb, 4) - np.float32(8), n, rows)
+            packed = tile_params(_nbits_zeros(host, n, nb, 4) - np.float32(8), n, rows, vnni)
     except ValueError:  # sizes that do not fit
         return None
     return Int4Input(role, packed, tuple(host.shape), host.dtype, n)
 
 
-def _prepack_rows(node: Any) -> int | None:
-    """Rows per tile for a node's prepacked inputs: ``int4_int8_matmul``'s at accuracy_level
-    4 (uint8 zero points assumed; float ones take the float kernel, which reads any width),
-    else the float kernel's default."""
-    return INT8_TILE_ROWS if matmul_nbits_int8_activations(node, np.dtype(_U8)) else None
+def _prepack_layout(provider: Any, node: Any) -> TileLayout:
+    """The tile layout of a node's prepacked inputs: the int8-activation kernel's at
+    accuracy_level 4 (uint8 zero points assumed: float ones take the float kernel, which
+    retiles a VNNI weight once), else the float kernel's."""
+    int8 = matmul_nbits_int8_activations(node, np.dtype(_U8))
+    return tile_layout(int8, _provider_vnni(provider))
 
 
 def _plain(value: Any) -> Any:
@@ -296,20 +344,31 @@ def _all_packed(b: Any, scales: Any, zp: Any) -> bool:
     return all(isinstance(v, Int4Input) for v in (b, scales, zp) if v is not None)
 
 
-def _int4_weight(
-    b: Any, scales: Any, zp: Any, k: int, n: int, block: int, rows: int | None = None
+def _prepacked(
+    b: Int4Input, scales: Int4Input, zp: Int4Input | None, n: int, block: int
 ) -> Int4Tiles:
-    """The tiles of a 4-bit weight (``rows`` per tile when given): its prepacked inputs as
-    they are when their width fits, else tiled once per set of source arrays
-    (``DequantCache``)."""
-    if _all_packed(b, scales, zp) and rows in (None, b.packed.shape[2]):
-        zeros = np.zeros((0, 0), _F32) if zp is None else zp.packed
-        return Int4Tiles(b.packed, scales.packed, zeros, n, block)
+    """The tiles of a weight whose inputs all arrived prepacked, as they are."""
+    zeros = no_zeros(b.packed.ndim == 4) if zp is None else zp.packed
+    return Int4Tiles(b.packed, scales.packed, zeros, n, block)
+
+
+def _int4_weight(
+    b: Any, scales: Any, zp: Any, k: int, n: int, block: int, layout: TileLayout = FLOAT_TILES
+) -> Int4Tiles:
+    """The tiles of a 4-bit weight in ``layout``: its prepacked inputs as they are when
+    they are in it, else tiled once per set of source arrays (``DequantCache``)."""
+    if _all_packed(b, scales, zp) and layout.fits(b.packed):
+        return _prepacked(b, scales, zp, n, block)
     return DEQUANT_CACHE.get(
         (b, scales, zp),
-        ("int4-tiles", k, n, block, rows),
-        lambda: int4_tiles(_plain(b), _plain(scales), _plain(zp), k, n, block, rows),
+        ("int4-tiles", k, n, block, layout),
+        lambda: int4_tiles(_plain(b), _plain(scales), _plain(zp), k, n, block, layout),
     )
+
+
+def _int8_kernel(w4: Int4Tiles) -> Callable[..., np.ndarray]:
+    """The int8-activation kernel for the tiles' layout."""
+    return int4_vnni_matmul if w4.vnni else int4_int8_matmul
 
 
 def _float_weight(
@@ -322,7 +381,7 @@ def _float_weight(
 
     def build() -> np.ndarray:
         if _all_packed(b, scales, zp):
-            return dequantize_tiles(_int4_weight(b, scales, zp, k, n, block), k)
+            return dequantize_tiles(_prepacked(b, scales, zp, n, block), k)
         return dequantize_nbits(_plain(b), _plain(scales), _plain(zp), k, n, bits, block).T
 
     return DEQUANT_CACHE.get((b, scales, zp), params, build, keep=ctx.option("nbits_cache", False))
@@ -346,10 +405,11 @@ def _bind_matmul_nbits(ctx: KernelContext, inputs: Any, out: Any) -> Callable[[]
     m = a.size // k
     zp_dtype = None if zero_points is None else zero_points.dtype
     int8 = matmul_nbits_int8_activations(ctx.node, zp_dtype)
-    if not 0 < m <= packed_max_m(int8):
+    layout = tile_layout(int8, ctx.option("int4_vnni"))
+    if not 0 < m <= packed_max_m(int8, layout.vnni):
         return None
-    w4 = _int4_weight(b, scales, zero_points, k, n, dims.block, INT8_TILE_ROWS if int8 else None)
-    kernel = int4_int8_matmul if int8 else int4_matmul
+    w4 = _int4_weight(b, scales, zero_points, k, n, dims.block, layout)
+    kernel = _int8_kernel(w4) if int8 else int4_matmul
     return functools.partial(kernel, a.reshape(m, k), w4, out.reshape(m, n))
 
 
@@ -387,13 +447,13 @@ def matmul_nbits(
     a2 = a.reshape(-1, k)
     zp_dtype = None if zero_points is None else zero_points.dtype
     int8 = matmul_nbits_int8_activations(ctx.node, zp_dtype)
+    layout = tile_layout(int8, ctx.option("int4_vnni"))
     direct = a.dtype == _F32 and out2.flags.c_contiguous and bias is None
     y = out2 if direct else np.empty(out2.shape, _F32)
-    if bits == 4 and a2.shape[0] <= packed_max_m(int8):
-        rows = INT8_TILE_ROWS if int8 else None
-        w4 = _int4_weight(b, scales, zero_points, k, n, block, rows)
+    if bits == 4 and a2.shape[0] <= packed_max_m(int8, layout.vnni):
+        w4 = _int4_weight(b, scales, zero_points, k, n, block, layout)
         x = np.ascontiguousarray(a2, _F32)
-        (int4_int8_matmul if int8 else int4_matmul)(x, w4, y)
+        (_int8_kernel(w4) if int8 else int4_matmul)(x, w4, y)
     else:
         w = _float_weight(ctx, b, scales, zero_points, (k, n, bits, block))
         x = fake_quantize(a2, block) if int8 else a2.astype(_F32, copy=False)

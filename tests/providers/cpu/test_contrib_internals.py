@@ -33,26 +33,31 @@ from ...ops.test_contrib import (
 from .pool_helpers import worker_helps
 
 
-@pytest.mark.parametrize("accuracy", [0, 4])
+@pytest.mark.parametrize("accuracy,vnni", [(0, True), (4, False), (4, True)])
 def test_matmul_nbits_constant_int4_weight_is_tiled_once_at_load(
-    monkeypatch, accuracy: int
+    monkeypatch, accuracy: int, vnni: bool
 ) -> None:
     """Constant B, scales and zero points are prepacked into tiles when the session is
     built, and the plan keeps no host copy of them: the weight is held once (at
-    accuracy_level 4 too, whose int8 kernel wants its own tile width)."""
+    accuracy_level 4 too, whose int8 kernel wants its own tile width, or the VNNI layout
+    where the CPU has it and the ``int4_vnni`` option is on)."""
+    from onnx_genrt.providers.cpu.kernels._int4_vnni import HOST_VNNI
     from onnx_genrt.session.constant_cache import ReleasedConstant
 
-    tiled: list[tuple[int, ...]] = []
+    tiled: list[tuple[tuple[int, ...], np.ndarray]] = []
     real = contrib_quant.tile_weight
 
-    def counting(packed: np.ndarray, n: int, rows: int | None = None) -> np.ndarray:
-        tiled.append(packed.shape)
-        return real(packed, n, rows)
+    def counting(packed: np.ndarray, n: int, rows: int | None = None, vnni: bool = False):
+        tiles = real(packed, n, rows, vnni)
+        tiled.append((packed.shape, tiles))
+        return tiles
 
     monkeypatch.setattr(contrib_quant, "tile_weight", counting)
     model, inp, want = _nbits_case(44, 1, 128, 32, 4, 32, "uint8", False, F32, accuracy=accuracy)
-    sess = InferenceSession(model, providers=["cpu"])
-    assert tiled == [(32, 4, 16)]
+    sess = InferenceSession(model, providers=[("cpu", {"int4_vnni": vnni})])
+    assert [shape for shape, _ in tiled] == [(32, 4, 16)]
+    held_vnni = accuracy == 4 and vnni and HOST_VNNI
+    assert tiled[0][1].ndim == (4 if held_vnni else 3)
     builds = contrib_quant.DEQUANT_CACHE.builds
     # int8 activations move the result by about a percent of its scale
     atol = 1e-4 if accuracy == 0 else 0.02 * float(np.abs(want).max())
@@ -155,20 +160,29 @@ def test_matmul_nbits_int4_float_weight_only_for_large_m(monkeypatch, keep: bool
     assert built.count("tiles") == 1
 
 
+@pytest.mark.parametrize("layout", ["float", "int8", "vnni"])
 @pytest.mark.parametrize("zero", ["none", "uint8", "float"])
 @pytest.mark.parametrize("k", [256, 200])
-def test_int4_tiles_dequantize_to_the_packed_weight(zero: str, k: int) -> None:
-    """Dequantizing the tiles gives the bits of dequantizing the packed weight, transposed
-    (K not a multiple of the block included), and ``Int4Input.plain`` gives the inputs
-    back."""
+def test_int4_tiles_dequantize_to_the_packed_weight(
+    monkeypatch, zero: str, k: int, layout: str
+) -> None:
+    """Dequantizing the tiles (row tiles of either width, or the VNNI layout) gives the
+    bits of dequantizing the packed weight, transposed (K not a multiple of the block
+    included), and ``Int4Input.plain`` gives the inputs back."""
     from onnx_genrt.core.kernels import NodeInfo
     from onnx_genrt.providers.cpu.kernels import _int4_matmul as im
+    from onnx_genrt.providers.cpu.kernels._int4_vnni import HOST_VNNI
 
+    if layout == "vnni" and not HOST_VNNI:
+        pytest.skip("the VNNI layout is used on CPUs with AVX-512 VNNI only")
+    monkeypatch.setenv("ONNX_GENRT_INT4_VNNI", "1" if layout == "vnni" else "0")
     rng = _rng(53)
     n, block = 150, 64
     qw = _quantize_nbits(rng.standard_normal((n, k)), 4, block, zero)
     nb = -(-k // block)
-    node = NodeInfo("MatMulNBits", "mm", MS, 1, {"K": k, "N": n, "bits": 4, "block_size": block})
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": block}
+    attrs["accuracy_level"] = 0 if layout == "float" else 4
+    node = NodeInfo("MatMulNBits", "mm", MS, 1, attrs)
     node.input_names = ("A", "B", "scales", "zero_points")
     packed = [
         contrib_quant.prepack_int4(None, node, i, qw[name])
@@ -176,7 +190,8 @@ def test_int4_tiles_dequantize_to_the_packed_weight(zero: str, k: int) -> None:
         if name in qw
     ]
     zp = packed[2] if len(packed) == 3 else None
-    w4 = contrib_quant._int4_weight(packed[0], packed[1], zp, k, n, block)
+    assert packed[0].packed.ndim == (4 if layout == "vnni" else 3)
+    w4 = contrib_quant._prepacked(packed[0], packed[1], zp, n, block)
     from_tiles = im.dequantize_tiles(w4, k)
     direct = contrib_quant.dequantize_nbits(
         qw["B"], qw["scales"], qw.get("zero_points"), k, n, 4, block

@@ -7,6 +7,10 @@ shapes; our level-4 output must be within a hundredth of that difference of onnx
 (it measures about 1e-4 of it: float32 summation order), so a float path, a wrong rounding
 rule or a wrong zero point fails. Edge cases (ties, overflow, NaN) are also checked against a
 float64 numpy reading of the same contract.
+
+Both integer kernels run these tests (the ``int8_kernel`` fixture): ``vpdpbusd`` on VNNI
+tiles (``_int4_vnni``, CPUs with AVX-512 VNNI) and int16 multiplies on row tiles
+(``_int8_activations``); they also give each other's bits.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import pytest
 from onnx import ModelProto, helper, numpy_helper
 
 from onnx_genrt.core.errors import UnsupportedOpError
+from onnx_genrt.providers.cpu.kernels import _int4_matmul as im
+from onnx_genrt.providers.cpu.kernels import _int4_vnni as vnni
 from onnx_genrt.providers.cpu.kernels import _int8_activations as q8
 from onnx_genrt.providers.cpu.kernels import contrib_quant
 from onnx_genrt.session import InferenceSession
@@ -32,6 +38,17 @@ F32 = np.float32
 #: Our level-4 error against onnxruntime's level 4, as a fraction of onnxruntime's own
 #: level-4 minus level-1 difference on the same inputs.
 OF_INT8_EFFECT = 0.01
+NO_VNNI = pytest.mark.skipif(not vnni.HOST_VNNI, reason="the CPU lacks AVX-512 VNNI")
+KERNELS = ["int16", pytest.param("vnni", marks=NO_VNNI)]
+
+
+@pytest.fixture(params=KERNELS)
+def int8_kernel(request, monkeypatch) -> str:
+    """The integer kernel that sessions made in the test take at accuracy_level 4:
+    ``vnni`` (the CPU provider's ``int4_vnni`` option from ``ONNX_GENRT_INT4_VNNI``) or
+    ``int16``."""
+    monkeypatch.setenv(vnni.ENV, "1" if request.param == "vnni" else "0")
+    return request.param
 
 
 def _weights(
@@ -123,17 +140,18 @@ CASES = [
     (1, 200, 150, 4, 16, "uint8", False),  # K no multiple of the block
     (5, 512, 128, 4, 64, "uint8", True),  # a verify step, with a bias
     (16, 768, 1100, 4, 32, "uint8", False),  # nine tiles
-    (32, 256, 300, 4, 32, "uint8", False),  # the most rows the integer kernel takes packed
+    (32, 256, 300, 4, 32, "uint8", False),  # the most rows the int16 kernel takes packed
     (3, 320, 64, 4, 128, "none", False),
     (2, 512, 40, 4, 256, "uint8", False),
-    (40, 256, 96, 4, 32, "uint8", False),  # a prompt: A quantized and back, then BLAS
+    (40, 256, 96, 4, 32, "uint8", False),  # a prompt: int16 A quantized and back, then BLAS
+    (520, 256, 96, 4, 32, "uint8", False),  # the same above the VNNI kernel's 512 rows
     (3, 200, 40, 8, 32, "uint8", True),  # 8-bit weights: same contract in onnxruntime
     (2, 256, 32, 2, 64, "none", False),  # 2-bit weights
 ]
 
 
 @pytest.mark.parametrize("m,k,n,bits,block,zero,bias", CASES)
-def test_level4_matches_onnxruntime_level4(m, k, n, bits, block, zero, bias) -> None:
+def test_level4_matches_onnxruntime_level4(int8_kernel, m, k, n, bits, block, zero, bias) -> None:
     rng = np.random.default_rng(m * 1000 + k + n + block)
     w = _weights(rng, n, k, bits, block, zero)
     b = rng.standard_normal(n).astype(F32) if bias else None
@@ -151,7 +169,7 @@ def test_level4_matches_onnxruntime_level4(m, k, n, bits, block, zero, bias) -> 
 
 
 @pytest.mark.parametrize("m", [1, 20])
-def test_ties_round_half_to_even_as_onnxruntime_does(m: int) -> None:
+def test_ties_round_half_to_even_as_onnxruntime_does(int8_kernel, m: int) -> None:
     """A block whose max|a| is 127 has scale 1, so a = j + 0.5 is an exact tie: onnxruntime
     rounds it to even (0.5 -> 0, 1.5 -> 2, -2.5 -> -2). One weight of 1 per column (nibble 9,
     zero point 8, scale 1) reads each quantized activation out as an output."""
@@ -169,7 +187,9 @@ def test_ties_round_half_to_even_as_onnxruntime_does(m: int) -> None:
 
 @pytest.mark.parametrize("block", [16, 32, 256])
 @pytest.mark.parametrize("nibble,zero", [(15, 0), (0, 15), (0, None), (15, None)])
-def test_largest_block_sums_are_exact(block: int, nibble: int, zero: int | None) -> None:
+def test_largest_block_sums_are_exact(
+    int8_kernel, block: int, nibble: int, zero: int | None
+) -> None:
     """Every activation quantized to +-127 and every weight at its extreme: the largest
     integer sums the int16 runs and int32 blocks can see, against onnxruntime and numpy."""
     k, n = 512, 130
@@ -189,7 +209,7 @@ def test_largest_block_sums_are_exact(block: int, nibble: int, zero: int | None)
 
 @pytest.mark.parametrize("m", [1, 20])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_a_non_finite_activation_makes_its_row_nan(m: int, bad: float) -> None:
+def test_a_non_finite_activation_makes_its_row_nan(int8_kernel, m: int, bad: float) -> None:
     """Quantizing a block with NaN or an infinity has no meaningful scale: that row of Y is
     NaN, not a finite number; the other rows are unaffected."""
     rng = np.random.default_rng(3)
@@ -204,7 +224,7 @@ def test_a_non_finite_activation_makes_its_row_nan(m: int, bad: float) -> None:
         np.testing.assert_allclose(ours[1:], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_a_block_of_zeros_contributes_nothing() -> None:
+def test_a_block_of_zeros_contributes_nothing(int8_kernel) -> None:
     rng = np.random.default_rng(4)
     k, n = 128, 50
     w = _weights(rng, n, k, 4, 32, "uint8")
@@ -227,9 +247,10 @@ def test_levels_0_to_3_keep_float_activations(level: int, zero: str) -> None:
         np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
 
 
-def test_level4_with_float_zero_points_keeps_float_activations() -> None:
+def test_level4_with_float_zero_points_keeps_float_activations(int8_kernel) -> None:
     """onnxruntime keeps A in float for float zero points at accuracy_level 4 (it has no
-    int8 kernel for them); so do we."""
+    int8 kernel for them); so do we (the float kernel retiles a weight prepacked for the
+    VNNI kernel)."""
     rng = np.random.default_rng(6)
     k, n = 256, 64
     w = _weights(rng, n, k, 4, 32, "float")
@@ -240,40 +261,111 @@ def test_level4_with_float_zero_points_keeps_float_activations() -> None:
     np.testing.assert_allclose(_ort(model, a), want, rtol=1e-4, atol=1e-4)
 
 
-def test_packed_and_prompt_paths_agree_row_by_row() -> None:
+def test_packed_and_prompt_paths_agree_row_by_row(int8_kernel) -> None:
     """The same rows through the packed int8 kernel (16 rows) and through quantize-and-back
-    then BLAS (24 rows): a prefill and the decode steps after it see one contract."""
+    then BLAS (more rows than the packed kernel takes): a prefill and the decode steps after
+    it see one contract."""
     rng = np.random.default_rng(7)
     k, n = 384, 200
     w = _weights(rng, n, k, 4, 64, "uint8")
-    a = rng.standard_normal((24, k)).astype(F32)
+    rows = contrib_quant.packed_max_m(True, int8_kernel == "vnni") + 8
+    a = rng.standard_normal((rows, k)).astype(F32)
     sess = InferenceSession(_model(w, k, n, 4, 64, 4), providers=["cpu"])
     packed = sess.run(None, {"A": a[:16]})[0]
     prompt = sess.run(None, {"A": a})[0][:16]
     np.testing.assert_allclose(packed, prompt, rtol=1e-5, atol=1e-5 * np.abs(prompt).max())
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m", [1, 6])
-def test_int8_kernel_threads_give_the_same_bits(two_threads, m: int) -> None:
+def test_int8_kernel_threads_give_the_same_bits(two_threads, m: int, kernel: str) -> None:
     rng = np.random.default_rng(8)
     k, n = 256, 700
     w = _weights(rng, n, k, 4, 32, "uint8")
     zeros = contrib_quant._nbits_zeros(w["zero_points"], n, k // 32, 4)
-    tiles = contrib_quant.pack_int4(
-        w["B"].reshape(n, k // 32, 16), w["scales"], zeros, n, 32, q8.ROWS
-    )
+    packed = w["B"].reshape(n, k // 32, 16)
     x = rng.standard_normal((m, k)).astype(F32)
     serial = np.empty((m, n), F32)
-    q8._q8_serial(x, 32, tiles.tiles, tiles.scales, tiles.zeros, serial)
+    if kernel == "vnni":
+        tiles = im.pack_int4(packed, w["scales"], zeros, n, 32, vnni.PANEL, vnni=True)
+        vnni._vnni_serial(x, 32, tiles.tiles, tiles.scales, tiles.zeros, serial)
+        parallel_kernel = vnni.int4_vnni_matmul
+    else:
+        tiles = im.pack_int4(packed, w["scales"], zeros, n, 32, q8.ROWS)
+        q8._q8_serial(x, 32, tiles.tiles, tiles.scales, tiles.zeros, serial)
+        parallel_kernel = q8.int4_int8_matmul
     want = _contract(x, w, 32)
     np.testing.assert_allclose(serial, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
     def call() -> None:
         parallel = np.full((m, n), np.nan, F32)
-        q8.int4_int8_matmul(x, tiles, parallel, chunks=3)
+        parallel_kernel(x, tiles, parallel, chunks=3)
         np.testing.assert_array_equal(parallel, serial)
 
     worker_helps(two_threads, call)
+
+
+@NO_VNNI
+@pytest.mark.parametrize(
+    "m,k,n,block,zero",
+    [
+        (1, 256, 300, 32, "none"),  # a partial last tile
+        (2, 200, 64, 16, "uint8"),  # K no multiple of the block
+        (3, 512, 130, 64, "uint8"),
+        (4, 768, 128, 32, "none"),
+        (5, 320, 200, 128, "uint8"),  # rows beyond 4: a second pass over each panel
+        (9, 512, 64, 256, "none"),
+        (32, 256, 192, 32, "uint8"),
+    ],
+)
+def test_vnni_kernel_gives_the_int16_kernels_bits(m, k, n, block, zero) -> None:
+    """The integer sums are exact in both kernels and the per-block float32 steps are the
+    same operations in the same order: the VNNI kernel's output is the int16 kernel's, bit
+    for bit, and numpy's reading of the contract."""
+    rng = np.random.default_rng(m + k + n)
+    w = _weights(rng, n, k, 4, block, zero)
+    nb = -(-k // block)
+    zeros = None if zero == "none" else contrib_quant._nbits_zeros(w["zero_points"], n, nb, 4)
+    packed = w["B"].reshape(n, nb, block // 2)
+    vt = im.pack_int4(packed, w["scales"], zeros, n, block, vnni.PANEL, vnni=True)
+    rt = im.pack_int4(packed, w["scales"], zeros, n, block, q8.ROWS)
+    x = rng.standard_normal((m, k)).astype(F32)
+    ours, int16 = np.full((m, n), np.nan, F32), np.full((m, n), np.nan, F32)
+    vnni.int4_vnni_matmul(x, vt, ours)
+    q8.int4_int8_matmul(x, rt, int16)
+    np.testing.assert_array_equal(ours, int16)
+    want = _contract(x, w, block)
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_vnni_kernel_refuses_row_tiles() -> None:
+    rng = np.random.default_rng(10)
+    w = _weights(rng, 64, 64, 4, 32, "none")
+    tiles = im.pack_int4(w["B"].reshape(64, 2, 16), w["scales"], None, 64, 32, q8.ROWS)
+    with pytest.raises(ValueError, match="VNNI tiles"):
+        vnni.int4_vnni_matmul(np.ones((1, 64), F32), tiles, np.empty((1, 64), F32))
+
+
+@pytest.mark.parametrize("option", [True, False])
+def test_level4_weights_are_held_in_the_vnni_layout_where_the_cpu_has_it(option: bool) -> None:
+    """At accuracy_level 4 the session holds B once, in the layout of the kernel it runs:
+    VNNI tiles where the CPU has AVX-512 VNNI and the ``int4_vnni`` option is on, else row
+    tiles."""
+    rng = np.random.default_rng(11)
+    k, n = 256, 96
+    w = _weights(rng, n, k, 4, 32, "uint8")
+    model = _model(w, k, n, 4, 32, 4)
+    sess = InferenceSession(model, providers=[("cpu", {"int4_vnni": option})])
+    packed = [v for v in sess.executor.constants.values() if isinstance(v, contrib_quant.Int4Input)]
+    weights = [v.packed for v in packed if v.role == "weight"]
+    assert len(weights) == 1 and weights[0].ndim == (4 if option and vnni.HOST_VNNI else 3)
+    builds = contrib_quant.DEQUANT_CACHE.builds
+    for m in (1, 6):  # decode and verify sizes: the packed kernel on the held tiles
+        a = rng.standard_normal((m, k)).astype(F32)
+        want = _contract(a, w, 32)
+        got = sess.run(None, {"A": a})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert contrib_quant.DEQUANT_CACHE.builds == builds  # no second copy
 
 
 def test_an_accuracy_level_outside_0_to_4_is_refused() -> None:
