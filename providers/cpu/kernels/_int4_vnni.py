@@ -19,6 +19,7 @@ as ``_q8_tiles``, so both kernels give the same bits.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numba
 import numpy as np
@@ -37,6 +38,7 @@ from ._int4_matmul import (
 )
 from ._int8_activations import _quantize_blocks, _quantize_blocks_into
 from ._intrinsics import address_as_pointer
+from ._native_calls import NativeCall, native_runner, word_view, words
 from ._worker_pool import (
     COPY,
     FIRST_ARG,
@@ -47,6 +49,7 @@ from ._worker_pool import (
     pool_threads,
     run_job,
     set_arg,
+    worker_pool,
 )
 
 _F32 = np.float32
@@ -447,3 +450,88 @@ def int4_vnni_matmul(
     operands = m * nb * (w.block + 8) + 3 * 64
     run_pooled(_vnni_pooled, _vnni_runner, x, w, out, chunks, operands, "MatMulNBits (int4, VNNI)")
     return out
+
+
+# -- native form (``_native_calls``) ------------------------------------------------------------
+
+_N_WORDS = 19
+_N_STATUS = 18
+_NO_CTRL = np.zeros(1, np.int64)
+
+
+def _vnni_native(args, _a, _b):
+    """``int4_vnni_matmul`` as a native call. Words: x, m, k, tiles, tile count, K/8, rows,
+    scales, blocks, zeros, zero tiles (0: none), block, out, n, the pool's ctrl and its
+    length, the chunk runner, chunks, and the status word. Returns 1 (status left in the
+    words) when a late worker may still read the arrays, 2 when the call failed."""
+    try:
+        w = word_view(args, _N_WORDS)
+        m, k, nt, k8, rows, nb, zt, block, n = (
+            w[1],
+            w[2],
+            w[4],
+            w[5],
+            w[6],
+            w[8],
+            w[10],
+            w[11],
+            w[13],
+        )
+        x = numba.carray(address_as_pointer(w[0], _F32), (m, k))
+        tiles = numba.carray(address_as_pointer(w[3], np.uint8), (nt, k8, rows, 4))
+        scales = numba.carray(address_as_pointer(w[7], _F32), (nt, nb, rows))
+        zeros = numba.carray(
+            address_as_pointer(w[9], _F32), (zt, nb if zt else 0, rows if zt else 0)
+        )
+        out = numba.carray(address_as_pointer(w[12], _F32), (m, n))
+        if w[17] <= 1:
+            _vnni_serial(x, block, tiles, scales, zeros, out)
+            return 0
+        ctrl = numba.carray(address_as_pointer(w[14], np.int64), (w[15],))
+        status = _vnni_pooled(x, tiles, scales, zeros, block, out, ctrl, w[16], w[17])
+        if status & 3:
+            w[_N_STATUS] = status
+            return 1
+        return 0
+    except Exception:  # noqa: BLE001 - a native call reports failure by its code
+        return 2
+
+
+_vnni_native_runner = native_runner(_vnni_native)
+
+
+def vnni_native(x: np.ndarray, w: Int4Tiles, out: np.ndarray, call: Callable[[], object]):
+    """The native form of ``int4_vnni_matmul(x, w, out)`` (``call``, its Python form, runs
+    when the native call fails); None for weights it does not take."""
+    if not w.vnni or w.rows % PANEL or not (x.flags.c_contiguous and out.flags.c_contiguous):
+        return None
+    m, k = x.shape
+    nt, k8, rows, _ = w.tiles.shape
+    nb = w.scales.shape[1]
+    zt = w.zeros.shape[0] if w.zeros.size else 0
+    arrays = (x, w.tiles, w.scales, w.zeros, out)
+
+    def make() -> NativeCall:
+        chunks = min(tile_parts(m, k, w), nt, MAX_CHUNKS)
+        ctrl, runner = _NO_CTRL, 0
+        if chunks > 1 and pool_threads() >= 2:
+            pool = worker_pool()
+            pool.reserve(m * out.shape[1], m * nb * (w.block + 8) + 3 * 64)
+            ctrl, runner = pool.ctrl, _vnni_runner()
+        else:
+            chunks = 1
+        words_ = words(
+            x.ctypes.data, m, k, w.tiles.ctypes.data, nt, k8, rows, w.scales.ctypes.data, nb,
+            w.zeros.ctypes.data, zt, w.block, out.ctypes.data, out.shape[1], ctrl.ctypes.data,
+            ctrl.size, runner, chunks, 0,
+        )  # fmt: skip
+
+        def on_code(code: int) -> None:
+            if code == 1:
+                worker_pool().settle(int(words_[_N_STATUS]), arrays, "MatMulNBits (int4, VNNI)")
+            else:
+                call()
+
+        return NativeCall(_vnni_native_runner(), words_, on_code, (*arrays, ctrl))
+
+    return make

@@ -62,7 +62,7 @@ from ._int4_matmul import (
     untile_weight,
 )
 from ._int4_vnni import PANEL as VNNI_TILE_ROWS
-from ._int4_vnni import int4_vnni_matmul, vnni_enabled
+from ._int4_vnni import int4_vnni_matmul, vnni_enabled, vnni_native
 from ._int8_activations import ROWS as INT8_TILE_ROWS
 from ._int8_activations import fake_quantize, int4_int8_matmul
 from ._registry import REGISTRY
@@ -410,7 +410,11 @@ def _bind_matmul_nbits(ctx: KernelContext, inputs: Any, out: Any) -> Callable[[]
         return None
     w4 = _int4_weight(b, scales, zero_points, k, n, dims.block, layout)
     kernel = _int8_kernel(w4) if int8 else int4_matmul
-    return functools.partial(kernel, a.reshape(m, k), w4, out.reshape(m, n))
+    x2, y2 = a.reshape(m, k), out.reshape(m, n)
+    call = functools.partial(kernel, x2, w4, y2)
+    if kernel is int4_vnni_matmul:
+        call.native = vnni_native(x2, w4, y2, call)  # type: ignore[attr-defined]
+    return call
 
 
 @REGISTRY.register(

@@ -408,3 +408,5 @@ def test_replayed_graph_matches_onnxruntime(m, level, zero, bias, prebound) -> N
     graph = sess.main_provider.recorded_graph(DeviceGraphSlot.PRIMARY)
     assert graph is not None and len(graph.calls) == 1
     assert graph.bound == (1 if prebound else 0)
+    # the VNNI kernel's call replays in native form (``_native_calls``)
+    assert graph.native_calls == (1 if prebound and level == 4 and vnni.vnni_enabled() else 0)
