@@ -68,6 +68,7 @@ from ._worker_pool import (
     COPY,
     FIRST_ARG,
     MAX_CHUNKS,
+    NO_POOL,
     OUT,
     chunk_runner,
     enter,
@@ -501,7 +502,6 @@ def _step_chunk(args, chunk, mode):
 
 
 _step_runner = chunk_runner(_step_chunk)
-_NO_POOL = np.zeros(1, np.int64)  # the pool words' stand-in at one thread (never entered)
 
 
 def _aligned(n: int) -> int:
@@ -609,7 +609,7 @@ def attend_rows(plan: StepPlan, chunks: int = 0) -> int:
     the work, when the pool has two threads or more."""
     threads = pool_threads()
     if threads < 2:
-        stepped, status = _step(plan.desc, plan.args, _NO_POOL, _step_runner(), 1, 0, 1, 1)
+        stepped, status = _step(plan.desc, plan.args, NO_POOL, _step_runner(), 1, 0, 1, 1)
         if status:
             raise KernelError("GroupQueryAttention step: the chunk kernel failed")
         return stepped
@@ -664,7 +664,7 @@ def native_step(plan: StepPlan, finish: Callable[[int], None]) -> Callable[[], N
 
     def make() -> NativeCall:
         threads = pool_threads()
-        ctrl = _NO_POOL
+        ctrl = NO_POOL
         if threads >= 2:
             pool = worker_pool()
             pool.reserve(plan.region_values)

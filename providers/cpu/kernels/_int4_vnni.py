@@ -43,6 +43,7 @@ from ._worker_pool import (
     COPY,
     FIRST_ARG,
     MAX_CHUNKS,
+    NO_POOL,
     carve,
     chunk_runner,
     operand_address,
@@ -456,7 +457,6 @@ def int4_vnni_matmul(
 
 _N_WORDS = 19
 _N_STATUS = 18
-_NO_CTRL = np.zeros(1, np.int64)
 
 
 def _vnni_native(args, _a, _b):
@@ -513,7 +513,7 @@ def vnni_native(x: np.ndarray, w: Int4Tiles, out: np.ndarray, call: Callable[[],
 
     def make() -> NativeCall:
         chunks = min(tile_parts(m, k, w), nt, MAX_CHUNKS)
-        ctrl, runner = _NO_CTRL, 0
+        ctrl, runner = NO_POOL, 0
         if chunks > 1 and pool_threads() >= 2:
             pool = worker_pool()
             pool.reserve(m * out.shape[1], m * nb * (w.block + 8) + 3 * 64)

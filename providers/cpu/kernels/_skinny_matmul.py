@@ -35,6 +35,7 @@ from ._worker_pool import (
     COPY,
     FIRST_ARG,
     MAX_CHUNKS,
+    NO_POOL,
     OUT,
     chunk_count,
     chunk_runner,
@@ -371,7 +372,7 @@ def skinny_call(
 
     def native() -> NativeCall:
         chunks = skinny_chunks(m, k, n)
-        ctrl, runner = _NO_CTRL, 0
+        ctrl, runner = NO_POOL, 0
         if chunks > 1:
             pool = worker_pool()
             pool.reserve(m * n)
@@ -393,7 +394,6 @@ def skinny_call(
     return call
 
 
-_NO_CTRL = np.zeros(1, np.int64)
 #: Native codes: a late worker may still read the arrays (the pool keeps them), or rerun
 #: the Python call (it raises the kernel's own error).
 _SETTLE, _RERUN = 1, 2

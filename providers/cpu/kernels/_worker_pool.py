@@ -451,6 +451,9 @@ class WorkerPool:
                 self._libc.sem_destroy(ctypes.c_void_p(self._sem(w)))
 
 
+#: The ctrl words' stand-in for a kernel call that runs on the calling thread alone (never
+#: entered as a pool).
+NO_POOL = np.zeros(1, np.int64)
 _THREADS = 1
 _EPOCH = 0
 _POOL: WorkerPool | None = None
