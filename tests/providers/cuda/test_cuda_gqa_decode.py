@@ -5,7 +5,7 @@ mirror on the CPU), eagerly and replayed in one graph while the device length gr
 
 Every test is marked ``gpu``. The provider runs with ``attention_cluster_max_keys=1`` so that
 short caches take the grouped kernel too; each test checks which kernel ran. Benchmark (not
-collected): ``python tests/providers/cuda/test_cuda_gqa_decode.py --timings`` prints the
+collected): ``python -m tests.providers.cuda.test_cuda_gqa_decode --timings`` prints the
 attention's device time per call for the 0.5B layout on a 32768-position cache (grouped
 with its own and with fixed split counts, many-split, cluster); with ``$OUT`` set it also
 writes ``$OUT/gqa_decode_timings.txt``.

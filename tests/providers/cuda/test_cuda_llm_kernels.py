@@ -1188,8 +1188,14 @@ def build_fixtures(dest: Path = FIXTURES) -> None:
         f"qwen2-{precision}": llm_fixtures.build_qwen2(
             llm_fixtures.TINY_QWEN2, precision, target=target
         )
-        for precision, target in (("fp32", "cpu"), ("int4", "cpu"), ("bf16", "cuda"))
+        for precision, target in (("fp32", "cpu"), ("bf16", "cuda"))
     }
+    # int4 at accuracy_level 1 (float activations): the builder's CPU default, level 4, makes
+    # the CPU provider quantize activations to int8 as onnxruntime's CPU provider does, while
+    # CUDA MatMulNBits computes in float whatever the level (as onnxruntime's CUDA provider).
+    sources["qwen2-int4"] = llm_fixtures.build_qwen2_with_options(
+        llm_fixtures.TINY_QWEN2, "int4", options={"accuracy_level": 1}
+    )
     # The CPU provider decodes it token-identically to onnxruntime-genai
     # (tests/engine/test_sliding_window_parity.py).
     sources["gemma2-fp32"] = llm_fixtures.build_gemma2(llm_fixtures.TINY_GEMMA2)
