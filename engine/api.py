@@ -447,7 +447,9 @@ def _decode_batch(
     while True:
         for i in list(live):
             row = rows[i]
-            _, _, hit = scanners[i].feed(batch.last_tokens(row))
+            # Without stop strings a row's text is decoded once, when it ends (the same
+            # stream decoder over the same tokens), not token by token in the step loop.
+            hit = scanners[i].feed(batch.last_tokens(row))[2] if stops else None
             if hit is not None:
                 reasons[i] = f"stop string {hit!r}"
             elif batch.ended_by_eos(row):
@@ -457,6 +459,8 @@ def _decode_batch(
             if reasons[i] is not None:
                 live.discard(i)
                 sequences[i] = batch.sequence(row)
+                if not stops:
+                    scanners[i].feed(sequences[i][len(ids[i]) :])
                 batch.remove(row)  # later steps skip the row
         if not live:
             break

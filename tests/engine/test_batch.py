@@ -255,6 +255,12 @@ def test_generate_with_a_list_of_prompts(model):
             alone.stop_reason,
         ), text
     assert any("stop string" in r.stop_reason for r in results)
+    # Without stop strings each row's text is decoded when the row ends: the same text.
+    plain = generate(model, texts, 24)
+    for text, result in zip(texts, plain, strict=True):
+        alone = generate(model, text, 24)
+        assert (result.text, result.tokens) == (alone.text, alone.tokens), text
+        assert result.text == model.tokenizer.decode(result.tokens[-result.new_tokens :])
     with pytest.raises(InvalidInputError, match="speculative decoding runs one sequence"):
         generate(model, texts, 8, spec="mtp")
 
