@@ -483,22 +483,23 @@ def _step(d, args, ctrl, runner, threads, min_work, chunk_work, chunks):
 def _step_chunk(args, chunk, mode):
     """Chunk runner (``_worker_pool``): the groups of chunk ``chunk`` into the output (the
     caller, with its own scratch), into the worker's scratch region (the output's layout,
-    then its work scratch), or copied from that region."""
-    try:
-        a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
-        d = numba.carray(address_as_pointer(a[FIRST_ARG], np.int64), (_WORDS,))
-        groups = d[_B] * d[_M] * d[_KVN]
-        g0 = chunk * groups // a[1]
-        g1 = (chunk + 1) * groups // a[1]
-        if mode == COPY:
-            _copy_groups(d, g0, g1, a[0])
-        elif mode == OUT:
-            _groups(d, g0, g1, d[_OUT], a[FIRST_ARG + 1])
-        else:
-            _groups(d, g0, g1, a[0], a[0] + 4 * d[_OUT_VALUES])
-        return 0
-    except Exception:  # noqa: BLE001 - a runner reports failure by its return value
+    then its work scratch), or copied from that region. No ``try`` (one costs a cfunc about
+    0.5 s of first-run compilation): nothing raises once the chunk and KV head counts are
+    positive."""
+    a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
+    d = numba.carray(address_as_pointer(a[FIRST_ARG], np.int64), (_WORDS,))
+    if a[1] < 1 or d[_KVN] < 1 or d[_M] < 1:
         return 1
+    groups = d[_B] * d[_M] * d[_KVN]
+    g0 = chunk * groups // a[1]
+    g1 = (chunk + 1) * groups // a[1]
+    if mode == COPY:
+        _copy_groups(d, g0, g1, a[0])
+    elif mode == OUT:
+        _groups(d, g0, g1, d[_OUT], a[FIRST_ARG + 1])
+    else:
+        _groups(d, g0, g1, a[0], a[0] + 4 * d[_OUT_VALUES])
+    return 0
 
 
 _step_runner = chunk_runner(_step_chunk)
@@ -640,11 +641,12 @@ def _step_native(args, _a, _b):
         plan_args = numba.carray(address_as_pointer(w[1], np.int64), (ARGS,))
         ctrl = numba.carray(address_as_pointer(w[2], np.int64), (w[3],))
         threads = w[5]
+        one, zero = np.int64(1), np.int64(0)  # not literals: _step compiles once
         if threads < 2:
-            stepped, status = _step(d, plan_args, ctrl, w[4], 1, 0, 1, 1)
+            stepped, status = _step(d, plan_args, ctrl, w[4], one, zero, one, one)
         else:
-            stepped, status = _step(d, plan_args, ctrl, w[4], threads, PARALLEL_MIN_WORK,
-                                    CHUNK_WORK, 0)  # fmt: skip
+            stepped, status = _step(d, plan_args, ctrl, w[4], threads,
+                                    np.int64(PARALLEL_MIN_WORK), np.int64(CHUNK_WORK), zero)  # fmt: skip
         w[_N_STEPPED] = stepped
         w[_N_STATUS] = status
         return 0 if stepped == d[_B] and status == 0 else 1

@@ -183,6 +183,13 @@ def layer_norm_rows(x, scale, bias, eps, out, mean_out, inv_out):
                 o[j] = (r[j] - mean) * inv * scale[j]
 
 
+def writable(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy where it is read-only (an initializer mapped from the file): Numba
+    types a read-only array apart, so a kernel called with both compiles twice (seconds of
+    first-run compilation each); the native calls' arrays are always writable."""
+    return a if a.flags.writeable else a.copy()
+
+
 @numba.njit(cache=True, fastmath=_FM)
 def rms_norm_rows(x, scale, eps, out, inv_out):
     """y = x / sqrt(mean(x^2) + eps) * scale per row; scale has cols items."""

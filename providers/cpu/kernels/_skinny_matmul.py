@@ -30,6 +30,7 @@ import numpy as np
 
 from ._intrinsics import address_as_pointer, stack_float32
 from ._native_calls import NativeCall, address_of, native_runner, word_view, words
+from ._nn_common import writable
 from ._worker_pool import (
     ARGS,
     COPY,
@@ -58,6 +59,12 @@ SKINNY_MAX_M = 16
 PARALLEL_MIN_WORK = 1 << 16
 CHUNK_WORK = 1 << 16
 _NO_BIAS = np.zeros(0, _F32)
+
+
+def _kernel_bias(bias: np.ndarray | None) -> np.ndarray:
+    """The bias as the kernels take it: writable (``writable``), so every call site
+    compiles one signature."""
+    return _NO_BIAS if bias is None else writable(bias)
 
 
 #: Output columns per tile of a packed weight.
@@ -253,28 +260,27 @@ def _skinny_serial(x, tiles, bias, out):
 
 def _skinny_chunk(args, chunk, mode):
     """Chunk runner (``_worker_pool``): the tiles of chunk ``chunk`` into the output, into
-    the scratch buffer, or copied across."""
-    try:
-        a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
-        chunks = a[1]
-        m, k, count, n = a[FIRST_ARG + 1], a[FIRST_ARG + 2], a[FIRST_ARG + 3], a[FIRST_ARG + 5]
-        t0 = chunk * count // chunks
-        t1 = (chunk + 1) * count // chunks
-        c0 = t0 * 32
-        c1 = min(n, t1 * 32)
-        out = numba.carray(address_as_pointer(a[FIRST_ARG + 8], np.float32), (m, n))
-        scratch = numba.carray(address_as_pointer(a[0], np.float32), (m, n))
-        if mode == COPY:
-            for i in range(m):
-                out[i, c0:c1] = scratch[i, c0:c1]
-            return 0
-        x = numba.carray(address_as_pointer(a[FIRST_ARG], np.float32), (m, k))
-        tiles = numba.carray(address_as_pointer(a[FIRST_ARG + 4], np.float32), (count, k, 32))
-        bias = numba.carray(address_as_pointer(a[FIRST_ARG + 6], np.float32), (a[FIRST_ARG + 7],))
-        _tiles(x, tiles, bias, out if mode == OUT else scratch, t0, t1)
-        return 0
-    except Exception:  # noqa: BLE001 - a runner reports failure by its return value
+    the scratch buffer, or copied across. It has no ``try`` (one costs a cfunc about 0.5 s
+    of first-run compilation): nothing in it raises once ``chunks`` is positive."""
+    a = numba.carray(address_as_pointer(args, np.int64), (ARGS,))
+    chunks = a[1]
+    if chunks < 1:
         return 1
+    m, k, count, n = a[FIRST_ARG + 1], a[FIRST_ARG + 2], a[FIRST_ARG + 3], a[FIRST_ARG + 5]
+    t0 = chunk * count // chunks
+    t1 = (chunk + 1) * count // chunks
+    out = numba.carray(address_as_pointer(a[FIRST_ARG + 8], np.float32), (m, n))
+    scratch = numba.carray(address_as_pointer(a[0], np.float32), (m, n))
+    if mode == COPY:
+        for i in range(m):
+            for c in range(t0 * 32, min(n, t1 * 32)):
+                out[i, c] = scratch[i, c]
+        return 0
+    x = numba.carray(address_as_pointer(a[FIRST_ARG], np.float32), (m, k))
+    tiles = numba.carray(address_as_pointer(a[FIRST_ARG + 4], np.float32), (count, k, 32))
+    bias = numba.carray(address_as_pointer(a[FIRST_ARG + 6], np.float32), (a[FIRST_ARG + 7],))
+    _tiles(x, tiles, bias, out if mode == OUT else scratch, t0, t1)
+    return 0
 
 
 _skinny_runner = chunk_runner(_skinny_chunk)
@@ -323,7 +329,7 @@ def skinny_matmul(
     split into ``chunks`` (default ``skinny_chunks``) over the worker pool's threads."""
     m, k = x.shape
     n = w.n
-    b = _NO_BIAS if bias is None else bias
+    b = _kernel_bias(bias)
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -353,7 +359,7 @@ def skinny_call(
     if m == 0 or n == 0 or k == 0:
         return functools.partial(skinny_matmul, x, w, out, bias)
     tiles = w.tiles
-    b = _NO_BIAS if bias is None else bias
+    b = _kernel_bias(bias)
     split = [0, 1, 0]  # the thread count it was worked out for, the chunks, the runner
 
     def call() -> None:

@@ -239,7 +239,7 @@ def _leave(ctrl):
     store_release(ctrl, _BUSY, 0)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def set_arg(ctrl, i, value):
     """Argument word ``FIRST_ARG + i`` of the job being prepared (the pool must be held)."""
     store_relaxed(ctrl, _ARGS + FIRST_ARG + i, value)

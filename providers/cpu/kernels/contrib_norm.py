@@ -7,7 +7,13 @@ import numpy as np
 from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 
 from ._native_rows import skip_rms_native
-from ._nn_common import compute_dtype, layer_norm_rows, output_count, rms_norm_rows
+from ._nn_common import (
+    compute_dtype,
+    layer_norm_rows,
+    output_count,
+    rms_norm_rows,
+    writable,
+)
 from ._registry import REGISTRY
 
 _F32 = np.dtype(np.float32)
@@ -45,7 +51,7 @@ def _skip_norm(
     direct = y.dtype == cdt and y.flags.c_contiguous
     dst = y.reshape(rows, cols) if direct else np.empty_like(src)
     mean, inv = np.zeros(rows, cdt), np.empty(rows, cdt)
-    g = np.ascontiguousarray(gamma, dtype=cdt).reshape(-1)
+    g = writable(np.ascontiguousarray(gamma, dtype=cdt).reshape(-1))
     if rows and rms:
         rms_norm_rows(src, g, eps, dst, inv)
     elif rows:
@@ -94,7 +100,7 @@ def _bind_skip_rms(ctx: KernelContext, inputs, out):
     cols = x.shape[-1]
     rows = x.size // cols
     h = (total if total is not None else np.empty(x.shape, _F32)).reshape(rows, cols)
-    g = np.ascontiguousarray(gamma, dtype=_F32).reshape(-1)
+    g = writable(np.ascontiguousarray(gamma, dtype=_F32).reshape(-1))
     eps = _F32.type(float(ctx.attr("epsilon", 1e-12)))
     x2, s2, y2, inv = (
         x.reshape(rows, cols),

@@ -17,6 +17,7 @@ from ._nn_common import (
     output_count,
     rms_norm_rows,
     rows_view,
+    writable,
 )
 from ._registry import REGISTRY
 
@@ -40,7 +41,7 @@ def _param_row(
         full = np.broadcast_to(p, norm_shape)
     except ValueError:
         return None
-    return np.ascontiguousarray(full, dtype=cdt).reshape(-1)
+    return writable(np.ascontiguousarray(full, dtype=cdt).reshape(-1))
 
 
 def _normalize(
@@ -207,7 +208,7 @@ def _bind_simplified_layer_norm(ctx: KernelContext, inputs, out):
     cols = x.shape[-1]
     if scale.dtype != _F32 or scale.shape != (cols,):
         return None
-    g = np.ascontiguousarray(scale)
+    g = writable(np.ascontiguousarray(scale))
     eps = _F32.type(float(ctx.attr("epsilon", 1e-5)))
     rows = x.size // cols
     x2, y2, inv = x.reshape(rows, cols), out.reshape(rows, cols), np.empty(rows, _F32)
