@@ -224,25 +224,35 @@ def make_generator(
     return SpeculativeGenerator(model, params, proposer, k=default_k(model, kind, k), payoff=payoff)
 
 
-def warm_up(model: Model, max_length: int, spec: str | None = None, k: int | None = None) -> float:
-    """Generate a few tokens from a dummy prompt the way a generation of up to
-    ``max_length`` tokens with ``spec`` would, then hand the KV cache back to the model's
-    pool: kernels compile (or load from their cache), memory is planned and the decode,
-    verify and proposer graphs are captured, on the very cache the next such generation
-    takes, which then replays from its first step. Returns the seconds it took."""
+def warm_up(
+    model: Model,
+    max_length: int,
+    spec: str | None = None,
+    k: int | None = None,
+    prompt_length: int = 2,
+) -> float:
+    """Generate a few tokens from a dummy prompt of ``prompt_length`` tokens the way a
+    generation of up to ``max_length`` tokens with ``spec`` would, twice, then hand the KV
+    cache back to the model's pool: kernels compile (or load from their cache), memory is
+    planned (for a prompt of that length too) and the decode, verify and proposer graphs are
+    captured, on the very cache the next such generation takes, which then replays from its
+    first step. The second pass captures the graphs a generation runs once (the proposer's
+    first drafts after the prompt), eager on their first use. Returns the seconds it took."""
     start = time.perf_counter()
-    params = GeneratorParams(model)
     length = min(
         max(check_int(max_length, "max_length", minimum=2), 8), model.config.context_length
     )
-    params.set_search_options(max_length=length)
-    with make_generator(model, params, spec, k) as gen:
-        gen.eos = set()
-        gen.append_tokens([0, 0])
-        for _ in range(6):
-            if gen.is_done():
-                break
-            gen.generate_next_token()
+    prompt = [0] * min(check_int(prompt_length, "prompt_length", minimum=1), length - 1)
+    for _ in range(2):
+        params = GeneratorParams(model)
+        params.set_search_options(max_length=length)
+        with make_generator(model, params, spec, k) as gen:
+            gen.eos = set()
+            gen.append_tokens(prompt)
+            for _ in range(6):
+                if gen.is_done():
+                    break
+                gen.generate_next_token()
     return time.perf_counter() - start
 
 

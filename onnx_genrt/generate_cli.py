@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = time.perf_counter() - loading
     # Compile (or load) kernels and capture the decode graph before the prompt is timed.
     prompt_length = len(model.tokenizer.encode(args.prompt)) if args.prompt else 1
-    warmed = warm_up(model, prompt_length + args.max_new_tokens, args.spec, args.k)
+    warmed = warm_up(model, prompt_length + args.max_new_tokens, args.spec, args.k, prompt_length)
     results: list = []
     pieces = stream(
         model,
