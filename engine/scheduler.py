@@ -43,6 +43,10 @@ class SchedulerClosedError(OnnxGenrtError):
 #: Why a request ended, as the OpenAI API names it: ``stop`` (end of sequence or a stop
 #: string), ``length`` (max_new_tokens or the context), ``cancelled``, ``error``.
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+#: Rows decoded together and requests that may wait for a row, unless told otherwise (the
+#: server's defaults too: ``onnx-genrt serve``, ``create_app``, the Ray deployment).
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_QUEUE = 256
 
 
 @dataclass(frozen=True)
@@ -305,8 +309,8 @@ class Scheduler:
         self,
         model: Model,
         *,
-        max_batch: int = 8,
-        max_queue: int = 256,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         max_length: int | None = None,
         prefill_chunk: int | None = 256,
     ) -> None:

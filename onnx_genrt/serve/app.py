@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.engine.model import Model
-from onnx_genrt.engine.scheduler import FINISH_REASONS
+from onnx_genrt.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, FINISH_REASONS
 
 from . import DEFAULT_GRACE_PERIOD
 from . import metrics as prom
@@ -115,9 +115,9 @@ async def _internal_error(http: Request, exc: Exception) -> Response:
 def create_app(
     model_dir: str | Path | None = None,
     provider: str | Sequence[Any] = "cpu",
-    max_batch: int = 8,
+    max_batch: int = DEFAULT_MAX_BATCH,
     *,
-    max_queue: int = 256,
+    max_queue: int = DEFAULT_MAX_QUEUE,
     max_length: int | None = None,
     model_name: str | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,

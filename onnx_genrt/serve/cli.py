@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_provider_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=PORT, default=8000, help="port (default 8000; 0: any free)")
+    # The engine's DEFAULT_MAX_BATCH and DEFAULT_MAX_QUEUE, written here so that building
+    # the parser imports no engine (tests/serve/test_serve_cli.py checks they agree).
     p.add_argument(
         "--max-batch", type=POSITIVE_INT, default=8, help="rows decoded together (default 8)"
     )

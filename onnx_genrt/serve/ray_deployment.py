@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from onnx_genrt.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
+
 #: ``app_builder`` arguments and their types (``serve run`` passes strings).
 ARGUMENTS: dict[str, type] = {
     "model_dir": str,
@@ -27,8 +29,8 @@ def deployment(
     *,
     model_dir: str | None = None,
     provider: str = "cpu",
-    max_batch: int = 8,
-    max_queue: int = 256,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    max_queue: int = DEFAULT_MAX_QUEUE,
     model_name: str | None = None,
     num_replicas: int = 1,
     num_cpus: float = 1.0,

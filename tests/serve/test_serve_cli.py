@@ -42,3 +42,23 @@ def test_a_missing_model_folder_is_a_model_error(tmp_path):
 def test_bad_flags_are_usage_errors():
     one_line(serve("--max-batch", "0"), 2, "--max-batch", ">= 1")
     one_line(serve("--port", "-1"), 2, "--port")
+
+
+def test_the_flags_default_to_the_engines_limits():
+    """``--max-batch`` and ``--max-queue`` default to the scheduler's own defaults, which
+    ``create_app`` and the Ray deployment take too."""
+    import argparse
+    import inspect
+
+    from onnx_genrt.engine.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, Scheduler
+    from onnx_genrt.serve import cli, ray_deployment
+    from onnx_genrt.serve.app import create_app
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve"])
+    assert (args.max_batch, args.max_queue) == (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE)
+    for fn in (Scheduler.__init__, create_app, ray_deployment.deployment):
+        params = inspect.signature(fn).parameters
+        assert params["max_batch"].default == DEFAULT_MAX_BATCH, fn
+        assert params["max_queue"].default == DEFAULT_MAX_QUEUE, fn

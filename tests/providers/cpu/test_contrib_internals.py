@@ -104,6 +104,32 @@ def test_matmul_nbits_int4_weight_not_all_constant(consts: tuple[str, ...], m: i
     assert len(contrib_quant.DEQUANT_CACHE) < cached
 
 
+@pytest.mark.parametrize("rows", [32, 64, 128])
+@pytest.mark.parametrize("zero", ["none", "uint8"])
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 16])
+def test_int4_float_gemm_rows_equal_the_one_row_kernel(m: int, zero: str, rows: int) -> None:
+    """The float 4-bit kernel for M > 1 (groups of four rows of x and a last one or two, 32
+    output columns at a time, last tile partial) against float64 and against the one-row
+    kernel run on each row of x alone."""
+    from onnx_genrt.providers.cpu.kernels import _int4_matmul as im
+
+    rng = _rng(50 + m)
+    n, k = 300, 256
+    qw = _quantize_nbits(rng.standard_normal((n, k)), 4, 32, zero)
+    zeros = None
+    if zero == "uint8":
+        zeros = contrib_quant._nbits_zeros(qw["zero_points"], n, k // 32, 4)
+    w = im.pack_int4(qw["B"], qw["scales"], zeros, n, 32, rows=rows)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = np.full((m, n), np.nan, np.float32)
+    im._int4_serial(x, w.tiles, w.scales, w.zeros, w.block, got)
+    np.testing.assert_allclose(got, _f64(x) @ qw["ref"].T, rtol=1e-4, atol=1e-4)
+    for i in range(m):
+        row = np.full((1, n), np.nan, np.float32)
+        im._int4_serial(x[i : i + 1], w.tiles, w.scales, w.zeros, w.block, row)
+        np.testing.assert_allclose(got[i], row[0], rtol=1e-5, atol=1e-6 * np.abs(row).max())
+
+
 @pytest.mark.parametrize("m", [1, 4])
 def test_int4_matmul_on_the_worker_pool_matches_serial(two_threads, m: int) -> None:
     """Tiles split into chunks over the caller and the worker thread: the serial kernel's
