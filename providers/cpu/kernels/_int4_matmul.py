@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._intrinsics import address_as_pointer
+from ._intrinsics import address_as_pointer, stack_float32
 from ._worker_pool import (
     ARGS,
     COPY,
@@ -257,38 +257,81 @@ def _tiles_gemv(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
 
 @numba.njit(cache=True, fastmath=_FM)
 def _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
-    """Like ``_tiles_gemv`` for M > 1 rows of x: each byte is unpacked once for all M."""
+    """Like ``_tiles_gemv`` for M > 1 rows of x: 32 of a tile's output rows at a time for
+    four rows of x (rows of x padded with zeros to a multiple of four), the sums in stack
+    arrays LLVM keeps in registers, so each unpacked byte feeds eight multiply-adds with no
+    load or store of an accumulator. The weight bytes, scales and zero points are read
+    through pointers of unit stride (``numba.carray``): indexed through the arrays, LLVM
+    loads each byte on its own once the loop is unrolled. Tiles, scales and zero points
+    must be C-contiguous (as ``pack_int4`` makes them)."""
     _, half, rows = tiles.shape
     m = xe.shape[0]
+    n = out.shape[1]
     nb = scales.shape[0]
     blob = half // nb
-    n = out.shape[1]
-    acc = np.empty((m, rows), _F32)
-    tot = np.empty((m, rows), _F32)
-    lo = np.empty(rows, _F32)
-    hi = np.empty(rows, _F32)
+    m4 = (m + 3) // 4 * 4
+    pe, po, ps = xe, xo, xs
+    if m4 != m:
+        pe = np.zeros((m4, half), _F32)
+        po = np.zeros((m4, half), _F32)
+        ps = np.zeros((m4, nb), _F32)
+        pe[:m] = xe
+        po[:m] = xo
+        ps[:m] = xs
+    base = tiles.ctypes.data
+    has_zeros = zeros.shape[0] != 0
+    acc = stack_float32(128)
+    tot = stack_float32(128)
     for ti in range(t0, t1):
-        r0 = ti * rows
-        tot[:] = 0
-        for b in range(nb):
-            acc[:] = 0
-            for t in range(b * blob, (b + 1) * blob):
-                q = tiles[ti, t]
-                for r in range(rows):
-                    v = q[r]
-                    lo[r] = _F32(_U8(v & 15)) - _F32(8)
-                    hi[r] = _F32(_U8(v >> 4)) - _F32(8)
-                for i in range(m):
-                    e = xe[i, t]
-                    o = xo[i, t]
-                    ai = acc[i]
-                    for r in range(rows):
-                        ai[r] += lo[r] * e + hi[r] * o
-            for i in range(m):
-                _block_end(tot[i], acc[i], scales, zeros, b, r0, xs[i, b])
-        for i in range(m):
-            for r in range(min(rows, n - r0)):
-                out[i, r0 + r] = tot[i, r]
+        for c0 in range(0, rows, 32):
+            col = ti * rows + c0
+            if col >= n:
+                break
+            for i in range(0, m4, 4):
+                for j in range(128):
+                    tot[j] = 0
+                for b in range(nb):
+                    for j in range(128):
+                        acc[j] = 0
+                    for t in range(b * blob, (b + 1) * blob):
+                        q = numba.carray(
+                            address_as_pointer(base + (ti * half + t) * rows + c0, _U8), (32,)
+                        )
+                        e0, o0 = pe[i, t], po[i, t]
+                        e1, o1 = pe[i + 1, t], po[i + 1, t]
+                        e2, o2 = pe[i + 2, t], po[i + 2, t]
+                        e3, o3 = pe[i + 3, t], po[i + 3, t]
+                        for j in range(32):
+                            v = q[j]
+                            lo = _F32(_U8(v & 15)) - _F32(8)
+                            hi = _F32(_U8(v >> 4)) - _F32(8)
+                            acc[j] += lo * e0 + hi * o0
+                            acc[32 + j] += lo * e1 + hi * o1
+                            acc[64 + j] += lo * e2 + hi * o2
+                            acc[96 + j] += lo * e3 + hi * o3
+                    at = 4 * (b * scales.shape[1] + col)
+                    sc = numba.carray(address_as_pointer(scales.ctypes.data + at, _F32), (32,))
+                    if has_zeros:
+                        zc = numba.carray(address_as_pointer(zeros.ctypes.data + at, _F32), (32,))
+                        x0, x1, x2, x3 = ps[i, b], ps[i + 1, b], ps[i + 2, b], ps[i + 3, b]
+                        for j in range(32):
+                            tot[j] += sc[j] * (acc[j] - zc[j] * x0)
+                            tot[32 + j] += sc[j] * (acc[32 + j] - zc[j] * x1)
+                            tot[64 + j] += sc[j] * (acc[64 + j] - zc[j] * x2)
+                            tot[96 + j] += sc[j] * (acc[96 + j] - zc[j] * x3)
+                    else:
+                        for j in range(32):
+                            tot[j] += sc[j] * acc[j]
+                            tot[32 + j] += sc[j] * acc[32 + j]
+                            tot[64 + j] += sc[j] * acc[64 + j]
+                            tot[96 + j] += sc[j] * acc[96 + j]
+                width = min(32, n - col)
+                for r in range(4):
+                    if i + r < m:
+                        o = out[i + r]
+                        for j in range(32):
+                            if j < width:
+                                o[col + j] = tot[32 * r + j]
 
 
 @numba.njit(cache=True, fastmath=_FM, inline="always")
