@@ -262,8 +262,12 @@ def _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
     arrays LLVM keeps in registers, so each unpacked byte feeds eight multiply-adds with no
     load or store of an accumulator. The weight bytes, scales and zero points are read
     through pointers of unit stride (``numba.carray``): indexed through the arrays, LLVM
-    loads each byte on its own once the loop is unrolled. Tiles, scales and zero points
-    must be C-contiguous (as ``pack_int4`` makes them)."""
+    loads each byte on its own once the loop is unrolled. Tiles, scales and zero points that
+    are not C-contiguous (``pack_int4`` makes them so) are copied first."""
+    if not (tiles.flags.c_contiguous and scales.flags.c_contiguous):
+        tiles, scales = np.ascontiguousarray(tiles), np.ascontiguousarray(scales)
+    if not zeros.flags.c_contiguous:
+        zeros = np.ascontiguousarray(zeros)
     _, half, rows = tiles.shape
     m = xe.shape[0]
     n = out.shape[1]

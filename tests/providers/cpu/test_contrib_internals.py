@@ -128,6 +128,13 @@ def test_int4_float_gemm_rows_equal_the_one_row_kernel(m: int, zero: str, rows: 
         row = np.full((1, n), np.nan, np.float32)
         im._int4_serial(x[i : i + 1], w.tiles, w.scales, w.zeros, w.block, row)
         np.testing.assert_allclose(got[i], row[0], rtol=1e-5, atol=1e-6 * np.abs(row).max())
+    # Tiles and scales that are views with gaps (the kernel reads them through pointers).
+    wide = np.zeros((*w.tiles.shape[:2], 2 * w.tiles.shape[2]), np.uint8)
+    wide[:, :, ::2] = w.tiles
+    wide_scales = np.repeat(w.scales, 2, axis=1)
+    view = np.full((m, n), np.nan, np.float32)
+    im._int4_serial(x, wide[:, :, ::2], wide_scales[:, ::2], w.zeros, w.block, view)
+    np.testing.assert_array_equal(view, got)
 
 
 @pytest.mark.parametrize("m", [1, 4])
