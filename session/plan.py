@@ -86,12 +86,19 @@ class GraphPlan:
     value_types: dict[str, ValueSpec] = field(default_factory=dict)
     #: Nodes of ``onnx_genrt`` bodies (``core.genrt_ops``) -> the node each body replaces.
     bodies: dict[str, str] = field(default_factory=dict)
+    #: The provider that holds values when no step runs anywhere (a graph without nodes:
+    #: its outputs are inputs or constants); the session's first.
+    home: ExecutionProvider | None = None
 
     @property
     def providers(self) -> list[ExecutionProvider]:
+        """The providers the steps run on, in order of first use; the ``home`` provider
+        alone for a graph without steps."""
         seen: dict[int, ExecutionProvider] = {}
         for s in self.steps:
             seen.setdefault(id(s.provider), s.provider)
+        if not seen and self.home is not None:
+            return [self.home]
         return list(seen.values())
 
     def placement_counts(self) -> dict[str, int]:
@@ -319,6 +326,7 @@ def build_plan(
     steps, biased = fuse_matmul_add(steps, constants, keep, type_of)
     fused += biased
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)
+    plan.home = providers[0] if providers else None
     plan.value_types = value_types
     plan.bodies = bodies
     return plan

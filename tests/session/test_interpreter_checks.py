@@ -135,3 +135,30 @@ def test_a_hook_closed_before_a_later_one_leaves_the_later_one_in_place():
     sess.run(["y"], {"x": x})
     assert events == []
     np.testing.assert_array_equal(y, np.maximum(x, 0))
+
+
+def test_a_graph_without_nodes_runs_bound_and_replayed():
+    """A graph whose outputs are its input and a constant has no step, so no step's
+    provider: bound runs and a captured replay copy them with the session's first."""
+    from onnx_genrt.core.graph_slots import DeviceGraphSlot
+
+    c = np.arange(3, dtype=np.float32)
+    graph = helper.make_graph(
+        [],
+        "g",
+        [helper.make_tensor_value_info("x", F, [2])],
+        [helper.make_tensor_value_info("x", F, [2]), helper.make_tensor_value_info("c", F, [3])],
+        initializer=[numpy_helper.from_array(c, "c")],
+    )
+    sess = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    assert sess.executor.plan.providers == [sess.main_provider]
+    x = np.array([5, -1], np.float32)
+    binding = sess.io_binding()
+    binding.bind_input("x", x)
+    out_x = binding.bind_output("x", shape=(2,), dtype=np.float32)
+    out_c = binding.bind_output("c", shape=(3,), dtype=np.float32)
+    for slot in (None, DeviceGraphSlot.PRIMARY, DeviceGraphSlot.PRIMARY):
+        out_x[...] = 0
+        sess.run_with_iobinding(binding, slot)
+        np.testing.assert_array_equal(out_x, x)
+        np.testing.assert_array_equal(out_c, c)
