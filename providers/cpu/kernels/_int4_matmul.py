@@ -258,9 +258,9 @@ def _tiles_gemv(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
 @numba.njit(cache=True, fastmath=_FM)
 def _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
     """Like ``_tiles_gemv`` for M > 1 rows of x: 32 of a tile's output rows at a time for
-    four rows of x (rows of x padded with zeros to a multiple of four), the sums in stack
-    arrays LLVM keeps in registers, so each unpacked byte feeds eight multiply-adds with no
-    load or store of an accumulator. The weight bytes, scales and zero points are read
+    four rows of x (``xe``, ``xo`` and ``xs`` have ``split_rows(M)`` rows, zero past M),
+    the sums in stack arrays LLVM keeps in registers, so each unpacked byte feeds eight
+    multiply-adds with no load or store of an accumulator. The weight bytes, scales and zero points are read
     through pointers of unit stride (``numba.carray``): indexed through the arrays, LLVM
     loads each byte on its own once the loop is unrolled. Tiles, scales and zero points that
     are not C-contiguous (``pack_int4`` makes them so) are copied first."""
@@ -269,19 +269,9 @@ def _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
     if not zeros.flags.c_contiguous:
         zeros = np.ascontiguousarray(zeros)
     _, half, rows = tiles.shape
-    m = xe.shape[0]
-    n = out.shape[1]
+    m, n = out.shape
     nb = scales.shape[0]
     blob = half // nb
-    m4 = (m + 3) // 4 * 4
-    pe, po, ps = xe, xo, xs
-    if m4 != m:
-        pe = np.zeros((m4, half), _F32)
-        po = np.zeros((m4, half), _F32)
-        ps = np.zeros((m4, nb), _F32)
-        pe[:m] = xe
-        po[:m] = xo
-        ps[:m] = xs
     base = tiles.ctypes.data
     has_zeros = zeros.shape[0] != 0
     acc = stack_float32(128)
@@ -291,7 +281,7 @@ def _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
             col = ti * rows + c0
             if col >= n:
                 break
-            for i in range(0, m4, 4):
+            for i in range(0, m, 4):  # xe, xo, xs have split_rows(m) rows
                 for j in range(128):
                     tot[j] = 0
                 for b in range(nb):
@@ -301,10 +291,10 @@ def _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
                         q = numba.carray(
                             address_as_pointer(base + (ti * half + t) * rows + c0, _U8), (32,)
                         )
-                        e0, o0 = pe[i, t], po[i, t]
-                        e1, o1 = pe[i + 1, t], po[i + 1, t]
-                        e2, o2 = pe[i + 2, t], po[i + 2, t]
-                        e3, o3 = pe[i + 3, t], po[i + 3, t]
+                        e0, o0 = xe[i, t], xo[i, t]
+                        e1, o1 = xe[i + 1, t], xo[i + 1, t]
+                        e2, o2 = xe[i + 2, t], xo[i + 2, t]
+                        e3, o3 = xe[i + 3, t], xo[i + 3, t]
                         for j in range(32):
                             v = q[j]
                             lo = _F32(_U8(v & 15)) - _F32(8)
@@ -317,7 +307,7 @@ def _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
                     sc = numba.carray(address_as_pointer(scales.ctypes.data + at, _F32), (32,))
                     if has_zeros:
                         zc = numba.carray(address_as_pointer(zeros.ctypes.data + at, _F32), (32,))
-                        x0, x1, x2, x3 = ps[i, b], ps[i + 1, b], ps[i + 2, b], ps[i + 3, b]
+                        x0, x1, x2, x3 = xs[i, b], xs[i + 1, b], xs[i + 2, b], xs[i + 3, b]
                         for j in range(32):
                             tot[j] += sc[j] * (acc[j] - zc[j] * x0)
                             tot[32 + j] += sc[j] * (acc[32 + j] - zc[j] * x1)
@@ -352,10 +342,20 @@ def _block_end(tot, acc, scales, zeros, b, r0, xsum):
             tot[r] += s[r] * (acc[r] - z[r] * xsum)
 
 
+def split_rows(m: int) -> int:
+    """Rows the split x is laid out in: M rounded up to the four rows ``_tiles_gemm`` takes
+    at a time (M itself for one row)."""
+    return m if m == 1 else (m + 3) // 4 * 4
+
+
+_split_rows = numba.njit(cache=True, inline="always")(split_rows)
+
+
 @numba.njit(cache=True, fastmath=_FM)
 def _split_x(x, half, nb, block):
-    """x's even columns (they meet the low nibbles), odd columns, and block sums."""
-    m = x.shape[0]
+    """x's even columns (they meet the low nibbles), odd columns, and block sums, in
+    ``split_rows(M)`` rows (zero past M)."""
+    m = _split_rows(x.shape[0])
     xe = np.empty((m, half), _F32)
     xo = np.empty((m, half), _F32)
     xs = np.empty((m, nb), _F32)
@@ -365,7 +365,8 @@ def _split_x(x, half, nb, block):
 
 @numba.njit(cache=True, fastmath=_FM)
 def _split_x_into(x, block, xe, xo, xs):
-    """``_split_x`` into given (M, half), (M, half) and (M, blocks) float32 arrays."""
+    """``_split_x`` into given float32 arrays of (rows, half), (rows, half) and (rows,
+    blocks), rows >= M: the rows past M are zero."""
     m, k = x.shape
     xe[:] = 0
     xo[:] = 0
@@ -450,9 +451,10 @@ def _int4_chunk(args, chunk, mode):
         a, m, half, nb, t0, t1, tiles, scales, zeros, dst = tile_chunk(args, chunk, mode)
         if mode == COPY:
             return 0
-        xe = numba.carray(address_as_pointer(a[FIRST_ARG], _F32), (m, half))
-        xo = numba.carray(address_as_pointer(a[FIRST_ARG + 1], _F32), (m, half))
-        xs = numba.carray(address_as_pointer(a[FIRST_ARG + 2], _F32), (m, nb))
+        rows = _split_rows(m)
+        xe = numba.carray(address_as_pointer(a[FIRST_ARG], _F32), (rows, half))
+        xo = numba.carray(address_as_pointer(a[FIRST_ARG + 1], _F32), (rows, half))
+        xs = numba.carray(address_as_pointer(a[FIRST_ARG + 2], _F32), (rows, nb))
         if m == 1:
             _tiles_gemv(tiles, t0, t1, xe, xo, xs, scales, zeros, dst)
         else:
@@ -486,9 +488,10 @@ def _int4_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
     m = x.shape[0]
     nb = scales.shape[0]
     addr = operand_address(ctrl)
-    xe, addr = carve(addr, (m, half), _F32)
-    xo, addr = carve(addr, (m, half), _F32)
-    xs, addr = carve(addr, (m, nb), _F32)
+    rows = _split_rows(m)
+    xe, addr = carve(addr, (rows, half), _F32)
+    xo, addr = carve(addr, (rows, half), _F32)
+    xs, addr = carve(addr, (rows, nb), _F32)
     _split_x_into(x, block, xe, xo, xs)
     set_arg(ctrl, 0, xe.ctypes.data)
     set_arg(ctrl, 1, xo.ctypes.data)
@@ -539,6 +542,6 @@ def int4_matmul(
     m = x.shape[0]
     half = w.tiles.shape[1]
     nb = w.scales.shape[0]
-    operands = 4 * m * (2 * half + nb) + 3 * 64
+    operands = 4 * split_rows(m) * (2 * half + nb) + 3 * 64
     run_pooled(_int4_pooled, _int4_runner, x, w, out, chunks, operands, "MatMulNBits (int4)")
     return out

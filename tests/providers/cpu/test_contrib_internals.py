@@ -137,7 +137,7 @@ def test_int4_float_gemm_rows_equal_the_one_row_kernel(m: int, zero: str, rows: 
     np.testing.assert_array_equal(view, got)
 
 
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 5])
 def test_int4_matmul_on_the_worker_pool_matches_serial(two_threads, m: int) -> None:
     """Tiles split into chunks over the caller and the worker thread: the serial kernel's
     bits (repeated until the worker computed chunks), and the float64 product."""
