@@ -698,8 +698,8 @@ def test_matmul_nbits_empty_weight_gives_bias(tester: OpTester) -> None:
     np.testing.assert_array_equal(y, np.broadcast_to(bias, (3, 8)))
 
 
-# 4-bit weights with M <= PACKED_MAX_M run packed (_int4_matmul); larger M the float32 copy.
-@pytest.mark.parametrize("m", [1, 5, 16, 40])
+# 4-bit weights with M <= PACKED_MAX_M (32) run packed (_int4_matmul); larger M the float32 copy.
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 40])
 @pytest.mark.parametrize("zero", ["none", "uint8", "float"])
 @pytest.mark.parametrize("block", [16, 32, 64, 128])
 def test_matmul_nbits_int4_packed(m: int, zero: str, block: int, tester: OpTester) -> None:

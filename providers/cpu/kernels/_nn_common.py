@@ -65,7 +65,7 @@ def wants_output(ctx, index: int) -> bool:
 _FM = {"reassoc", "contract"}
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _row_max(r):
     """Max of a 1-D row with 8 independent accumulators (vectorizes; NaNs are skipped)."""
     m = r.shape[0]
@@ -88,7 +88,7 @@ def _row_max(r):
     return mx
 
 
-@numba.njit(cache=True, fastmath=_FM)
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
 def _shift_rows(x, out, zero_masked):
     """out = x - rowmax(x); an all -inf row is left at -inf when ``zero_masked``."""
     n, m = x.shape
@@ -106,7 +106,7 @@ def _shift_rows(x, out, zero_masked):
             o[j] = r[j] - mx
 
 
-@numba.njit(cache=True, fastmath=_FM)
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
 def _scale_rows_to_one(out):
     """Divide every row by its sum; a row summing to 0 (fully masked) stays 0."""
     n, m = out.shape
@@ -122,7 +122,7 @@ def _scale_rows_to_one(out):
             o[j] = o[j] * f
 
 
-@numba.njit(cache=True, fastmath=_FM)
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
 def _row_sums(x, sums):
     n, m = x.shape
     for i in range(n):

@@ -23,6 +23,7 @@ else takes the general path, and a step-shaped call that does is counted
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections import Counter
@@ -45,7 +46,9 @@ from onnx_genrt.core.op_rules import (
 
 from ._gqa_step import attend_rows, native_step, plan_problem, plan_step
 from ._nn_common import softmax_rows
+from ._prompt_threads import run_parts, splits
 from ._registry import REGISTRY
+from ._worker_pool import pool_threads
 from .attention import _rope
 
 _F32 = np.dtype(np.float32)
@@ -251,7 +254,7 @@ def _positions(
 # ----------------------------------------------------------------------------- GQA scores
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _mask_scores(scores, rows, row0, past, total, k0, window, causal):
     """Set scores outside each query's key range to -inf.
 
@@ -272,7 +275,7 @@ def _mask_scores(scores, rows, row0, past, total, k0, window, causal):
             scores[r, j] = -np.inf
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _softmax_sink_rows(scores, sinks):
     """Row softmax with an extra logit ``sinks[r]`` in each row's denominator (in place)."""
     n, m = scores.shape
@@ -344,11 +347,30 @@ def _attend(attn: _BatchAttn, q: np.ndarray) -> np.ndarray:
     q5 = q.reshape(kvn, groups, s, h)
     y = np.empty((kvn, groups, s, h), _F32)
     t = max(1, attn.keys.shape[1])
-    step = max(1, min(s, _SCORE_BUDGET // (n * t)))
-    for i0 in range(0, s, step):
+    threads = pool_threads()
+    split = splits(s, 2 * h, n * t)  # the two matmuls' multiply-adds
+    budget = _SCORE_BUDGET // threads if split else _SCORE_BUDGET
+    step = max(1, min(s, budget // (n * t)))
+    if split:  # several chunks a thread: under a causal mask later rows see more keys
+        step = min(step, -(-s // (4 * threads)))
+    starts = range(0, s, step)
+
+    def rows(i0: int) -> None:
         i1 = min(s, i0 + step)
         qc = q5[:, :, i0:i1].reshape(kvn, groups * (i1 - i0), h)
         y[:, :, i0:i1] = attn.chunk(qc, i0, i1).reshape(kvn, groups, i1 - i0, h)
+
+    if not split:
+        for i0 in starts:
+            rows(i0)
+        return y.reshape(n, s, h)
+    taken = itertools.count()  # next() is atomic under the GIL: each chunk is taken once
+
+    def part() -> None:
+        while (i := next(taken)) < len(starts):
+            rows(starts[i])
+
+    run_parts([part] * threads)
     return y.reshape(n, s, h)
 
 

@@ -3,8 +3,8 @@
 MatMulNBits takes one of two paths:
 
 * 4-bit weights with at most ``PACKED_MAX_M`` rows of A (``INT8_PACKED_MAX_M`` at
-  accuracy_level 4, ``VNNI_PACKED_MAX_M`` with VNNI: decode, speculative verify, short
-  prompts) multiply the packed nibbles directly (``_int4_matmul``): the weight is
+  accuracy_level 4; any number with VNNI, ``VNNI_PACKED_MAX_M`` a call: decode, speculative
+  verify, short prompts, and every prompt with VNNI) multiply the packed nibbles directly (``_int4_matmul``): the weight is
   rearranged into row tiles of the same bytes, about 1.25x the packed size. Constant
   weights, scales and zero points are prepacked so once, when the session is built
   (``prepack_int4``), and the session then releases the originals: the weight is held
@@ -65,6 +65,7 @@ from ._int4_vnni import PANEL as VNNI_TILE_ROWS
 from ._int4_vnni import int4_vnni_matmul, vnni_enabled, vnni_native
 from ._int8_activations import ROWS as INT8_TILE_ROWS
 from ._int8_activations import fake_quantize, int4_int8_matmul
+from ._prompt_threads import split_matmul
 from ._registry import REGISTRY
 
 _F32 = np.dtype(np.float32)
@@ -73,11 +74,12 @@ _NBITS = NBITS
 _SMALL_INTS = {np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)}
 _T = TypeVar("_T")
 
-# Rows of A up to which 4-bit weights are multiplied packed; more use the float32 copy. The
-# integer kernel of accuracy_level 4 stays ahead of dequantizing + BLAS to about 32 rows
-# (docs/performance.md), the float one to about 16; the VNNI kernel is still 2-3x ahead at
-# 512 rows, the most measured.
-PACKED_MAX_M = 16
+# Rows of A up to which 4-bit weights are multiplied packed in one call; more use the float32
+# copy, except on VNNI tiles. The integer kernel of accuracy_level 4 and the float one stay
+# ahead of dequantizing + BLAS (split over the threads) to about 32 rows at one thread, the
+# float one to 64 at two (docs/performance.md); the VNNI kernel is 2-3x ahead at 512 rows, so
+# it takes any number of rows, 512 a call (its quantized copy of A stays small).
+PACKED_MAX_M = 32
 INT8_PACKED_MAX_M = 32
 VNNI_PACKED_MAX_M = 512
 
@@ -88,6 +90,12 @@ def packed_max_m(int8: bool, vnni: bool = False) -> int:
     if not int8:
         return PACKED_MAX_M
     return VNNI_PACKED_MAX_M if vnni else INT8_PACKED_MAX_M
+
+
+def packs_rows(m: int, int8: bool, vnni: bool = False) -> bool:
+    """Whether ``m`` rows of A are multiplied packed (in calls of at most ``packed_max_m``
+    rows): up to ``packed_max_m``, and any number on VNNI tiles at accuracy_level 4."""
+    return m <= packed_max_m(int8, vnni) or (int8 and vnni)
 
 
 def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -438,7 +446,7 @@ def matmul_nbits(
     ``matmul_nbits_int8_activations`` says onnxruntime does (accuracy_level 4), in float32
     otherwise.
 
-    4-bit weights with at most ``packed_max_m`` rows of A are multiplied packed; other
+    4-bit weights with rows of A that ``packs_rows`` takes are multiplied packed; other
     calls dequantize the weight to float32 first (kept only with the ``nbits_cache`` option).
     """
     dims = matmul_nbits_dims(ctx.node, a.shape[-1], g_idx is not None)
@@ -454,14 +462,17 @@ def matmul_nbits(
     layout = tile_layout(int8, ctx.option("int4_vnni"))
     direct = a.dtype == _F32 and out2.flags.c_contiguous and bias is None
     y = out2 if direct else np.empty(out2.shape, _F32)
-    if bits == 4 and a2.shape[0] <= packed_max_m(int8, layout.vnni):
+    if bits == 4 and packs_rows(a2.shape[0], int8, layout.vnni):
         w4 = _int4_weight(b, scales, zero_points, k, n, block, layout)
         x = np.ascontiguousarray(a2, _F32)
-        (_int8_kernel(w4) if int8 else int4_matmul)(x, w4, y)
+        kernel = _int8_kernel(w4) if int8 else int4_matmul
+        rows = packed_max_m(int8, layout.vnni)
+        for r0 in range(0, x.shape[0], rows):
+            kernel(x[r0 : r0 + rows], w4, y[r0 : r0 + rows])
     else:
         w = _float_weight(ctx, b, scales, zero_points, (k, n, bits, block))
         x = fake_quantize(a2, block) if int8 else a2.astype(_F32, copy=False)
-        np.matmul(x, w, out=y)
+        split_matmul(x, w, y)
     if direct:
         return out
     if bias is not None:

@@ -220,8 +220,8 @@ def mtp_next_inputs(ctx: KernelContext, accepted, start, token, drafts, confiden
 
 def matmul_add(ctx, a: np.ndarray, w: np.ndarray | TiledWeight, bias: np.ndarray) -> np.ndarray:
     """onnx_genrt MatMulAdd: ``MatMul(a, w) + bias`` rounded as the two ops round it. A
-    float32 weight arrives tiled: the skinny kernel (at most ``SKINNY_MAX_M`` rows) adds the
-    bias to each float32 sum as the Add would, BLAS rows get it afterwards."""
+    float32 weight arrives tiled: the skinny kernel adds the bias to each float32 sum as the
+    Add would (BLAS, for non-contiguous rows, adds it afterwards)."""
     if isinstance(w, TiledWeight) and a.dtype == np.float32 and bias.dtype == np.float32:
         out = ctx.out(0, packed_shape(ctx, a, w), np.float32)
         packed_call(a, w, out, np.ascontiguousarray(bias))()

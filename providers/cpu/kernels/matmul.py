@@ -13,6 +13,7 @@ from onnx_genrt.core.op_rules import matmul_shape
 from ._nn_common import (
     compute_dtype,
 )
+from ._prompt_threads import split_matmul, splits
 from ._registry import REGISTRY
 from ._skinny_matmul import SKINNY_MAX_M, TiledWeight, pack_weight, skinny_call
 
@@ -25,18 +26,26 @@ _F32 = np.dtype(np.float32)
 # ----------------------------------------------------------------------------- MatMul / Gemm
 
 
+def _as_rows(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``a`` and ``out`` as 2-D rows when np.matmul(a, b) is one GEMM on a 2-D weight (a
+    stack of rows: contiguous ``a`` and ``out`` of one dtype), else None."""
+    if b.ndim != 2 or a.ndim < 2 or a.dtype != out.dtype:
+        return None
+    if a.ndim == 2:
+        return a, out
+    if a.flags.c_contiguous and out.flags.c_contiguous:
+        return a.reshape(-1, a.shape[-1]), out.reshape(-1, out.shape[-1])
+    return None
+
+
 def _matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """np.matmul(a, b) written into ``out``; a stack of rows times a 2-D weight is one GEMM."""
-    if (
-        b.ndim == 2
-        and a.ndim > 2
-        and a.flags.c_contiguous
-        and out.flags.c_contiguous
-        and a.dtype == out.dtype
-    ):
-        np.matmul(a.reshape(-1, a.shape[-1]), b, out=out.reshape(-1, out.shape[-1]))
-        return out
-    np.matmul(a, b, out=out)
+    """np.matmul(a, b) written into ``out``; a stack of rows times a 2-D weight is one GEMM,
+    its rows split over the threads when large (``split_matmul``)."""
+    rows = _as_rows(a, b, out)
+    if rows is None:
+        np.matmul(a, b, out=out)
+    else:
+        split_matmul(rows[0], b, rows[1])
     return out
 
 
@@ -49,11 +58,12 @@ def _bind_matmul(ctx, inputs, out: np.ndarray):
         return functools.partial(_replay_kernel, matmul_kernel, ctx, a, b, out)
     if not (a.dtype == b.dtype == out.dtype == np.float32):
         return functools.partial(_replay_kernel, matmul_kernel, ctx, a, b, out)
-    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous:
-        return functools.partial(
-            np.matmul, a.reshape(-1, a.shape[-1]), b, out=out.reshape(-1, out.shape[-1])
-        )
-    return functools.partial(np.matmul, a, b, out=out)
+    rows = _as_rows(a, b, out)
+    if rows is None:
+        return functools.partial(np.matmul, a, b, out=out)
+    a2, out2 = rows
+    gemm = split_matmul if splits(*a2.shape, b.shape[1]) else np.matmul
+    return functools.partial(gemm, a2, b, out=out2)
 
 
 def _replay_kernel(fn, ctx, a, b, out) -> None:
@@ -102,28 +112,42 @@ def packed_shape(ctx, a: np.ndarray, w: TiledWeight) -> tuple[int, ...]:
     return matmul_shape(ctx, a.shape, w.shape)
 
 
+#: Rows of A a prompt-sized call on a prepacked weight multiplies per skinny call: the rows
+#: stay in L2 while each weight tile is read (the kernel runs at the same rate to 512 rows,
+#: ahead of BLAS, which also needs a dense copy of the weight; docs/performance.md).
+PROMPT_BLOCK_ROWS = 64
+
+
 def packed_call(a: np.ndarray, w: TiledWeight, out: np.ndarray, bias=None):
-    """A call computing ``out = a @ W (+ bias)`` for a prepacked W: the skinny kernel for at
-    most ``SKINNY_MAX_M`` contiguous rows, else BLAS on the weight untiled for the call."""
+    """A call computing ``out = a @ W (+ bias)`` for a prepacked W: the skinny kernel for
+    contiguous float32 rows (more than ``SKINNY_MAX_M`` in blocks of ``PROMPT_BLOCK_ROWS``),
+    else BLAS on the weight untiled for the call."""
     k, n = w.shape
     m = a.size // k if k else 0
-    if (
-        0 < m <= SKINNY_MAX_M
-        and n
-        and a.flags.c_contiguous
-        and out.flags.c_contiguous
-        and out.dtype == _F32
-    ):
-        return skinny_call(a.reshape(m, k), w, out.reshape(m, n), bias)
+    if m and n and a.flags.c_contiguous and out.flags.c_contiguous and out.dtype == _F32:
+        x, y = a.reshape(m, k), out.reshape(m, n)
+        if m <= SKINNY_MAX_M:
+            return skinny_call(x, w, y, bias)
+        rows = PROMPT_BLOCK_ROWS
+        calls = [skinny_call(x[r : r + rows], w, y[r : r + rows], bias) for r in range(0, m, rows)]
+        return functools.partial(_call_each, calls)
     if a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous and a.dtype == out.dtype:
         a, out = a.reshape(-1, k), out.reshape(-1, n)
     return functools.partial(_matmul_dense, a, w, bias, out)
 
 
+def _call_each(calls: list) -> None:
+    for call in calls:
+        call()
+
+
 def _matmul_dense(a: np.ndarray, w: TiledWeight, bias: np.ndarray | None, out: np.ndarray):
-    """out = a @ W (+ bias) through BLAS on a dense copy of W made for this call (a prompt:
-    the copy reads the weight once more; the matmul reads it once per block of rows)."""
-    np.matmul(a, w.dense(), out=out)
+    """out = a @ W (+ bias) through BLAS on a dense copy of W made for this call
+    (non-contiguous operands)."""
+    if a.ndim == 2:
+        split_matmul(a, w.dense(), out)
+    else:
+        np.matmul(a, w.dense(), out=out)
     if bias is not None:
         out += bias
 
@@ -137,9 +161,9 @@ def _matmul_packed(ctx, a: np.ndarray, w: TiledWeight) -> np.ndarray:
 def matmul_kernel(ctx, a: np.ndarray, b: np.ndarray | TiledWeight) -> np.ndarray:
     """ONNX MatMul (numpy matmul semantics, batched broadcasting, 1-D operands).
 
-    A constant float32 weight arrives prepacked (:func:`prepack_weight`): up to
-    ``SKINNY_MAX_M`` rows of A run ``skinny_matmul``, which reads the weight once for all
-    rows; more rows run BLAS on the same memory.
+    A constant float32 weight arrives prepacked (:func:`prepack_weight`): contiguous rows
+    of A run ``skinny_matmul``, which reads each weight tile once for all the rows of a call
+    (``PROMPT_BLOCK_ROWS`` a call for a prompt).
     """
     if isinstance(b, TiledWeight):
         return _matmul_packed(ctx, a, b)
@@ -184,7 +208,7 @@ def gemm_kernel(
     """Y = alpha * A' @ B' + beta * C, with C broadcast to (M, N).
 
     A constant float32 B arrives prepacked; A @ B + C (a row of N) then runs
-    ``skinny_matmul`` with C as its bias for up to ``SKINNY_MAX_M`` rows.
+    ``skinny_matmul`` with C as its bias.
     """
     alpha = float(ctx.attr("alpha", 1.0))
     beta = float(ctx.attr("beta", 1.0))
@@ -212,9 +236,9 @@ def gemm_kernel(
     out = ctx.out(0, shape, dtype)
     y = out if cdt == dtype else np.empty(shape, cdt)
     if cdt == dtype:
-        np.matmul(a, b, out=y)
+        split_matmul(a, b, y)
     else:
-        np.matmul(a.astype(cdt), b.astype(cdt), out=y)
+        split_matmul(a.astype(cdt), b.astype(cdt), y)
     if alpha != 1.0:
         if is_float:
             y *= cdt.type(alpha)

@@ -382,7 +382,8 @@ def test_an_accuracy_level_outside_0_to_4_is_refused() -> None:
         (5, 0, "none", False, True),  # verify-sized, float activations, prebound
         (16, 4, "none", False, True),
         (32, 4, "uint8", False, True),  # the most rows the integer kernel takes packed
-        (20, 0, "none", False, False),  # float activations above 16 rows: dequantized, BLAS
+        (20, 0, "none", False, True),  # float activations, up to 32 rows packed
+        (40, 0, "none", False, False),  # float activations above 32 rows: dequantized, BLAS
         (2, 4, "uint8", True, False),  # a bias: the generic replay
     ],
 )
@@ -410,3 +411,23 @@ def test_replayed_graph_matches_onnxruntime(m, level, zero, bias, prebound) -> N
     assert graph.bound == (1 if prebound else 0)
     # the VNNI kernel's call replays in native form (``_native_calls``)
     assert graph.native_calls == (1 if prebound and level == 4 and vnni.vnni_enabled() else 0)
+
+
+@NO_VNNI
+def test_vnni_prompt_of_any_length_runs_packed_in_row_blocks(monkeypatch) -> None:
+    """With VNNI a prompt longer than one packed call takes (``VNNI_PACKED_MAX_M``) still
+    runs the integer kernel, a block of rows a call: rows past the first block carry the
+    same bits as those rows multiplied alone (dequantizing + BLAS sums in another order),
+    and every row meets the level-4 contract."""
+    monkeypatch.setenv(vnni.ENV, "1")
+    rng = np.random.default_rng(9)
+    k, n, block = 256, 136, 32
+    w = _weights(rng, n, k, 4, block, "uint8")
+    rows = contrib_quant.VNNI_PACKED_MAX_M + 9
+    a = rng.standard_normal((rows, k)).astype(F32)
+    sess = InferenceSession(_model(w, k, n, 4, block, 4), providers=["cpu"])
+    whole = sess.run(None, {"A": a})[0]
+    tail = sess.run(None, {"A": a[-9:]})[0]
+    np.testing.assert_array_equal(whole[-9:], tail)
+    want = _contract(a, w, block)
+    np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -178,3 +178,27 @@ def test_disabled_prepack_keeps_the_plain_weight(monkeypatch, how):
     x = np.random.default_rng(4).standard_normal((3, K), dtype=F32)
     (y,) = sess.run(None, {"x": x})
     _check(y, x, w)
+
+
+@pytest.mark.parametrize("op,rank,attrs", CASES)
+def test_prompt_rows_run_the_skinny_kernel_in_blocks(monkeypatch, op, rank, attrs):
+    """A prompt of more rows than one block (``PROMPT_BLOCK_ROWS``) runs the skinny kernel
+    block by block on the tiles, never a dense copy of the weight: every row matches
+    float64, and a block's rows carry the bits of the same rows multiplied alone."""
+    from onnx_genrt.providers.cpu.kernels import matmul as mm
+
+    model, w, bias = _model(op, rank, **attrs)
+    sess = InferenceSession(model, providers=["cpu"])
+
+    def no_dense(self):
+        raise AssertionError("a prompt made a dense copy of the tiled weight")
+
+    monkeypatch.setattr(sk.TiledWeight, "dense", no_dense)
+    m = 2 * mm.PROMPT_BLOCK_ROWS + 11
+    x = np.random.default_rng(12).standard_normal((m, K), dtype=F32)
+    lead = (1,) if rank == 3 else ()
+    (y,) = sess.run(None, {"x": x.reshape(*lead, m, K)})
+    _check(y.reshape(m, N), x, w, bias)
+    r0 = mm.PROMPT_BLOCK_ROWS
+    (alone,) = sess.run(None, {"x": x[r0 : r0 + 16].reshape(*lead, 16, K)})
+    np.testing.assert_array_equal(y.reshape(m, N)[r0 : r0 + 16], alone.reshape(16, N))
