@@ -476,9 +476,50 @@ def run_bench(args: argparse.Namespace) -> int:
             f"threads: onnx-genrt[cpu] {cpu_threads} (--threads); the onnxruntime rows "
             f"{ref_threads} intra-op threads each, each in its own process (run in turn)"
         )
+    if "cpu" in used and rows:
+        print(cpu_roofline(weight_bytes_per_token(cfg.model_path), cpu_threads, rows))
     if "cuda" in used:
         _print_cuda_summary(cfg.model_path, args.bandwidth)
     return 0
+
+
+def read_gb_s(nbytes: int, threads: int, repeats: int = 5) -> float:
+    """GB/s of a plain read of ``nbytes`` (best of ``repeats``): float32 dot products of the
+    bytes with themselves (BLAS, one thread each), cut into ``threads`` parts read at once on
+    their own threads (numpy releases the GIL). A copy would also write them (and read the
+    destination first), moving two to three times the bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = np.ones(max(1, nbytes // 4), np.float32)
+    edges = np.linspace(0, data.size, max(1, threads) + 1).astype(int)
+    parts = [data[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    best = float("inf")
+    with ThreadPoolExecutor(len(parts)) as pool:
+        for _ in range(repeats + 1):  # the first pass faults the pages in
+            t0 = time.perf_counter()
+            list(pool.map(lambda part: np.dot(part, part), parts))
+            best = min(best, time.perf_counter() - t0)
+    return data.nbytes / best / 1e9
+
+
+def cpu_roofline(nbytes: int, threads: int, rows: list[BenchRow]) -> str:
+    """The CPU's weight-bandwidth line: the matmul weights a decode token reads, a plain
+    read of as many bytes at ``threads`` threads (``read_gb_s``, measured now: the machine's
+    bandwidth moves with its neighbours), the ceiling that gives, and the weight GB/s of the
+    first row (ours, greedy) and of onnxruntime-genai's row where there is one."""
+    read = read_gb_s(nbytes, threads)
+    line = (
+        f"roofline (cpu, {threads} threads): {nbytes / 1e6:.1f} MB of matmul weights read per "
+        f"decode token; a plain read of as many bytes runs at {read:.1f} GB/s, a ceiling of "
+        f"{read * 1e9 / nbytes:.0f} tok/s"
+    )
+    shown = [rows[0], *(r for r in rows[1:] if r.runtime == "onnxruntime-genai")]
+    reads = [
+        f"{r.runtime} {r.decode_tok_s * nbytes / 1e9:.1f} GB/s "
+        f"({r.decode_tok_s * nbytes / 1e9 / read:.0%} of the plain read)"
+        for r in shown
+    ]
+    return line + "; " + ", ".join(reads)
 
 
 def _print_cuda_summary(model_path: Path, bandwidth: float) -> None:

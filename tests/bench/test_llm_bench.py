@@ -233,3 +233,24 @@ def test_reference_rows_run_in_a_child_stopped_between_runs(folder, reference_to
 def test_a_reference_that_fails_to_build_raises_in_the_parent(tmp_path):
     with pytest.raises(RuntimeError, match="onnxruntime loop"):
         reference_in_child("onnxruntime loop", tmp_path, PROMPT, NEW, 1)
+
+
+def test_cpu_roofline_line_reads_the_weights_bytes(monkeypatch):
+    """The CPU roofline: a plain read of the weight bytes (dot products, measured), the
+    ceiling it gives, and each shown row's weight GB/s against it."""
+    from onnx_genrt.tools import llm_bench
+
+    gb_s = llm_bench.read_gb_s(8 << 20, 2, repeats=2)
+    assert 0.5 < gb_s < 2000
+    monkeypatch.setattr(llm_bench, "read_gb_s", lambda nbytes, threads: 40.0)
+    rows = [
+        llm_bench.BenchRow("onnx-genrt[cpu,2t]", 1.0, 200.0),
+        llm_bench.BenchRow("onnx-genrt[cpu,2t,mtp]", 1.0, 300.0),
+        llm_bench.BenchRow("onnxruntime-genai", 1.0, 100.0),
+    ]
+    line = llm_bench.cpu_roofline(100_000_000, 2, rows)
+    assert "100.0 MB of matmul weights" in line and "runs at 40.0 GB/s" in line
+    assert "a ceiling of 400 tok/s" in line
+    assert "onnx-genrt[cpu,2t] 20.0 GB/s (50% of the plain read)" in line
+    assert "onnxruntime-genai 10.0 GB/s (25% of the plain read)" in line
+    assert "mtp" not in line
