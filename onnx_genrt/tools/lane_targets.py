@@ -30,6 +30,10 @@ _HF_BATCH_ROW = re.compile(r"^\s*(?P<batch>\d+)\s+\w+\s+[\d.]+\s+(?P<tok>[\d.]+)
 #: ``scripts/gpu_long_bench.sh``'s section headers in ``long.txt``.
 _LONG_HEADER = re.compile(r"^== (?P<p>\d+) prompt tokens, \d+ new, (?P<setting>\S+)")
 _LONG_HF_HEADER = re.compile(r"^== HF transformers.*?, (?P<p>\d+) prompt tokens")
+#: ``onnx-genrt bench --provider cuda``'s roofline line: MB a token, the bandwidth floor.
+_ROOFLINE = re.compile(r"^roofline: (?P<mb>[\d.]+) MB .* ceiling is (?P<floor>\d+) tok/s")
+#: ``scripts/gpu_scale_bench.sh``'s logs: ``bench-<shape>-<precision>.txt``.
+_SCALE_LOG = re.compile(r"^bench-(?P<shape>[\d.]+b)-(?P<prec>\w+)\.txt$")
 
 #: Anchors that are not measured in the lane (shared/notes/anchors.md): megakernel-class
 #: decoders reach about 78% of HBM bandwidth at batch 1; the 0.5B fp16 weights are 0.99 GB.
@@ -223,6 +227,28 @@ def _long_targets(text: str) -> list[Target]:
     return out
 
 
+def scale_rows(folder: Path) -> list[str]:
+    """Issue 19's scale rows (no bound: how cost grows with size), one per
+    ``scripts/gpu_scale_bench.sh`` log: graphed greedy tok/s against the weight floor."""
+    lines = []
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if not (name := _SCALE_LOG.match(path.name)):
+            continue
+        text = path.read_text(errors="replace")
+        graphed = bench_rows(text).get("onnx-genrt[cuda]")
+        roof = next(filter(None, map(_ROOFLINE.match, text.splitlines())), None)
+        label = f"{name['shape']} {name['prec']} graphed greedy"
+        if graphed is None or roof is None:
+            lines.append(f"{label:<40}{'not measured':>14}")
+            continue
+        floor = float(roof["floor"])
+        lines.append(
+            f"{label:<40}{graphed[1]:>10.1f} tok/s  {100 * graphed[1] / floor:.0f}% of the "
+            f"floor ({roof['mb']} MB a token, {floor:.0f} tok/s)"
+        )
+    return lines
+
+
 def report(folder: Path) -> str:
     rows = targets(folder)
     head = f"{'target':<40}{'figure':>14}  {'bound':<10}{'met':>4}  issue  anchor"
@@ -230,6 +256,9 @@ def report(folder: Path) -> str:
     unmeasured = sum(t.met is None for t in rows)
     lines = [head, *(t.line() for t in rows)]
     lines.append(f"{met} of {len(rows)} targets met; {unmeasured} not measured in {folder}")
+    scale = scale_rows(folder)
+    if scale:
+        lines += ["scale (issue 19: tok/s and share of the bandwidth floor by model size)", *scale]
     return "\n".join(lines)
 
 

@@ -96,3 +96,20 @@ def test_the_command_prints_the_table_and_refuses_a_missing_folder(tmp_path, cap
     assert main(["lane-targets", str(tmp_path / "nowhere")]) != 0
     err = capsys.readouterr().err
     assert "is not a folder" in err and "Traceback" not in err
+
+
+def test_scale_rows_give_the_share_of_the_bandwidth_floor(tmp_path):
+    """``scripts/gpu_scale_bench.sh``'s logs (the bench table and its roofline line, as
+    ``onnx-genrt bench --provider cuda`` prints them) become one scale row each."""
+    table = format_rows([BenchRow("onnx-genrt[cuda]", 3.1, 870.0)])
+    roof = "roofline: 3087.0 MB of matmul weights read per decode token; at 4300 GB/s the ceiling is 1393 tok/s"
+    (tmp_path / "bench-1.5b-fp16.txt").write_text(f"{table}\n{roof}\n")
+    (tmp_path / "bench-7b-int4.txt").write_text("bench 7b int4 failed\n")
+    (tmp_path / "bench-fp16.txt").write_text(table)  # the 0.5B lane log: not a scale row
+    rows = lane_targets.scale_rows(tmp_path)
+    assert len(rows) == 2
+    assert rows[0].startswith("1.5b fp16 graphed greedy") and "870.0 tok/s" in rows[0]
+    assert "62% of the floor (3087.0 MB a token, 1393 tok/s)" in rows[0]
+    assert rows[1].startswith("7b int4 graphed greedy") and "not measured" in rows[1]
+    report = lane_targets.report(tmp_path)
+    assert report.splitlines()[-3].startswith("scale (issue 19")

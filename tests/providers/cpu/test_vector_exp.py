@@ -28,7 +28,8 @@ def test_exp32_is_within_one_ulp_of_the_rounded_float64_exp() -> None:
     )
     got = np.empty_like(x)
     exp32_into(x, got)
-    want = np.exp(x.astype(np.float64)).astype(F32)
+    with np.errstate(over="ignore"):  # the top of the range rounds up past float32's max
+        want = np.exp(x.astype(np.float64)).astype(F32)
     normal = want >= np.finfo(F32).tiny
     assert _ulps(got[normal], want[normal]).max() <= 1
 
