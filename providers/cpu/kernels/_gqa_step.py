@@ -649,7 +649,7 @@ def _step_native(args, _a, _b):
                                     np.int64(PARALLEL_MIN_WORK), np.int64(CHUNK_WORK), zero)  # fmt: skip
         w[_N_STEPPED] = stepped
         w[_N_STATUS] = status
-        return 0 if stepped == d[_B] and status == 0 else 1
+        return 0 if stepped == d[_B] and (status & 3) == 0 else 1
     except Exception:  # noqa: BLE001 - a native call reports failure by its code
         w = word_view(args, _N_WORDS)
         w[_N_STEPPED] = -1

@@ -202,3 +202,32 @@ def test_embedded_model_greedy_is_the_same_with_and_without_native_replay(thread
     assert tokens == results[False][0]
     assert results[False][1] == 0
     assert natives == calls - 1 and python_steps == ["partial"], (natives, calls, python_steps)
+
+
+def test_a_pooled_attention_step_stays_native(restore_threads):
+    """At two threads the GroupQueryAttention steps that split over the worker pool return
+    to Python only when a row did not step or a worker was late (a rare descheduled
+    worker), not after every pooled step: the decode loop stays in one native run."""
+    model = Model(default_model_path(), [("cpu", {"threads": 2})])
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=200, min_length=200)
+    gen = Generator(model, params)
+    gen.append_tokens([5, 9, 14, 3])
+    for _ in range(100):  # past the context from which the steps split over the pool
+        gen.generate_next_token()
+    graph = model.session.main_provider.recorded_graph(PRIMARY)
+    handed: list[int] = []
+    for run in graph._program:
+        if isinstance(run, NativeRun):
+            for call in run.calls:
+                call.on_code = lambda code, on_code=call.on_code: (
+                    handed.append(code),
+                    on_code(code),
+                )
+    steps = 0
+    while not gen.is_done():
+        gen.generate_next_token()
+        steps += 1
+    assert _worker_pool.worker_pool().stats()["jobs"] > 0
+    assert len(handed) <= steps // 8, f"{len(handed)} hand-overs to Python in {steps} steps"
+    gen.close()
