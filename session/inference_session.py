@@ -25,7 +25,7 @@ from .device_io import DeviceIO
 from .executor import Executor, LaunchHook, SlotStats
 from .plan import GraphPlan, ValueSpec, build_plan
 from .row_tail import RowTail
-from .weights import release_pages
+from .weights import release_pages, trim_heap
 
 if TYPE_CHECKING:  # onnx is imported when a model is read, not with the engine
     import onnx
@@ -134,6 +134,7 @@ class InferenceSession:
         #: Host <-> device transfers on this session's main provider (the engine's road).
         self.device_io = DeviceIO(self.main_provider)
         self._enable_graphs, self._warmup_runs = enable_graphs, warmup_runs
+        trim_heap()  # what loading freed (the proto's weight bytes, prepack temporaries)
 
     def sibling(
         self, model: str | os.PathLike[str] | bytes | onnx.ModelProto | LoadedModel

@@ -14,9 +14,13 @@ anything touches them.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import mmap
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -88,6 +92,26 @@ def release_pages(array: np.ndarray) -> int:
         return 0
     data.madvise(mmap.MADV_DONTNEED, first, last - first)
     return last - first
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere). Loading frees the proto's weight bytes and the prepacks' temporaries while
+    the packed weights (in their own blocks) stay: glibc keeps such freed memory resident
+    until something reuses it, about the weights' size again."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _address(data: mmap.mmap) -> int:

@@ -21,6 +21,7 @@ from .cores import physical_cores
 from .kernels import REGISTRY
 from .kernels._native_calls import NativeCall, NativeRun
 from .kernels._native_small import copy_native
+from .kernels._weight_arena import WeightArena
 from .kernels._worker_pool import pool_epoch
 
 ALIGNMENT = 64
@@ -189,6 +190,8 @@ class CPUProvider(ExecutionProvider):
         super().__init__(**options)
         self._graphs: dict[tuple[DeviceGraphSlot, int], RecordedGraph] = {}
         self._recording: RecordedGraph | None = None
+        #: Where the kernels' prepacks put the session's weights (2 MB-aligned blocks).
+        self.weight_arena = WeightArena()
         self.threads = physical_cores() if threads == AUTO_THREADS else threads
         if self.threads is not None:
             set_threads(self.threads, self.option("blas_threads"))

@@ -108,35 +108,63 @@ def no_zeros(vnni: bool = False) -> np.ndarray:
 
 
 def tile_weight(
-    packed: np.ndarray, n: int, rows: int | None = None, vnni: bool = False
+    packed: np.ndarray,
+    n: int,
+    rows: int | None = None,
+    vnni: bool = False,
+    zeros: Callable[..., np.ndarray] = np.zeros,
 ) -> np.ndarray:
     """(N, blocks, blob) uint8 weights as (n_tiles, K/2, rows) tiles (the last padded), or
-    in the VNNI layout (n_tiles, K/8, rows, 4) when ``vnni``."""
+    in the VNNI layout (n_tiles, K/8, rows, 4) when ``vnni``; the result is made by
+    ``zeros(shape, dtype)`` (a weight arena's, say)."""
     half = packed.shape[1] * packed.shape[2]
     rows = tile_rows(n) if rows is None else rows
     nt = -(-n // rows)
-    w = np.zeros((nt * rows, half), _U8)
-    w[:n] = packed.reshape(n, half)
-    if vnni:
-        if half % 4:
-            raise ValueError(f"the VNNI layout needs K a multiple of 8, got {2 * half}")
-        # byte j of step s: column 8s + j (byte 4s + j // 2 of the row) low, 8s + 4 + j high
-        steps = w.reshape(nt * rows, half // 4, 4)
-        nib = np.stack((steps & 15, steps >> 4), axis=-1).reshape(nt * rows, half // 4, 2, 4)
-        w = nib[:, :, 0] | (nib[:, :, 1] << 4)
-        return np.ascontiguousarray(w.reshape(nt, rows, half // 4, 4).transpose(0, 2, 1, 3))
-    return np.ascontiguousarray(w.reshape(nt, rows, half).transpose(0, 2, 1))
+    if vnni and half % 4:
+        raise ValueError(f"the VNNI layout needs K a multiple of 8, got {2 * half}")
+    flat = packed.reshape(n, half)
+    out = zeros((nt, half // 4, rows, 4) if vnni else (nt, half, rows), _U8)
+    group = max(1, (1 << 20) // max(1, rows * half))  # tiles a pass: temporaries about 1 MB
+    for t0 in range(0, nt, group):
+        t1 = min(nt, t0 + group)
+        w = np.zeros(((t1 - t0) * rows, half), _U8)
+        real = flat[t0 * rows : t1 * rows]
+        w[: real.shape[0]] = real
+        if vnni:
+            # byte j of step s: column 8s + j (byte 4s + j // 2 of the row) low, 8s + 4 + j high
+            steps = w.reshape(-1, half // 4, 4)
+            nib = np.stack((steps & 15, steps >> 4), axis=-1).reshape(-1, half // 4, 2, 4)
+            w = nib[:, :, 0] | (nib[:, :, 1] << 4)
+            out[t0:t1] = w.reshape(t1 - t0, rows, half // 4, 4).transpose(0, 2, 1, 3)
+        else:
+            out[t0:t1] = w.reshape(t1 - t0, rows, half).transpose(0, 2, 1)
+    return out
 
 
-def tile_params(p: np.ndarray, n: int, rows: int | None = None, vnni: bool = False) -> np.ndarray:
+def _into(zeros: Callable[..., np.ndarray], view: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of ``view`` in an array made by ``zeros``."""
+    out = zeros(view.shape, view.dtype)
+    out[...] = view
+    return out
+
+
+def tile_params(
+    p: np.ndarray,
+    n: int,
+    rows: int | None = None,
+    vnni: bool = False,
+    zeros: Callable[..., np.ndarray] = np.zeros,
+) -> np.ndarray:
     """(N, blocks) per-block scales or zero points as float32 (blocks, n_tiles * rows), or
-    (n_tiles, blocks, rows) for VNNI tiles."""
+    (n_tiles, blocks, rows) for VNNI tiles; the result is made by ``zeros(shape, dtype)``."""
     rows = tile_rows(n) if rows is None else rows
     nt = -(-n // rows)
-    out = np.zeros((p.shape[1], nt * rows), _F32)
-    out[:, :n] = p.T
     if vnni:
-        return np.ascontiguousarray(out.reshape(p.shape[1], nt, rows).transpose(1, 0, 2))
+        out = np.zeros((p.shape[1], nt * rows), _F32)
+        out[:, :n] = p.T
+        return _into(zeros, out.reshape(p.shape[1], nt, rows).transpose(1, 0, 2))
+    out = zeros((p.shape[1], nt * rows), _F32)
+    out[:, :n] = p.T
     return out
 
 

@@ -99,12 +99,15 @@ class TiledWeight:
         return np.ascontiguousarray(full[:, : self.n])
 
 
-def pack_weight(w: np.ndarray, transposed: bool = False) -> TiledWeight:
-    """``w`` [K, N] (or [N, K] when ``transposed``) as a :class:`TiledWeight`."""
+def pack_weight(
+    w: np.ndarray, transposed: bool = False, zeros: Callable[..., np.ndarray] = np.zeros
+) -> TiledWeight:
+    """``w`` [K, N] (or [N, K] when ``transposed``) as a :class:`TiledWeight`, its tiles
+    made by ``zeros(shape, dtype)`` (a weight arena's, say)."""
     kn = np.asarray(w, _F32).T if transposed else np.asarray(w, _F32)
     k, n = kn.shape
     full = n // TILE
-    tiles = np.zeros((-(-n // TILE), k, TILE), _F32)
+    tiles = zeros((-(-n // TILE), k, TILE), _F32)
     if full:
         tiles[:full] = kn[:, : full * TILE].reshape(k, full, TILE).transpose(1, 0, 2)
     if n > full * TILE:

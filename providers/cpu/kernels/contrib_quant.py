@@ -67,6 +67,7 @@ from ._int8_activations import ROWS as INT8_TILE_ROWS
 from ._int8_activations import fake_quantize, int4_int8_matmul
 from ._prompt_threads import split_matmul
 from ._registry import REGISTRY
+from ._weight_arena import arena_zeros
 
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
@@ -308,8 +309,8 @@ class Int4Input:
 
 
 def prepack_int4(provider, node, index: int, host: np.ndarray) -> Int4Input | None:
-    """B, scales and zero points of a 4-bit node in the tiles' layout; None for other
-    inputs and bit widths, a ``g_idx``, or shapes that do not fit K, N and the block (the
+    """B, scales and zero points of a 4-bit node in the tiles' layout, held in the provider's
+    weight arena (huge pages); None for other inputs and bit widths, a ``g_idx``, or shapes that do not fit K, N and the block (the
     kernel then reports them)."""
     role = _INT4_ROLES.get(index)
     g_idx = len(node.input_names) > 4 and node.input_names[4]
@@ -321,15 +322,17 @@ def prepack_int4(provider, node, index: int, host: np.ndarray) -> Int4Input | No
     if host.size == 0 or n <= 0:
         return None
     layout = _prepack_layout(provider, node)
-    rows, vnni = layout.rows, layout.vnni
+    rows, vnni, zeros = layout.rows, layout.vnni, arena_zeros(provider)
     try:
         if role == "weight":
             w = np.ascontiguousarray(host, _U8).reshape(n, nb, block // 2)
-            packed = tile_weight(w, n, rows, vnni)
+            packed = tile_weight(w, n, rows, vnni, zeros)
         elif role == "scales":
-            packed = tile_params(np.ascontiguousarray(host, _F32).reshape(n, nb), n, rows, vnni)
+            values = np.ascontiguousarray(host, _F32).reshape(n, nb)
+            packed = tile_params(values, n, rows, vnni, zeros)
         else:
-            packed = tile_params(_nbits_zeros(host, n, nb, 4) - np.float32(8), n, rows, vnni)
+            values = _nbits_zeros(host, n, nb, 4) - np.float32(8)
+            packed = tile_params(values, n, rows, vnni, zeros)
     except ValueError:  # sizes that do not fit
         return None
     return Int4Input(role, packed, tuple(host.shape), host.dtype, n)

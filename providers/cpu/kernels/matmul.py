@@ -16,6 +16,7 @@ from ._nn_common import (
 from ._prompt_threads import split_matmul, splits
 from ._registry import REGISTRY
 from ._skinny_matmul import SKINNY_MAX_M, TiledWeight, pack_weight, skinny_call
+from ._weight_arena import arena_zeros
 
 _F64 = np.dtype(np.float64)
 _F32 = np.dtype(np.float32)
@@ -94,14 +95,15 @@ def matmul(ctx, a: np.ndarray, b: np.ndarray, index: int = 0) -> np.ndarray:
 
 def prepack_weight(provider, node, index: int, host: np.ndarray) -> TiledWeight | None:
     """A constant 2-D float32 weight (input B) tiled for ``skinny_matmul`` (for Gemm, read
-    as [N, K] when ``transB``); the tiles replace the initializer, which is not kept."""
+    as [N, K] when ``transB``) in the provider's weight arena (huge pages); the tiles replace
+    the initializer, which is not kept."""
     host = np.asarray(host)
     if not provider.option("skinny_matmul") or index != 1 or host.ndim != 2 or host.dtype != _F32:
         return None
     if 0 in host.shape:
         return None
     transposed = node.op_type == "Gemm" and bool(node.attr("transB", 0))
-    return pack_weight(host, transposed=transposed)
+    return pack_weight(host, transposed=transposed, zeros=arena_zeros(provider))
 
 
 def packed_shape(ctx, a: np.ndarray, w: TiledWeight) -> tuple[int, ...]:

@@ -47,8 +47,8 @@ def test_matmul_nbits_constant_int4_weight_is_tiled_once_at_load(
     tiled: list[tuple[tuple[int, ...], np.ndarray]] = []
     real = contrib_quant.tile_weight
 
-    def counting(packed: np.ndarray, n: int, rows: int | None = None, vnni: bool = False):
-        tiles = real(packed, n, rows, vnni)
+    def counting(packed: np.ndarray, n: int, *layout):
+        tiles = real(packed, n, *layout)
         tiled.append((packed.shape, tiles))
         return tiles
 
