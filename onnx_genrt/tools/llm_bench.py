@@ -260,8 +260,8 @@ def reference_in_child(label: str, folder: Path, prompt: list[int], new: int, th
     """A reference row run in its own process, stopped (SIGSTOP) between its runs, so its
     thread pool and ours never share the cores: onnxruntime's intra-op threads spin on after
     a run, and in one process (or a live child) they took the core our workers run on.
-    Returns ``once`` as the in-process builders do; raises ImportError (and the like) as
-    they would."""
+    Returns ``once`` as the in-process builders do, with ``once.close()`` ending the child
+    (else it ends when this process does); raises ImportError (and the like) as they would."""
     import atexit
     import multiprocessing
     import os
@@ -305,6 +305,7 @@ def reference_in_child(label: str, folder: Path, prompt: list[int], new: int, th
             raise RuntimeError(f"{label}: {result}")
         return result
 
+    once.close = stop  # type: ignore[attr-defined]
     return once
 
 

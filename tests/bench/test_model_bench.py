@@ -57,7 +57,11 @@ def _embedded() -> Path:
 def _reference(model: str, threads: int) -> list[int]:
     """onnxruntime-genai's greedy tokens for a row (computed once in its own process)."""
     folder, new, _ = MODELS[model]
-    return reference_in_child("onnxruntime-genai", folder(), EMBEDDED_PROMPT, new, threads)()[2]
+    once = reference_in_child("onnxruntime-genai", folder(), EMBEDDED_PROMPT, new, threads)
+    try:
+        return once()[2]
+    finally:
+        once.close()
 
 
 def _run(benchmark, model: str, runtime: str, threads: int) -> None:
@@ -69,7 +73,10 @@ def _run(benchmark, model: str, runtime: str, threads: int) -> None:
     else:
         once = reference_in_child(runtime, folder, EMBEDDED_PROMPT, new, threads)
     once()  # warm-up: compile, plan, capture
-    _, _, tokens, _ = benchmark(once)
+    try:
+        _, _, tokens, _ = benchmark(once)
+    finally:
+        getattr(once, "close", lambda: None)()  # a reference's child process
     benchmark.extra_info.update(new_tokens=new, threads=threads)
     assert len(tokens) == len(EMBEDDED_PROMPT) + new
     checked = len(EMBEDDED_PROMPT) + (agreed if runtime == "onnx-genrt" else new)
