@@ -190,7 +190,7 @@ def writable(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
 
 
-@numba.njit(cache=True, fastmath=_FM)
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
 def rms_norm_rows(x, scale, eps, out, inv_out):
     """y = x / sqrt(mean(x^2) + eps) * scale per row; scale has cols items."""
     n, m = x.shape

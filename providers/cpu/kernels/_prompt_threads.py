@@ -27,6 +27,8 @@ from ._worker_pool import pool_threads
 
 #: Multiply-adds from which a matmul is split over the threads (about 1 ms on one core).
 SPLIT_MIN_WORK = 1 << 25
+#: Elements from which a row-wise kernel (a norm, SiluMul) is split over the threads.
+SPLIT_MIN_ELEMENTS = 1 << 21
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
@@ -93,6 +95,17 @@ def split_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
         ]
     )
     return out
+
+
+def row_parts(rows: int, elements: int, call: Callable[[int, int], object]) -> None:
+    """``call(r0, r1)`` over runs of rows covering ``range(rows)``: split over the threads
+    for a prompt of at least ``SPLIT_MIN_ELEMENTS`` elements (``call`` must release the GIL:
+    a ``nogil`` Numba kernel), else one call for all the rows."""
+    threads = pool_threads()
+    if threads < 2 or rows < 2 * threads or elements < SPLIT_MIN_ELEMENTS:
+        call(0, rows)
+        return
+    run_parts([lambda r0=r0, r1=r1: call(r0, r1) for r0, r1 in row_bounds(rows, threads)])
 
 
 def _forget_in_child() -> None:

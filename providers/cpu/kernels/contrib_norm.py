@@ -14,6 +14,7 @@ from ._nn_common import (
     rms_norm_rows,
     writable,
 )
+from ._prompt_threads import row_parts
 from ._registry import REGISTRY
 
 _F32 = np.dtype(np.float32)
@@ -53,7 +54,8 @@ def _skip_norm(
     mean, inv = np.zeros(rows, cdt), np.empty(rows, cdt)
     g = writable(np.ascontiguousarray(gamma, dtype=cdt).reshape(-1))
     if rows and rms:
-        rms_norm_rows(src, g, eps, dst, inv)
+        row_parts(rows, src.size,
+                  lambda r0, r1: rms_norm_rows(src[r0:r1], g, eps, dst[r0:r1], inv[r0:r1]))  # fmt: skip
     elif rows:
         bt = _EMPTY.astype(cdt) if beta is None else np.ascontiguousarray(beta, cdt).reshape(-1)
         layer_norm_rows(src, g, bt, eps, dst, mean, inv)

@@ -270,7 +270,7 @@ def silu_mul_rows(g, u, out):
             out[i, j] = (s * x) * u[i, j]
 
 
-@numba.njit(cache=True, error_model="numpy")
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def silu_mul_halves(gu, half, out):
     """``silu_mul_rows`` of the two halves of each row of a C-contiguous ``gu`` (rows,
     2 * half): contiguous rows, where the halves as strided 2-D views (Numba's layout "A")

@@ -11,6 +11,7 @@ from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
 
 from ._native_rows import silu_halves_native
 from ._nn_common import compute_dtype
+from ._prompt_threads import row_parts
 from ._registry import REGISTRY
 from .elementwise import as_rows, sigmoid_into, silu_mul_halves, silu_mul_rows
 from .matmul import TiledWeight, matmul_kernel, packed_call, packed_shape, prepack_weight
@@ -40,7 +41,9 @@ def silu_mul(ctx: KernelContext, g: np.ndarray, u: np.ndarray | None = None) -> 
     f32 = g.dtype == np.float32 and u.dtype == np.float32 and shape == g.shape == u.shape
     if f32 and y.flags.c_contiguous and y.size:
         if whole is not None and whole.flags.c_contiguous:
-            silu_mul_halves(as_rows(whole), g.shape[-1], as_rows(y))
+            gu, half, y2 = as_rows(whole), g.shape[-1], as_rows(y)
+            row_parts(gu.shape[0], gu.size,
+                      lambda r0, r1: silu_mul_halves(gu[r0:r1], half, y2[r0:r1]))  # fmt: skip
         else:
             silu_mul_rows(as_rows(g), as_rows(u), as_rows(y))
         return y

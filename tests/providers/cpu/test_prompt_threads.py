@@ -119,3 +119,47 @@ def test_split_after_fork(two_threads, monkeypatch) -> None:
         pytest.fail("split_matmul hung in a forked child")
     assert child.exitcode == 0
     assert queue.get(timeout=5) < 1e-4
+
+
+def _one_node_model(op: str, domain: str, feeds: dict, consts: dict, out_cols: int, **attrs):
+    """One node reading ``feeds`` (graph inputs, rows x cols) then ``consts`` (initializers)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inputs = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, ["r", a.shape[1]])
+        for name, a in feeds.items()
+    ]
+    graph = helper.make_graph(
+        [helper.make_node(op, [*feeds, *consts], ["y"], domain=domain, **attrs)],
+        "rows",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["r", out_cols])],
+        [numpy_helper.from_array(v, k) for k, v in consts.items()],
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def test_row_kernels_split_over_threads_match_float64(two_threads, monkeypatch):
+    """A prompt's SkipSimplifiedLayerNormalization and SiluMul (halves of one input) with
+    their rows spread over two threads: each row as float64 numpy computes it."""
+    monkeypatch.setattr(pt, "SPLIT_MIN_ELEMENTS", 0)
+    calls: list[int] = []
+    original = pt.run_parts
+    monkeypatch.setattr(pt, "run_parts", lambda parts: (calls.append(len(parts)), original(parts)))
+    rng = np.random.default_rng(4)
+    rows, cols = 37, 96
+    x = rng.standard_normal((rows, cols)).astype(F32)
+    skip = rng.standard_normal((rows, cols)).astype(F32)
+    gamma = rng.standard_normal(cols).astype(F32)
+    norm = _one_node_model("SkipSimplifiedLayerNormalization", "com.microsoft",
+                           {"x": x, "skip": skip}, {"gamma": gamma}, cols, epsilon=1e-6)  # fmt: skip
+    (y,) = InferenceSession(norm, providers=["cpu"]).run(None, {"x": x, "skip": skip})
+    h = x.astype(np.float64) + skip
+    want = h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6) * gamma
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    silu = _one_node_model("SiluMul", "onnx_genrt", {"gu": x}, {}, cols // 2, split=1)
+    (y,) = InferenceSession(silu, providers=["cpu"]).run(None, {"gu": x})
+    g, u = x[:, : cols // 2].astype(np.float64), x[:, cols // 2 :]
+    np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+    assert calls.count(2) >= 2  # the norm's rows and SiluMul's
