@@ -159,13 +159,9 @@ def tile_params(
     (n_tiles, blocks, rows) for VNNI tiles; the result is made by ``zeros(shape, dtype)``."""
     rows = tile_rows(n) if rows is None else rows
     nt = -(-n // rows)
-    if vnni:
-        out = np.zeros((p.shape[1], nt * rows), _F32)
-        out[:, :n] = p.T
-        return _into(zeros, out.reshape(p.shape[1], nt, rows).transpose(1, 0, 2))
-    out = zeros((p.shape[1], nt * rows), _F32)
-    out[:, :n] = p.T
-    return out
+    values = np.zeros((p.shape[1], nt * rows), _F32)
+    values[:, :n] = p.T
+    return _into(zeros, values.reshape(p.shape[1], nt, rows).transpose(1, 0, 2) if vnni else values)
 
 
 def untile_params(packed: np.ndarray, n: int) -> np.ndarray:

@@ -84,16 +84,9 @@ def splits(m: int, k: int, n: int) -> bool:
 def split_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``np.matmul(a, b, out=out)`` for 2-D ``a`` (M, K), ``b`` (K, N) and ``out`` (M, N),
     its rows split over the provider's threads when ``splits`` says so."""
-    m, k = a.shape
-    if not splits(m, k, b.shape[1]):
+    if not splits(*a.shape, b.shape[1]):
         return np.matmul(a, b, out=out)
-    threads = pool_threads()
-    run_parts(
-        [
-            lambda r0=r0, r1=r1: np.matmul(a[r0:r1], b, out=out[r0:r1])
-            for r0, r1 in row_bounds(m, threads)
-        ]
-    )
+    _over_rows(a.shape[0], lambda r0, r1: np.matmul(a[r0:r1], b, out=out[r0:r1]))
     return out
 
 
@@ -105,7 +98,12 @@ def row_parts(rows: int, elements: int, call: Callable[[int, int], object]) -> N
     if threads < 2 or rows < 2 * threads or elements < SPLIT_MIN_ELEMENTS:
         call(0, rows)
         return
-    run_parts([lambda r0=r0, r1=r1: call(r0, r1) for r0, r1 in row_bounds(rows, threads)])
+    _over_rows(rows, call)
+
+
+def _over_rows(rows: int, call: Callable[[int, int], object]) -> None:
+    """``call(r0, r1)`` on one run of rows per thread, all at once (``run_parts``)."""
+    run_parts([lambda r0=r0, r1=r1: call(r0, r1) for r0, r1 in row_bounds(rows, pool_threads())])
 
 
 def _forget_in_child() -> None:

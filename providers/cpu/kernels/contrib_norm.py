@@ -54,8 +54,11 @@ def _skip_norm(
     mean, inv = np.zeros(rows, cdt), np.empty(rows, cdt)
     g = writable(np.ascontiguousarray(gamma, dtype=cdt).reshape(-1))
     if rows and rms:
-        row_parts(rows, src.size,
-                  lambda r0, r1: rms_norm_rows(src[r0:r1], g, eps, dst[r0:r1], inv[r0:r1]))  # fmt: skip
+
+        def norm(r0: int, r1: int) -> None:
+            rms_norm_rows(src[r0:r1], g, eps, dst[r0:r1], inv[r0:r1])
+
+        row_parts(rows, src.size, norm)
     elif rows:
         bt = _EMPTY.astype(cdt) if beta is None else np.ascontiguousarray(beta, cdt).reshape(-1)
         layer_norm_rows(src, g, bt, eps, dst, mean, inv)

@@ -4,11 +4,11 @@ MatMulNBits takes one of two paths:
 
 * 4-bit weights with at most ``PACKED_MAX_M`` rows of A (``INT8_PACKED_MAX_M`` at
   accuracy_level 4; any number with VNNI, ``VNNI_PACKED_MAX_M`` a call: decode, speculative
-  verify, short prompts, and every prompt with VNNI) multiply the packed nibbles directly (``_int4_matmul``): the weight is
-  rearranged into row tiles of the same bytes, about 1.25x the packed size. Constant
-  weights, scales and zero points are prepacked so once, when the session is built
-  (``prepack_int4``), and the session then releases the originals: the weight is held
-  once, as tiles. Weights that are not constants are tiled on first use (``DequantCache``).
+  verify, short prompts, and every prompt with VNNI) multiply the packed nibbles directly
+  (``_int4_matmul``): the weight is rearranged into row tiles of the same bytes, about
+  1.25x the packed size. Constant weights, scales and zero points are prepacked so once,
+  when the session is built (``prepack_int4``), and the session then releases the
+  originals: the weight is held once, as tiles. Weights that are not constants are tiled on first use (``DequantCache``).
   At ``accuracy_level`` 4 (with uint8 zero points or none) A is quantized to int8 per
   block and the tiles are multiplied in integers, as onnxruntime does: with ``vpdpbusd`` on
   tiles in the VNNI layout where the CPU has AVX-512 VNNI (``_int4_vnni``; the provider's
@@ -310,8 +310,8 @@ class Int4Input:
 
 def prepack_int4(provider, node, index: int, host: np.ndarray) -> Int4Input | None:
     """B, scales and zero points of a 4-bit node in the tiles' layout, held in the provider's
-    weight arena (huge pages); None for other inputs and bit widths, a ``g_idx``, or shapes that do not fit K, N and the block (the
-    kernel then reports them)."""
+    weight arena (huge pages); None for other inputs and bit widths, a ``g_idx``, or shapes
+    that do not fit K, N and the block (the kernel then reports them)."""
     role = _INT4_ROLES.get(index)
     g_idx = len(node.input_names) > 4 and node.input_names[4]
     if role is None or g_idx or _nbits_check(node, ()) or int(node.attr("bits", 4)) != 4:
