@@ -54,13 +54,19 @@ def unroll_mtp_head(
     id_map = "mtp_chain/draft_ids"
     if draft_ids is not None:
         extra_inits.append(numpy_helper.from_array(np.asarray(draft_ids, np.int64), id_map))
+    constants, hoisted = _constant_nodes(g, weights)
+    for index in sorted(hoisted):  # computed once (folded at load), read by every step
+        copy = onnx.NodeProto()
+        copy.CopyFrom(g.node[index])
+        copy.name = "mtp_chain/" + (copy.name or f"{copy.op_type}_{index}")
+        nodes.append(copy)
     drafts, confs = [], []
     hidden, ids = hidden_input, ids_input
     for step in range(k):
         prefix = f"mtp{step}/"
 
         def rename(name: str, hidden: str = hidden, ids: str = ids, prefix: str = prefix) -> str:
-            if not name or name in weights:
+            if not name or name in constants:
                 return name
             if name == hidden_input:
                 return hidden
@@ -69,6 +75,8 @@ def unroll_mtp_head(
             return prefix + name
 
         for index, node in enumerate(g.node):
+            if index in hoisted:
+                continue
             copy = onnx.NodeProto()
             copy.CopyFrom(node)
             copy.name = prefix + (node.name or f"{node.op_type}_{index}")
@@ -133,6 +141,27 @@ def unroll_mtp_head(
     model = helper.make_model(graph, opset_imports=list(head.opset_import))
     model.ir_version = head.ir_version
     return model
+
+
+#: Ops whose output differs between runs of the same inputs: never hoisted out of the steps.
+_RANDOM_OPS = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+     "Bernoulli", "Dropout"}
+)  # fmt: skip
+
+
+def _constant_nodes(graph: onnx.GraphProto, weights: set[str]) -> tuple[set[str], set[int]]:
+    """The values computed from the weights alone (the weights included) and the indices of
+    the nodes computing them (a Cast or Transpose of a weight): the chain runs those once,
+    so its steps share one folded copy instead of one per step."""
+    constants, hoisted = set(weights), set()
+    for index, node in enumerate(graph.node):
+        if node.op_type in _RANDOM_OPS or node.domain not in ("", "ai.onnx"):
+            continue
+        if all(not name or name in constants for name in node.input):
+            hoisted.add(index)
+            constants.update(name for name in node.output if name)
+    return constants, hoisted
 
 
 def restrict_draft_vocab(

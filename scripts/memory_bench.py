@@ -16,12 +16,20 @@ a child too) and refuses a row that does not rise above its own peak. The target
 (once, cached) the ~52M-parameter int4 builder model of ``tests/llm_fixtures.py``
 (``MEMORY_QWEN2``), which needs the test extras.
 
+Where scipy is installed (the test extras bring it; the package alone does not), numba imports
+``scipy.linalg`` and its OpenBLAS on its first compiled call (to offer ``np.dot`` in compiled
+code, which onnx-genrt's kernels do not use): about 13 MiB of ``generate``'s peak that the
+import baseline does not pay. The script says which environment it measured; run it with the
+interpreter of an environment made by README's first command (``--no-genai``, with
+``--model``) for the figure a user of that command gets.
+
     python scripts/memory_bench.py [--model DIR] [--tokens 64] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import resource
 import statistics
@@ -113,6 +121,11 @@ def main() -> int:
         seconds.append(engine_import_seconds())
     median = {name: statistics.median(values) for name, values in peaks.items()}
     print(f"model: {folder} (weights {weights / 2**20:.1f} MiB), {args.tokens} new tokens")
+    scipy = importlib.util.find_spec("scipy") is not None
+    print(
+        f"environment: {sys.prefix}; scipy "
+        + ("installed: numba imports scipy.linalg on its first call" if scipy else "absent")
+    )
     print(f"{'row':28s} {'peak RSS MiB (median)':>22s}  all runs")
     for name, values in peaks.items():
         print(f"{name:28s} {median[name]:22.1f}  {', '.join(f'{v:.0f}' for v in values)}")

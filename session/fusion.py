@@ -216,17 +216,18 @@ def _merge_projections(gate: Step, up: Step, constants: Constants, provider: obj
     if any(not g or not u or g not in constants or u not in constants for g, u in weights):
         return None
     op = gate.node.op_type
-    prefix = f"{gate.outputs[0]}/gate_up/"
+    # Named after the weights merged, so layers or unrolled steps (an MTP chain) that
+    # project onto the same pair share one merged constant.
+    prefix = "merged[" + "|".join(f"{g},{u}" for g, u in weights) + "]/"
     if op == "MatMul" and gate.node.domain == "":
         ((gw, uw),) = weights
         a, b = constants[gw], constants[uw]
         if a.ndim != 2 or b.ndim != 2 or a.shape != b.shape or a.dtype != b.dtype:
             return None
-        return (
-            gate.node,
-            (gate.inputs[0], prefix + "W"),
-            {prefix + "W": np.concatenate([a, b], axis=1)},
-        )
+        merged = constants.get(prefix + "W")
+        if merged is None:
+            merged = np.concatenate([a, b], axis=1)
+        return gate.node, (gate.inputs[0], prefix + "W"), {prefix + "W": merged}
     if op == "MatMulNBits" and gate.node.domain == "com.microsoft":
         keys = ("K", "N", "bits", "block_size", "accuracy_level")
         if any(gate.node.attrs.get(k) != up.node.attrs.get(k) for k in keys):
@@ -242,10 +243,13 @@ def _merge_projections(gate: Step, up: Step, constants: Constants, provider: obj
             row_a, row_b = a.reshape(n_gate, -1), b.reshape(n_up, -1)
             if row_a.shape[1] != row_b.shape[1]:
                 return None
-            cat = np.concatenate([row_a, row_b], axis=0)
-            shape = (n_gate + n_up, *a.shape[1:]) if a.ndim > 1 else (cat.size,)
             name = f"{prefix}{index}"
-            merged[name] = cat.reshape(shape)
+            done = constants.get(name)
+            if done is None:
+                cat = np.concatenate([row_a, row_b], axis=0)
+                shape = (n_gate + n_up, *a.shape[1:]) if a.ndim > 1 else (cat.size,)
+                done = cat.reshape(shape)
+            merged[name] = done
             names.append(name)
         return _with(gate.node, attrs={"N": n_gate + n_up}), tuple(names), merged
     return None

@@ -247,3 +247,47 @@ def test_next_inputs_graph_declares_the_shapes_it_produces(fused, positions, len
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
         dims = tuple(d.dim_value for d in tensor.shape.dim)
         assert (arrays[value.name].dtype, arrays[value.name].shape) == (dtype, dims), value.name
+
+
+def _head_with_stored_weight_nodes() -> onnx.ModelProto:
+    """The tiny head with ``w_hidden`` stored transposed in fp16, as exporters write it:
+    Cast and Transpose of the weight before its MatMul (a constant subgraph)."""
+    head = _head()
+    graph = head.graph
+    w = _weights()["w_hidden"]
+    graph.initializer.remove(next(i for i in graph.initializer if i.name == "w_hidden"))
+    graph.initializer.append(numpy_helper.from_array(w.T.astype(np.float16), "w_hidden_t16"))
+    stored = [
+        helper.make_node("Cast", ["w_hidden_t16"], ["w_hidden_t"], to=TensorProto.FLOAT),
+        helper.make_node("Transpose", ["w_hidden_t"], ["w_hidden"], perm=[1, 0]),
+    ]
+    for node in reversed(stored):
+        graph.node.insert(0, node)
+    return head
+
+
+def test_nodes_of_the_weights_alone_run_once_for_the_whole_chain():
+    """A Cast and Transpose of a weight are computed once, shared by every step (the
+    unrolled chain holds one folded copy of the weight, not k); the chain still equals the
+    float64 chain of the fp16-rounded weight, run by onnx-genrt and by onnxruntime."""
+    k = 3
+    model = unroll_mtp_head(_head_with_stored_weight_nodes(), k)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Transpose") == 1 and ops.count("MatMul") == 2 * k
+    assert sum("w_hidden_t16" in n.input for n in model.graph.node) == 1
+    w = _weights()
+    w16 = w["w_hidden"].astype(np.float16).astype(np.float64)
+    for seed in range(3):
+        feeds = _feeds(seed)
+        h, token = feeds["hidden_states"].reshape(-1).astype(np.float64), feeds["input_ids"][0, 0]
+        want_drafts, want_confs = [], []
+        for _ in range(k):
+            h = np.tanh((h + w["embed"][token].astype(np.float64)) @ w16)
+            logits = h @ w["lm_head"].astype(np.float64)
+            p = np.exp(logits - logits.max())
+            token = int(np.argmax(logits))
+            want_drafts.append(token)
+            want_confs.append(float(p.max() / p.sum()))
+        for drafts, confs in _run_both(model, feeds):
+            assert drafts[0].tolist() == want_drafts
+            np.testing.assert_allclose(confs[0], want_confs, rtol=1e-5)

@@ -161,3 +161,33 @@ def test_a_fusion_happens_only_in_the_form_the_provider_says_yes_to():
     cpu = InferenceSession(model, providers=["cpu"])
     assert [p.op for p in cpu.placement()] == ["ai.onnx::MatMul", "onnx_genrt::SiluMul"]
     np.testing.assert_allclose(cpu.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_gate_up_projections_onto_the_same_weights_share_one_merged_weight():
+    """Two gated MLPs (an unrolled MTP chain's steps, say) reading the same gate and up
+    weights become two gate_up projections onto one merged constant, not one copy each;
+    both outputs still equal float64 numpy."""
+    model, wg, wu = _gated_mlp()
+    graph = model.graph
+    second = []
+    for node in list(graph.node):
+        copy = helper.make_node(
+            node.op_type,
+            [n if n in ("wg", "wu") else f"{n}2" for n in node.input],
+            [f"{n}2" for n in node.output],
+            name=f"{node.name}2",
+        )
+        second.append(copy)
+    graph.node.extend(second)
+    graph.input.append(helper.make_tensor_value_info("x2", TensorProto.FLOAT, [1, 8]))
+    graph.output.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, [1, 8]))
+    sess = InferenceSession(model, providers=["cpu"])
+    projections = [s for s in sess.plan.steps if s.node.op_type == "MatMul"]
+    assert len(projections) == 2
+    assert len({s.inputs[1] for s in projections}) == 1 and len(sess.plan.constants) == 1
+    rng = np.random.default_rng(3)
+    feeds = {n: rng.standard_normal((1, 8)).astype(np.float32) for n in ("x", "x2")}
+    for name, got in zip(("x", "x2"), sess.run(["y", "y2"], feeds), strict=True):
+        x = feeds[name].astype(np.float64)
+        g, u = x @ wg, x @ wu
+        np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-5)

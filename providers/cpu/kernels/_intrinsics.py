@@ -15,6 +15,8 @@ nopython code needs them on the CPU. These emit LLVM's own instructions:
   f(void *)`` (such as libc's ``sem_post``), ``call_c_void_int(addr)`` of ``int
   f(void)``. Addresses come in at run time, so functions using them stay cacheable (a
   ctypes function as a global is not);
+- ``copy_bytes(dst, src, count)``: ``memcpy`` between integer addresses (LLVM's own
+  ``llvm.memcpy``: a byte loop over ``numba.carray`` views is not vectorized);
 - ``float32_from_bits`` (a bit pattern as a float32, for a vectorizable ``2**n``),
   ``cycle_counter`` (for bounded spin waits) and ``stack_float32`` (a fixed-size array on
   the stack, which LLVM can keep in registers: the skinny kernels' accumulators).
@@ -226,6 +228,22 @@ def call_c_void_int(typingctx, addr):
         return builder.sext(builder.call(fn, []), _I64)
 
     return types.int64(addr), codegen
+
+
+@intrinsic
+def copy_bytes(typingctx, dst, src, count):
+    """Copy ``count`` bytes from address ``src`` to address ``dst`` (the ranges must not
+    overlap)."""
+    if not all(isinstance(t, types.Integer) for t in (dst, src, count)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        byte_ptr = ir.IntType(8).as_pointer()
+        to, frm = (builder.inttoptr(a, byte_ptr) for a in args[:2])
+        cgutils.raw_memcpy(builder, to, frm, args[2], 1)
+        return context.get_dummy_value()
+
+    return types.none(dst, src, count), codegen
 
 
 @intrinsic

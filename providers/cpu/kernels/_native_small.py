@@ -1,8 +1,10 @@
 """Native forms (``_native_calls``) of the small steps around a decode step's layers: the
-attention-mask lengths (an integer row sum, a subtraction, casts and copies of shapes) and
-the greedy head (ArgMax, the subtraction of the non-finite probe). Each does what its numpy
-call does, bit for bit, on the buffers that call was bound to, and hands back to it where
-numpy's rule is not reproduced here (ArgMax of a row holding NaN).
+attention-mask lengths (an integer row sum, a subtraction, casts and copies of shapes), the
+greedy head (ArgMax, the subtraction of the non-finite probe), Concat, and the MTP chain's
+ArgMaxProb. Each does what its numpy call does, bit for bit, on the buffers that call was
+bound to, and hands back to it where numpy's rule is not reproduced here (ArgMax of a row
+holding NaN). The one exception is ArgMaxProb's confidence, ``1 / sum(exp(row - max))``:
+its exp and sum round within a few ulp of numpy's (it gates drafting, never a token).
 
 None of them can raise (no division, no bounds or shape checks to fail on the shapes their
 makers accept), so they have no ``try``: a ``try`` costs a cfunc about 0.5 s of compilation
@@ -10,13 +12,15 @@ on the first run."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numba
 import numpy as np
 
-from ._intrinsics import address_as_pointer, stack_float32
+from ._intrinsics import address_as_pointer, copy_bytes, stack_float32
 from ._native_calls import NativeCall, address_of, native_runner, rerun, word_view, words
+from ._vector_exp import exp32
 
 _F32 = np.dtype(np.float32)
 
@@ -155,10 +159,78 @@ def _argmax_native(args, _a, _b):
     return 0
 
 
+def _argmax_prob_native(args, _a, _b):
+    """Words: x (rows, cols) float32, idx (rows,) int64, prob (rows,) float32, rows, cols.
+    ``RERUN`` for a row holding a NaN."""
+    w = word_view(args, 5)
+    rows, cols = w[3], w[4]
+    x = numba.carray(address_as_pointer(w[0], np.float32), (rows, cols))
+    idx = numba.carray(address_as_pointer(w[1], np.int64), (rows,))
+    prob = numba.carray(address_as_pointer(w[2], np.float32), (rows,))
+    lanes = stack_float32(16)
+    for i in range(rows):
+        row = x[i]
+        j = _argmax_row(row, lanes)
+        if j < 0:
+            return 1
+        top = row[j]
+        for t in range(16):
+            lanes[t] = np.float32(0)
+        full = cols // 16 * 16
+        for j0 in range(0, full, 16):
+            for t in range(16):
+                lanes[t] += exp32(row[j0 + t] - top)
+        total = np.float32(0)
+        for t in range(16):
+            total += lanes[t]
+        for t in range(full, cols):
+            total += exp32(row[t] - top)
+        idx[i] = j
+        prob[i] = np.float32(1) / total
+    return 0
+
+
+def _concat_native(args, _a, _b):
+    """Words: out, outer, out's bytes per outer index, n, then n pairs (input, its bytes per
+    outer index): each input's rows copied side by side into out's."""
+    head = word_view(args, 4)
+    outer, out_row, n = head[1], head[2], head[3]
+    w = word_view(args, 4 + 2 * n)
+    offset = 0
+    for k in range(n):
+        src, size = w[4 + 2 * k], w[5 + 2 * k]
+        for o in range(outer):
+            copy_bytes(w[0] + o * out_row + offset, src + o * size, size)
+        offset += size
+    return 0
+
+
+def _mtp_accept_native(args, _a, _b):
+    """Words: ids (k+1,) int64, argmax (k+1,) int64, count (1,) int64, k, accepted (1,)
+    int64, token (1,) int64, hidden rows, bytes per row, the row out: ``MTPAccept``'s
+    compare loop and the accepted position's row copied."""
+    w = word_view(args, 9)
+    k = w[3]
+    ids = numba.carray(address_as_pointer(w[0], np.int64), (k + 1,))
+    top = numba.carray(address_as_pointer(w[1], np.int64), (k + 1,))
+    count = numba.carray(address_as_pointer(w[2], np.int64), (1,))
+    limit = min(k, count[0])
+    acc = 0
+    while acc < limit and top[acc] == ids[acc + 1]:
+        acc += 1
+    numba.carray(address_as_pointer(w[4], np.int64), (1,))[0] = acc
+    numba.carray(address_as_pointer(w[5], np.int64), (1,))[0] = top[acc]
+    copy_bytes(w[8], w[6] + acc * w[7], w[7])
+    return 0
+
+
 _copy_runner = native_runner(_copy_native)
 _binary_runner = native_runner(_binary_native)
 _int_sum_runner = native_runner(_int_sum_native)
 _argmax_runner = native_runner(_argmax_native)
+_argmax_prob_runner = native_runner(_argmax_prob_native)
+_concat_runner = native_runner(_concat_native)
+_mtp_accept_runner = native_runner(_mtp_accept_native)
 
 
 def _flat(a: np.ndarray) -> bool:
@@ -239,5 +311,73 @@ def argmax_native(x: np.ndarray, out: np.ndarray, run: Callable[[], None]):
     def make() -> NativeCall:
         w = words(address_of(x2), address_of(out), out.size, cols)
         return NativeCall(_argmax_runner(), w, rerun(run), (x2, out))
+
+    return make
+
+
+def argmax_prob_native(x: np.ndarray, idx: np.ndarray, prob: np.ndarray, run: Callable[[], None]):
+    """Native form of ArgMaxProb over the last axis of a C-contiguous float32 ``x`` into int64
+    ``idx`` and float32 ``prob`` (numpy's own call for a row with NaN); None otherwise."""
+    if x.dtype != _F32 or idx.dtype != np.int64 or prob.dtype != _F32 or not x.size:
+        return None
+    if not (_flat(x) and _flat(idx) and _flat(prob)) or x.ndim == 0:
+        return None
+    cols = x.shape[-1]
+    rows = x.size // cols
+    if idx.size != rows or prob.size != rows:
+        return None
+    x2 = x.reshape(rows, cols)
+
+    def make() -> NativeCall:
+        w = words(address_of(x2), address_of(idx), address_of(prob), rows, cols)
+        return NativeCall(_argmax_prob_runner(), w, rerun(run), (x2, idx, prob))
+
+    return make
+
+
+def concat_native(inputs: tuple[np.ndarray, ...], axis: int, out: np.ndarray, run):
+    """Native form of ``np.concatenate(inputs, axis, out=out)`` for C-contiguous arrays of
+    out's dtype (a copy: any dtype); None otherwise."""
+    arrays = (*inputs, out)
+    if not inputs or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
+        return None
+    if any(a.dtype != out.dtype or a.ndim != out.ndim for a in inputs) or not out.size:
+        return None
+    lead, tail = out.shape[:axis], out.shape[axis + 1 :]
+    if any(a.shape[:axis] != lead or a.shape[axis + 1 :] != tail for a in inputs):
+        return None
+    if sum(a.shape[axis] for a in inputs) != out.shape[axis]:
+        return None
+    outer = math.prod(lead)
+    rows = [a.nbytes // outer for a in inputs]
+
+    def make() -> NativeCall:
+        pairs = [v for a, b in zip(inputs, rows, strict=True) for v in (address_of(a), b)]
+        w = words(address_of(out), outer, out.nbytes // outer, len(inputs), *pairs)
+        return NativeCall(_concat_runner(), w, rerun(run), arrays)
+
+    return make
+
+
+def mtp_accept_native(ids, argmax, count, k: int, accepted, token, rows, row, run):
+    """Native form of the MTPAccept replay closure: int64 ids, argmax, count, accepted and
+    token, ``rows`` (k + 1, H) and ``row`` (H,) of one dtype, all C-contiguous; None
+    otherwise."""
+    ints = (ids, argmax, count, accepted, token)
+    if not all(_flat(a) and a.dtype == np.int64 for a in ints):
+        return None
+    if ids.size < k + 1 or argmax.size < k + 1 or not count.size:
+        return None
+    if rows.dtype != row.dtype or not (rows.flags.c_contiguous and row.flags.c_contiguous):
+        return None
+    if rows.ndim != 2 or rows.shape[0] < k + 1 or rows.shape[1] != row.size:
+        return None
+
+    def make() -> NativeCall:
+        w = words(
+            address_of(ids), address_of(argmax), address_of(count), k, address_of(accepted),
+            address_of(token), address_of(rows), row.nbytes, address_of(row),
+        )  # fmt: skip
+        return NativeCall(_mtp_accept_runner(), w, rerun(run), (*ints, rows, row))
 
     return make

@@ -10,6 +10,7 @@ from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
 
 from ._native_rows import silu_halves_native
+from ._native_small import argmax_prob_native, mtp_accept_native
 from ._nn_common import compute_dtype
 from ._prompt_threads import row_parts
 from ._registry import REGISTRY
@@ -140,6 +141,7 @@ def _bind_argmax_prob(ctx: KernelContext, inputs, out):
             np.exp(scratch, out=scratch)
             p1[r] = one / scratch.sum()
 
+    run.native = argmax_prob_native(x, idx, prob, run)  # type: ignore[attr-defined]
     return run
 
 
@@ -184,6 +186,9 @@ def _bind_mtp_accept(ctx: KernelContext, inputs, out):
         token[0, 0] = top1[acc]
         np.copyto(dst, rows[acc], casting="unsafe")
 
+    run.native = mtp_accept_native(  # type: ignore[attr-defined]
+        ids1, top1, count1, k, accepted.reshape(-1), token.reshape(-1), rows, dst, run
+    )
     return run
 
 

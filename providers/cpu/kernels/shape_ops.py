@@ -20,6 +20,7 @@ from onnx_genrt.core.op_rules import (
 )
 
 from ._native_rows import gather_rows_native
+from ._native_small import concat_native
 from ._registry import REGISTRY
 
 Array = np.ndarray
@@ -203,7 +204,9 @@ def _bind_concat(
     if not isinstance(out, np.ndarray) or any(t.dtype != out.dtype for t in inputs):
         return None
     axis = normalize_axis(int(ctx.attr("axis", 1 if ctx.opset < 4 else 0)), out.ndim, ctx.node)
-    return functools.partial(np.concatenate, tuple(inputs), axis=axis, out=out)
+    call = functools.partial(np.concatenate, tuple(inputs), axis=axis, out=out)
+    call.native = concat_native(tuple(inputs), axis, out, call)  # type: ignore[attr-defined]
+    return call
 
 
 REGISTRY.register("Concat", since=1, bind=_bind_concat)(concat)

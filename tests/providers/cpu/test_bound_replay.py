@@ -135,6 +135,16 @@ CASES = [
         lambda r: {"x": _logits(r, (3, 4096))},
         _argmax_prob,
         domain=GENRT_DOMAIN,
+        native=True,
+    ),
+    Case(
+        "ArgMaxProb",
+        {"x": ((2, 1, 37), F32)},  # a row length that is not a multiple of 16
+        {"idx": ((2, 1), I64), "prob": ((2, 1), F32)},
+        lambda r: {"x": (r.standard_normal((2, 1, 37)) * 8).astype(F32)},
+        _argmax_prob,
+        domain=GENRT_DOMAIN,
+        native=True,
     ),
     Case(
         "MTPAccept",
@@ -146,6 +156,7 @@ CASES = [
         {"to": TensorProto.FLOAT},
         domain=GENRT_DOMAIN,
         exact=True,
+        native=True,
     ),
     Case(
         "SiluMul",
@@ -282,6 +293,27 @@ CASES = [
         lambda f: [np.concatenate([f["a"], f["b"], f["c"]], axis=-1)],
         {"axis": -1},
         exact=True,
+        native=True,
+    ),
+    Case(
+        "Concat",
+        {"a": ((2, 1, 3), I64), "b": ((2, 2, 3), I64)},
+        {"y": ((2, 3, 3), I64)},
+        lambda r: {"a": r.integers(-9, 9, (2, 1, 3)), "b": r.integers(-9, 9, (2, 2, 3))},
+        lambda f: [np.concatenate([f["a"], f["b"]], axis=1)],
+        {"axis": 1},
+        exact=True,
+        native=True,
+    ),
+    Case(
+        "Concat",
+        {"a": ((1, 4), F32), "b": ((2, 4), F32)},
+        {"y": ((3, 4), F32)},
+        lambda r: {"a": r.standard_normal((1, 4)).astype(F32), "b": r.random((2, 4)).astype(F32)},
+        lambda f: [np.concatenate([f["a"], f["b"]], axis=0)],
+        {"axis": 0},
+        exact=True,
+        native=True,
     ),
     Case(
         "Cast",
@@ -391,3 +423,21 @@ def test_replayed_gather_refuses_an_index_out_of_range(index_input: str, bad: in
     feeds[index_input].reshape(-1)[-1] = bad
     with pytest.raises(Exception, match=rf"Gather.*index {bad} out of range"):
         bound.run(feeds)
+
+
+def test_replayed_argmax_prob_of_a_row_with_nan_is_numpys() -> None:
+    """A NaN in a row sends the native ArgMaxProb back to the numpy closure: numpy's index of
+    the first NaN and a NaN confidence, the other rows as before."""
+    case = next(c for c in CASES if c.op == "ArgMaxProb")
+    bound = _Bound(case)
+    rng = np.random.default_rng(5)
+    for _ in range(3):  # recorded, then replayed natively
+        bound.run(case.feeds(rng))
+    assert bound.recorded().native_calls == 1
+    feeds = case.feeds(rng)
+    feeds["x"][1, 7] = np.nan
+    idx, prob = bound.run(feeds)
+    want_idx, want_prob = _argmax_prob(feeds)
+    assert idx[1] == 7 and np.isnan(prob[1])
+    np.testing.assert_array_equal(idx[[0, 2]], want_idx[[0, 2]])
+    np.testing.assert_allclose(prob[[0, 2]], want_prob[[0, 2]], rtol=2e-5)
