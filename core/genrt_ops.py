@@ -16,6 +16,7 @@ NormMatMulNBits        the same with ``com.microsoft::MatMulNBits``             
 SiluMulMatMul          ``MatMul(SiluMul(g, u), W)``                                  fusion
 SiluMulMatMulNBits     the same with ``com.microsoft::MatMulNBits``                  fusion
 MatMulAdd              ``MatMul(A, W) + bias`` (bias a row of N)                     fusion
+NonFinite              ``ReduceSum(x - x)``: 0 if all of x is finite, else NaN      fusion
 MTPAccept              accepted drafts of a verify step, and the row to draft from   MTP chain
 MTPNextInputs          the next verify step's start, ids, positions, mask, count     MTP chain
 =====================  ===========================================================  =========
@@ -325,6 +326,15 @@ def _argmax_prob_body(b: BodyBuilder, types) -> None:
         b.add("ReduceMax", [probs, b.const("axes", [-1])], [names[1]], keepdims=0)
 
 
+# -- NonFinite --------------------------------------------------------------------------------
+
+
+def _nonfinite_body(b: BodyBuilder, types) -> None:
+    x = b.node.input_names[0]
+    diff = b.add("Sub", [x, x], [b.tmp("diff")])
+    b.add("ReduceSum", [diff], [b.output(0, "y")], keepdims=0)
+
+
 # -- NormMatMul(NBits), SiluMulMatMul(NBits) -------------------------------------------------
 
 #: Attributes of a fused projection op that belong to the fused op, not the projection.
@@ -540,6 +550,17 @@ def _fused_ops() -> list[GenrtOp]:
             (),
             {**_T, "I": _INT64},
             _argmax_prob_body,
+        ),
+        GenrtOp(
+            "NonFinite",
+            "``ReduceSum(x - x)`` over every axis (keepdims=0): 0 when every element of x "
+            "is finite, NaN when one is NaN or infinite, whatever the order of the sum (a "
+            "decoder's non-finite probe of its logits).",
+            (Formal("x", "T", "any tensor"),),
+            (Formal("y", "T", "the scalar 0 or NaN"),),
+            (),
+            _T,
+            _nonfinite_body,
         ),
         GenrtOp(
             "NormMatMul",

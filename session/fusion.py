@@ -6,8 +6,8 @@ the fused node and its input types), so a provider that claims only some forms o
 op (say, SiluMul without ``split``) is never handed the others.
 
 They run on a plan's steps after constant folding, in ``session.plan``'s order (SiluMul, RMS
-norms, skip norms, the argmax head, gate/up projections, norms and SiluMul into projections,
-a projection's bias), each where the provider has the fused op.
+norms, skip norms, the argmax head, the non-finite probe, gate/up projections, norms and
+SiluMul into projections, a projection's bias), each where the provider has the fused op.
 
 The fused ops of domain ``onnx_genrt`` are declared in ``core.genrt_ops``.
 
@@ -500,6 +500,50 @@ def fuse_argmax_prob(
         drop.update(rest)
     out = _rewrite(steps, replace, drop)
     return out, len(replace)
+
+
+def fuse_nonfinite(
+    steps: list[Step], keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
+    """``ReduceSum(Sub(x, x))`` over every axis (keepdims=0) becomes one
+    ``onnx_genrt::NonFinite`` step: a decoder's non-finite probe of its logits (0, or NaN
+    when a logit is not finite) without writing ``x - x``. Its value is the same whatever the
+    order of the sum, so a provider's kernel may sum (or test) in any order."""
+    keep = set(keep)
+    readers, producer = _index(steps)
+    drop: set[int] = set()
+    replace: dict[int, object] = {}
+    for r, reduce in enumerate(steps):
+        if _op(reduce) != "ReduceSum" or int(reduce.node.attrs.get("keepdims", 1)) != 0:
+            continue
+        if len(reduce.inputs) > 1 and reduce.inputs[1] or "axes" in reduce.node.attrs:
+            continue  # axes given: not every axis
+        if int(reduce.node.attrs.get("noop_with_empty_axes", 0)):
+            continue
+        si = producer.get(reduce.inputs[0])
+        if si is None or _op(steps[si]) != "Sub" or si in drop:
+            continue
+        sub = steps[si]
+        diff = sub.outputs[0]
+        if sub.inputs[0] != sub.inputs[1] or readers[diff] != 1 or diff in keep:
+            continue
+        if sub.provider is not reduce.provider:
+            continue
+        node = NodeInfo(
+            "NonFinite",
+            f"{reduce.node.name or reduce.outputs[0]}/NonFinite",
+            GENRT_DOMAIN,
+            1,
+            {},
+            (sub.inputs[0],),
+            (reduce.outputs[0],),
+        )
+        step = step_for(reduce, node, type_of)
+        if step is None:
+            continue
+        replace[si] = step
+        drop.add(r)
+    return _rewrite(steps, replace, drop), len(replace)
 
 
 def _last_axis_no_keep(step: Step, constants: Constants | None = None) -> bool:

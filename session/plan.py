@@ -27,6 +27,7 @@ from .fusion import (
     fuse_argmax_prob,
     fuse_gate_up,
     fuse_matmul_add,
+    fuse_nonfinite,
     fuse_norm_matmul,
     fuse_rms_norm,
     fuse_silu_matmul,
@@ -317,6 +318,8 @@ def build_plan(
     fused += skips
     steps, picks = fuse_argmax_prob(steps, constants, keep, type_of)
     fused += picks
+    steps, probes = fuse_nonfinite(steps, keep, type_of)
+    fused += probes
     steps, merged = fuse_gate_up(steps, constants, keep, type_of)
     fused += merged
     steps, normed = fuse_norm_matmul(steps, constants, keep, type_of)

@@ -80,6 +80,8 @@ def _row_local(step: Any, rows: set[str], constants: Mapping[str, Any]) -> bool:
     op, domain = step.node.op_type, normalize_domain(step.node.domain)
     if _is_projection(step, constants):
         return step.inputs[0] in rows
+    if (domain, op) == ("onnx_genrt", "NonFinite"):  # a full reduction, as below
+        return step.inputs[0] in rows
     if domain != "":
         return False
     others = [name for name in step.inputs if name and name not in rows]

@@ -157,6 +157,27 @@ def test_argmax_prob_body_equals_the_kernel_and_float64(outputs, dtype):
         np.testing.assert_allclose(ort_out[name], value, **_tol(dtype))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [F32, F16], ids=str)
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf], ids=str)
+def test_nonfinite_body_equals_the_kernel_and_numpy(bad, dtype):  # the body's inf - inf
+    """0 for finite x (large values included: x - x is 0 however large x is), NaN when one
+    element is NaN or infinite; the body, the CPU kernel and onnxruntime agree."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((3, 37)) * 1e4).astype(dtype)
+    x[1, 2] = np.finfo(dtype).max
+    if bad is not None:
+        x[2, 36] = bad
+    feeds = {"x": x}
+    model = _model("NonFinite", feeds, {}, ["y"])
+    body, fused = _run_body(model, feeds)["y"], _run_fused(model, feeds)["y"]
+    want = np.float64(0) if bad is None else np.float64(np.nan)
+    for got in (body, fused, _run_ort_body(model, feeds)["y"]):
+        assert got.shape == () and got.dtype == dtype
+        np.testing.assert_array_equal(got, want)
+        assert bad is not None or not np.signbit(got)  # +0: what x - x gives
+
+
 # -- NormMatMul(NBits), SiluMulMatMul(NBits): bodies against float64 and onnxruntime -------
 
 K, N, BLOCK = 64, 24, 32

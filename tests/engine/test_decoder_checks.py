@@ -470,6 +470,21 @@ def _without_decode_heads(model: Model):
     return InferenceSession(load_model(model.config.model_path, folder=model.folder))
 
 
+def test_non_finite_logits_first_met_in_a_replayed_step_raise(nan_token_model):
+    """The step's graph is captured on finite logits and replayed (the CPU provider's native
+    replay, the non-finite probe fused into one NonFinite call) before the NaN token comes:
+    the replay still raises, and names the step."""
+    model = nan_token_model
+    runner = DecoderRunner(model.session, model.config, 16, rows=2)
+    runner.forward([5, 7], None)
+    for token in (1, 2, 3):  # captured, then replayed
+        runner.forward([token], PRIMARY)
+    graph = model.session.main_provider.recorded_graph(PRIMARY)
+    assert graph is not None and graph.native_calls == len(graph.calls)
+    with pytest.raises(NonFiniteError, match=r"at positions 5\.\.5 \(slot primary\)"):
+        runner.forward([NAN_TOKEN], PRIMARY)
+
+
 def test_a_session_without_the_decode_heads_takes_the_argmax_of_the_logits(model, nan_token_model):
     """A runner over a session without the device argmax reads the logits: its tokens equal
     the device argmax of a runner with the heads, alone and batched, and non-finite logits

@@ -413,6 +413,61 @@ def test_an_argmax_on_another_provider_stays_unfused():
     assert _pick_ops(_pick(), [OneOp("ArgMax"), "cpu"]) == ["ArgMax", "Softmax", "ReduceMax"]
 
 
+# -- the non-finite probe: ReduceSum(Sub(x, x)) -----------------------------------------------
+
+
+def _probe(sub_inputs=("x", "x"), keepdims: int = 0, axes: list[int] | None = None):
+    """``p = ReduceSum(x - x)`` (keepdims=0, every axis) beside ``y = x * 2``."""
+    inits = {}
+    reduce_inputs = ["d"]
+    if axes is not None:
+        inits["axes"] = np.array(axes, np.int64)
+        reduce_inputs.append("axes")
+    nodes = [
+        helper.make_node("Sub", list(sub_inputs), ["d"]),
+        helper.make_node("ReduceSum", reduce_inputs, ["p"], keepdims=keepdims),
+        helper.make_node("Add", ["x", "x"], ["y"]),
+    ]
+    out_shape = [] if keepdims == 0 and axes is None else None
+    model = _model(nodes, {"x": [2, 7], "x2": [2, 7]}, {"p": out_shape, "y": [2, 7]}, inits)
+    return model
+
+
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf], ids=str)
+def test_the_non_finite_probe_fuses_and_still_finds_what_is_not_finite(bad):
+    model = _probe()
+    sess = _check_against_onnxruntime(model)
+    assert _ops(sess) == ["NonFinite", "Add"]
+    x = np.random.default_rng(1).standard_normal((2, 7)).astype(np.float32)
+    if bad is not None:
+        x[1, 6] = bad
+    p, y = sess.run(["p", "y"], {"x": x, "x2": x})
+    np.testing.assert_array_equal(p, 0.0 if bad is None else np.nan)
+    np.testing.assert_array_equal(y, x + x)
+
+
+@pytest.mark.parametrize(
+    "case", ["other operand", "keepdims", "axes", "difference read", "no kernel"]
+)
+def test_a_sum_unlike_the_non_finite_probe_stays_unfused(case):
+    from tests.models import standard_ops_cpu
+
+    providers = None
+    if case == "other operand":
+        model = _probe(sub_inputs=("x", "x2"))
+    elif case == "keepdims":
+        model = _probe(keepdims=1)
+    elif case == "axes":
+        model = _probe(axes=[1])
+    elif case == "difference read":
+        model = _probe()
+        model.graph.output.append(helper.make_tensor_value_info("d", F, [2, 7]))
+    else:
+        model, providers = _probe(), [standard_ops_cpu()]
+    sess = _check_against_onnxruntime(model, providers)
+    assert _ops(sess) == ["Sub", "ReduceSum", "Add"]
+
+
 # -- what every fusion writes: names and the onnx_genrt version ------------------------------
 
 
@@ -448,6 +503,7 @@ def _fusion_cases():
     )
     yield _skip_norm(), None, [("SkipSimplifiedLayerNormalization", "{y}/SkipRMSNorm")]
     yield _pick(), None, [("ArgMaxProb", "{confidence}/ArgMaxProb")]
+    yield _probe(), None, [("NonFinite", "{p}/NonFinite")]
     fused = [
         ("NormMatMul", "{p1}/NormMatMul"),
         ("NormMatMul", "{p2}/NormMatMul"),
@@ -491,6 +547,7 @@ def test_every_fused_onnx_genrt_node_fits_its_version_and_has_a_body():
     assert seen == {
         "SiluMul",
         "ArgMaxProb",
+        "NonFinite",
         "NormMatMul",
         "NormMatMulNBits",
         "SiluMulMatMul",

@@ -1,7 +1,7 @@
 """Native forms (``_native_calls``) of the small steps around a decode step's layers: the
 attention-mask lengths (an integer row sum, a subtraction, casts and copies of shapes), the
-greedy head (ArgMax, the subtraction of the non-finite probe), Concat, and the MTP chain's
-ArgMaxProb. Each does what its numpy call does, bit for bit, on the buffers that call was
+greedy head (ArgMax, the non-finite probe), Concat, and the MTP chain's ArgMaxProb and
+MTPAccept. Each does what its numpy call does, bit for bit, on the buffers that call was
 bound to, and hands back to it where numpy's rule is not reproduced here (ArgMax of a row
 holding NaN). The one exception is ArgMaxProb's confidence, ``1 / sum(exp(row - max))``:
 its exp and sum round within a few ulp of numpy's (it gates drafting, never a token).
@@ -190,6 +190,29 @@ def _argmax_prob_native(args, _a, _b):
     return 0
 
 
+def _nonfinite_native(args, _a, _b):
+    """Words: x float32, its size, out (1,) float32: ``sum(x - x)``, which is 0 or NaN in any
+    order of the sum."""
+    w = word_view(args, 3)
+    n = w[1]
+    x = numba.carray(address_as_pointer(w[0], np.float32), (n,))
+    lanes = stack_float32(16)
+    for t in range(16):
+        lanes[t] = np.float32(0)
+    full = n // 16 * 16
+    for j0 in range(0, full, 16):
+        for t in range(16):
+            v = x[j0 + t]
+            lanes[t] += v - v
+    total = np.float32(0)
+    for t in range(16):
+        total += lanes[t]
+    for j in range(full, n):
+        total += x[j] - x[j]
+    numba.carray(address_as_pointer(w[2], np.float32), (1,))[0] = total
+    return 0
+
+
 def _concat_native(args, _a, _b):
     """Words: out, outer, out's bytes per outer index, n, then n pairs (input, its bytes per
     outer index): each input's rows copied side by side into out's."""
@@ -230,6 +253,7 @@ _int_sum_runner = native_runner(_int_sum_native)
 _argmax_runner = native_runner(_argmax_native)
 _argmax_prob_runner = native_runner(_argmax_prob_native)
 _concat_runner = native_runner(_concat_native)
+_nonfinite_runner = native_runner(_nonfinite_native)
 _mtp_accept_runner = native_runner(_mtp_accept_native)
 
 
@@ -379,5 +403,18 @@ def mtp_accept_native(ids, argmax, count, k: int, accepted, token, rows, row, ru
             address_of(token), address_of(rows), row.nbytes, address_of(row),
         )  # fmt: skip
         return NativeCall(_mtp_accept_runner(), w, rerun(run), (*ints, rows, row))
+
+    return make
+
+
+def nonfinite_native(x: np.ndarray, out: np.ndarray, run: Callable[[], None]):
+    """Native form of NonFinite on a C-contiguous float32 ``x`` into a float32 ``out`` of one
+    element; None otherwise."""
+    if x.dtype != _F32 or out.dtype != _F32 or not (_flat(x) and _flat(out)) or out.size != 1:
+        return None
+
+    def make() -> NativeCall:
+        w = words(address_of(x), x.size, address_of(out))
+        return NativeCall(_nonfinite_runner(), w, rerun(run), (x, out))
 
     return make

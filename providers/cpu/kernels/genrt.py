@@ -10,7 +10,7 @@ from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
 
 from ._native_rows import silu_halves_native
-from ._native_small import argmax_prob_native, mtp_accept_native
+from ._native_small import argmax_prob_native, mtp_accept_native, nonfinite_native
 from ._nn_common import compute_dtype
 from ._prompt_threads import row_parts
 from ._registry import REGISTRY
@@ -146,6 +146,33 @@ def _bind_argmax_prob(ctx: KernelContext, inputs, out):
 
 
 REGISTRY.register("ArgMaxProb", since=1, domain=GENRT_DOMAIN, bind=_bind_argmax_prob)(argmax_prob)
+
+
+def nonfinite(ctx: KernelContext, x: np.ndarray) -> np.ndarray:
+    """``ReduceSum(x - x)``: 0 when every element of x is finite, else NaN (``core.genrt_ops``);
+    tested directly, no ``x - x`` written."""
+    y = ctx.out(0, (), x.dtype)
+    y[...] = 0 if np.isfinite(x).all() else np.nan
+    return y
+
+
+def _bind_nonfinite(ctx: KernelContext, inputs, out):
+    """Replay closure: the same test on the bound buffers (a native loop for float32)."""
+    (x,) = inputs
+    if not isinstance(out, np.ndarray) or out.size != 1 or out.dtype != x.dtype:
+        return None
+    flat = out.reshape(1)
+    nan = out.dtype.type(np.nan)
+    zero = out.dtype.type(0)
+
+    def run() -> None:
+        flat[0] = zero if np.isfinite(x).all() else nan
+
+    run.native = nonfinite_native(x, flat, run)  # type: ignore[attr-defined]
+    return run
+
+
+REGISTRY.register("NonFinite", since=1, domain=GENRT_DOMAIN, bind=_bind_nonfinite)(nonfinite)
 
 
 def mtp_accept(

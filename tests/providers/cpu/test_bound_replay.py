@@ -9,6 +9,7 @@ recorded graph must hold the node as a prebound call (else the generic path was 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,21 @@ def _logits(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return x
 
 
+#: The non-finite value of each NonFinite draw in turn, and where (None: all finite): a
+#: head and a middle element (the native loop's 16 lanes) and the last (its tail).
+_NONFINITE_DRAWS = itertools.cycle(
+    [None, (0, np.nan), (150, np.inf), None, (299, -np.inf), (37, np.nan)]
+)
+
+
+def _nonfinite_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    x = (rng.standard_normal((3, 100)) * 50).astype(F32)
+    draw = next(_NONFINITE_DRAWS)
+    if draw is not None:
+        x.reshape(-1)[draw[0]] = draw[1]
+    return {"x": x}
+
+
 def _mtp_accept_feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
     argmax = rng.integers(0, 50, (1, 4))
     ids = np.concatenate([[[7]], argmax[:, :3]], axis=1)
@@ -144,6 +160,16 @@ CASES = [
         lambda r: {"x": (r.standard_normal((2, 1, 37)) * 8).astype(F32)},
         _argmax_prob,
         domain=GENRT_DOMAIN,
+        native=True,
+    ),
+    Case(
+        "NonFinite",
+        {"x": ((3, 100), F32)},
+        {"y": ((), F32)},
+        _nonfinite_feeds,
+        lambda f: [np.float32(0) if np.isfinite(f["x"]).all() else np.float32(np.nan)],
+        domain=GENRT_DOMAIN,
+        exact=True,
         native=True,
     ),
     Case(
