@@ -272,6 +272,23 @@ def stream(
 
     ``stop``: strings that end the generation (one string or a sequence of them). Arguments
     are checked when ``stream`` is called; the model runs as the pieces are iterated."""
+    return _stream(model, prompt, max_new_tokens, spec, k, stop, ignore_eos, result, search)
+
+
+def _stream(
+    model: Model,
+    prompt: str | list[int],
+    max_new_tokens: int,
+    spec: str | None,
+    k: int | None,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+    result: list[GenerationResult] | None,
+    search: dict[str, Any],
+    pieces: bool = True,
+) -> Iterator[str]:
+    """:func:`stream`; ``pieces=False`` (:func:`generate`, which keeps only the result) yields
+    nothing and, without stop strings, decodes the text once at the end."""
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
     kind = resolve_spec(model, spec)
     if kind is not None:
@@ -291,7 +308,7 @@ def stream(
         )
     params = GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + max_new_tokens, **search)
-    return _generation(model, params, ids, spec, k, stop, ignore_eos, result)
+    return _generation(model, params, ids, spec, k, stop, ignore_eos, result, pieces)
 
 
 def _generation(
@@ -303,11 +320,12 @@ def _generation(
     stop: tuple[str, ...],
     ignore_eos: bool,
     result: list[GenerationResult] | None,
+    pieces: bool = True,
 ) -> Iterator[str]:
     """The generator behind :func:`stream`: makes the Generator on first use, closes it."""
     gen = make_generator(model, params, spec, k)
     try:
-        yield from _drive(gen, model, ids, stop, ignore_eos, result)
+        yield from _drive(gen, model, ids, stop, ignore_eos, result, pieces)
     finally:
         gen.close()
 
@@ -319,26 +337,33 @@ def _drive(
     stop: tuple[str, ...],
     ignore_eos: bool,
     result: list[GenerationResult] | None,
+    pieces: bool = True,
 ) -> Iterator[str]:
-    """The token loop of :func:`stream` (timed, stop strings, statistics)."""
+    """The token loop of :func:`stream` (timed, stop strings, statistics). Without pieces
+    to yield and without stop strings, the text is decoded once, when the loop ends (the
+    same stream decoder over the same tokens), not token by token."""
     if ignore_eos:
         gen.eos = set()
     scanner = StopScanner(model.tokenizer.create_stream() if _has_tokenizer(model) else None, stop)
+    by_token = pieces or bool(stop)
     t0 = time.perf_counter()
     gen.append_tokens(ids)
     gen.generate_next_token()
     t1 = time.perf_counter()
     reason = "max_new_tokens"
     while True:
-        piece, _, hit = scanner.feed(gen.get_next_tokens())
-        if piece:
-            yield piece
-        if hit is not None:
-            reason = f"stop string {hit!r}"
-            break
+        if by_token:
+            piece, _, hit = scanner.feed(gen.get_next_tokens())
+            if piece:
+                yield piece
+            if hit is not None:
+                reason = f"stop string {hit!r}"
+                break
         if gen.is_done():
             if gen.tokens and gen.tokens[-1] in gen.eos:
                 reason = "eos"
+            if not by_token:
+                scanner.feed(gen.get_sequence()[len(ids) :])
             rest = scanner.flush()  # text held back as a possible start of a stop string
             if rest:
                 yield rest
@@ -381,7 +406,11 @@ def generate(
     if _is_batch(prompt):
         return generate_batch(model, prompt, max_new_tokens, **kwargs)
     out: list[GenerationResult] = []
-    for _ in stream(model, prompt, max_new_tokens, result=out, **kwargs):
+    options = {"spec": None, "k": None, "stop": (), "ignore_eos": False}
+    options |= {name: kwargs.pop(name) for name in list(options) if name in kwargs}
+    for _ in _stream(
+        model, prompt, max_new_tokens, **options, result=out, search=kwargs, pieces=False
+    ):
         pass
     return out[0]
 

@@ -138,3 +138,16 @@ def test_streamed_pieces_are_the_decoded_tokens_and_a_stop_string_cuts_there(mod
     assert res.text == "".join(pieces) == full.text[:cut]
     assert res.stop_reason == f"stop string {stop!r}"
     assert res.tokens == full.tokens[: len(prompt) + completes]
+
+
+@pytest.mark.parametrize("spec", [None, "mtp", "ngram"])
+def test_generate_decodes_its_text_once_the_same_as_the_stream(model, spec):
+    """``generate`` (no stop strings) decodes the text when the loop ends, not token by
+    token: the same text as the streamed pieces, and as decoding the new ids, whether the
+    run ends at max_new_tokens or at eos, with or without speculation."""
+    for prompt, ignore_eos in (("import os\n\ndef main(", True), ("x = [", False)):
+        full = generate(model, prompt, max_new_tokens=48, spec=spec, ignore_eos=ignore_eos)
+        new_ids = full.tokens[full.prompt_tokens :]
+        assert full.text == model.tokenizer.decode(new_ids), (prompt, spec)
+        pieces = list(stream(model, prompt, 48, spec=spec, ignore_eos=ignore_eos))
+        assert "".join(pieces) == full.text, (prompt, spec)
