@@ -255,7 +255,61 @@ def _dequant_tiles(tiles, scales, zeros, block, out):
 
 @numba.njit(cache=True, fastmath=_FM)
 def _tiles_gemv(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
-    """out[0, rows of tiles t0..t1) for one row of x (split into xe/xo, block sums xs)."""
+    """out[0, rows of tiles t0..t1) for one row of x (split into xe/xo, block sums xs):
+    64 of a tile's output rows at a time, the sums in stack arrays LLVM keeps in registers
+    and the bytes read through a pointer of unit stride, as ``_tiles_gemm`` does (tiles of
+    a width that is no multiple of 64 take ``_tiles_gemv_any``)."""
+    _, half, rows = tiles.shape
+    if rows % 64 or not (tiles.flags.c_contiguous and scales.flags.c_contiguous):
+        _tiles_gemv_any(tiles, t0, t1, xe, xo, xs, scales, zeros, out)
+        return
+    if not zeros.flags.c_contiguous:
+        zeros = np.ascontiguousarray(zeros)
+    n = out.shape[1]
+    nb = scales.shape[0]
+    blob = half // nb
+    base = tiles.ctypes.data
+    has_zeros = zeros.shape[0] != 0
+    acc = stack_float32(64)
+    tot = stack_float32(64)
+    for ti in range(t0, t1):
+        for c0 in range(0, rows, 64):
+            col = ti * rows + c0
+            if col >= n:
+                break
+            for j in range(64):
+                tot[j] = 0
+            for b in range(nb):
+                for j in range(64):
+                    acc[j] = 0
+                for t in range(b * blob, (b + 1) * blob):
+                    q = numba.carray(
+                        address_as_pointer(base + (ti * half + t) * rows + c0, _U8), (64,)
+                    )
+                    e, o = xe[0, t], xo[0, t]
+                    for j in range(64):
+                        v = q[j]
+                        lo = _F32(_U8(v & 15)) - _F32(8)
+                        acc[j] += lo * e + (_F32(_U8(v >> 4)) - _F32(8)) * o
+                at = 4 * (b * scales.shape[1] + col)
+                sc = numba.carray(address_as_pointer(scales.ctypes.data + at, _F32), (64,))
+                if has_zeros:
+                    zc = numba.carray(address_as_pointer(zeros.ctypes.data + at, _F32), (64,))
+                    x0 = xs[0, b]
+                    for j in range(64):
+                        tot[j] += sc[j] * (acc[j] - zc[j] * x0)
+                else:
+                    for j in range(64):
+                        tot[j] += sc[j] * acc[j]
+            width = min(64, n - col)
+            for j in range(64):
+                if j < width:
+                    out[0, col + j] = tot[j]
+
+
+@numba.njit(cache=True, fastmath=_FM)
+def _tiles_gemv_any(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
+    """``_tiles_gemv`` for tiles of any width (the sums in heap arrays)."""
     _, half, rows = tiles.shape
     nb = scales.shape[0]
     blob = half // nb
