@@ -152,9 +152,15 @@ def bench_ours(
     return once
 
 
-def bench_onnxruntime_genai(folder: Path, prompt: list[int], new: int, threads: int | None = None):
+def bench_onnxruntime_genai(
+    folder: Path,
+    prompt: list[int],
+    new: int,
+    threads: int | None = None,
+    speculative: dict[str, Any] | None = None,
+):
     """onnxruntime-genai's own greedy loop; ``threads`` its intra-op threads (None: its
-    default, one per physical core)."""
+    default, one per physical core); ``speculative``: its ``set_speculative_options``."""
     import json
 
     import onnxruntime_genai as og
@@ -169,6 +175,8 @@ def bench_onnxruntime_genai(folder: Path, prompt: list[int], new: int, threads: 
         params = og.GeneratorParams(model)
         total = len(prompt) + new
         params.set_search_options(max_length=total, min_length=total, do_sample=False)
+        if speculative:
+            params.set_speculative_options(**speculative)
         gen = og.Generator(model, params)
         t0 = time.perf_counter()
         gen.append_tokens(prompt)
@@ -234,11 +242,26 @@ def bench_onnxruntime_loop(folder: Path, prompt: list[int], new: int, threads: i
     return once
 
 
+#: onnxruntime-genai's own prompt-lookup speculation, as close to ``--spec ngram`` as its
+#: options go: n-grams of 3 (ours: 3 down to 1), 4 drafts a step (ours: k, default 4).
+GENAI_NGRAM = {"ngram_size": 3, "max_draft_tokens": 4}
+
+
+def bench_onnxruntime_genai_ngram(
+    folder: Path, prompt: list[int], new: int, threads: int | None = None
+):
+    """:func:`bench_onnxruntime_genai` with its n-gram speculation (``GENAI_NGRAM``)."""
+    return bench_onnxruntime_genai(folder, prompt, new, threads, GENAI_NGRAM)
+
+
 #: Reference rows by label: the function that builds one timed run.
 REFERENCES = {
     "onnxruntime-genai": bench_onnxruntime_genai,
     "onnxruntime loop": bench_onnxruntime_loop,
+    "onnxruntime-genai ngram": bench_onnxruntime_genai_ngram,
 }
+#: Reference rows run only beside a ``--spec`` kind: that kind's counterpart.
+SPEC_REFERENCES = {"onnxruntime-genai ngram": "ngram"}
 
 
 def _reference_child(conn, label: str, folder: Path, prompt: list[int], new: int, threads) -> None:
@@ -465,7 +488,10 @@ def run_bench(args: argparse.Namespace) -> int:
     # The references get the CPU provider's thread count when it runs (the same cores).
     ref_threads = cpu_threads if "cpu" in used else None
     if not args.no_reference:
+        kinds = {_spec_entry(entry, args.k)[0] for entry in args.spec}
         for label in REFERENCES:
+            if label in SPEC_REFERENCES and SPEC_REFERENCES[label] not in kinds:
+                continue
             try:
                 cases.append((label, reference_in_child(label, folder, prompt, new, ref_threads)))
             except ImportError as exc:
@@ -594,6 +620,10 @@ def format_rows(rows: list[BenchRow]) -> str:
                 f"k {spec.get('k', '?')}, acceptance {spec['acceptance_rate']:.0%}, "
                 f"mean accepted {spec['mean_accepted_length']:.2f}"
             )
+            for label, kind in SPEC_REFERENCES.items():  # the runtime's own speculation
+                other = ref.get(label)
+                if other is not None and kind == spec.get("kind"):
+                    notes.append(f"{r.decode_tok_s / other.decode_tok_s:.2f}x {label}")
         for who, slots in r.extra.get("graph_stats", {}).items():
             for slot, st in slots.items():
                 notes.append(

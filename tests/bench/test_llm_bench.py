@@ -8,6 +8,8 @@ fixture (so the check does not depend on which tests ran before).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import time
@@ -17,6 +19,7 @@ import pytest
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.tools.llm_bench import (
     bench_onnxruntime_genai,
+    bench_onnxruntime_genai_ngram,
     bench_onnxruntime_loop,
     bench_ours,
     reference_in_child,
@@ -38,6 +41,7 @@ RUNTIMES = {
     "onnx-genrt-ngram": lambda f: bench_ours(f, PROMPT, NEW, "cpu", "ngram", 4, True),
     "onnx-genrt-serial": lambda f: bench_ours(f, PROMPT, NEW, "cpu", None, 4, True, False),
     "onnxruntime-genai": lambda f: bench_onnxruntime_genai(f, PROMPT, NEW),
+    "onnxruntime-genai-ngram": lambda f: bench_onnxruntime_genai_ngram(f, PROMPT, NEW),
     "onnxruntime-loop": lambda f: bench_onnxruntime_loop(f, PROMPT, NEW),
 }
 
@@ -102,6 +106,48 @@ def test_rows_are_timed_round_robin_after_one_warm_up_each():
     header, row_a, row_b = format_rows(rows).splitlines()
     assert "spread" in header.split()
     assert "100.0%" in row_a.split() and "133.3%" in row_b.split()
+
+
+@pytest.mark.parametrize("specs", [[], ["mtp"], ["ngram:2"], ["mtp", "ngram"]])
+def test_onnxruntime_genai_speculation_is_a_row_beside_its_counterpart(specs, monkeypatch):
+    """onnxruntime-genai's own n-gram speculation runs as a reference row when ``--spec``
+    asks for n-grams, and our n-gram row names its speed against it."""
+    from onnx_genrt.cli import main
+    from onnx_genrt.tools import llm_bench
+
+    labels: list[str] = []
+
+    def fake_reference(label, *_args):
+        labels.append(label)
+        speed = {"onnxruntime-genai ngram": 400.0}.get(label, 200.0)
+        return lambda: (0.001, speed, list(PROMPT), {})
+
+    def fake_ours(*args):
+        spec = args[4]
+        extra = {}
+        if spec:
+            extra = {"speculation": {"kind": spec, "k": 4, "acceptance_rate": 0.5}}
+            extra["speculation"]["mean_accepted_length"] = 1.0
+        return lambda: (0.001, 500.0 if spec else 300.0, list(PROMPT), extra)
+
+    monkeypatch.setattr(llm_bench, "reference_in_child", fake_reference)
+    monkeypatch.setattr(llm_bench, "bench_ours", fake_ours)
+    monkeypatch.setattr(llm_bench, "cpu_roofline", lambda *a: "")
+    argv = ["bench", "--provider", "cpu", "--repeats", "1", "--tokens", "4"]
+    argv += [a for spec in specs for a in ("--spec", spec)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    wants_ngram = any(spec.startswith("ngram") for spec in specs)
+    assert ("onnxruntime-genai ngram" in labels) == wants_ngram
+    assert {"onnxruntime-genai", "onnxruntime loop"} <= set(labels)
+    rows = {line.split("  ")[0].strip(): line for line in out.getvalue().splitlines()}
+    if wants_ngram:
+        ngram_row = next(v for k, v in rows.items() if ",ngram" in k)
+        assert "1.25x onnxruntime-genai ngram" in ngram_row  # 500 / 400
+    for label, line in rows.items():
+        if ",mtp" in label:
+            assert "onnxruntime-genai ngram" not in line
 
 
 @pytest.mark.parametrize(
