@@ -86,26 +86,42 @@ class Proposer(ABC):
 
 
 class PromptLookupProposer(Proposer):
-    """n-gram lookup: continue the longest recent suffix that already occurred in the text."""
+    """n-gram lookup: continue the longest recent suffix that already occurred in the text.
+
+    For each n it keeps the last start of every n-gram that lies before the text's last
+    token, updated as the text grows (a text that is not the last one extended is indexed
+    again), so a proposal is a few dictionary lookups, not a scan of the text."""
 
     name = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._text: list[int] = []
+        self._last: dict[int, dict[tuple[int, ...], int]] = {}
 
     def propose(self, tokens: Sequence[int], hidden: HiddenState | None, k: int) -> list[int]:
-        seq = np.asarray(tokens, dtype=np.int64)
-        n_tokens = len(seq)
+        text = self._index(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
+        n_tokens = len(text)
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            suffix = seq[n_tokens - n :]
-            windows = np.lib.stride_tricks.sliding_window_view(seq[: n_tokens - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                drafts = seq[start : start + k].tolist()
-                if drafts:
-                    return drafts
+            start = self._last[n].get(tuple(text[n_tokens - n :]))
+            if start is not None:
+                return text[start + n : start + n + k]
         return []
+
+    def _index(self, tokens: Sequence[int]) -> list[int]:
+        """The text of ``tokens`` with its n-grams before its last token indexed: only the
+        new ones when ``tokens`` extends the text indexed last (else all again)."""
+        done = len(self._text)
+        if done > len(tokens) or tokens[:done] != self._text:
+            self._last, self._text, done = {}, [], 0
+        text = self._text
+        text.extend(int(t) for t in tokens[done:])
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            last = self._last.setdefault(n, {})
+            # windows text[i : i + n] with i + n <= len(text) - 1 not indexed yet
+            for i in range(max(0, done - n), len(text) - n):
+                last[tuple(text[i : i + n])] = i
+        return text
 
 
 class DraftModelProposer(Proposer):

@@ -44,6 +44,29 @@ def test_prompt_lookup_defaults_match_a_brute_force_search():
     assert all(differs.values()), "the texts tell the default 3 from 2 and 4"
 
 
+def test_prompt_lookup_of_a_growing_text_matches_a_brute_force_search():
+    """As a generation calls it: the text grows a few tokens at a time (its index extended),
+    and is sometimes cut back or rewritten (indexed again), as a list or an array."""
+    rng = np.random.default_rng(1)
+    proposer = PromptLookupProposer()
+    tokens = rng.integers(0, 4, 3).tolist()
+    rebuilt = 0
+    for _ in range(600):
+        if rng.random() < 0.05 and len(tokens) > 2:  # a rewind
+            tokens = tokens[: int(rng.integers(1, len(tokens)))]
+            rebuilt += 1
+        elif rng.random() < 0.03:  # the same length, another token inside
+            tokens[int(rng.integers(0, len(tokens)))] = 9
+            rebuilt += 1
+        k = int(rng.integers(1, 6))
+        given = np.array(tokens) if rng.random() < 0.2 else list(tokens)
+        assert proposer.propose(given, None, k) == _lookup(tokens, k, 3, 1)
+        tokens += rng.integers(0, 4, int(rng.integers(1, 4))).tolist()
+        if len(tokens) > 200:
+            tokens = tokens[:20]
+    assert rebuilt > 10
+
+
 def _tiny_head():
     import onnx
     from onnx import TensorProto, helper, numpy_helper
