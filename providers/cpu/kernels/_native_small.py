@@ -45,14 +45,12 @@ def _copy_native(args, _a, _b):
     (numpy's ``casting="unsafe"``); float32 copies to float32 only."""
     w = word_view(args, 5)
     n = w[4]
-    if w[1] == 2 or w[3] == 2:
-        if w[1] != w[3]:
-            return 1
-        src = numba.carray(address_as_pointer(w[0], np.float32), (n,))
-        dst = numba.carray(address_as_pointer(w[2], np.float32), (n,))
-        for i in range(n):
-            dst[i] = src[i]
+    if w[1] == w[3]:  # one kind: the bytes as they are
+        if w[0] != w[2]:
+            copy_bytes(w[2], w[0], n * (8 if w[1] == 0 else 4))
         return 0
+    if w[1] == 2 or w[3] == 2:
+        return 1
     if w[3] == 0:
         d64 = numba.carray(address_as_pointer(w[2], np.int64), (n,))
         for i in range(n):
