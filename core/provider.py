@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from . import collector_pause
 from .device import Device
 from .dtypes import DType
 from .errors import GraphCaptureError, InvalidInputError, UnsupportedGraphSlot
@@ -482,9 +483,11 @@ class ExecutionProvider(ABC):
             )
         if self._graph_owner.get(slot, owner) is not owner:
             self._drop_parts(slot)
+        collector_pause.hold()  # no finalizer of unrelated garbage runs inside the capture
         try:
             self.graph_begin(slot, part)
         except Exception as exc:
+            collector_pause.release()
             self._capture_latch[slot] = f"{type(exc).__name__}: {exc}"
             raise GraphCaptureError(f"begin capture in slot {slot.value!r}: {exc}") from exc
         self._capturing = slot
@@ -503,18 +506,33 @@ class ExecutionProvider(ABC):
         except Exception as exc:
             self._capture_latch[slot] = f"{type(exc).__name__}: {exc}"
             raise GraphCaptureError(f"end capture in slot {slot.value!r}: {exc}") from exc
+        finally:
+            collector_pause.release()
         self._graph_owner[slot] = self._capture_owner
         self._parts.setdefault(slot, set()).add(part)
 
     def abort_capture(
-        self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, reason: str = "aborted"
+        self,
+        slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY,
+        reason: str = "aborted",
+        *,
+        latch: bool = True,
     ) -> None:
-        """Stop a capture that failed part-way; the slot latches with ``reason``."""
+        """Stop a capture that failed part-way; the slot latches with ``reason``. With
+        ``latch=False`` (a capture interrupted, not failed) the slot may capture again."""
         self.check_slot(slot)
+        self._abandon_capture(slot)
+        if latch:
+            self._capture_latch[slot] = reason
+
+    def _abandon_capture(self, slot: DeviceGraphSlot) -> None:
+        """Discard the capture running in ``slot``, if one is, and release the collector."""
         if self._capturing == slot:
             self._capturing = None
-            self.graph_abort(slot, self._capturing_part)
-        self._capture_latch[slot] = reason
+            try:
+                self.graph_abort(slot, self._capturing_part)
+            finally:
+                collector_pause.release()
 
     def replay(self, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, part: int = 0) -> None:
         """Run the graph captured as ``(slot, part)`` again."""
@@ -531,9 +549,7 @@ class ExecutionProvider(ABC):
         """Drop every part of the slot's graph and its capture latch. Other slots are
         untouched."""
         self.check_slot(slot)
-        if self._capturing == slot:
-            self._capturing = None
-            self.graph_abort(slot, self._capturing_part)
+        self._abandon_capture(slot)
         self._capture_latch.pop(slot, None)
         self._drop_parts(slot)
         self.workspace.unpin(slot)

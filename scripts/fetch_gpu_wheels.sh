@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Downloads, on a machine with network, the wheels the GPU machine (no network, Python 3.12)
 # needs, into folders git ignores that the device tool carries:
-#   .whl/        onnxruntime-genai (its model builder: the lane's builder models)
+#   .whl/        onnxruntime-genai (its model builder: the lane's builder models), and
+#                pytest-xdist with execnet (the lane's tests in several processes)
 #   .whl_serve/  the serve stack and the openai client (scripts/serve_bench.sh on the GPU)
 # Install them there with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl_serve/*.whl
@@ -20,5 +21,6 @@ fetch() {  # fetch DIR REQUIREMENT...
 # the version pyproject.toml's test extras pin
 genai=$(grep -o '"onnxruntime-genai==[^"]*"' pyproject.toml | tr -d '"')
 fetch .whl --no-deps "$genai"
+fetch .whl --no-deps "pytest-xdist>=3.5" "execnet>=2.1"
 fetch .whl_serve "starlette>=0.40" "uvicorn>=0.30" "openai>=1.40" "httpx>=0.27"
 ls .whl .whl_serve

@@ -5,7 +5,8 @@
 # runs the provider test kit on CUDA, lists providers, runs the dispatch and LLM benches and
 # prints a summary. Logs go to $OUT when set. With no argument all parts run; `tests`, `kit`
 # (`onnx-genrt check-provider cuda`) or `bench` runs one (each fits a 10-minute call).
-# GPU_LANE_PYTEST_ARGS overrides the extra pytest arguments (default: -x).
+# GPU_LANE_PYTEST_ARGS overrides the extra pytest arguments (default: -x); GPU_LANE_WORKERS the
+# number of pytest-xdist processes where its wheels are carried in .whl/ (default 8, 0: one).
 set -euo pipefail
 
 PY="${PYTHON:-python3}"
@@ -81,14 +82,23 @@ run_tests() {
     fi
   fi
 
-  echo "== GPU tests"
+  # pytest-xdist where its wheels are carried (.whl/, scripts/fetch_gpu_wheels.sh): the tests
+  # in GPU_LANE_WORKERS processes (default 8) sharing the GPU, a few minutes instead of ten.
+  local workers=()
+  if [ "${GPU_LANE_WORKERS:-8}" != 0 ] && ls .whl/pytest_xdist-*.whl .whl/execnet-*.whl >/dev/null 2>&1 \
+    && "$PY" -m pip install -q --no-index --no-deps --target /tmp/gpu_lane_xdist \
+      .whl/pytest_xdist-*.whl .whl/execnet-*.whl; then
+    export PYTHONPATH="/tmp/gpu_lane_xdist${PYTHONPATH:+:$PYTHONPATH}"
+    workers=(-n "${GPU_LANE_WORKERS:-8}")
+  fi
+  echo "== GPU tests (${workers[*]:-one process})"
   set +e
   # Every test marked gpu: the CUDA provider's own tests, then the op tests' cuda
   # parametrization (tests/ops, one test on every provider), after them so that -x stops there
   # only once the CUDA provider's tests have run.
   # shellcheck disable=SC2086
   ONNX_GENRT_REQUIRE_GPU=1 "$PY" -m pytest -q -m gpu tests/providers/cuda tests/ops \
-    ${GPU_LANE_PYTEST_ARGS--x} -rA \
+    "${workers[@]}" ${GPU_LANE_PYTEST_ARGS--x} -rA \
     --junitxml="$LOGDIR/gpu_tests.xml"
   TESTS_RC=$?
   set -e

@@ -16,6 +16,10 @@ PROFILE="${GPU_BENCH_PROFILE:-1}"
 # GPU_BENCH_STREAMS: batched-decode rows of the 0.5B bench (aggregate tok/s; empty: none), and
 # the same batch sizes on HF transformers (static cache; HF_BATCH_TIMEOUT, default 240 s).
 STREAMS="${GPU_BENCH_STREAMS-1,4,16,32}"
+# GPU_BENCH_DRAFT_VOCAB: the verify + MTP chain step cost again with the chain drafting over
+# the first N token ids (speculative.json's mtp.draft_vocab; default 32768, 0: not measured).
+DRAFT_VOCAB="${GPU_BENCH_DRAFT_VOCAB:-32768}"
+# GPU_BENCH_PRECISIONS: the 0.5B builds benched (default "fp16 int4").
 # GPU_BENCH_BUILD_ONLY=1: build the 0.5B fp16 and int4 models (when absent) and stop there.
 BUILD_ONLY="${GPU_BENCH_BUILD_ONLY:-0}"
 mkdir -p "$WORK" "$LOGDIR"
@@ -40,7 +44,7 @@ if not os.path.exists(out + "/config.json"):
 print("hf checkpoint:", out)
 EOF2
 
-for prec in fp16 int4; do
+for prec in ${GPU_BENCH_PRECISIONS:-fp16 int4}; do
   dst="$WORK/qwen05b-$prec"
   if [ ! -f "$dst/genai_config.json" ]; then
     echo "== building $prec"
@@ -73,6 +77,21 @@ for prec in fp16 int4; do
   echo "== verify vs decode step cost ($prec, k=4, 256 cached positions)"
   "$PY" -m onnx_genrt step-cost --model "$dst" --provider cuda -k 4 | tee "$LOGDIR/step-$prec.txt" \
     || echo "step cost $prec failed"
+  if [ "$DRAFT_VOCAB" != 0 ]; then
+    echo "== the same with the MTP chain drafting over the first $DRAFT_VOCAB ids ($prec)"
+    cp "$dst/speculative.json" "$WORK/speculative-$prec.json"
+    "$PY" - "$dst/speculative.json" "$DRAFT_VOCAB" <<'EOF3'
+import json, sys
+path, ids = sys.argv[1], int(sys.argv[2])
+spec = json.load(open(path))
+spec["mtp"]["draft_vocab"] = ids
+json.dump(spec, open(path, "w"), indent=4)
+EOF3
+    { echo "draft vocab $DRAFT_VOCAB"
+      "$PY" -m onnx_genrt step-cost --model "$dst" --provider cuda -k 4; } | tee "$LOGDIR/step-$prec-draft.txt" \
+      || echo "step cost $prec (draft vocab) failed"
+    cp "$WORK/speculative-$prec.json" "$dst/speculative.json"
+  fi
 done
 
 [ "$BUILD_ONLY" = 1 ] && exit 0

@@ -1,6 +1,7 @@
 """Add a random-weight MTP head to a builder-format model folder, for timing only.
 
     python scripts/random_mtp_head.py MODEL_DIR [--intermediate 4864] [--seed 0]
+                                                [--draft-vocab N]
 
 The head has the embedded model's structure (``scripts/default_model_mtp.py``): RMSNorm of
 the hidden state and of the next token's embedding, a projection of their concatenation, a
@@ -9,7 +10,10 @@ ops plus SimplifiedLayerNormalization, in the dtype of the model's ``hidden_stat
 to ``MODEL_DIR/mtp/model.onnx``; ``speculative.json`` gains its ``mtp`` entry. The model must
 expose hidden states (builder ``--extra_options include_hidden_states=true``). With random
 weights the acceptance is meaningless: use it for the verify + MTP step cost
-(``onnx-genrt step-cost``), not for tok/s.
+(``onnx-genrt step-cost``), not for tok/s. ``--draft-vocab N`` restricts the chained draft
+steps' lm_head to the first N token ids (``speculative.json``'s ``mtp.draft_vocab``, as the
+embedded model's head does with its ranked ids): each step then reads N rows of the lm_head
+instead of the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -88,6 +92,13 @@ def main() -> None:
         "--intermediate", type=int, default=None, help="SwiGLU width (default 4x hidden)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draft over the first N token ids (default: the whole vocabulary)",
+    )
     a = p.parse_args()
     config_path = a.model / "genai_config.json"
     config = json.loads(config_path.read_text())
@@ -115,8 +126,16 @@ def main() -> None:
         "inputs": {"hidden_states": "hidden_states", "input_ids": "input_ids"},
         "outputs": {"logits": "logits", "hidden_states": "mtp_hidden_states"},
     }
+    if a.draft_vocab is not None:
+        if not 1 <= a.draft_vocab <= vocab:
+            raise SystemExit(f"--draft-vocab {a.draft_vocab}: must be 1..{vocab}")
+        spec["mtp"]["draft_vocab"] = a.draft_vocab
     spec_path.write_text(json.dumps(spec, indent=4))
-    print(f"{a.model}: random MTP head ({dtype}, hidden {hidden}, vocab {vocab}) in mtp/model.onnx")
+    drafts = f", drafts over the first {a.draft_vocab} ids" if a.draft_vocab else ""
+    print(
+        f"{a.model}: random MTP head ({dtype}, hidden {hidden}, vocab {vocab}{drafts}) "
+        "in mtp/model.onnx"
+    )
 
 
 if __name__ == "__main__":

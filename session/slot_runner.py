@@ -210,19 +210,31 @@ class SlotRunner:
             self._interpreter.execute(dict(env), state.layout, outs, capture=capture)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            for provider in self.providers:
-                if provider is capture.provider:
-                    provider.abort_capture(slot, reason)
-                provider.reset_parts(slot, capture.parts(provider))
-                provider.workspace.unpin(slot)
+            self._discard_capture(slot, capture, reason)
             state.stats.fallbacks += 1
             state.stats.fallback_reasons[f"capture failed: {reason}"] += 1
             state.stats.eager_runs += 1
             self._interpreter.execute(env, state.layout, outs)
             return
+        except BaseException:
+            # An interrupt (Ctrl-C, a cancelled thread) is no capture failure: the slot is
+            # left free to capture at the next run, and the collector runs again.
+            self._discard_capture(slot, capture, None)
+            raise
         state.program = capture.program
         state.captured = True
         state.stats.captures += 1
+
+    def _discard_capture(
+        self, slot: DeviceGraphSlot, capture: CaptureProgram, reason: str | None
+    ) -> None:
+        """Stop the capture that runs, latched with ``reason`` (not latched when None), and
+        drop the parts this capture made on every provider."""
+        for provider in self.providers:
+            if provider is capture.provider:
+                provider.abort_capture(slot, reason or "interrupted", latch=reason is not None)
+            provider.reset_parts(slot, capture.parts(provider))
+            provider.workspace.unpin(slot)
 
     def peak_bytes(self, slot: DeviceGraphSlot | None = None) -> tuple[int, int] | None:
         """(arena bytes, naive bytes) of the slot's memory plan (variant 0), all providers,

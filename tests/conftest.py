@@ -7,6 +7,7 @@ GPU is usable.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -45,3 +46,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = _gpu_reason()
     if reason is not None:
         pytest.fail(f"{REQUIRE_GPU_VARIABLE}=1 but no GPU is usable: {reason}", pytrace=False)
+
+
+@pytest.fixture
+def eager_collector():
+    """Python's cyclic collector on and running at every allocation (settings restored
+    after): garbage with finalizers is collected wherever the collector may run."""
+    was, thresholds = gc.isenabled(), gc.get_threshold()
+    gc.enable()
+    gc.collect()
+    gc.set_threshold(1)
+    yield
+    gc.set_threshold(*thresholds)
+    (gc.enable if was else gc.disable)()

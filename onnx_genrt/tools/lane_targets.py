@@ -22,6 +22,8 @@ from onnx_genrt.core.errors import InvalidInputError
 _BENCH_ROW = re.compile(r"^(?P<label>\S.*?\])\s+(?P<prefill>[\d.]+|-)\s+(?P<tok>[\d.]+)\s+[\d.]+%")
 #: ``onnx-genrt step-cost``: the verify / decode ratio, and the verify + MTP chain's.
 _STEP_RATIO = re.compile(r"verify/decode (?P<x>[\d.]+)x")
+#: The draft vocabulary a ``step-{prec}-draft.txt`` was measured with (its first line).
+_DRAFT_IDS = re.compile(r"draft vocab (\d+)")
 _CHAIN_RATIO = re.compile(r"verify \+ MTP chain of \d+ [\d.]+ ms \((?P<x>[\d.]+)x decode\)")
 #: ``scripts/hf_bench.py``: config, decode tok/s, TTFT ms, ids.
 _HF_ROW = re.compile(r"^(?P<config>[a-z][\w:+-]*)\s+(?P<tok>[\d.]+)\s+(?P<ttft>[\d.]+)\s+\S+")
@@ -165,6 +167,13 @@ def targets(folder: Path) -> list[Target]:
             )  # fmt: skip
         )
         out.append(Target(f"0.5B {prec} verify + MTP chain / decode", 19, chain, 1.6, False, "x"))
+        draft = _read(folder, f"step-{prec}-draft.txt")
+        if draft:  # the same chain drafting over the first ids only (gpu_llm_bench.sh)
+            ids = _DRAFT_IDS.search(draft)
+            label = (
+                f"0.5B {prec} verify + MTP chain, {ids[1] if ids else 'a'}-id draft vocab / decode"
+            )
+            out.append(Target(label, 19, step_ratios(draft)[1], 1.6, False, "x"))
         one, many = rows.get("onnx-genrt[cuda,1 streams]"), rows.get("onnx-genrt[cuda,32 streams]")
         batch = hf_batch(_read(folder, "hf_batch.txt")) if prec == "fp16" else {}
         hf_scale = _ratio(batch.get(32), batch.get(1))

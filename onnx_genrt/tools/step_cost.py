@@ -18,6 +18,29 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from .step_options import RunnerOwner, add_step_arguments, model_folder, step_providers
 
 
+def timed_steps(
+    runner: Any,
+    context: int,
+    slot: DeviceGraphSlot,
+    width: int,
+    steps: int,
+    warm: int = 3,
+    after: Any = None,
+) -> list[float]:
+    """Seconds of ``steps`` steps of ``width`` rows in ``slot`` after ``context`` cached
+    positions (rewound before each), each with its ids read back as a step does; the first
+    ``warm`` (the capture among them) are run but not timed."""
+    tokens = list(range(7, 7 + width))
+    times = []
+    for i in range(steps + warm):
+        runner.rewind_to(context)
+        start = time.perf_counter()
+        _ = runner.forward(tokens, slot, width, after=after).tokens
+        if i >= warm:
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def measure(folder: Path, provider: Any, k: int, context: int, steps: int) -> dict[str, Any]:
     """Median ms of a decode step, a verify step and (with an MTP head) a verify step with
     the MTP chain queued after it, each including its read-back; ``notes``: what the main
@@ -38,16 +61,10 @@ def measure(folder: Path, provider: Any, k: int, context: int, steps: int) -> di
         hook = proposer.chain_hook(runner, k, k, context)
         if hook is not None:
             cases.append(("verify+mtp", DeviceGraphSlot.VERIFY, k + 1, hook))
-    times: dict[str, list[float]] = {name: [] for name, *_ in cases}
-    for name, slot, width, hook in cases:
-        tokens = list(range(7, 7 + width))
-        for i in range(steps + 3):
-            runner.rewind_to(context)
-            start = time.perf_counter()
-            # read the ids back, as a step does
-            _ = runner.forward(tokens, slot, width, after=hook).tokens
-            if i >= 3:
-                times[name].append(time.perf_counter() - start)
+    times = {
+        name: timed_steps(runner, context, slot, width, steps, after=hook)
+        for name, slot, width, hook in cases
+    }
     stats = model.session.all_graph_stats()
     out: dict[str, Any] = {name: statistics.median(v) * 1e3 for name, v in times.items()}
     out["ratio"] = out["verify"] / out["decode"]

@@ -7,10 +7,12 @@ copy of the embedded model (speculative output must still equal greedy).
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 from onnx import numpy_helper
 
 from onnx_genrt.engine import Model, generate
@@ -60,3 +62,21 @@ def test_written_head_drives_speculation_equal_to_greedy(tmp_path, monkeypatch):
     assert fast.tokens == greedy.tokens
     # random drafts are mostly below the confidence floor: plain steps, still through MTP
     assert fast.speculation["verify_steps"] + fast.speculation["plain_steps"] > 0
+
+
+def test_a_draft_vocabulary_restricts_the_chain_and_keeps_greedy_tokens(tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_dir(), folder)
+    (folder / "speculative.json").unlink()  # the embedded head's own entry (a ranked list)
+    argv = ["random_mtp_head.py", str(folder), "--intermediate", "64", "--draft-vocab", "64"]
+    monkeypatch.setattr("sys.argv", argv)
+    _script().main()
+    assert json.loads((folder / "speculative.json").read_text())["mtp"]["draft_vocab"] == 64
+    model = Model(folder)
+    greedy = generate(model, "def main():\n", max_new_tokens=24)
+    fast = generate(model, "def main():\n", max_new_tokens=24, spec="mtp", k=3)
+    assert fast.tokens == greedy.tokens
+    vocab = model.config.vocab_size
+    monkeypatch.setattr("sys.argv", [*argv[:-1], str(vocab + 1)])
+    with pytest.raises(SystemExit, match=f"--draft-vocab {vocab + 1}: must be 1..{vocab}"):
+        _script().main()

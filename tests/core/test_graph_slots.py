@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
+from onnx_genrt.core import collector_pause
 from onnx_genrt.core.device import CPU, Device
 from onnx_genrt.core.dtypes import DType
 from onnx_genrt.core.errors import GraphCaptureError, UnsupportedGraphSlot
@@ -88,7 +90,7 @@ def test_single_graph_provider_gets_primary_by_default_and_refuses_other_slots()
     assert p.graph_slots == frozenset({PRIMARY})
     p.begin_capture()  # PRIMARY by default
     p.end_capture()
-    assert p.has_graph(PRIMARY)
+    assert p.graph_parts(PRIMARY) == {0}
     p.replay(PRIMARY)
     assert p.replayed == 1
     for slot in (VERIFY, DRAFT):
@@ -116,7 +118,7 @@ def test_capture_error_latches_until_reset():
     assert p.capture_error(PRIMARY) is None
     p.begin_capture(PRIMARY)
     p.end_capture(PRIMARY)
-    assert p.has_graph(PRIMARY)
+    assert p.graph_parts(PRIMARY) == {0}
 
 
 def test_replay_without_graph_is_an_error():
@@ -169,7 +171,7 @@ def test_latch_is_per_slot():
     assert p.capture_error(PRIMARY) is None
     x, out = np.ones(2, np.float32), np.zeros(2, np.float32)
     _record(p, PRIMARY, 4.0, x, out)  # PRIMARY still captures
-    assert p.has_graph(PRIMARY)
+    assert p.graph_parts(PRIMARY) == {0}
     with pytest.raises(GraphCaptureError, match="kernel not capturable"):
         p.begin_capture(VERIFY)
     p.reset_graph(VERIFY)
@@ -313,3 +315,87 @@ def test_abort_capture_refuses_an_undeclared_slot():
     with pytest.raises(UnsupportedGraphSlot, match="no graph slot 'verify'"):
         p.abort_capture(VERIFY, "x")
     assert p.capture_error(VERIFY) is None
+
+
+class _Cycle:
+    """Cyclic garbage whose finalizer notes whether a capture was running then."""
+
+    def __init__(self, seen: list[bool], provider: ExecutionProvider) -> None:
+        self.me, self.seen, self.provider = self, seen, provider
+
+    def __del__(self) -> None:
+        self.seen.append(self.provider.capturing is not None)
+
+
+def test_no_finalizer_of_cyclic_garbage_runs_inside_a_capture(eager_collector):
+    p = RecordingProvider()
+    seen: list[bool] = []
+    p.begin_capture(PRIMARY)
+    assert not gc.isenabled()
+    for _ in range(50):  # garbage made and allocations that would trigger the collector
+        _Cycle(seen, p)
+        [object() for _ in range(20)]
+    assert seen == []
+    p.end_capture(PRIMARY)
+    assert gc.isenabled()
+    gc.collect()
+    assert seen and not any(seen)  # collected after the capture, none inside it
+
+
+def test_the_collector_comes_back_after_a_failed_begin_end_or_an_abort(eager_collector):
+    p = RecordingProvider()
+    p.fail_next_begin = True
+    with pytest.raises(GraphCaptureError):
+        p.begin_capture(PRIMARY)
+    assert gc.isenabled() and collector_pause.held() == 0
+    p.fail_next_begin = False
+    p.reset_graph(PRIMARY)
+    p.fail_next_end = True
+    p.begin_capture(PRIMARY)
+    with pytest.raises(GraphCaptureError):
+        p.end_capture(PRIMARY)
+    assert gc.isenabled() and collector_pause.held() == 0
+    p.fail_next_end = False
+    p.reset_graph(PRIMARY)
+    p.begin_capture(PRIMARY)
+    p.abort_capture(PRIMARY, "a kernel refused the stream")
+    assert gc.isenabled() and collector_pause.held() == 0
+    p.reset_graph(PRIMARY)
+    p.begin_capture(PRIMARY)
+    p.reset_graph(PRIMARY)  # a reset while capturing aborts it
+    assert gc.isenabled() and collector_pause.held() == 0
+
+
+def test_overlapping_captures_hold_the_collector_until_the_last_ends(eager_collector):
+    a, b = RecordingProvider(), RecordingProvider()
+    a.begin_capture(PRIMARY)
+    b.begin_capture(PRIMARY)
+    assert collector_pause.held() == 2
+    a.end_capture(PRIMARY)
+    assert not gc.isenabled()
+    b.end_capture(PRIMARY)
+    assert gc.isenabled() and collector_pause.held() == 0
+
+
+def test_a_collector_the_user_turned_off_stays_off(eager_collector):
+    gc.disable()
+    p = RecordingProvider()
+    p.begin_capture(PRIMARY)
+    p.end_capture(PRIMARY)
+    assert not gc.isenabled()
+    collector_pause.release()  # a release without a hold does nothing
+    assert not gc.isenabled() and collector_pause.held() == 0
+
+
+def test_an_abort_without_latch_leaves_the_slot_free_to_capture(eager_collector):
+    p = RecordingProvider()
+    p.begin_capture(PRIMARY)
+    p.abort_capture(PRIMARY, "interrupted", latch=False)
+    assert p.capture_error(PRIMARY) is None and p.capturing is None
+    assert gc.isenabled() and collector_pause.held() == 0
+    p.begin_capture(PRIMARY)
+    p.end_capture(PRIMARY)
+    assert p.graph_parts(PRIMARY) == {0}
+    p.begin_capture(PRIMARY, part=1)
+    p.abort_capture(PRIMARY, "a kernel refused the stream")
+    assert p.capture_error(PRIMARY) == "a kernel refused the stream"

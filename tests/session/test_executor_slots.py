@@ -144,6 +144,41 @@ def test_failed_capture_falls_back_to_eager_with_reason_and_latches():
     assert sess.main_provider.capture_error(PRIMARY) is not None
 
 
+class InterruptedCaptureCPU(CPUProvider):
+    """A CPU provider whose first capture is interrupted (Ctrl-C) in its second launch."""
+
+    name = "interrupted"
+    interrupts = 1
+
+    def launch(self, kdef, ctx, inputs):
+        if self.capturing is not None and self.interrupts:
+            self.interrupts -= 1
+            raise KeyboardInterrupt
+        return super().launch(kdef, ctx, inputs)
+
+
+def test_interrupted_capture_leaves_the_slot_free_and_the_collector_on():
+    import gc
+
+    from onnx_genrt.core import collector_pause
+
+    model = mlp(hidden=8)
+    provider = InterruptedCaptureCPU()
+    sess = InferenceSession(model, providers=[provider])
+    binding, x, y = _bind(sess, 2, 8)
+    sess.run_with_iobinding(binding)  # plans
+    with pytest.raises(KeyboardInterrupt):
+        sess.run_with_iobinding(binding)  # the capture, interrupted
+    assert provider.capturing is None and provider.capture_error(PRIMARY) is None
+    assert collector_pause.held() == 0 and gc.isenabled()
+    for step in range(3):
+        x[...] = step
+        sess.run_with_iobinding(binding)
+        np.testing.assert_allclose(y, mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+    stats = sess.graph_stats()
+    assert stats.captures == 1 and stats.replays == 2 and stats.fallbacks == 0
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(

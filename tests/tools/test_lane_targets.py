@@ -113,3 +113,18 @@ def test_scale_rows_give_the_share_of_the_bandwidth_floor(tmp_path):
     assert rows[1].startswith("7b int4 graphed greedy") and "not measured" in rows[1]
     report = lane_targets.report(tmp_path)
     assert report.splitlines()[-3].startswith("scale (issue 19")
+
+
+def test_a_draft_vocab_step_cost_adds_its_own_chain_row(tmp_path):
+    folder = tmp_path / "logs"
+    shutil.copytree(LOGS, folder)
+    assert not any("draft vocab" in name for name in _by_name(folder))  # none without the log
+    (folder / "step-fp16-draft.txt").write_text(
+        "draft vocab 32768\n"
+        "qwen05b-fp16: decode (M=1) 0.800 ms, verify (M=5) 0.990 ms, verify/decode 1.24x "
+        "(replays primary 51, verify 104)\n"
+        "qwen05b-fp16: verify + MTP chain of 4 1.240 ms (1.55x decode)\n"
+    )
+    row = _by_name(folder)["0.5B fp16 verify + MTP chain, 32768-id draft vocab / decode"]
+    assert (row.figure, row.met) == (1.55, True)
+    assert _by_name(folder)["0.5B fp16 verify + MTP chain / decode"].figure == 2.16  # unchanged

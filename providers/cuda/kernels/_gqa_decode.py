@@ -321,14 +321,8 @@ __global__ void __launch_bounds__(32 * W, MB)
     const S* kx = k_new + (long long)bi * k_row + (long long)g * D;
     const S* vx = v_new + (long long)bi * v_row + (long long)g * D;
     const long long dst = (((long long)b * kvh + g) * cap + pos) * D;
-    const int p = clampi(pos, 0, max_pos - 1);
-    for (int d = tid; d < D; d += T) {
-      const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + (long long)p * half,
-                                          sin_c + (long long)p * half)
-                              : ld(kx, d);
-      st(kc, dst + d, kv);
-      st(vc, dst + d, ld(vx, d));
-    }
+    store_kv_row(kc + dst, vc + dst, kx, vx, D, pos, max_pos, rotary, rot, interleaved, cos_c,
+                 sin_c, tid, T);
   }
   if (!wcache && total > cap) {
     // A length past the cache, which the host could not check: NaN, never attention over a
@@ -374,18 +368,9 @@ __global__ void __launch_bounds__(32 * W, MB)
   }
   const int k_mid = max(k_begin, min(base, k_end));  // cache rows | new rows
   if (k_mid < k_end) {  // new rows j0..: rows base + j, positions past + j, into shared memory
-    const int j0 = k_mid - base, n = (k_end - k_mid) * D;
-    for (int e = tid; e < n; e += T) {
-      const int j = j0 + e / D, d = e % D;
-      const long long r = (long long)b * S_len + j;
-      const S* kx = k_new + r * k_row + (long long)g * D;
-      const int pj = clampi(past + j, 0, max_pos - 1);
-      const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + (long long)pj * half,
-                                          sin_c + (long long)pj * half)
-                              : ld(kx, d);
-      st(kn, (long long)j * D + d, kv);
-      st(vn, (long long)j * D + d, ld(v_new + r * v_row + (long long)g * D, d));
-    }
+    stage_new_rows(kn, vn, k_new, v_new, (long long)b * S_len, k_row, v_row, (long long)g * D,
+                   k_mid - base, (k_end - k_mid) * D, D, past, max_pos, rotary, rot, interleaved,
+                   cos_c, sin_c, tid, T);
   }
   __syncthreads();
 

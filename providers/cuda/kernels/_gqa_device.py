@@ -1,6 +1,7 @@
 """Device helpers of the GroupQueryAttention kernels (``contrib_attention``'s and the flash
-prompt kernel's, ``_flash``): rotary embedding of a head row, and the rows a window-sized KV
-cache holds. Appended after ``_common.DEVICE_COMMON`` (they use its ``ld``)."""
+prompt kernel's, ``_flash``): rotary embedding of a head row, storing and staging new K / V
+rows, and the rows a window-sized KV cache holds. Appended after ``_common.DEVICE_COMMON``
+(they use its ``ld`` and ``st``)."""
 
 GQA_DEVICE = r"""
 // Rotation of feature d < rot: it mixes with feature `partner` through cos / sin entry j.
@@ -34,6 +35,40 @@ DEVI float rope_elem(const S* x, int d, int rot, int interleaved, const C* cs, c
 }
 
 DEVI int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// One new token's K row (rotated at position pos, clamped to the table) and V row, stored at
+// kd[0, D) and vd[0, D) by threads tid, tid + T, ...
+template <typename S, typename C, typename O>
+DEVI void store_kv_row(O* kd, O* vd, const S* kx, const S* vx, int D, int pos, int max_pos,
+                       int rotary, int rot, int interleaved, const C* cos_c, const C* sin_c,
+                       int tid, int T) {
+  const long long at = (long long)clampi(pos, 0, max_pos - 1) * (rot >> 1);
+  for (int d = tid; d < D; d += T) {
+    st(kd, d, rotary ? rope_elem(kx, d, rot, interleaved, cos_c + at, sin_c + at) : ld(kx, d));
+    st(vd, d, ld(vx, d));
+  }
+}
+
+// New rows j0.. of a step (rows row0 + j of k_new / v_new from column col, positions
+// past + j) into kn / vn ([rows][D], shared memory), n elements, by threads tid, tid + T, ...
+template <typename S, typename C>
+DEVI void stage_new_rows(S* kn, S* vn, const S* k_new, const S* v_new, long long row0,
+                         long long k_row, long long v_row, long long col, int j0, int n, int D,
+                         int past, int max_pos, int rotary, int rot, int interleaved,
+                         const C* cos_c, const C* sin_c, int tid, int T) {
+  const int half = rot >> 1;
+#pragma unroll 4
+  for (int e = tid; e < n; e += T) {
+    const int j = j0 + e / D, d = e % D;
+    const long long r = row0 + j;
+    const S* kx = k_new + r * k_row + col;
+    const long long at = (long long)clampi(past + j, 0, max_pos - 1) * half;
+    const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + at, sin_c + at)
+                            : ld(kx, d);
+    st(kn, (long long)j * D + d, kv);
+    st(vn, (long long)j * D + d, ld(v_new + r * v_row + col, d));
+  }
+}
 
 // Rows of a window-sized cache (sliding_window_cache=1) holding tokens after `total` tokens:
 // total until the cache is full, then compacted in blocks of cap - window + 1 rows

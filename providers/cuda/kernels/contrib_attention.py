@@ -160,15 +160,8 @@ __global__ void gqa_append(const S* __restrict__ k_new, long long k_row,
   const S* kx = k_new + row * k_row + (long long)h * D;
   const S* vx = v_new + row * v_row + (long long)h * D;
   const long long dst = (((long long)b * kvh + h) * cap + at) * D;
-  const int half = rot >> 1;
-  const int p = clampi(pos, 0, max_pos - 1);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + (long long)p * half,
-                                        sin_c + (long long)p * half)
-                            : ld(kx, d);
-    st(kc, dst + d, kv);
-    st(vc, dst + d, ld(vx, d));
-  }
+  store_kv_row(kc + dst, vc + dst, kx, vx, D, pos, max_pos, rotary, rot, interleaved, cos_c, sin_c,
+               (int)threadIdx.x, (int)blockDim.x);
 }
 
 DEVI float dot4(const float* q, float4 v) {
@@ -401,14 +394,8 @@ DEVI void gqa_body(GQA_PARAMS) {
     const S* kx = k_new + (long long)bi * k_row + (long long)g * D;
     const S* vx = v_new + (long long)bi * v_row + (long long)g * D;
     const long long dst = (((long long)b * kvh + g) * cap + pos) * D;
-    const int p = clampi(pos, 0, max_pos - 1);
-    for (int d = tid; d < D; d += T) {
-      const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + (long long)p * half,
-                                          sin_c + (long long)p * half)
-                              : ld(kx, d);
-      st(kc, dst + d, kv);
-      st(vc, dst + d, ld(vx, d));
-    }
+    store_kv_row(kc + dst, vc + dst, kx, vx, D, pos, max_pos, rotary, rot, interleaved, cos_c,
+                 sin_c, tid, T);
   }
   if (!wcache && total > cap) {
     // A length past the cache, which the host could not check (the length lives in device
@@ -464,19 +451,9 @@ DEVI void gqa_body(GQA_PARAMS) {
     }
   }
   if (k_mid < k_end) {  // new rows j0..j1-1 (rows base + j, positions past + j) into smem
-    const int j0 = k_mid - base, n = (k_end - k_mid) * D;
-#pragma unroll 4
-    for (int e = tid; e < n; e += T) {
-      const int j = j0 + e / D, d = e % D;
-      const long long r = (long long)b * S_len + j;
-      const S* kx = k_new + r * k_row + (long long)g * D;
-      const int pj = clampi(past + j, 0, max_pos - 1);
-      const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + (long long)pj * half,
-                                          sin_c + (long long)pj * half)
-                              : ld(kx, d);
-      st(kn, (long long)j * D + d, kv);
-      st(vn, (long long)j * D + d, ld(v_new + r * v_row + (long long)g * D, d));
-    }
+    stage_new_rows(kn, vn, k_new, v_new, (long long)b * S_len, k_row, v_row, (long long)g * D,
+                   k_mid - base, (k_end - k_mid) * D, D, past, max_pos, rotary, rot, interleaved,
+                   cos_c, sin_c, tid, T);
   }
   __syncthreads();
 
@@ -662,21 +639,14 @@ __global__ void gqa_window_store(const S* __restrict__ k_new, long long k_row,
       __syncthreads();
     }
   }
-  const int half = rot >> 1;
   for (int j = 0; j < n_new; ++j) {
     const int r = base + j - drop;
     if (r < 0 || r >= cap) continue;
     const long long row = (long long)b * S_len + j;
     const S* kx = k_new + row * k_row + (long long)h * D;
     const S* vx = v_new + row * v_row + (long long)h * D;
-    const int p = clampi(past + j, 0, max_pos - 1);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      const float kv = rotary ? rope_elem(kx, d, rot, interleaved, cos_c + (long long)p * half,
-                                          sin_c + (long long)p * half)
-                              : ld(kx, d);
-      st(K, (long long)r * D + d, kv);
-      st(V, (long long)r * D + d, ld(vx, d));
-    }
+    store_kv_row(K + (long long)r * D, V + (long long)r * D, kx, vx, D, past + j, max_pos, rotary,
+                 rot, interleaved, cos_c, sin_c, (int)threadIdx.x, (int)blockDim.x);
   }
 }
 

@@ -37,15 +37,17 @@ def _pdl_provider(cp, **options):
     return prov
 
 
-def test_the_provider_says_whether_programmatic_launch_is_on(cp):
+def test_the_provider_says_whether_programmatic_launch_is_on(cp, monkeypatch):
     from onnx_genrt.providers.cuda import driver as cuda_driver
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
-    assert not CUDAProvider().programmatic_launch  # off by default until measured
-    prov = CUDAProvider(programmatic_launch=True)
+    monkeypatch.delenv("ONNX_GENRT_PROGRAMMATIC_LAUNCH", raising=False)
     cc = int(cp.cuda.Device(0).compute_capability)
     drv = cuda_driver.load()
-    assert prov.programmatic_launch == (cc >= 90 and not isinstance(drv, str))
+    supported = cc >= 90 and not isinstance(drv, str)
+    assert CUDAProvider().programmatic_launch == supported  # on by default where it can be
+    prov = CUDAProvider(programmatic_launch=True)
+    assert prov.programmatic_launch == supported
     (note,) = prov.status_notes()
     if prov.programmatic_launch:
         assert note == "programmatic launch: on (with L2 weight prefetch)"

@@ -487,7 +487,7 @@ streams = iter(range(0x100, 0x200, 0x10))
 cupy.cuda.Stream.side_effect = lambda **kw: type("S", (), {"ptr": next(streams)})()
 out = []
 on = {"programmatic_launch": True}
-for kw in (on, {}, {**on, "pdl_prefetch": False}):
+for kw in (on, {"programmatic_launch": False}, {**on, "pdl_prefetch": False}, {}):
     p = CUDAProvider(**kw)
     out.append([p.programmatic_launch, list(p.status_notes()), dict(launch._PROGRAMMATIC)])
     del p
@@ -501,8 +501,9 @@ def test_provider_allows_its_stream_only_where_it_can(monkeypatch):
     monkeypatch.delenv("ONNX_GENRT_PROGRAMMATIC_LAUNCH", raising=False)
     monkeypatch.delenv("ONNX_GENRT_PDL_PREFETCH", raising=False)
     monkeypatch.setenv("CC", "90")
-    on, off, no_prefetch, after = run_with_cupy_stub(_PROVIDER)
+    on, off, no_prefetch, default, after = run_with_cupy_stub(_PROVIDER)
     assert on == [True, ["programmatic launch: on (with L2 weight prefetch)"], {"256": True}]
+    assert default == [True, ["programmatic launch: on (with L2 weight prefetch)"], {"304": True}]
     assert off[0] is False and off[2] == {}
     assert off[1] == [
         "programmatic launch: off (programmatic_launch=False or ONNX_GENRT_PROGRAMMATIC_LAUNCH=0)"
@@ -521,6 +522,6 @@ def test_provider_allows_its_stream_only_where_it_can(monkeypatch):
         {},
     ]
     monkeypatch.setenv("CC", "90")
-    # Off by default; the environment variable turns it on for a provider given no option.
-    monkeypatch.setenv("ONNX_GENRT_PROGRAMMATIC_LAUNCH", "1")
-    assert run_with_cupy_stub(_PROVIDER)[1][0] is True
+    # On by default; the environment variable turns it off for a provider given no option.
+    monkeypatch.setenv("ONNX_GENRT_PROGRAMMATIC_LAUNCH", "0")
+    assert run_with_cupy_stub(_PROVIDER)[3][0] is False
