@@ -7,12 +7,16 @@ and converted by onnxruntime-genai's model builder: the format most ONNX LLMs sh
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +81,38 @@ def cache_root() -> Path:
     return Path(root) / "fixtures"
 
 
+@contextlib.contextmanager
+def _exclusive(folder: Path) -> Iterator[None]:
+    """One process at a time makes ``folder`` (pytest-xdist workers, lanes run side by side):
+    an advisory lock on its ``.lock`` sibling, released when the block ends."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _publish(folder: Path, ready: str, build: Callable[[Path], None]) -> Path:
+    """``folder``, holding the file ``ready``: made once by ``build(private_folder)`` under
+    ``_exclusive`` and renamed into place, so a concurrent caller waits and then reuses it,
+    and none sees a folder half made. A folder an interrupted run left without ``ready`` is
+    made again."""
+    with _exclusive(folder):
+        if (folder / ready).is_file():
+            return folder
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".", suffix=".tmp"))
+        try:
+            build(tmp)
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder
+
+
 def build_qwen2(
     config: dict,
     precision: str = "fp32",
@@ -97,13 +133,17 @@ def build_qwen2(
     folder = cache_root() / f"qwen2-{tag}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (folder / "genai_config.json").is_file():
         return folder
-    hf = folder.with_name(folder.name + "-hf")
-    _save_hf(config, seed, hf)
-    tmp = folder.with_name(folder.name + ".tmp")
+    hf = _publish(
+        folder.with_name(folder.name + "-hf"),
+        "config.json",
+        lambda out: _save_hf(config, seed, out),
+    )
     extra = ["include_hidden_states=true"] if hidden_states else []
-    _run_builder(hf, tmp, precision, extra, target)
-    tmp.rename(folder)
-    return folder
+    return _publish(
+        folder,
+        "genai_config.json",
+        lambda out: _run_builder(hf, out, precision, extra, target),
+    )
 
 
 def _save_hf(config: dict, seed: int, out: Path) -> None:
@@ -123,15 +163,13 @@ def memory_model() -> Path:
 
     built = build_qwen2(MEMORY_QWEN2, "int4")
     folder = built.with_name(built.name + "-tok")
-    if (folder / "genai_config.json").is_file():
-        return folder
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(built, tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(default_model_path() / name, tmp / name)
-    tmp.rename(folder)
-    return folder
+
+    def copy(out: Path) -> None:
+        shutil.copytree(built, out, dirs_exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(default_model_path() / name, out / name)
+
+    return _publish(folder, "genai_config.json", copy)
 
 
 def build_gemma2(config: dict, seed: int = 0) -> Path:
@@ -144,12 +182,12 @@ def build_gemma2(config: dict, seed: int = 0) -> Path:
     folder = cache_root() / f"gemma2-fp32-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (folder / "genai_config.json").is_file():
         return folder
-    hf = folder.with_name(folder.name + "-hf")
-    _save_gemma2(config, seed, hf)
-    tmp = folder.with_name(folder.name + ".tmp")
-    _run_builder(hf, tmp, "fp32", [])
-    tmp.rename(folder)
-    return folder
+    hf = _publish(
+        folder.with_name(folder.name + "-hf"),
+        "config.json",
+        lambda out: _save_gemma2(config, seed, out),
+    )
+    return _publish(folder, "genai_config.json", lambda out: _run_builder(hf, out, "fp32", []))
 
 
 def _save_gemma2(config: dict, seed: int, out: Path) -> None:
@@ -214,9 +252,11 @@ def random_mtp_head(folder: Path, hidden: int, vocab: int, seed: int = 1) -> Pat
         [numpy_helper.from_array(v, k) for k, v in inits.items()],
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(
-        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path)
-    )
+    # Written beside and renamed into place: a concurrent reader never sees half a file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".model.", suffix=".tmp")
+    os.close(fd)
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp)
+    os.replace(tmp, path)
     return path
 
 
@@ -226,11 +266,11 @@ def random_mtp_head(folder: Path, hidden: int, vocab: int, seed: int = 1) -> Pat
 def hf_checkpoint(config: dict, seed: int = 0) -> Path:
     """The HF checkpoint (``save_pretrained`` folder) that ``build_qwen2(config, "fp32", seed)``
     converts: the ``-hf`` sibling of the built model, built (and cached) if needed."""
-    hf = build_qwen2(config, "fp32", seed)
-    hf = hf.with_name(hf.name + "-hf")
-    if not (hf / "config.json").is_file():  # the converted model was cached without it
-        _save_hf(config, seed, hf)
-    return hf
+    built = build_qwen2(config, "fp32", seed)
+    # The converted model may have been cached without it: made again then.
+    return _publish(
+        built.with_name(built.name + "-hf"), "config.json", lambda out: _save_hf(config, seed, out)
+    )
 
 
 def build_qwen2_with_options(
@@ -250,10 +290,10 @@ def build_qwen2_with_options(
     if (folder / "genai_config.json").is_file():
         return folder
     hf = hf_checkpoint(config, seed)
-    tmp = folder.with_name(folder.name + ".tmp")
-    _run_builder(hf, tmp, precision, [f"{k}={v}" for k, v in sorted(options.items())])
-    tmp.rename(folder)
-    return folder
+    extra = [f"{k}={v}" for k, v in sorted(options.items())]
+    return _publish(
+        folder, "genai_config.json", lambda out: _run_builder(hf, out, precision, extra)
+    )
 
 
 def export_dynamo(config: dict, seed: int = 0, opset: int = 23) -> Path:
@@ -265,8 +305,6 @@ def export_dynamo(config: dict, seed: int = 0, opset: int = 23) -> Path:
     opset 18 it writes them as primitive ops. Cached by config, seed, opset and the
     torch / transformers / onnxscript versions.
     """
-    import shutil
-
     import onnxscript
     import torch
     import transformers
@@ -278,41 +316,42 @@ def export_dynamo(config: dict, seed: int = 0, opset: int = 23) -> Path:
     path = folder / "model.onnx"
     if path.is_file():
         return path
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_checkpoint(config, seed), dtype=torch.float32, attn_implementation="sdpa"
-    )
+    hf = hf_checkpoint(config, seed)
 
-    class LogitsOnly(torch.nn.Module):
-        """``input_ids -> logits`` without a KV cache (the graph re-reads the whole sequence)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=input_ids, use_cache=False).logits
-
-    wrapper = LogitsOnly().eval()
-    ids = torch.tensor([[5, 17, 99, 3, 250, 7]], dtype=torch.int64)
-    seq = torch.export.Dim("seq", min=1, max=config["max_position_embeddings"])
-    with torch.no_grad():
-        program = torch.onnx.export(
-            wrapper,
-            (ids,),
-            dynamo=True,
-            opset_version=opset,
-            input_names=["input_ids"],
-            output_names=["logits"],
-            dynamic_shapes=({1: seq},),
-            optimize=True,
-            verbose=False,
+    def export(out: Path) -> None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            hf, dtype=torch.float32, attn_implementation="sdpa"
         )
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    program.save(str(tmp / "model.onnx"), external_data=False)
-    tmp.rename(folder)
+
+        class LogitsOnly(torch.nn.Module):
+            """``input_ids -> logits`` without a KV cache (the graph re-reads the whole
+            sequence)."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+                return self.model(input_ids=input_ids, use_cache=False).logits
+
+        wrapper = LogitsOnly().eval()
+        ids = torch.tensor([[5, 17, 99, 3, 250, 7]], dtype=torch.int64)
+        seq = torch.export.Dim("seq", min=1, max=config["max_position_embeddings"])
+        with torch.no_grad():
+            program = torch.onnx.export(
+                wrapper,
+                (ids,),
+                dynamo=True,
+                opset_version=opset,
+                input_names=["input_ids"],
+                output_names=["logits"],
+                dynamic_shapes=({1: seq},),
+                optimize=True,
+                verbose=False,
+            )
+        program.save(str(out / "model.onnx"), external_data=False)
+
+    _publish(folder, "model.onnx", export)
     return path
 
 
