@@ -16,6 +16,7 @@ from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.session import load_model
 
 from .batch import BatchGenerator
+from .batch_speculation import RowSpeculation
 from .config import SPECULATIVE_FILE
 from .generator import Generator
 from .model import GeneratorParams, Model
@@ -431,17 +432,18 @@ def generate_batch(
     stop: str | Sequence[str] = (),
     ignore_eos: bool = False,
     spec: str | None = None,
+    k: int | None = None,
     **search: Any,
 ) -> list[GenerationResult]:
     """Decode several prompts together, one row each (:class:`BatchGenerator`): each
     row's greedy output equals its prompt generated alone. ``stop``, ``ignore_eos`` and
     the search options apply to every row; each row samples with its own generator
-    seeded from ``seed``. Speculation runs one sequence at a time (``spec`` is refused)."""
-    if spec is not None:
-        raise InvalidInputError(
-            "speculative decoding runs one sequence; generate the prompts one by one with "
-            f"spec={spec!r}, or drop spec to batch them"
-        )
+    seeded from ``seed``. ``spec="ngram"`` verifies up to ``k`` prompt-lookup drafts per
+    greedy row in each step, ``"auto"`` only while that measurably pays
+    (:meth:`BatchGenerator.speculate`); an MTP head or a draft model runs one sequence."""
+    speculation = RowSpeculation(spec, k) if spec is not None else None  # checks spec, k
+    if speculation is None and k is not None:
+        raise InvalidInputError(f"k={k!r} needs a speculation kind (spec='ngram' or 'auto')")
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
     stops = stop_strings(stop)
     ignore_eos = check_bool(ignore_eos, "ignore_eos")
@@ -454,6 +456,7 @@ def generate_batch(
         )
     batch = model.take_batch(len(ids), longest)
     try:
+        batch.speculate(spec, k)
         return _decode_batch(model, batch, ids, max_new_tokens, stops, ignore_eos, search)
     finally:
         model.give_back_batch(batch)
@@ -506,9 +509,17 @@ def _decode_batch(
         batch.step()
     t2 = time.perf_counter()
     stats = {"target": model.session.all_graph_stats()}
+    spec_stats = {} if batch.speculation is None else batch.speculation.as_dict()
     return [
         GenerationResult(
-            scanners[i].text, sequences[i], len(ids[i]), t1 - t0, t2 - t1, reasons[i], {}, stats
+            scanners[i].text,
+            sequences[i],
+            len(ids[i]),
+            t1 - t0,
+            t2 - t1,
+            reasons[i],
+            spec_stats,
+            stats,
         )
         for i in range(len(ids))
     ]

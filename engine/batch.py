@@ -11,6 +11,7 @@ Free rows inside the bucket run a one-token dummy sequence that nothing reads.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.locking import SingleUser
 
+from .batch_speculation import RowSpeculation
 from .config import SearchOptions
 from .decoder import DecoderRunner, PendingRows
 from .model import GeneratorParams, Model
@@ -67,6 +69,9 @@ class _Row:
     #: Prompt tokens in the cache so far; below ``prompt_length`` the row is still
     #: prefilling (chunk by chunk) and decode steps skip it.
     prefilled: int = 0
+    #: The next pick is an end of sequence that min_length masks: picked from the logits of
+    #: a plain step (a verify step reads no logits).
+    masked_next: bool = False
 
     @property
     def prefilling(self) -> bool:
@@ -122,6 +127,21 @@ class BatchGenerator:
         #: rows at this bucket size; and how many steps were taken from one so far.
         self._ahead: tuple[PendingRows, frozenset[int], int] | None = None
         self.steps_ahead = 0
+        #: Speculation per row (``speculate``); None: plain steps only.
+        self.speculation: RowSpeculation | None = None
+
+    def speculate(self, spec: str | None, k: int | None = None) -> None:
+        """Verify drafts in the steps from now on: each plain-greedy row proposes up to
+        ``k`` tokens continuing its own text (prompt lookup), and one step of ``k + 1``
+        tokens a row (slot VERIFY, one graph per bucket) keeps each row's longest agreeing
+        prefix, so every row's output stays what plain steps give. ``"ngram"`` verifies
+        whenever a row has drafts, ``"auto"`` only while it measurably pays (a wide step of
+        many rows can cost more than it gains), None turns it off. A step runs plain when a
+        row samples, or when the wide step would exceed ``max_graph_rows`` rows of tokens
+        or a row's cache."""
+        with self._user:
+            self.speculation = None if spec is None else RowSpeculation(spec, k)
+            self._ahead = None
 
     # -- rows ---------------------------------------------------------------------
     def free_rows(self) -> int:
@@ -222,10 +242,11 @@ class BatchGenerator:
             self._ahead = None
 
     def clear(self) -> None:
-        """Free every row."""
+        """Free every row and turn speculation off."""
         with self._user:
             self.rows.clear()
             self._ahead = None
+            self.speculation = None
 
     def _row_runner(self, index: int) -> DecoderRunner:
         runner = self._row_runners.get(index)
@@ -260,16 +281,28 @@ class BatchGenerator:
         if not live:
             return {}
         size = self.bucket()
+        spec = self.speculation
+        if spec is None or not self._may_verify(spec, live, size):
+            return self._plain_step(live, size, ahead)
+        started = time.perf_counter()
+        new = self._verify_step(spec, live, size) if spec.wanted() else None
+        verified = new is not None
+        if new is None:
+            new = self._plain_step(live, size, None)
+        spec.record(verified, sum(len(t) for t in new.values()), time.perf_counter() - started)
+        return new
+
+    def _plain_step(
+        self,
+        live: dict[int, _Row],
+        size: int,
+        ahead: tuple[PendingRows, frozenset[int], int] | None,
+    ) -> dict[int, list[int]]:
+        """One token for every live row, in a step of ``size`` rows (slot PRIMARY)."""
+        lengths = self._row_starts(live, size)
         tokens = np.zeros(size, np.int64)
-        lengths = np.zeros(size, np.int64)
-        for i, row in self.rows.items():
-            if i < size and row.prefilling:
-                # A row still prefilling runs a dummy token at its next prompt position,
-                # which its next chunk overwrites: its prompt so far stays intact.
-                lengths[i] = row.prefilled
         for i, row in live.items():
             tokens[i] = row.tokens[-1]
-            lengths[i] = len(row.tokens) - 1
         # Greedy rows take the device argmax; one whose argmax is end of sequence before its
         # min_length reads its own logits row after the step (``_row_logits``).
         need_logits = any(not plain_greedy(r.search) for r in live.values())
@@ -306,6 +339,7 @@ class BatchGenerator:
                 )
                 row.tokens.append(token)
                 row.new = [token]
+                row.masked_next = False
                 new[i] = [token]
                 if token != int(argmax[i]):  # the queued step was fed the argmax
                     queued = None
@@ -322,9 +356,72 @@ class BatchGenerator:
             wanted = self.runner.io.reads_async
         if not wanted or need_logits or size > self.max_graph_rows:
             return False
+        if self.speculation is not None:  # the next step may verify instead
+            return False
         if not self.runner.device_argmax:
             return False
         return int(np.max(lengths)) + 2 <= self.max_length
+
+    def _may_verify(self, spec: RowSpeculation, live: dict[int, _Row], size: int) -> bool:
+        """Whether this step may verify drafts: every live row plain greedy and not waiting
+        for a masked pick, the wide step one graph, and room in every row's cache."""
+        if size * spec.width > self.max_graph_rows:
+            return False
+        if any(not plain_greedy(r.search) or r.masked_next for r in live.values()):
+            return False
+        return self._row_starts(live, size).max() + spec.width <= self.max_length
+
+    def _row_starts(self, live: dict[int, _Row], size: int) -> np.ndarray:
+        """Each row's first position in the next step: a live row's pending token's; a row
+        still prefilling runs dummy tokens from its next prompt position, which its next
+        chunk overwrites (its prompt so far stays intact); free rows from 0."""
+        starts = np.zeros(size, np.int64)
+        for i, row in self.rows.items():
+            if i < size and row.prefilling:
+                starts[i] = row.prefilled
+        for i, row in live.items():
+            starts[i] = len(row.tokens) - 1
+        return starts
+
+    def _verify_step(
+        self, spec: RowSpeculation, live: dict[int, _Row], size: int
+    ) -> dict[int, list[int]] | None:
+        """One step of ``k + 1`` tokens a row: each live row's pending token and drafts
+        (padded); each keeps what :meth:`RowSpeculation.accept` gives, up to an end of
+        sequence. None, having run nothing, when no row has drafts."""
+        tokens = np.zeros((size, spec.width), np.int64)
+        drafts: dict[int, list[int]] = {}
+        for i, row in live.items():
+            room = row.search.max_length - len(row.tokens) - 1
+            drafts[i] = spec.drafts(i, row.tokens, room)
+            tokens[i, 0] = row.tokens[-1]
+            tokens[i, 1 : 1 + len(drafts[i])] = drafts[i]
+        if not any(drafts.values()):
+            return None
+        with self.model.session.exclusive():
+            pending = self.runner.launch_rows(
+                tokens, self._row_starts(live, size), DeviceGraphSlot.VERIFY
+            )
+            argmax, _ = self.runner.finish_rows(pending)
+        new = {}
+        for i, row in live.items():
+            kept = self._until_end(row, spec.accept(drafts[i], argmax[i]))
+            row.tokens.extend(kept)
+            row.new = kept
+            new[i] = kept
+        return new
+
+    @staticmethod
+    def _until_end(row: _Row, kept: list[int]) -> list[int]:
+        """``kept`` up to its first end of sequence, that included; where min_length masks
+        it, only the tokens before it (possibly none), and the row's next step is plain."""
+        for j, token in enumerate(kept):
+            if token in row.eos:
+                if len(row.tokens) + j < row.search.min_length:
+                    row.masked_next = True
+                    return kept[:j]
+                return kept[: j + 1]
+        return kept
 
     @staticmethod
     def _masks(row: _Row, argmax: int) -> bool:

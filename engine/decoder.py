@@ -260,13 +260,15 @@ PREFILL_VARIANT = 1 << 40
 @dataclass
 class PendingRows:
     """A queued batched step (:meth:`DecoderRunner.launch_rows`): its buffers, rows, slot,
-    whether its logits are read back, and the call that waits for the read-back."""
+    whether its logits are read back, the call that waits for the read-back, and the
+    tokens each row fed."""
 
     bufs: StepBuffers
     rows: int
     slot: DeviceGraphSlot | None
     with_logits: bool
     fetch: Callable[[], list[np.ndarray]]
+    width: int = 1
 
 
 class DecoderRunner:
@@ -585,11 +587,14 @@ class DecoderRunner:
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """One decode step of the cache's first ``len(tokens)`` rows: row ``r`` feeds
         ``tokens[r]`` at position ``lengths[r]`` (its own length, in its attention mask).
+        ``tokens`` of shape ``[rows, width]`` feed ``width`` tokens a row, at positions
+        ``lengths[r]`` on (a verify step of every row).
 
         The step replays ``slot``'s graph for this number of rows (one variant per row
-        count). Returns each row's device argmax and, with ``read_logits``, the rows'
-        logits ``[rows, vocab]``; raises :class:`NonFiniteError` on non-finite logits.
-        Row lengths are the caller's: this runner's ``cache.length`` is not used.
+        count). Returns each row's device argmax (``[rows]``, or ``[rows, width]``) and, with
+        ``read_logits``, the rows' logits (``[rows, vocab]``, or ``[rows, width, vocab]``);
+        raises :class:`NonFiniteError` on non-finite logits. Row lengths are the caller's:
+        this runner's ``cache.length`` is not used.
         """
         return self.finish_rows(self.launch_rows(tokens, lengths, slot, read_logits))
 
@@ -603,53 +608,64 @@ class DecoderRunner:
     ) -> PendingRows:
         """Queue :meth:`step_rows`' step and its read-back; :meth:`finish_rows` waits for it.
 
-        With ``feed_argmax_of`` (an earlier step of as many rows), ``tokens`` is None and each
-        row's token is that step's device argmax, copied on the device: the next greedy step
-        is queued before the host has read this one's."""
+        With ``feed_argmax_of`` (an earlier one-token step of as many rows), ``tokens`` is
+        None and each row's token is that step's device argmax, copied on the device: the
+        next greedy step is queued before the host has read this one's."""
         rows = len(lengths)
         if feed_argmax_of is None and (tokens is None or len(tokens) != rows):
             raise InvalidInputError(
                 f"{0 if tokens is None else len(tokens)} tokens for {rows} row lengths"
             )
-        if rows and int(np.max(lengths)) + 1 > self.max_length:
+        width = 1 if tokens is None or np.ndim(tokens) == 1 else int(np.shape(tokens)[1])
+        if width < 1 or (tokens is not None and np.ndim(tokens) > 2):
             raise InvalidInputError(
-                f"a row of {int(np.max(lengths)) + 1} positions exceeds the KV cache of "
+                f"tokens of shape {np.shape(tokens)}: expected [rows] or [rows, width >= 1]"
+            )
+        if rows and int(np.max(lengths)) + width > self.max_length:
+            raise InvalidInputError(
+                f"a row of {int(np.max(lengths)) + width} positions exceeds the KV cache of "
                 f"{self.max_length}"
             )
-        binding, bufs = self._binding(1, rows=rows)
+        binding, bufs = self._binding(width, rows=rows)
         if feed_argmax_of is not None and (
-            feed_argmax_of.rows != rows or feed_argmax_of.bufs.argmax is None
+            feed_argmax_of.rows != rows or feed_argmax_of.bufs.argmax is None or width != 1
         ):
             raise InvalidInputError(
-                f"a step of {rows} rows fed on the device needs the device argmax of a step of "
-                f"{rows} rows"
+                f"a step of {rows} rows fed on the device needs the device argmax of a "
+                f"one-token step of {rows} rows"
             )
         host = np.zeros(bufs.inputs.shape, np.int64)
+        fed = rows * width
         if feed_argmax_of is None:
-            host[:rows] = tokens
-        offset = rows
+            host[:fed] = np.asarray(tokens).reshape(-1)
+        offset = fed
+        starts = np.asarray(lengths, np.int64)[:, None]
         if bufs.pos is not None:
-            host[offset : offset + rows] = lengths
-            offset += rows
+            host[offset : offset + fed] = (starts + np.arange(width)).reshape(-1)
+            offset += fed
         if bufs.mask is not None:
             mask = host[offset:].reshape(rows, self.max_length)
-            mask[np.arange(self.max_length)[None, :] <= np.asarray(lengths)[:, None]] = 1
+            mask[np.arange(self.max_length)[None, :] < starts + width] = 1
         self.io.write(bufs.inputs, host)
         if feed_argmax_of is not None:  # after the upload, on the same stream
             self.io.copy(feed_argmax_of.bufs.argmax, bufs.ids)
-        self.session.run_with_iobinding(binding, slot, variant=self.variant_base + rows)
+        # one graph per row count and width (a batch's verify steps beside its decode steps)
+        variant = self.variant_base + rows + (width - 1) * (self.cache.rows + 1)
+        self.session.run_with_iobinding(binding, slot, variant=variant)
         device_argmax = bufs.argmax is not None
         reads = [bufs.nonfinite, bufs.argmax] if device_argmax else []
         with_logits = read_logits or not device_argmax
         if with_logits:
             reads.append(bufs.logits)
-        return PendingRows(bufs, rows, slot, with_logits, self.io.read_later(reads))
+        return PendingRows(bufs, rows, slot, with_logits, self.io.read_later(reads), width)
 
     def finish_rows(self, step: PendingRows) -> tuple[np.ndarray, np.ndarray | None]:
         """Wait for a step queued by :meth:`launch_rows`: each row's argmax and (when it
-        was read) the rows' logits; raises :class:`NonFiniteError` on non-finite logits."""
+        was read) the rows' logits, one per row of a one-token step (``[rows]``,
+        ``[rows, vocab]``), one per token of a wider one (``[rows, width]``,
+        ``[rows, width, vocab]``); raises :class:`NonFiniteError` on non-finite logits."""
         values = step.fetch()
-        logits = values[-1][:, 0] if step.with_logits else None
+        logits = values[-1] if step.with_logits else None
         device_argmax = step.bufs.argmax is not None
         finite = np.isfinite(values[0]) if device_argmax else np.isfinite(logits).all()
         if not finite:
@@ -658,8 +674,10 @@ class DecoderRunner:
                 f"non-finite logits in a batched step of {step.rows} rows "
                 f"(slot {slot.value if slot else 'eager'})"
             )
-        argmax = values[1][:, 0] if device_argmax else np.argmax(logits, axis=-1)
+        argmax = values[1] if device_argmax else np.argmax(logits, axis=-1)
         check_token_ids(argmax, self.vocab, f"a batched step of {step.rows} rows")
+        if step.width == 1:
+            return argmax[:, 0], None if logits is None else logits[:, 0]
         return argmax, logits
 
     def row_logits(self, rows: int, row: int) -> np.ndarray:

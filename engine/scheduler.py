@@ -28,6 +28,7 @@ from onnx_genrt.core.errors import InvalidInputError, OnnxGenrtError
 
 from .api import DEFAULT_MAX_NEW_TOKENS
 from .batch import BatchGenerator
+from .batch_speculation import RowSpeculation
 from .model import GeneratorParams, Model
 from .stops import StopScanner, prompt_ids, stop_strings
 
@@ -271,6 +272,8 @@ class SchedulerMetrics:
     tokens_per_second: float = 0.0
     #: Graph statistics of the model's session, per slot (captures, replays, fallbacks).
     graph_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Speculation per row (``RowSpeculation.as_dict``); empty when off.
+    speculation: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -303,6 +306,8 @@ class Scheduler:
     is refused with :class:`QueueFullError`. Prompts longer than ``prefill_chunk`` tokens are
     prefilled a chunk per step, so running rows keep decoding meanwhile. Start it with ``with Scheduler(...) as s`` or
     :meth:`start`; :meth:`close` stops admitting and finishes (or cancels) what runs.
+    ``spec`` (``"ngram"`` or ``"auto"``, ``k`` drafts a row) verifies prompt-lookup drafts of
+    the greedy rows in each step (:meth:`BatchGenerator.speculate`).
     """
 
     def __init__(
@@ -313,8 +318,15 @@ class Scheduler:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_length: int | None = None,
         prefill_chunk: int | None = 256,
+        spec: str | None = None,
+        k: int | None = None,
     ) -> None:
         self.model = model
+        if spec is not None:
+            RowSpeculation(spec, k)  # a bad kind or k fails here, not in the model thread
+        elif k is not None:
+            raise InvalidInputError(f"k={k!r} needs a speculation kind (spec='ngram' or 'auto')")
+        self.spec, self.k = spec, k
         self.max_batch = check_int(max_batch, "max_batch", minimum=1)
         self.max_queue = check_int(max_queue, "max_queue", minimum=0)
         #: Prompt tokens prefilled per scheduler step: a long prompt is prefilled in chunks
@@ -354,6 +366,7 @@ class Scheduler:
         with self._cv:
             if self._thread is None:
                 self._batch = BatchGenerator(self.model, self.max_batch, self.max_length)
+                self._batch.speculate(self.spec, self.k)
                 self._thread = threading.Thread(
                     target=self._loop, name="onnx-genrt-scheduler", daemon=True
                 )
@@ -427,6 +440,9 @@ class Scheduler:
         """A snapshot (waits for the decode step in flight: its graph counters move)."""
         with self.model.session.exclusive():
             graph_stats = self.model.session.all_graph_stats()
+            batch = self._batch
+            spec = batch.speculation if batch is not None else None
+            speculation = {} if spec is None else spec.as_dict()
         with self._cv:
             busy = self._busy
             return SchedulerMetrics(
@@ -441,6 +457,7 @@ class Scheduler:
                 time_to_first_token=list(self._ttft),
                 tokens_per_second=self._tokens / busy if busy > 0 else 0.0,
                 graph_stats=graph_stats,
+                speculation=speculation,
             )
 
     # -- the model thread ---------------------------------------------------------

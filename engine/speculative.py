@@ -60,7 +60,8 @@ class PayoffPolicy:
     """Speculate only while it pays: verify steps must add tokens faster than plain steps.
 
     Both rates come from the measured wall time of the last ``window`` steps of each kind
-    (a verify step's tokens over its time, one token over a plain step's time). While
+    (the tokens a step added over its time: one for a plain step of one sequence, one a row
+    for a batch's). While
     speculating, a plain step now and then keeps the plain rate fresh; while not, a verify
     step now and then measures the drafts again (acceptance changes with the text). Each
     probe that confirms the choice doubles the gap to the next (from ``probe`` up to
@@ -76,7 +77,7 @@ class PayoffPolicy:
         being planned and captured, which would make that kind look slow)."""
         self.window, self.probe, self.max_probe = window, probe, max(probe, max_probe)
         self._skip = {True: skip, False: skip}
-        self._plain: deque[float] = deque(maxlen=window)
+        self._plain: deque[tuple[int, float]] = deque(maxlen=window)
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)
         self._since_switch = 0
         self._gap = probe  # steps until the next probe
@@ -86,13 +87,11 @@ class PayoffPolicy:
 
     @property
     def plain_rate(self) -> float | None:
-        return len(self._plain) / sum(self._plain) if self._plain else None
+        return _rate(self._plain)
 
     @property
     def verify_rate(self) -> float | None:
-        if not self._verify:
-            return None
-        return sum(n for n, _ in self._verify) / sum(t for _, t in self._verify)
+        return _rate(self._verify)
 
     def pays(self) -> bool | None:
         """Whether speculation is the faster of the two so far (None: not measured yet)."""
@@ -113,7 +112,7 @@ class PayoffPolicy:
         return pays
 
     def record(self, verified: bool, tokens: int, seconds: float) -> None:
-        """A step's measured time: a verify step adding ``tokens``, or a plain step."""
+        """A step's measured time and the tokens it added (a verify or a plain step)."""
         probing, self._probing = self._probing, False
         if seconds <= 0:
             return
@@ -121,10 +120,7 @@ class PayoffPolicy:
             self._skip[verified] -= 1
             return
         before = self.pays()
-        if verified:
-            self._verify.append((tokens, seconds))
-        else:
-            self._plain.append(seconds)
+        (self._verify if verified else self._plain).append((tokens, seconds))
         if before is not None and self.pays() != before:
             self.switches += 1
             self._gap = self.probe
@@ -140,6 +136,11 @@ class PayoffPolicy:
             "switches": self.switches,
             "probes": self.probes,
         }
+
+
+def _rate(steps: deque[tuple[int, float]]) -> float | None:
+    """Tokens a second over ``steps`` of (tokens, seconds); None when there are none."""
+    return sum(n for n, _ in steps) / sum(t for _, t in steps) if steps else None
 
 
 class SpeculativeGenerator(Generator):

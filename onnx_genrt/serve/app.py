@@ -123,10 +123,14 @@ def create_app(
     grace_period: float = DEFAULT_GRACE_PERIOD,
     warmup: bool = True,
     enable_graphs: bool = True,
+    spec: str | None = None,
+    k: int | None = None,
 ) -> Starlette:
     """Load the model in ``model_dir`` (default: the embedded one) on ``provider`` (a name
     or a priority list) and return the ASGI app serving it as ``model_name`` (default: the
-    folder's name) with ``max_batch`` rows and at most ``max_queue`` waiting requests."""
+    folder's name) with ``max_batch`` rows and at most ``max_queue`` waiting requests.
+    ``spec`` (``"ngram"`` or ``"auto"``) verifies up to ``k`` prompt-lookup drafts per greedy
+    row in each decode step."""
     from onnx_genrt.generate_cli import default_model_dir
 
     folder = Path(model_dir) if model_dir is not None else default_model_dir()
@@ -143,6 +147,8 @@ def create_app(
         max_length=max_length,
         grace_period=grace_period,
         warmup=warmup,
+        spec=spec,
+        k=k,
     )
 
     return service_app(service)

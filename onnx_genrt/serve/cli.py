@@ -67,6 +67,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--threads", type=POSITIVE_INT, default=None, help="CPU provider threads (default 1)"
     )
+    p.add_argument(
+        "--spec",
+        choices=("ngram", "auto"),
+        default=None,
+        help="speculate per row by prompt lookup: greedy rows propose tokens continuing their "
+        "own text, verified in one step (ngram: always; auto: while it measurably pays)",
+    )
+    p.add_argument(
+        "-k", type=POSITIVE_INT, default=None, help="drafts per row with --spec (default 4)"
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests at start")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn)")
     p.add_argument(
@@ -100,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         grace_period=args.grace_period,
         warmup=not args.no_warmup,
+        spec=args.spec,
+        k=args.k,
     )
     config = uvicorn.Config(
         app,

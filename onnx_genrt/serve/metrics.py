@@ -169,4 +169,12 @@ def render(
                 for slot, s in sorted(metrics.graph_stats.items())
             ],
         )
+    spec = metrics.speculation
+    for stat, help_text in (
+        ("verify_steps", "Decode steps that verified drafts (--spec)"),
+        ("proposed", "Draft tokens proposed (--spec)"),
+        ("accepted", "Draft tokens accepted (--spec)"),
+    ):
+        name = f"speculation_{stat}_total"
+        lines += _family(name, "counter", f"{help_text}.", [_sample(name, int(spec.get(stat, 0)))])
     return "\n".join(lines) + "\n"

@@ -56,11 +56,18 @@ class Service:
         max_length: int | None,
         grace_period: float,
         warmup: bool,
+        spec: str | None = None,
+        k: int | None = None,
     ) -> None:
         self.model = model
         self.model_name = model_name
         self.scheduler = Scheduler(
-            model, max_batch=max_batch, max_queue=max_queue, max_length=max_length
+            model,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            max_length=max_length,
+            spec=spec,
+            k=k,
         )
         self.counters = prom.ServerCounters()
         self.grace_period = grace_period

@@ -339,10 +339,13 @@ def bench_batch(
     providers: list[Any],
     graphs: bool = True,
     overlap: bool = True,
+    spec: str | None = None,
+    k: int | None = None,
 ):
     """One timed batched generation per call (``generate_batch``, one row per prompt): the
     decode rate is every row's tokens after its first, over the decode time (aggregate).
-    ``overlap=False`` turns the batched greedy look-ahead off for the call."""
+    ``overlap=False`` turns the batched greedy look-ahead off for the call; ``spec``
+    (``"ngram"`` or ``"auto"``) speculates per row."""
     from onnx_genrt.engine import Model, generate_batch
     from onnx_genrt.engine.batch import BatchGenerator
 
@@ -354,7 +357,7 @@ def bench_batch(
         if not overlap:
             BatchGenerator.look_ahead = False
         try:
-            results = generate_batch(model, prompts, new, min_length=longest)
+            results = generate_batch(model, prompts, new, min_length=longest, spec=spec, k=k)
         finally:
             BatchGenerator.look_ahead = saved
         decoded = sum(r.new_tokens - 1 for r in results)
@@ -363,7 +366,11 @@ def bench_batch(
             results[0].prefill_seconds,
             decoded / seconds if seconds > 0 else 0.0,
             results[0].tokens,
-            {"graph_stats": results[0].graph_stats, "streams": len(prompts)},
+            {
+                "graph_stats": results[0].graph_stats,
+                "streams": len(prompts),
+                "speculation": results[0].speculation,
+            },
         )
 
     return once
@@ -393,18 +400,25 @@ def _stream_cases(
 ) -> list[tuple[str, Any]]:
     """The ``--streams`` rows of one provider: row 0 is the bench prompt, the others random
     prompts of its length (the same text with ``--prompt``); with ``--compare-serial`` each
-    also without the batched look-ahead."""
+    also without the batched look-ahead; with ``--spec ngram`` (or ``auto``) each also
+    speculating per row."""
+    from onnx_genrt.engine.batch_speculation import BATCH_SPEC_KINDS
+
+    specs = [_spec_entry(e, args.k) + (e,) for e in args.spec]
     cases = []
     for streams in args.streams:
         others = [
             prompt if args.prompt is not None else rng.integers(1, vocab, len(prompt)).tolist()
             for _ in range(streams - 1)
         ]
+        prompts = [prompt, *others]
         for overlap in (True, False) if args.compare_serial else (True,):
             label = f"onnx-genrt[{tag},{streams} streams{'' if overlap else ',serial'}]"
-            cases.append(
-                (label, bench_batch(folder, [prompt, *others], new, providers, overlap=overlap))
-            )
+            cases.append((label, bench_batch(folder, prompts, new, providers, overlap=overlap)))
+        for spec, k, entry in specs:
+            if spec in BATCH_SPEC_KINDS:
+                label = f"onnx-genrt[{tag},{streams} streams,{entry}]"
+                cases.append((label, bench_batch(folder, prompts, new, providers, spec=spec, k=k)))
     return cases
 
 

@@ -1,0 +1,101 @@
+"""Speculation per row of a batch: each greedy row proposes tokens that continue its own
+text (prompt lookup), and one step of ``k + 1`` tokens a row verifies every row's drafts.
+
+A row keeps the longest prefix of its drafts that its own argmax agrees with, and the
+argmax after it: what plain greedy steps would give, token for token. Rows without drafts
+feed padding and keep one token, as a plain step would have given them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from onnx_genrt.core.checks import check_int
+from onnx_genrt.core.errors import InvalidInputError
+
+from .proposers import PromptLookupProposer
+from .speculative import DEFAULT_K, PayoffPolicy
+
+#: What a batch can speculate with: prompt lookup, always (``"ngram"``) or while it
+#: measurably pays (``"auto"``). MTP heads and draft models run one sequence.
+BATCH_SPEC_KINDS = ("ngram", "auto")
+
+
+class RowSpeculation:
+    """The drafts, acceptance and statistics of a batch's speculative steps."""
+
+    def __init__(self, spec: str, k: int | None = None) -> None:
+        if spec not in BATCH_SPEC_KINDS:
+            raise InvalidInputError(
+                f"a batch speculates by prompt lookup only: spec={spec!r}; choose one of "
+                f"{', '.join(repr(s) for s in BATCH_SPEC_KINDS)}, or generate one sequence "
+                "at a time to use an MTP head or a draft model"
+            )
+        self.spec = spec
+        self.k = DEFAULT_K if k is None else check_int(k, "k (drafts per row)", minimum=1)
+        #: None for ``"ngram"``: every eligible step verifies.
+        self.payoff = PayoffPolicy() if spec == "auto" else None
+        #: Counts since :meth:`BatchGenerator.speculate`: steps of each kind, drafts proposed
+        #: and kept, rows that had drafts in a verify step (a server runs for days: no
+        #: per-step history is kept).
+        self.verify_steps = self.plain_steps = 0
+        self.proposed = self.accepted = self.drafting_rows = 0
+        self._proposers: dict[int, PromptLookupProposer] = {}
+
+    @property
+    def width(self) -> int:
+        """Tokens a row feeds in a verify step: its pending token and ``k`` drafts."""
+        return self.k + 1
+
+    def wanted(self) -> bool:
+        """Whether the next eligible step should verify drafts."""
+        return self.payoff is None or self.payoff.speculate()
+
+    def drafts(self, row: int, tokens: Sequence[int], room: int) -> list[int]:
+        """Up to ``min(k, room)`` tokens continuing row ``row``'s text ``tokens``."""
+        if room <= 0:
+            return []
+        proposer = self._proposers.get(row)
+        if proposer is None:
+            proposer = self._proposers[row] = PromptLookupProposer()
+        return proposer.propose(tokens, None, min(self.k, room))
+
+    def accept(self, drafts: list[int], argmax: np.ndarray) -> list[int]:
+        """The tokens a row keeps: its drafts while they equal the argmax before them, then
+        the argmax after the last one kept."""
+        n = 0
+        while n < len(drafts) and drafts[n] == int(argmax[n]):
+            n += 1
+        self.proposed += len(drafts)
+        self.accepted += n
+        self.drafting_rows += bool(drafts)
+        return [int(t) for t in argmax[: n + 1]]
+
+    def record(self, verified: bool, tokens: int, seconds: float) -> None:
+        """A step's time and the tokens it added over all rows (for ``"auto"``)."""
+        if verified:
+            self.verify_steps += 1
+        else:
+            self.plain_steps += 1
+        if self.payoff is not None:
+            self.payoff.record(verified, tokens, seconds)
+
+    def as_dict(self) -> dict:
+        """The counts, with the shares the single-sequence statistics also give."""
+        out = {
+            "kind": self.spec,
+            "k": self.k,
+            "verify_steps": self.verify_steps,
+            "plain_steps": self.plain_steps,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else 0.0,
+            "mean_accepted_length": (
+                round(self.accepted / self.drafting_rows, 3) if self.drafting_rows else 0.0
+            ),
+        }
+        if self.payoff is not None:
+            out["auto"] = self.payoff.as_dict()
+        return out

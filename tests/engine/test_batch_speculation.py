@@ -1,0 +1,211 @@
+"""Speculation per row of a batch (prompt lookup): every row's output equals plain greedy
+decoding of its prompt alone, token for token, while verify steps replay their graphs."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from onnx_genrt.core.errors import InvalidInputError
+from onnx_genrt.engine import GeneratorParams, Model, generate, generate_batch
+from onnx_genrt.engine.batch import BatchGenerator
+from onnx_genrt.engine.scheduler import Scheduler
+from onnx_genrt.engine.speculative import PayoffPolicy
+from onnx_genrt.generate_cli import default_model_dir
+
+from .test_greedy_parity import PROMPTS, _onnxruntime_genai
+
+TEXTS = ["    def __init__(self", "import os\nimport sys\n", "class Foo:\n    def", "x = ["]
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(default_model_dir())
+
+
+def _params(model: Model, prompt: list[int], new: int, **search) -> GeneratorParams:
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, **search)
+    return params
+
+
+def _run(batch: BatchGenerator, limit: int = 1000) -> int:
+    for step in range(limit):
+        if all(batch.is_done(r) for r in batch.rows):
+            return step
+        batch.step()
+    raise AssertionError("the batch did not finish")
+
+
+def test_rows_equal_greedy_alone_in_fewer_steps(model):
+    """Four prompts of different lengths, 64 tokens each with 3 drafts a row: each row
+    equals onnxruntime-genai generating its prompt alone; most steps verify, drafts are
+    kept, and the verify graph of the bucket replays with no fallback."""
+    prompts = [model.tokenizer.encode(t) for t in TEXTS]
+    alone = [_onnxruntime_genai(model.folder, p, 64) for p in prompts]
+    before = model.session.all_graph_stats().get("verify", {})
+    results = generate_batch(model, prompts, 64, ignore_eos=True, spec="ngram", k=3)
+    assert [r.tokens for r in results] == alone
+    spec = results[0].speculation
+    assert spec["kind"] == "ngram" and spec["k"] == 3
+    assert spec["accepted"] > 32 and spec["verify_steps"] + spec["plain_steps"] < 63
+    verify = model.session.all_graph_stats()["verify"]
+    assert verify["replays"] - before.get("replays", 0) >= spec["verify_steps"] - 2
+    assert verify["fallbacks"] == 0 and verify["invalidations"] == 0
+
+
+def test_rows_match_onnxruntime_genai_alone(qwen2_dir):
+    """A random-weight builder model (position_ids): each row of a speculating batch equals
+    onnxruntime-genai generating its prompt alone. Its random text repeats little: nearly
+    every draft is refused, in steps that feed them all."""
+    model = Model(qwen2_dir)
+    batch = BatchGenerator(model, 4, 128)
+    batch.speculate("ngram", 4)
+    rows = {batch.add(p, _params(model, p, 32), ignore_eos=True): p for p in PROMPTS}
+    _run(batch)
+    for row, prompt in rows.items():
+        assert batch.sequence(row) == _onnxruntime_genai(qwen2_dir, prompt, 32), row
+    assert batch.speculation.verify_steps > 0
+
+
+def _speculating_batch(model: Model, new: int) -> tuple[BatchGenerator, dict[int, str]]:
+    batch = BatchGenerator(model, 4, 128)
+    batch.speculate("ngram", 4)
+    rows = {}
+    for text in TEXTS:
+        ids = model.tokenizer.encode(text)
+        rows[batch.add(ids, _params(model, ids, new))] = text
+    return batch, rows
+
+
+def test_end_of_sequence_inside_kept_drafts(model, monkeypatch):
+    """An end-of-sequence id that a step keeps as a draft with more tokens after it (found
+    in a run without one): each row stops right after it, as it does alone."""
+    monkeypatch.setattr(model, "config", dataclasses.replace(model.config, eos_token_ids=()))
+    batch, rows = _speculating_batch(model, 48)
+    found = None
+    while found is None and not all(batch.is_done(r) for r in rows):
+        for row, kept in batch.step().items():
+            prompt = batch.rows[row].prompt_length
+            earlier = batch.sequence(row)[prompt : -len(kept)]  # generated before this step
+            if len(kept) > 1 and kept[0] not in earlier:
+                found = kept[0]
+    assert found is not None, "no step kept a draft with tokens after it"
+    monkeypatch.setattr(model, "config", dataclasses.replace(model.config, eos_token_ids=(found,)))
+    batch, rows = _speculating_batch(model, 48)
+    _run(batch)
+    ended = 0
+    for row, text in rows.items():
+        want = generate(model, text, 48).tokens
+        assert batch.sequence(row) == want, text
+        ended += batch.ended_by_eos(row)
+    assert ended >= 1
+
+
+def test_min_length_masks_an_early_end_of_sequence(model, monkeypatch):
+    """An end-of-sequence id greedy decoding makes early, with min_length 20 tokens past
+    each prompt: a verify step keeps the tokens before a masked one, a plain step picks it
+    from the logits, and each row equals its prompt generated alone with the same
+    options."""
+    free = generate(model, TEXTS[0], 8, ignore_eos=True)
+    eos = free.tokens[free.prompt_tokens + 2]
+    monkeypatch.setattr(model, "config", dataclasses.replace(model.config, eos_token_ids=(eos,)))
+    batch = BatchGenerator(model, 4, 128)
+    batch.speculate("ngram", 4)
+    rows = {}
+    for text in TEXTS:
+        ids = model.tokenizer.encode(text)
+        rows[batch.add(ids, _params(model, ids, 40, min_length=len(ids) + 20))] = ids
+    _run(batch)
+    for row, ids in rows.items():
+        assert batch.sequence(row) == generate(model, ids, 40, min_length=len(ids) + 20).tokens
+    assert batch.speculation.verify_steps > 0
+
+
+def test_each_row_stops_at_its_own_max_length(model):
+    """Rows of 5, 17 and 40 new tokens: none overshoots in a step that keeps drafts."""
+    batch = BatchGenerator(model, 4, 128)
+    batch.speculate("ngram", 4)
+    rows = {}
+    for text, new in zip(TEXTS, (5, 17, 40), strict=False):
+        ids = model.tokenizer.encode(text)
+        rows[batch.add(ids, _params(model, ids, new), ignore_eos=True)] = (text, new)
+    _run(batch)
+    for row, (text, new) in rows.items():
+        assert batch.sequence(row) == generate(model, text, new, ignore_eos=True).tokens
+
+
+def test_a_sampling_row_makes_the_steps_plain(model):
+    """While a row samples, steps run plain (one token a row); the greedy rows still equal
+    their prompts alone."""
+    batch = BatchGenerator(model, 4, 128)
+    batch.speculate("ngram", 4)
+    greedy = {}
+    for text in TEXTS[:3]:
+        ids = model.tokenizer.encode(text)
+        greedy[batch.add(ids, _params(model, ids, 24), ignore_eos=True)] = text
+    ids = model.tokenizer.encode(TEXTS[3])
+    batch.add(ids, _params(model, ids, 24, do_sample=True, seed=7), ignore_eos=True)
+    steps = _run(batch)
+    for row, text in greedy.items():
+        assert batch.sequence(row) == generate(model, text, 24, ignore_eos=True).tokens
+    assert batch.speculation.verify_steps == 0 and steps == 23
+
+
+def test_scheduler_with_chunked_prompts_equals_each_served_alone(model):
+    """Continuous batching with speculation: 12 requests from 3 threads through 4 rows,
+    prompts prefilled 3 tokens a step beside verify steps of the others: every text equals
+    generate() alone."""
+    texts = [t * 3 for t in TEXTS]  # longer prompts: several chunks each
+    alone = {t: generate(model, t, 32) for t in texts}
+    results: list[tuple[str, object]] = []
+    with Scheduler(model, max_batch=4, prefill_chunk=3, spec="ngram", k=3) as sched:
+
+        def client(k: int) -> None:
+            for j in range(4):
+                text = texts[(k + j) % len(texts)]
+                results.append((text, sched.submit(text, max_new_tokens=32).result(120)))
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        metrics = sched.metrics()
+    assert len(results) == 12
+    for text, result in results:
+        assert result.token_ids == alone[text].tokens[alone[text].prompt_tokens :], text
+        assert result.text == alone[text].text
+    assert metrics.speculation["verify_steps"] > 0 and metrics.speculation["accepted"] > 0
+    assert metrics.tokens_generated == sum(r.completion_tokens for _, r in results)
+    assert metrics.graph_stats["verify"]["fallbacks"] == 0
+
+
+def test_auto_stops_verifying_when_plain_steps_give_more_tokens():
+    """A batch's plain step adds a token a row: 8 rows in 2 ms (4000 tok/s) beat verify
+    steps adding 12 tokens in 4 ms (3000 tok/s), so ``auto`` settles on plain steps."""
+    policy = PayoffPolicy(window=4, probe=8, skip=0)
+    decisions = []
+    for _ in range(48):
+        verify = policy.speculate()
+        decisions.append(verify)
+        policy.record(verify, 12 if verify else 8, 0.004 if verify else 0.002)
+    assert policy.pays() is False and sum(decisions[8:]) <= 40 // 8 + 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "k", "message"),
+    [
+        ("mtp", None, "prompt lookup only: spec='mtp'"),
+        ("draft", 2, "prompt lookup only: spec='draft'"),
+        ("ngram", 0, "k \\(drafts per row\\) must be an integer >= 1, got 0"),
+        (None, 3, "k=3 needs a speculation kind"),
+    ],
+)
+def test_bad_speculation_options_are_refused(model, spec, k, message):
+    with pytest.raises(InvalidInputError, match=message):
+        generate_batch(model, TEXTS[:2], 4, spec=spec, k=k)
+    with pytest.raises(InvalidInputError, match=message):
+        Scheduler(model, spec=spec, k=k)

@@ -1,0 +1,79 @@
+"""``onnx-genrt serve --spec ngram``: rows speculate by prompt lookup, and every greedy
+answer still equals its prompt generated alone (the official ``openai`` client against a
+real server process on 127.0.0.1)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from . import prometheus_text
+from .conftest import MODEL_NAME, ServerProcess
+from .test_server import client, metrics
+
+#: Python the embedded model continues with text it repeats (prompt lookup finds drafts).
+PROMPTS = ("import os\nimport sys\n", "class Foo:\n    def", "    def __init__(self", "x = [")
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("serve-spec") / "server.log"
+    proc = ServerProcess("--max-batch", "4", "--spec", "ngram", "-k", "3", log=log)
+    yield proc
+    code = proc.stop()
+    assert code == 0, f"exit code {code} after SIGTERM:\n{proc.output()}"
+
+
+def test_concurrent_answers_equal_each_served_alone(spec_server, reference):
+    """16 requests from 8 clients through 4 speculating rows: each greedy answer equals the
+    prompt generated alone, and drafts were verified and kept."""
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    expected = {p: reference(p, 40) for p in PROMPTS}
+    before = metrics(spec_server)
+
+    def ask(prompt: str) -> tuple[str, str]:
+        result = client(spec_server).completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0
+        )
+        return prompt, result.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, jobs, timeout=120))
+    wrong = [(p, text, expected[p]) for p, text in answers if text != expected[p]]
+    assert not wrong, wrong[:3]
+    after = metrics(spec_server)
+
+    def grew(name: str) -> float:
+        return prometheus_text.value(after, name) - prometheus_text.value(before, name)
+
+    assert grew("onnx_genrt_speculation_verify_steps_total") > 0
+    assert grew("onnx_genrt_speculation_accepted_total") > 0
+    assert grew("onnx_genrt_generated_tokens_total") == 16 * 40
+    assert prometheus_text.value(after, "onnx_genrt_graph_fallbacks_total", slot="verify") == 0
+
+
+def test_streamed_chat_completion_equals_served_alone(spec_server, reference, reference_model):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    stream = client(spec_server).chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=30, temperature=0, stream=True
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    rendered = reference_model.tokenizer.apply_chat_template(messages)
+    assert "".join(pieces) == reference(rendered, 30)
+
+
+def test_a_bad_spec_is_one_line_and_exit_2(tmp_path: Path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "onnx_genrt", "serve", "--spec", "mtp"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--spec" in done.stderr and "Traceback" not in done.stderr
