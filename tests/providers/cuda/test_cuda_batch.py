@@ -101,3 +101,39 @@ def test_new_rows_never_take_a_step_queued_for_finished_ones(cp):
     for _ in range(2):
         results = generate_batch(cuda, prompts, 12, ignore_eos=True)
         assert [r.tokens for r in results] == [alone[t] for t in TEXTS[:4]]
+
+
+@pytest.mark.parametrize("joins", [False, True])
+def test_speculating_rows_equal_alone(cp, joins):
+    """Prompt-lookup speculation per row on CUDA (verify steps of 4 rows x 4 tokens, each
+    row at its own length): every sequence equals the prompt generated alone on CUDA, drafts
+    are kept, and the verify graph replays with no fallback or invalidation. With ``joins``
+    rows join and leave between steps (six prompts through four rows)."""
+    from onnx_genrt.engine import Model, generate
+    from onnx_genrt.engine.batch import BatchGenerator
+    from onnx_genrt.generate_cli import default_model_dir
+
+    cuda = Model(default_model_dir(), provider="cuda")
+    texts = TEXTS if joins else TEXTS[:4]
+    alone = {t: generate(cuda, t, 48, ignore_eos=True).tokens for t in texts}
+    batch = BatchGenerator(cuda, 4, 256)
+    batch.speculate("ngram", 3)
+    queue = list(texts)
+    owner, finished = {}, {}
+    for _ in range(400):
+        while queue and batch.free_rows():
+            text = queue.pop(0)
+            ids = cuda.tokenizer.encode(text)
+            owner[batch.add(ids, _params(cuda, ids, 48), ignore_eos=True)] = text
+        for row in [r for r in batch.rows if batch.is_done(r)]:
+            finished[owner.pop(row)] = batch.sequence(row)
+            batch.remove(row)
+        if not batch.rows and not queue:
+            break
+        if batch.rows:
+            batch.step()
+    assert finished == alone
+    assert batch.speculation.verify_steps > 0 and batch.speculation.accepted > 0
+    stats = batch.graph_stats()["verify"]
+    assert stats["fallbacks"] == 0 and stats["invalidations"] == 0, stats
+    assert stats["replays"] > 0
