@@ -69,9 +69,6 @@ class _Row:
     #: Prompt tokens in the cache so far; below ``prompt_length`` the row is still
     #: prefilling (chunk by chunk) and decode steps skip it.
     prefilled: int = 0
-    #: The next pick is an end of sequence that min_length masks: picked from the logits of
-    #: a plain step (a verify step reads no logits).
-    masked_next: bool = False
 
     @property
     def prefilling(self) -> bool:
@@ -131,14 +128,15 @@ class BatchGenerator:
         self.speculation: RowSpeculation | None = None
 
     def speculate(self, spec: str | None, k: int | None = None) -> None:
-        """Verify drafts in the steps from now on: each plain-greedy row proposes up to
-        ``k`` tokens continuing its own text (prompt lookup), and one step of ``k + 1``
-        tokens a row (slot VERIFY, one graph per bucket) keeps each row's longest agreeing
-        prefix, so every row's output stays what plain steps give. ``"ngram"`` verifies
-        whenever a row has drafts, ``"auto"`` only while it measurably pays (a wide step of
-        many rows can cost more than it gains), None turns it off. A step runs plain when a
-        row samples, or when the wide step would exceed ``max_graph_rows`` rows of tokens
-        or a row's cache."""
+        """Verify drafts in the steps from now on: each row proposes up to ``k`` tokens
+        continuing its own text (prompt lookup), and one step of ``k + 1`` tokens a row
+        (slot VERIFY, one graph per bucket) keeps each row's drafts while they agree with
+        it: a greedy row's output stays what plain steps give, a sampled row's keeps its
+        distribution (``engine/batch_speculation.py``). ``"ngram"`` verifies whenever a row
+        has drafts, ``"auto"`` only while it measurably pays (a wide step of many rows can
+        cost more than it gains), None turns it off. A step runs plain when no row has
+        drafts, or when the wide step would exceed ``max_graph_rows`` rows of tokens or a
+        row's cache."""
         with self._user:
             self.speculation = None if spec is None else RowSpeculation(spec, k)
             self._ahead = None
@@ -339,7 +337,6 @@ class BatchGenerator:
                 )
                 row.tokens.append(token)
                 row.new = [token]
-                row.masked_next = False
                 new[i] = [token]
                 if token != int(argmax[i]):  # the queued step was fed the argmax
                     queued = None
@@ -363,11 +360,9 @@ class BatchGenerator:
         return int(np.max(lengths)) + 2 <= self.max_length
 
     def _may_verify(self, spec: RowSpeculation, live: dict[int, _Row], size: int) -> bool:
-        """Whether this step may verify drafts: every live row plain greedy and not waiting
-        for a masked pick, the wide step one graph, and room in every row's cache."""
+        """Whether this step may verify drafts: the wide step one graph, and room in every
+        row's cache."""
         if size * spec.width > self.max_graph_rows:
-            return False
-        if any(not plain_greedy(r.search) or r.masked_next for r in live.values()):
             return False
         return self._row_starts(live, size).max() + spec.width <= self.max_length
 
@@ -387,8 +382,10 @@ class BatchGenerator:
         self, spec: RowSpeculation, live: dict[int, _Row], size: int
     ) -> dict[int, list[int]] | None:
         """One step of ``k + 1`` tokens a row: each live row's pending token and drafts
-        (padded); each keeps what :meth:`RowSpeculation.accept` gives, up to an end of
-        sequence. None, having run nothing, when no row has drafts."""
+        (padded); a row that takes its device argmax keeps what
+        :meth:`RowSpeculation.accept` gives, up to an end of sequence, any other what
+        :meth:`RowSpeculation.accept_by_logits` gives (the step's logits are read then).
+        None, having run nothing, when no row has drafts."""
         tokens = np.zeros((size, spec.width), np.int64)
         drafts: dict[int, list[int]] = {}
         for i, row in live.items():
@@ -398,30 +395,33 @@ class BatchGenerator:
             tokens[i, 1 : 1 + len(drafts[i])] = drafts[i]
         if not any(drafts.values()):
             return None
+        by_logits = {i for i, r in live.items() if not self._takes_argmax(r)}
         with self.model.session.exclusive():
             pending = self.runner.launch_rows(
-                tokens, self._row_starts(live, size), DeviceGraphSlot.VERIFY
+                tokens, self._row_starts(live, size), DeviceGraphSlot.VERIFY, bool(by_logits)
             )
-            argmax, _ = self.runner.finish_rows(pending)
+            argmax, logits = self.runner.finish_rows(pending)
         new = {}
         for i, row in live.items():
-            kept = self._until_end(row, spec.accept(drafts[i], argmax[i]))
+            if i in by_logits:
+                kept = spec.accept_by_logits(
+                    drafts[i], logits[i], row.tokens, row.search, row.eos, row.rng
+                )
+            else:
+                kept = spec.accept(drafts[i], argmax[i])
+                end = next((j for j, t in enumerate(kept) if t in row.eos), None)
+                kept = kept if end is None else kept[: end + 1]
             row.tokens.extend(kept)
             row.new = kept
             new[i] = kept
         return new
 
     @staticmethod
-    def _until_end(row: _Row, kept: list[int]) -> list[int]:
-        """``kept`` up to its first end of sequence, that included; where min_length masks
-        it, only the tokens before it (possibly none), and the row's next step is plain."""
-        for j, token in enumerate(kept):
-            if token in row.eos:
-                if len(row.tokens) + j < row.search.min_length:
-                    row.masked_next = True
-                    return kept[:j]
-                return kept[: j + 1]
-        return kept
+    def _takes_argmax(row: _Row) -> bool:
+        """Whether every pick of the row's next tokens is the raw argmax: plain greedy, with
+        no end of sequence that ``min_length`` masks."""
+        masks = bool(row.eos) and len(row.tokens) < row.search.min_length
+        return plain_greedy(row.search) and not masks
 
     @staticmethod
     def _masks(row: _Row, argmax: int) -> bool:

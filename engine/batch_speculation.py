@@ -1,9 +1,12 @@
-"""Speculation per row of a batch: each greedy row proposes tokens that continue its own
-text (prompt lookup), and one step of ``k + 1`` tokens a row verifies every row's drafts.
+"""Speculation per row of a batch: each row proposes tokens that continue its own text
+(prompt lookup), and one step of ``k + 1`` tokens a row verifies every row's drafts.
 
-A row keeps the longest prefix of its drafts that its own argmax agrees with, and the
-argmax after it: what plain greedy steps would give, token for token. Rows without drafts
-feed padding and keep one token, as a plain step would have given them.
+A greedy row keeps the longest prefix of its drafts that its own argmax agrees with, and
+the argmax after it: what plain greedy steps would give, token for token. Any other row
+(sampling, a repetition penalty, an end of sequence masked before ``min_length``) goes
+through its drafts with the standard rejection rule on its logits (:func:`accept_draft`),
+which keeps its distribution. Rows without drafts feed padding and keep one token, as a
+plain step would have given them.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import numpy as np
 from onnx_genrt.core.checks import check_int
 from onnx_genrt.core.errors import InvalidInputError
 
+from .config import SearchOptions
 from .proposers import PromptLookupProposer
-from .speculative import DEFAULT_K, PayoffPolicy
+from .sampling import masked_logits
+from .speculative import DEFAULT_K, PayoffPolicy, accept_draft
 
 #: What a batch can speculate with: prompt lookup, always (``"ngram"``) or while it
 #: measurably pays (``"auto"``). MTP heads and draft models run one sequence.
@@ -63,15 +68,47 @@ class RowSpeculation:
         return proposer.propose(tokens, None, min(self.k, room))
 
     def accept(self, drafts: list[int], argmax: np.ndarray) -> list[int]:
-        """The tokens a row keeps: its drafts while they equal the argmax before them, then
-        the argmax after the last one kept."""
+        """The tokens a plain-greedy row keeps: its drafts while they equal the argmax before
+        them, then the argmax after the last one kept."""
         n = 0
         while n < len(drafts) and drafts[n] == int(argmax[n]):
             n += 1
-        self.proposed += len(drafts)
-        self.accepted += n
-        self.drafting_rows += bool(drafts)
+        self._count(drafts, n)
         return [int(t) for t in argmax[: n + 1]]
+
+    def accept_by_logits(
+        self,
+        drafts: list[int],
+        logits: np.ndarray,
+        history: Sequence[int],
+        search: SearchOptions,
+        eos: set[int],
+        rng: np.random.Generator,
+    ) -> list[int]:
+        """The tokens any other row keeps, from its verify logits ``[k + 1, vocab]``: at each
+        position the logits after the repetition penalty and ``min_length`` mask of the text
+        so far, the draft accepted or replaced by :func:`accept_draft`; it stops after the
+        first replaced draft or end of sequence."""
+        text = list(history)
+        kept: list[int] = []
+        accepted = 0
+        for j in range(len(drafts) + 1):
+            draft = drafts[j] if j < len(drafts) else None
+            token, ok = accept_draft(
+                masked_logits(logits[j], text, search, eos), draft, search, rng
+            )
+            kept.append(token)
+            text.append(token)
+            accepted += ok
+            if not ok or token in eos:
+                break
+        self._count(drafts, accepted)
+        return kept
+
+    def _count(self, drafts: list[int], accepted: int) -> None:
+        self.proposed += len(drafts)
+        self.accepted += accepted
+        self.drafting_rows += bool(drafts)
 
     def record(self, verified: bool, tokens: int, seconds: float) -> None:
         """A step's time and the tokens it added over all rows (for ``"auto"``)."""

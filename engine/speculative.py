@@ -19,6 +19,7 @@ from onnx_genrt.core.checks import check_int
 from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 
+from .config import SearchOptions
 from .decoder import PendingStep
 from .generator import Generator, one_thread
 from .model import GeneratorParams, Model
@@ -340,23 +341,31 @@ class SpeculativeGenerator(Generator):
         super().rewind_to(length)
 
     def _accept(self, logits: np.ndarray, draft: int | None) -> tuple[int, bool]:
-        """(token to emit, whether it was the draft). Greedy: agree with argmax.
+        """(token to emit, whether it was the draft): :func:`accept_draft`."""
+        return accept_draft(logits, draft, self.search, self.rng)
 
-        Sampling with a deterministic draft q = onehot(d): accept d with probability p(d);
-        otherwise sample from p with d removed and renormalised. This keeps the target
-        distribution exactly.
-        """
-        if not self.search.do_sample:
-            target = int(np.argmax(logits))
-            return target, draft is not None and draft == target
-        p = distribution(logits, self.search)
-        if draft is None:
-            return int(self.rng.choice(p.size, p=p)), False
-        if self.rng.random() < p[draft]:
-            return draft, True
-        residual = p.copy()
-        residual[draft] = 0.0
-        total = residual.sum()
-        if total <= 0.0:
-            return draft, True
-        return int(self.rng.choice(p.size, p=residual / total)), False
+
+def accept_draft(
+    logits: np.ndarray, draft: int | None, search: SearchOptions, rng: np.random.Generator
+) -> tuple[int, bool]:
+    """(token to emit, whether it was the draft) for one position's ``logits``. Greedy:
+    the argmax, the draft kept when it is that.
+
+    Sampling with a deterministic draft q = onehot(d): accept d with probability p(d);
+    otherwise sample from p with d removed and renormalised. This keeps the target
+    distribution exactly.
+    """
+    if not search.do_sample:
+        target = int(np.argmax(logits))
+        return target, draft is not None and draft == target
+    p = distribution(logits, search)
+    if draft is None:
+        return int(rng.choice(p.size, p=p)), False
+    if rng.random() < p[draft]:
+        return draft, True
+    residual = p.copy()
+    residual[draft] = 0.0
+    total = residual.sum()
+    if total <= 0.0:
+        return draft, True
+    return int(rng.choice(p.size, p=residual / total)), False

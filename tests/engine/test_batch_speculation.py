@@ -137,21 +137,46 @@ def test_each_row_stops_at_its_own_max_length(model):
         assert batch.sequence(row) == generate(model, text, new, ignore_eos=True).tokens
 
 
-def test_a_sampling_row_makes_the_steps_plain(model):
-    """While a row samples, steps run plain (one token a row); the greedy rows still equal
-    their prompts alone."""
+@pytest.mark.parametrize(
+    "options",
+    [{"do_sample": True, "top_k": 1, "seed": 3}, {"repetition_penalty": 1.3}],
+    ids=["sampling-top-k-1", "repetition-penalty"],
+)
+def test_rows_verified_on_their_logits_equal_alone(model, options):
+    """Rows that do not take the raw argmax go through their drafts on the verify step's
+    logits: sampling with top_k=1 (one token possible) and greedy with a repetition penalty
+    (of the text so far, drafts included) give exactly the prompt generated alone."""
     batch = BatchGenerator(model, 4, 128)
     batch.speculate("ngram", 4)
-    greedy = {}
-    for text in TEXTS[:3]:
+    rows = {}
+    for text in TEXTS:
         ids = model.tokenizer.encode(text)
-        greedy[batch.add(ids, _params(model, ids, 24), ignore_eos=True)] = text
-    ids = model.tokenizer.encode(TEXTS[3])
-    batch.add(ids, _params(model, ids, 24, do_sample=True, seed=7), ignore_eos=True)
-    steps = _run(batch)
-    for row, text in greedy.items():
-        assert batch.sequence(row) == generate(model, text, 24, ignore_eos=True).tokens
-    assert batch.speculation.verify_steps == 0 and steps == 23
+        rows[batch.add(ids, _params(model, ids, 40, **options), ignore_eos=True)] = text
+    _run(batch)
+    for row, text in rows.items():
+        assert batch.sequence(row) == generate(model, text, 40, ignore_eos=True, **options).tokens
+    assert batch.speculation.verify_steps > 0 and batch.speculation.accepted > 0
+
+
+def test_sampled_speculating_rows_follow_their_own_seeds(model):
+    """Sampled rows (temperature 0.7, top_k 20) speculate: two rows with the same prompt and
+    seed give the same text, in this batch and the next; another seed gives another."""
+    ids = model.tokenizer.encode(TEXTS[1])
+    opts = {"do_sample": True, "temperature": 0.7, "top_k": 20}
+    texts = []
+    for _ in range(2):
+        batch = BatchGenerator(model, 4, 128)
+        batch.speculate("ngram", 4)
+        rows = [
+            batch.add(ids, _params(model, ids, 40, seed=seed, **opts), ignore_eos=True)
+            for seed in (11, 12, 11)
+        ]
+        _run(batch)
+        texts.append([batch.sequence(r) for r in rows])
+        assert batch.speculation.verify_steps > 0
+    assert texts[0] == texts[1]
+    first, other, same = texts[0]
+    assert first == same and first != other and len(first) == len(ids) + 40
 
 
 def test_scheduler_with_chunked_prompts_equals_each_served_alone(model):

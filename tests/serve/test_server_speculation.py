@@ -77,3 +77,18 @@ def test_a_bad_spec_is_one_line_and_exit_2(tmp_path: Path):
     )
     assert done.returncode == 2
     assert "--spec" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_seeded_sampled_completion_repeats(spec_server):
+    """Sampled rows speculate too (the rejection rule): the same seed gives the same text,
+    another seed another."""
+
+    def sample(seed: int) -> str:
+        result = client(spec_server).completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=32, temperature=0.8, seed=seed
+        )
+        return result.choices[0].text
+
+    first = sample(5)
+    assert first == sample(5) and len(first) > 0
+    assert sample(6) != first
