@@ -9,12 +9,13 @@ import threading
 import pytest
 
 from onnx_genrt.core.errors import InvalidInputError
-from onnx_genrt.engine import GeneratorParams, Model, generate, generate_batch
+from onnx_genrt.engine import Model, generate, generate_batch
 from onnx_genrt.engine.batch import BatchGenerator
 from onnx_genrt.engine.scheduler import Scheduler
 from onnx_genrt.engine.speculative import PayoffPolicy
 from onnx_genrt.generate_cli import default_model_dir
 
+from .test_batch import _params, _run
 from .test_greedy_parity import PROMPTS, _onnxruntime_genai
 
 TEXTS = ["    def __init__(self", "import os\nimport sys\n", "class Foo:\n    def", "x = ["]
@@ -23,20 +24,6 @@ TEXTS = ["    def __init__(self", "import os\nimport sys\n", "class Foo:\n    de
 @pytest.fixture(scope="module")
 def model() -> Model:
     return Model(default_model_dir())
-
-
-def _params(model: Model, prompt: list[int], new: int, **search) -> GeneratorParams:
-    params = GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new, **search)
-    return params
-
-
-def _run(batch: BatchGenerator, limit: int = 1000) -> int:
-    for step in range(limit):
-        if all(batch.is_done(r) for r in batch.rows):
-            return step
-        batch.step()
-    raise AssertionError("the batch did not finish")
 
 
 def test_rows_equal_greedy_alone_in_fewer_steps(model):

@@ -20,6 +20,27 @@ def _params(model, prompt, new):
     return params
 
 
+def _with_joins(batch, texts: list[str], new: int) -> dict[str, list[int]]:
+    """Each text's tokens after ``new`` more, eos ignored: texts join free rows between
+    steps and leave as they finish."""
+    model = batch.model
+    queue = list(texts)
+    owner, finished = {}, {}
+    for _ in range(400):
+        while queue and batch.free_rows():
+            text = queue.pop(0)
+            ids = model.tokenizer.encode(text)
+            owner[batch.add(ids, _params(model, ids, new), ignore_eos=True)] = text
+        for row in [r for r in batch.rows if batch.is_done(r)]:
+            finished[owner.pop(row)] = batch.sequence(row)
+            batch.remove(row)
+        if not batch.rows and not queue:
+            break
+        if batch.rows:
+            batch.step()
+    return finished
+
+
 def test_embedded_model_rows_equal_alone_with_joins(cp):
     """Six prompts through four rows on CUDA: rows join and leave between steps, every
     sequence equals the prompt generated alone on CUDA (and on the CPU), and the decode
@@ -34,21 +55,7 @@ def test_embedded_model_rows_equal_alone_with_joins(cp):
     for t in TEXTS:
         assert alone[t] == generate(cpu, t, 40, ignore_eos=True).tokens, t
     batch = BatchGenerator(cuda, 4, 256)
-    queue = list(TEXTS)
-    owner, finished = {}, {}
-    for _ in range(400):
-        while queue and batch.free_rows():
-            text = queue.pop(0)
-            ids = cuda.tokenizer.encode(text)
-            owner[batch.add(ids, _params(cuda, ids, 40), ignore_eos=True)] = text
-        for row in [r for r in batch.rows if batch.is_done(r)]:
-            finished[owner.pop(row)] = batch.sequence(row)
-            batch.remove(row)
-        if not batch.rows and not queue:
-            break
-        if batch.rows:
-            batch.step()
-    assert finished == alone
+    assert _with_joins(batch, TEXTS, 40) == alone
     stats = batch.graph_stats()["primary"]
     assert stats["fallbacks"] == 0 and stats["invalidations"] == 0, stats
     assert stats["replays"] > 40
@@ -118,21 +125,7 @@ def test_speculating_rows_equal_alone(cp, joins):
     alone = {t: generate(cuda, t, 48, ignore_eos=True).tokens for t in texts}
     batch = BatchGenerator(cuda, 4, 256)
     batch.speculate("ngram", 3)
-    queue = list(texts)
-    owner, finished = {}, {}
-    for _ in range(400):
-        while queue and batch.free_rows():
-            text = queue.pop(0)
-            ids = cuda.tokenizer.encode(text)
-            owner[batch.add(ids, _params(cuda, ids, 48), ignore_eos=True)] = text
-        for row in [r for r in batch.rows if batch.is_done(r)]:
-            finished[owner.pop(row)] = batch.sequence(row)
-            batch.remove(row)
-        if not batch.rows and not queue:
-            break
-        if batch.rows:
-            batch.step()
-    assert finished == alone
+    assert _with_joins(batch, texts, 48) == alone
     assert batch.speculation.verify_steps > 0 and batch.speculation.accepted > 0
     stats = batch.graph_stats()["verify"]
     assert stats["fallbacks"] == 0 and stats["invalidations"] == 0, stats
