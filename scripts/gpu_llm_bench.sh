@@ -96,11 +96,11 @@ done
 
 [ "$BUILD_ONLY" = 1 ] && exit 0
 
-echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens, a Python prompt; mtp = the model's k=3)"
+echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens, a Python prompt; mtp = the model's k=3); 1 / 4 / 16 streams plain and speculating per row (ngram)"
 # the 0.5B rows' comparisons, less --compare-eager (whole words only)
 DEFAULT_COMPARE=$(for w in $COMPARE; do [ "$w" = --compare-eager ] || printf '%s ' "$w"; done)
 # shellcheck disable=SC2086
-"$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec mtp:4 --spec draft --spec ngram $DEFAULT_COMPARE --no-reference \
+"$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec mtp:4 --spec draft --spec ngram --streams 1,4,16 $DEFAULT_COMPARE --no-reference \
   --tokens 256 --prompt "    def __init__(self" --repeats 3 2>"$LOGDIR/bench-default.err" | tee "$LOGDIR/bench-default.txt" \
   || { echo "default-model bench failed"; tail -n 30 "$LOGDIR/bench-default.err"; }
 
