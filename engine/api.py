@@ -16,7 +16,7 @@ from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.session import load_model
 
 from .batch import BatchGenerator
-from .batch_speculation import RowSpeculation
+from .batch_speculation import check_batch_spec, row_speculation
 from .config import SPECULATIVE_FILE
 from .generator import Generator
 from .model import GeneratorParams, Model
@@ -438,12 +438,13 @@ def generate_batch(
     """Decode several prompts together, one row each (:class:`BatchGenerator`): each
     row's greedy output equals its prompt generated alone. ``stop``, ``ignore_eos`` and
     the search options apply to every row; each row samples with its own generator
-    seeded from ``seed``. ``spec="ngram"`` verifies up to ``k`` prompt-lookup drafts per
-    greedy row in each step, ``"auto"`` only while that measurably pays
-    (:meth:`BatchGenerator.speculate`); an MTP head or a draft model runs one sequence."""
-    speculation = RowSpeculation(spec, k) if spec is not None else None  # checks spec, k
-    if speculation is None and k is not None:
-        raise InvalidInputError(f"k={k!r} needs a speculation kind (spec='ngram' or 'auto')")
+    seeded from ``seed``. ``spec`` speculates per row (:meth:`BatchGenerator.speculate`):
+    ``"ngram"`` (prompt lookup) or ``"mtp"`` (the model's MTP head) verify up to ``k``
+    drafts per row in each step, ``"auto"`` only while that measurably pays; a draft model
+    runs one sequence."""
+    check_batch_spec(spec, k)
+    if spec is not None:
+        row_speculation(model, spec, k)  # a model without an MTP head fails first
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
     stops = stop_strings(stop)
     ignore_eos = check_bool(ignore_eos, "ignore_eos")

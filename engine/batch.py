@@ -22,7 +22,7 @@ from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.locking import SingleUser
 
-from .batch_speculation import RowSpeculation
+from .batch_speculation import RowSpeculation, row_speculation
 from .config import SearchOptions
 from .decoder import DecoderRunner, PendingRows
 from .model import GeneratorParams, Model
@@ -69,6 +69,9 @@ class _Row:
     #: Prompt tokens in the cache so far; below ``prompt_length`` the row is still
     #: prefilling (chunk by chunk) and decode steps skip it.
     prefilled: int = 0
+    #: The target's hidden state that predicted the pending token (kept while the batch's
+    #: drafts come from an MTP head).
+    hidden: np.ndarray | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -138,7 +141,7 @@ class BatchGenerator:
         drafts, or when the wide step would exceed ``max_graph_rows`` rows of tokens or a
         row's cache."""
         with self._user:
-            self.speculation = None if spec is None else RowSpeculation(spec, k)
+            self.speculation = None if spec is None else row_speculation(self.model, spec, k)
             self._ahead = None
 
     # -- rows ---------------------------------------------------------------------
@@ -224,12 +227,15 @@ class BatchGenerator:
         if graphed is None:
             graphed = runner.io.reads_async
         with self.model.session.exclusive():
-            out, _ = runner.prefill(part, bool(graphed) and self.model.enable_graphs)
+            out, last = runner.prefill(part, bool(graphed) and self.model.enable_graphs)
         row.prefilled += len(part)
         if not row.prefilling:
             token = self._pick(row, out.tokens[-1], lambda: out.logits[-1])
             row.tokens.append(token)
             row.new = [token]
+            spec = self.speculation
+            if spec is not None and spec.needs_hidden and out.hidden is not None:
+                row.hidden = np.array(out.hidden[last])
 
     def remove(self, index: int) -> None:
         """Free row ``index`` (its cache positions are overwritten by the next prompt)."""
@@ -304,12 +310,14 @@ class BatchGenerator:
         # Greedy rows take the device argmax; one whose argmax is end of sequence before its
         # min_length reads its own logits row after the step (``_row_logits``).
         need_logits = any(not plain_greedy(r.search) for r in live.values())
+        spec = self.speculation
+        need_hidden = spec is not None and spec.needs_hidden
         with self.model.session.exclusive():
             if ahead is not None and ahead[1:] == (frozenset(live), size):
                 pending = ahead[0]  # queued last step with these tokens, fed on the device
                 self.steps_ahead += 1
             else:
-                pending = self._launch(tokens, lengths, need_logits)
+                pending = self._launch(tokens, lengths, need_logits, need_hidden)
             queued = None
             if self._may_look_ahead(live, size, lengths, need_logits):
                 after = lengths.copy()
@@ -322,12 +330,13 @@ class BatchGenerator:
                     frozenset(live),
                     size,
                 )
-            argmax, logits = self._finish(pending)  # on an error the queued step is dropped
+            # on an error the queued step is dropped
+            argmax, logits, hidden = self._finish(pending)
             if queued is not None and any(self._masks(r, int(argmax[i])) for i, r in live.items()):
                 # A masked pick reads this step's logits, which the queued step overwrote:
                 # drop it and run this step again (the same keys and values).
                 queued = None
-                argmax, logits = self._finish(self._launch(tokens, lengths, need_logits))
+                argmax, logits, hidden = self._finish(self._launch(tokens, lengths, need_logits))
             new = {}
             for i, row in live.items():
                 token = self._pick(
@@ -338,6 +347,8 @@ class BatchGenerator:
                 row.tokens.append(token)
                 row.new = [token]
                 new[i] = [token]
+                if hidden is not None:
+                    row.hidden = np.array(hidden[i, 0])
                 if token != int(argmax[i]):  # the queued step was fed the argmax
                     queued = None
             self._ahead = queued
@@ -386,19 +397,25 @@ class BatchGenerator:
         :meth:`RowSpeculation.accept` gives, up to an end of sequence, any other what
         :meth:`RowSpeculation.accept_by_logits` gives (the step's logits are read then).
         None, having run nothing, when no row has drafts."""
-        tokens = np.zeros((size, spec.width), np.int64)
-        drafts: dict[int, list[int]] = {}
-        for i, row in live.items():
-            room = row.search.max_length - len(row.tokens) - 1
-            drafts[i] = spec.drafts(i, row.tokens, room)
-            tokens[i, 0] = row.tokens[-1]
-            tokens[i, 1 : 1 + len(drafts[i])] = drafts[i]
-        if not any(drafts.values()):
-            return None
+        rows = [
+            (i, row.tokens, row.search.max_length - len(row.tokens) - 1, row.hidden)
+            for i, row in live.items()
+        ]
         by_logits = {i for i, r in live.items() if not self._takes_argmax(r)}
-        with self.model.session.exclusive():
+        with self.model.session.exclusive():  # the MTP head runs on the model's providers
+            drafts = spec.drafts(rows)
+            if not any(drafts.values()):
+                return None
+            tokens = np.zeros((size, spec.width), np.int64)
+            for i, row in live.items():
+                tokens[i, 0] = row.tokens[-1]
+                tokens[i, 1 : 1 + len(drafts[i])] = drafts[i]
             pending = self.runner.launch_rows(
-                tokens, self._row_starts(live, size), DeviceGraphSlot.VERIFY, bool(by_logits)
+                tokens,
+                self._row_starts(live, size),
+                DeviceGraphSlot.VERIFY,
+                bool(by_logits),
+                read_hidden=spec.needs_hidden,
             )
             argmax, logits = self.runner.finish_rows(pending)
         new = {}
@@ -411,6 +428,8 @@ class BatchGenerator:
                 kept = spec.accept(drafts[i], argmax[i])
                 end = next((j for j, t in enumerate(kept) if t in row.eos), None)
                 kept = kept if end is None else kept[: end + 1]
+            if pending.hidden is not None:  # the state that predicted the last token kept
+                row.hidden = np.array(pending.hidden[i, len(kept) - 1])
             row.tokens.extend(kept)
             row.new = kept
             new[i] = kept
@@ -439,7 +458,11 @@ class BatchGenerator:
         return piece.row_logits(min(size, start + most) - start, index - start)
 
     def _launch(
-        self, tokens: np.ndarray, lengths: np.ndarray, need_logits: bool
+        self,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        need_logits: bool,
+        need_hidden: bool = False,
     ) -> list[PendingRows]:
         """Queue the step of ``len(tokens)`` rows as graphs of at most ``max_graph_rows``
         rows, each replayed on its own rows of the cache; ``_finish`` reads them back."""
@@ -450,20 +473,26 @@ class BatchGenerator:
             piece = self.runner if start == 0 else self._piece(start, stop - start)
             pieces.append(
                 piece.launch_rows(
-                    tokens[start:stop], lengths[start:stop], DeviceGraphSlot.PRIMARY, need_logits
+                    tokens[start:stop],
+                    lengths[start:stop],
+                    DeviceGraphSlot.PRIMARY,
+                    need_logits,
+                    read_hidden=need_hidden,
                 )
             )
         return pieces
 
     def _finish(
         self, pending: PendingRows | list[PendingRows]
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """The argmax (and logits, when read) of a step queued by ``_launch`` or ahead."""
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """The argmax (and logits and hidden states, when read) of a step queued by
+        ``_launch`` or ahead."""
         pieces = pending if isinstance(pending, list) else [pending]
         done = [self.runner.finish_rows(p) for p in pieces]
         argmax = np.concatenate([a for a, _ in done])
         logits = [lg for _, lg in done]
-        return argmax, None if logits[0] is None else np.concatenate(logits)
+        hidden = None if pieces[0].hidden is None else np.concatenate([p.hidden for p in pieces])
+        return argmax, None if logits[0] is None else np.concatenate(logits), hidden
 
     def _piece(self, start: int, count: int) -> DecoderRunner:
         runner = self._pieces.get((start, count))

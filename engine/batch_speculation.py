@@ -1,5 +1,6 @@
 """Speculation per row of a batch: each row proposes tokens that continue its own text
-(prompt lookup), and one step of ``k + 1`` tokens a row verifies every row's drafts.
+(prompt lookup), or the model's MTP head proposes for every row in one run of its chain,
+and one step of ``k + 1`` tokens a row verifies every row's drafts.
 
 A greedy row keeps the longest prefix of its drafts that its own argmax agrees with, and
 the argmax after it: what plain greedy steps would give, token for token. Any other row
@@ -12,6 +13,7 @@ plain step would have given them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,28 +21,65 @@ from onnx_genrt.core.checks import check_int
 from onnx_genrt.core.errors import InvalidInputError
 
 from .config import SearchOptions
-from .proposers import PromptLookupProposer
+from .proposers import MTPProposer, PromptLookupProposer
 from .sampling import masked_logits
 from .speculative import DEFAULT_K, PayoffPolicy, accept_draft
 
-#: What a batch can speculate with: prompt lookup, always (``"ngram"``) or while it
-#: measurably pays (``"auto"``). MTP heads and draft models run one sequence.
-BATCH_SPEC_KINDS = ("ngram", "auto")
+if TYPE_CHECKING:
+    from .model import Model
+
+#: What a batch can speculate with: prompt lookup (``"ngram"``), the model's MTP head
+#: (``"mtp"``), always; or the MTP head where the model has one, else prompt lookup, while it
+#: measurably pays (``"auto"``). A draft model runs one sequence.
+BATCH_SPEC_KINDS = ("ngram", "mtp", "auto")
+
+
+def check_batch_spec(spec: str | None, k: int | None) -> None:
+    """Refuse a kind a batch cannot speculate with, a bad ``k``, or ``k`` without a kind."""
+    if spec is None:
+        if k is not None:
+            raise InvalidInputError(
+                f"k={k!r} needs a speculation kind ({', '.join(repr(s) for s in BATCH_SPEC_KINDS)})"
+            )
+        return
+    if spec not in BATCH_SPEC_KINDS:
+        raise InvalidInputError(
+            f"a batch speculates by prompt lookup or an MTP head: spec={spec!r}; choose one "
+            f"of {', '.join(repr(s) for s in BATCH_SPEC_KINDS)}, or generate one sequence at "
+            "a time to use a draft model"
+        )
+    if k is not None:
+        check_int(k, "k (drafts per row)", minimum=1)
+
+
+def row_speculation(model: Model, spec: str, k: int | None = None) -> RowSpeculation:
+    """The speculation of ``model``'s batches for ``spec`` (see :data:`BATCH_SPEC_KINDS`):
+    ``k`` by default from the model's speculative.json (else 4), the MTP head's chain shared
+    with the model's single-sequence generators."""
+    from .api import default_k, make_proposer  # the API builds on batches: imported on use
+
+    check_batch_spec(spec, k)
+    kind = spec
+    if spec == "auto":
+        kind = "mtp" if model.config.speculative.get("mtp") else "ngram"
+    mtp = make_proposer(model, "mtp", model.config.context_length) if kind == "mtp" else None
+    assert mtp is None or isinstance(mtp, MTPProposer)
+    return RowSpeculation(spec, default_k(model, kind, k), mtp)
 
 
 class RowSpeculation:
-    """The drafts, acceptance and statistics of a batch's speculative steps."""
+    """The drafts, acceptance and statistics of a batch's speculative steps: ``mtp`` (an
+    :class:`MTPProposer`) proposes for every row at once, else each row looks up its own
+    text."""
 
-    def __init__(self, spec: str, k: int | None = None) -> None:
-        if spec not in BATCH_SPEC_KINDS:
-            raise InvalidInputError(
-                f"a batch speculates by prompt lookup only: spec={spec!r}; choose one of "
-                f"{', '.join(repr(s) for s in BATCH_SPEC_KINDS)}, or generate one sequence "
-                "at a time to use an MTP head or a draft model"
-            )
+    def __init__(self, spec: str, k: int | None = None, mtp: MTPProposer | None = None) -> None:
+        check_batch_spec(spec, k)
+        if spec == "mtp" and mtp is None:
+            raise InvalidInputError("spec='mtp' needs the model's MTP head (row_speculation)")
         self.spec = spec
-        self.k = DEFAULT_K if k is None else check_int(k, "k (drafts per row)", minimum=1)
-        #: None for ``"ngram"``: every eligible step verifies.
+        self.k = DEFAULT_K if k is None else k
+        self.mtp = mtp
+        #: None but for ``"auto"``: every eligible step verifies.
         self.payoff = PayoffPolicy() if spec == "auto" else None
         #: Counts since :meth:`BatchGenerator.speculate`: steps of each kind, drafts proposed
         #: and kept, rows that had drafts in a verify step (a server runs for days: no
@@ -58,14 +97,33 @@ class RowSpeculation:
         """Whether the next eligible step should verify drafts."""
         return self.payoff is None or self.payoff.speculate()
 
-    def drafts(self, row: int, tokens: Sequence[int], room: int) -> list[int]:
-        """Up to ``min(k, room)`` tokens continuing row ``row``'s text ``tokens``."""
-        if room <= 0:
-            return []
-        proposer = self._proposers.get(row)
-        if proposer is None:
-            proposer = self._proposers[row] = PromptLookupProposer()
-        return proposer.propose(tokens, None, min(self.k, room))
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether drafts come from the hidden states (every step reads them back)."""
+        return self.mtp is not None
+
+    def drafts(
+        self, rows: Sequence[tuple[int, Sequence[int], int, np.ndarray | None]]
+    ) -> dict[int, list[int]]:
+        """Each row's drafts, at most ``min(k, room)``, from its (index, tokens, room,
+        hidden state that predicted its last token). The MTP head runs once for the rows
+        with room and a hidden state; prompt lookup continues each row's own text."""
+        out: dict[int, list[int]] = {index: [] for index, *_ in rows}
+        ready = [r for r in rows if r[2] > 0 and (self.mtp is None or r[3] is not None)]
+        if self.mtp is None:
+            for index, tokens, room, _ in ready:
+                proposer = self._proposers.get(index)
+                if proposer is None:
+                    proposer = self._proposers[index] = PromptLookupProposer()
+                out[index] = proposer.propose(tokens, None, min(self.k, room))
+        elif ready:
+            hidden = np.stack([r[3] for r in ready])
+            last = np.array([r[1][-1] for r in ready], np.int64)
+            for (index, _, room, _), drafts in zip(
+                ready, self.mtp.propose_rows(hidden, last, self.k), strict=True
+            ):
+                out[index] = drafts[:room]
+        return out
 
     def accept(self, drafts: list[int], argmax: np.ndarray) -> list[int]:
         """The tokens a plain-greedy row keeps: its drafts while they equal the argmax before

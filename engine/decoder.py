@@ -269,6 +269,10 @@ class PendingRows:
     with_logits: bool
     fetch: Callable[[], list[np.ndarray]]
     width: int = 1
+    #: Whether the hidden states are read back too; ``finish_rows`` puts them in ``hidden``
+    #: (``[rows, width, hidden]``).
+    read_hidden: bool = False
+    hidden: np.ndarray | None = None
 
 
 class DecoderRunner:
@@ -605,12 +609,14 @@ class DecoderRunner:
         slot: DeviceGraphSlot | None,
         read_logits: bool = False,
         feed_argmax_of: PendingRows | None = None,
+        read_hidden: bool = False,
     ) -> PendingRows:
         """Queue :meth:`step_rows`' step and its read-back; :meth:`finish_rows` waits for it.
 
         With ``feed_argmax_of`` (an earlier one-token step of as many rows), ``tokens`` is
         None and each row's token is that step's device argmax, copied on the device: the
-        next greedy step is queued before the host has read this one's."""
+        next greedy step is queued before the host has read this one's. ``read_hidden``
+        reads the hidden states back too, where the model outputs them."""
         rows = len(lengths)
         if feed_argmax_of is None and (tokens is None or len(tokens) != rows):
             raise InvalidInputError(
@@ -657,14 +663,21 @@ class DecoderRunner:
         with_logits = read_logits or not device_argmax
         if with_logits:
             reads.append(bufs.logits)
-        return PendingRows(bufs, rows, slot, with_logits, self.io.read_later(reads), width)
+        read_hidden = read_hidden and bufs.hidden is not None
+        if read_hidden:
+            reads.append(bufs.hidden)
+        return PendingRows(
+            bufs, rows, slot, with_logits, self.io.read_later(reads), width, read_hidden
+        )
 
     def finish_rows(self, step: PendingRows) -> tuple[np.ndarray, np.ndarray | None]:
         """Wait for a step queued by :meth:`launch_rows`: each row's argmax and (when it
         was read) the rows' logits, one per row of a one-token step (``[rows]``,
         ``[rows, vocab]``), one per token of a wider one (``[rows, width]``,
         ``[rows, width, vocab]``); raises :class:`NonFiniteError` on non-finite logits."""
-        values = step.fetch()
+        values = list(step.fetch())
+        if step.read_hidden:
+            step.hidden = values.pop()
         logits = values[-1] if step.with_logits else None
         device_argmax = step.bufs.argmax is not None
         finite = np.isfinite(values[0]) if device_argmax else np.isfinite(logits).all()

@@ -32,8 +32,8 @@ def unroll_mtp_head(
     hidden_output: str = "mtp_hidden_states",
     draft_ids: np.ndarray | None = None,
 ) -> onnx.ModelProto:
-    """A model with inputs (hidden_input [1,1,H], ids_input [1,1]) and outputs drafts and
-    confidences, running ``head`` k times in a chain. Weights are shared, not copied.
+    """A model with inputs (hidden_input [B,1,H], ids_input [B,1]) and outputs drafts and
+    confidences [B, k], running ``head`` k times in a chain (B: 1, or a batch's rows). Weights are shared, not copied.
     ``draft_ids``: the token id of each logit column (a head restricted to a ranked draft
     vocabulary, ``restrict_draft_vocab``); each step's argmax is mapped through it."""
     import onnx
@@ -131,9 +131,9 @@ def unroll_mtp_head(
         nodes.append(helper.make_node("Concat", confs, [cat], axis=1, name="mtp_chain/conf"))
         nodes.append(helper.make_node("Cast", [cat], [CONFIDENCES], to=TensorProto.FLOAT))
     inputs = [i for i in g.input if i.name in graph_inputs]
-    outputs = [
-        helper.make_tensor_value_info(DRAFTS, TensorProto.INT64, [1, k]),
-        helper.make_tensor_value_info(CONFIDENCES, TensorProto.FLOAT, [1, k]),
+    outputs = [  # one row per batch row of the inputs (a batch's rows propose together)
+        helper.make_tensor_value_info(DRAFTS, TensorProto.INT64, ["batch", k]),
+        helper.make_tensor_value_info(CONFIDENCES, TensorProto.FLOAT, ["batch", k]),
     ]
     graph = helper.make_graph(
         nodes, f"{g.name}_chain{k}", inputs, outputs, list(g.initializer) + extra_inits
@@ -265,7 +265,16 @@ def after_verify(
         helper.make_tensor_value_info(VERIFY_HIDDEN, verify_hidden_type, [1, width, dim]),
         helper.make_tensor_value_info(DRAFT_COUNT, i64, [1]),
     ]
-    outputs = [*g.output, helper.make_tensor_value_info(ACCEPTED, i64, [1])]
+    # one sequence: the chain's [batch, k] outputs are [1, k] here
+    outputs = [
+        *(
+            helper.make_tensor_value_info(o.name, o.type.tensor_type.elem_type, [1, k])
+            if o.name in (DRAFTS, CONFIDENCES)
+            else o
+            for o in g.output
+        ),
+        helper.make_tensor_value_info(ACCEPTED, i64, [1]),
+    ]
     graph = helper.make_graph(
         [accept, *g.node], f"{g.name}_after_verify", inputs, outputs, list(g.initializer)
     )

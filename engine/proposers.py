@@ -213,6 +213,8 @@ class MTPProposer(Proposer):
         self.min_confidence = min_confidence
         self.draft_ids = draft_ids  # token id per logit column of a ranked draft vocabulary
         self._chains: dict[int, tuple[InferenceSession, Any, Any, Any, Any]] = {}
+        #: Bindings of a chain for several rows at once: (chain k, rows) -> buffers.
+        self._row_bindings: dict[tuple[int, int], tuple[Any, Any, Any, Any, Any]] = {}
         self._after: dict[tuple[int, int], Any] = {}
         self._after_sessions: list[InferenceSession] = []
 
@@ -244,6 +246,37 @@ class MTPProposer(Proposer):
         session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT)
         drafts, confs = io.read([drafts_buf, confs_buf])
         return self.confident(drafts[0, :k], confs[0, :k])
+
+    def propose_rows(self, hidden: np.ndarray, last: np.ndarray, k: int) -> list[list[int]]:
+        """Drafts for several sequences at once (a batch's rows): ``hidden`` ``[rows, H]``
+        (the target's hidden state that predicted each row's last token), ``last``
+        ``[rows]`` (those tokens). One run of the chain over all rows (slot DRAFT, a graph
+        per row count); each row's drafts stop at its first below ``min_confidence``."""
+        self._chain(k)
+        size = min(s for s in self._chains if s >= k)
+        session = self._chains[size][0]
+        rows = len(last)
+        bound = self._row_bindings.get((size, rows))
+        if bound is None:
+            hidden_name = self.names.get("hidden_input", "hidden_states")
+            spec = session.input_spec(hidden_name)
+            b = session.io_binding()
+            h = b.bind_input(
+                hidden_name, np.zeros((rows, 1, int(spec.shape[-1])), spec.dtype or np.float32)
+            )
+            ids = b.bind_input(
+                self.names.get("ids_input", "input_ids"), np.zeros((rows, 1), np.int64)
+            )
+            drafts = b.bind_output(DRAFTS, shape=(rows, size), dtype=np.int64)
+            confs = b.bind_output(CONFIDENCES, shape=(rows, size), dtype=np.float32)
+            bound = self._row_bindings[size, rows] = (b, h, ids, drafts, confs)
+        binding, h, ids, drafts_buf, confs_buf = bound
+        io = session.device_io
+        io.write(h, np.asarray(hidden, dtype=h.dtype).reshape(h.shape))
+        io.write(ids, np.asarray(last, np.int64).reshape(rows, 1))
+        session.run_with_iobinding(binding, DeviceGraphSlot.DRAFT, variant=rows)
+        drafts, confs = io.read([drafts_buf, confs_buf])
+        return [self.confident(drafts[r, :k], confs[r, :k]) for r in range(rows)]
 
     def prepare(self, runner: Any, k: int, pipelined: bool) -> None:
         """Build the head's chain for ``k`` drafts and the chain that runs after a verify

@@ -28,7 +28,7 @@ from onnx_genrt.core.errors import InvalidInputError, OnnxGenrtError
 
 from .api import DEFAULT_MAX_NEW_TOKENS
 from .batch import BatchGenerator
-from .batch_speculation import RowSpeculation
+from .batch_speculation import check_batch_spec, row_speculation
 from .model import GeneratorParams, Model
 from .stops import StopScanner, prompt_ids, stop_strings
 
@@ -306,8 +306,8 @@ class Scheduler:
     is refused with :class:`QueueFullError`. Prompts longer than ``prefill_chunk`` tokens are
     prefilled a chunk per step, so running rows keep decoding meanwhile. Start it with ``with Scheduler(...) as s`` or
     :meth:`start`; :meth:`close` stops admitting and finishes (or cancels) what runs.
-    ``spec`` (``"ngram"`` or ``"auto"``, ``k`` drafts a row) verifies prompt-lookup drafts of
-    the greedy rows in each step (:meth:`BatchGenerator.speculate`).
+    ``spec`` (``"ngram"``, ``"mtp"`` or ``"auto"``, ``k`` drafts a row) verifies drafts of
+    every row in each step (:meth:`BatchGenerator.speculate`).
     """
 
     def __init__(
@@ -322,10 +322,9 @@ class Scheduler:
         k: int | None = None,
     ) -> None:
         self.model = model
-        if spec is not None:
-            RowSpeculation(spec, k)  # a bad kind or k fails here, not in the model thread
-        elif k is not None:
-            raise InvalidInputError(f"k={k!r} needs a speculation kind (spec='ngram' or 'auto')")
+        check_batch_spec(spec, k)
+        if spec is not None:  # a missing MTP head fails here, not in the model thread
+            row_speculation(model, spec, k)
         self.spec, self.k = spec, k
         self.max_batch = check_int(max_batch, "max_batch", minimum=1)
         self.max_queue = check_int(max_queue, "max_queue", minimum=0)

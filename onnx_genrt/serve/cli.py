@@ -69,13 +69,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--spec",
-        choices=("ngram", "auto"),
+        choices=("ngram", "mtp", "auto"),
         default=None,
-        help="speculate per row by prompt lookup: greedy rows propose tokens continuing their "
-        "own text, verified in one step (ngram: always; auto: while it measurably pays)",
+        help="speculate per row: drafts from each row's own text (ngram) or the model's MTP "
+        "head (mtp), verified in one step for every row; auto: the MTP head where the model "
+        "has one, else ngram, while it measurably pays",
     )
     p.add_argument(
-        "-k", type=POSITIVE_INT, default=None, help="drafts per row with --spec (default 4)"
+        "-k",
+        type=POSITIVE_INT,
+        default=None,
+        help="drafts per row with --spec (default: the model's speculative.json, else 4)",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests at start")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn)")

@@ -1,5 +1,5 @@
-"""``onnx-genrt serve --spec ngram``: rows speculate by prompt lookup, and every greedy
-answer still equals its prompt generated alone (the official ``openai`` client against a
+"""``onnx-genrt serve --spec ngram|mtp``: rows speculate by prompt lookup or the model's MTP
+head, and every greedy answer still equals its prompt generated alone (the official ``openai`` client against a
 real server process on 127.0.0.1)."""
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from .test_server import client, metrics
 PROMPTS = ("import os\nimport sys\n", "class Foo:\n    def", "    def __init__(self", "x = [")
 
 
-@pytest.fixture(scope="module")
-def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("serve-spec") / "server.log"
-    proc = ServerProcess("--max-batch", "4", "--spec", "ngram", "-k", "3", log=log)
+@pytest.fixture(scope="module", params=["ngram", "mtp"])
+def spec_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The embedded model served with 4 rows speculating by prompt lookup or its MTP head."""
+    log = tmp_path_factory.mktemp(f"serve-{request.param}") / "server.log"
+    proc = ServerProcess("--max-batch", "4", "--spec", request.param, "-k", "3", log=log)
     yield proc
     code = proc.stop()
     assert code == 0, f"exit code {code} after SIGTERM:\n{proc.output()}"
@@ -70,7 +73,7 @@ def test_a_bad_spec_is_one_line_and_exit_2(tmp_path: Path):
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "onnx_genrt", "serve", "--spec", "mtp"],
+        [sys.executable, "-m", "onnx_genrt", "serve", "--spec", "draft"],
         capture_output=True,
         text=True,
         timeout=60,
