@@ -110,12 +110,14 @@ def test_new_rows_never_take_a_step_queued_for_finished_ones(cp):
         assert [r.tokens for r in results] == [alone[t] for t in TEXTS[:4]]
 
 
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
 @pytest.mark.parametrize("joins", [False, True])
-def test_speculating_rows_equal_alone(cp, joins):
-    """Prompt-lookup speculation per row on CUDA (verify steps of 4 rows x 4 tokens, each
-    row at its own length): every sequence equals the prompt generated alone on CUDA, drafts
-    are kept, and the verify graph replays with no fallback or invalidation. With ``joins``
-    rows join and leave between steps (six prompts through four rows)."""
+def test_speculating_rows_equal_alone(cp, joins, kind):
+    """Speculation per row on CUDA, by prompt lookup or the MTP head (its chain over the
+    rows): verify steps of 4 rows x 4 tokens, each row at its own length; every sequence
+    equals the prompt generated alone on CUDA, drafts are kept, and the verify graph replays
+    with no fallback or invalidation. With ``joins`` rows join and leave between steps (six
+    prompts through four rows)."""
     from onnx_genrt.engine import Model, generate
     from onnx_genrt.engine.batch import BatchGenerator
     from onnx_genrt.generate_cli import default_model_dir
@@ -124,7 +126,7 @@ def test_speculating_rows_equal_alone(cp, joins):
     texts = TEXTS if joins else TEXTS[:4]
     alone = {t: generate(cuda, t, 48, ignore_eos=True).tokens for t in texts}
     batch = BatchGenerator(cuda, 4, 256)
-    batch.speculate("ngram", 3)
+    batch.speculate(kind, 3)
     assert _with_joins(batch, texts, 48) == alone
     assert batch.speculation.verify_steps > 0 and batch.speculation.accepted > 0
     stats = batch.graph_stats()["verify"]
