@@ -22,6 +22,8 @@ ARGUMENTS: dict[str, type] = {
     "model_name": str,
     "num_replicas": int,
     "num_cpus": float,
+    "spec": str,
+    "k": int,
 }
 
 
@@ -34,15 +36,24 @@ def deployment(
     model_name: str | None = None,
     num_replicas: int = 1,
     num_cpus: float = 1.0,
+    spec: str | None = None,
+    k: int | None = None,
 ):
-    """A bound Ray Serve application of ``num_replicas`` replicas of ``create_app``."""
+    """A bound Ray Serve application of ``num_replicas`` replicas of ``create_app``
+    (``spec``, ``k``: speculation per row, as ``onnx-genrt serve --spec``)."""
     from ray import serve
 
     def build_app():
         from onnx_genrt.serve import create_app
 
         return create_app(
-            model_dir, provider, max_batch, max_queue=max_queue, model_name=model_name
+            model_dir,
+            provider,
+            max_batch,
+            max_queue=max_queue,
+            model_name=model_name,
+            spec=spec,
+            k=k,
         )
 
     ingress = serve.ingress(build_app)()

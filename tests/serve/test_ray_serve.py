@@ -1,5 +1,6 @@
 """The app under Ray Serve on localhost (docs/deploy.md): two replicas behind Ray's HTTP
-proxy, driven by the openai client. Ray is not in the test extra: skipped without it."""
+proxy (speculating per row by prompt lookup), driven by the openai client. Ray is not in the
+test extra: skipped without it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def ray_url() -> Iterator[str]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": HOST, "port": port})
-        app = app_builder({"num_replicas": "2", "num_cpus": "0.5", "max_batch": "4"})
+        app = app_builder(
+            {"num_replicas": "2", "num_cpus": "0.5", "max_batch": "4", "spec": "ngram", "k": "3"}
+        )
         serve.run(app, name="onnx-genrt", route_prefix="/")
         yield f"http://{HOST}:{port}"
     finally:
