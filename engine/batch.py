@@ -395,7 +395,8 @@ class BatchGenerator:
         """One step of ``k + 1`` tokens a row: each live row's pending token and drafts
         (padded); a row that takes its device argmax keeps what
         :meth:`RowSpeculation.accept` gives, up to an end of sequence, any other what
-        :meth:`RowSpeculation.accept_by_logits` gives (the step's logits are read then).
+        :meth:`RowSpeculation.accept_by_logits` gives (its rows of the step's logits are
+        read back then, only those).
         None, having run nothing, when no row has drafts."""
         rows = [
             (i, row.tokens, row.search.max_length - len(row.tokens) - 1, row.hidden)
@@ -414,10 +415,13 @@ class BatchGenerator:
                 tokens,
                 self._row_starts(live, size),
                 DeviceGraphSlot.VERIFY,
-                bool(by_logits),
                 read_hidden=spec.needs_hidden,
             )
             argmax, logits = self.runner.finish_rows(pending)
+            if logits is None and by_logits:  # only the rows that pick from them
+                order = sorted(by_logits)
+                read = self.runner.io.read([pending.bufs.logits[i] for i in order])
+                logits = dict(zip(order, read, strict=True))
         new = {}
         for i, row in live.items():
             if i in by_logits:

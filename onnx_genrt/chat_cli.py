@@ -13,7 +13,13 @@ import sys
 from pathlib import Path
 
 from .cli_args import add_threads_argument
-from .generate_cli import add_provider_argument, add_search_arguments, search_kwargs
+from .generate_cli import (
+    add_provider_argument,
+    add_search_arguments,
+    add_spec_arguments,
+    search_kwargs,
+    stats_text,
+)
 
 COMMANDS = {"/reset": "forget the conversation", "/exit": "end the session"}
 
@@ -32,6 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_provider_argument(p)
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    add_spec_arguments(p)
+    p.add_argument(
+        "--stats", action="store_true", help="print each reply's timings and speculation to stderr"
+    )
     add_threads_argument(p)
     add_search_arguments(p)
     p.set_defaults(func=run)
@@ -69,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         attempt = [*messages, {"role": "user", "content": text}]
         prompt = model.tokenizer.apply_chat_template(attempt, add_generation_prompt=True)
+        results: list = []
         try:
             pieces = stream(
                 model,
@@ -76,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
                 args.max_new_tokens,
                 stop=tuple(args.stop),
                 ignore_eos=args.ignore_eos,
+                spec=args.spec,
+                k=args.k,
+                result=results,
                 **search_kwargs(args),
             )
         except InvalidInputError as exc:  # the conversation outgrew the context
@@ -90,4 +104,6 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if args.stats and results:
+            print(stats_text(results[0]), file=sys.stderr, flush=True)
         messages = [*attempt, {"role": "assistant", "content": "".join(reply)}]

@@ -47,6 +47,21 @@ def add_provider_argument(p: argparse.ArgumentParser, default: str = "cpu") -> N
     )
 
 
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    """``--spec`` (a proposer of one sequence's speculative decoding) and ``-k``."""
+    from onnx_genrt.engine.api import SPEC_CHOICES
+
+    p.add_argument(
+        "--spec",
+        choices=SPEC_CHOICES,
+        default=None,
+        help="speculative decoding with this proposer; auto: the model's own proposer (MTP "
+        "head, else draft model, else prompt lookup), used only while it measurably beats "
+        "plain steps",
+    )
+    add_drafts_argument(p)
+
+
 def add_drafts_argument(p: argparse.ArgumentParser) -> None:
     """``-k``: drafts per speculative step, None for the model's own count."""
     p.add_argument(
@@ -88,23 +103,13 @@ def search_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from onnx_genrt.engine.api import SPEC_CHOICES
-
     p = sub.add_parser("generate", help="generate text from a model folder (streams tokens)")
     p.add_argument(
         "--model", type=Path, default=None, help="model folder (default: the embedded model)"
     )
     p.add_argument("--prompt", required=True, help="prompt text")
     add_provider_argument(p)
-    p.add_argument(
-        "--spec",
-        choices=SPEC_CHOICES,
-        default=None,
-        help="speculative decoding with this proposer; auto: the model's own proposer (MTP "
-        "head, else draft model, else prompt lookup), used only while it measurably beats "
-        "plain steps (--stats says what it chose and why)",
-    )
-    add_drafts_argument(p)
+    add_spec_arguments(p)
     p.add_argument(
         "--no-graphs", action="store_true", help="disable graph capture (for comparison)"
     )
@@ -156,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         print()
     if args.stats:
         print(f"model load {loaded * 1e3:.0f} ms, warm-up {warmed * 1e3:.0f} ms", file=sys.stderr)
-        print(_stats_text(res), file=sys.stderr)
+        print(stats_text(res), file=sys.stderr)
     return 0
 
 
@@ -175,7 +180,8 @@ def _as_json(res) -> dict:
     }
 
 
-def _stats_text(res) -> str:
+def stats_text(res) -> str:
+    """A generation's timings, speculation and graph statistics, a few lines."""
     lines = [
         f"prompt {res.prompt_tokens} tokens, prefill {res.prefill_seconds * 1e3:.1f} ms; "
         f"{res.new_tokens} new tokens at {res.decode_tokens_per_second:.1f} tok/s; stop: {res.stop_reason}"

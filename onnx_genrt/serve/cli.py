@@ -23,7 +23,7 @@ PORT = int_at_least(0)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from onnx_genrt.generate_cli import add_provider_argument
+    from onnx_genrt.generate_cli import add_drafts_argument, add_provider_argument
 
     p = sub.add_parser(
         "serve",
@@ -75,12 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "head (mtp), verified in one step for every row; auto: the MTP head where the model "
         "has one, else ngram, while it measurably pays",
     )
-    p.add_argument(
-        "-k",
-        type=POSITIVE_INT,
-        default=None,
-        help="drafts per row with --spec (default: the model's speculative.json, else 4)",
-    )
+    add_drafts_argument(p)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests at start")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn)")
     p.add_argument(

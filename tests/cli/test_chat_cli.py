@@ -71,3 +71,17 @@ def test_a_model_without_a_template_is_a_model_error(tmp_path: Path):
     proc = chat("--model", str(folder), stdin="hi\n")
     assert proc.returncode == 3
     assert "has no chat_template" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+def test_speculative_replies_equal_greedy_ones(model, spec):
+    """``--spec``: each reply is decoded speculatively (``--stats`` says so, per reply) and
+    equals the greedy reply."""
+    proc = chat("--spec", spec, "-k", "3", "--stats", stdin="def f(x):\nimport os\n")
+    assert proc.returncode == 0, proc.stderr
+    first = [{"role": "user", "content": "def f(x):"}]
+    answer1 = reply(model, first)
+    second = [*first, {"role": "assistant", "content": answer1}]
+    answer2 = reply(model, [*second, {"role": "user", "content": "import os"}])
+    assert proc.stdout == f"{answer1}\n{answer2}\n"
+    assert proc.stderr.count(f"speculation: {spec}, k 3") == 2
