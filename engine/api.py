@@ -352,13 +352,16 @@ def _drive(
     gen.generate_next_token()
     t1 = time.perf_counter()
     reason = "max_new_tokens"
+    dropped = 0  # tokens of a speculative step after the one that completed a stop string
     while True:
         if by_token:
-            piece, _, hit = scanner.feed(gen.get_next_tokens())
+            new = gen.get_next_tokens()
+            piece, kept, hit = scanner.feed(new)
             if piece:
                 yield piece
             if hit is not None:
                 reason = f"stop string {hit!r}"
+                dropped = len(new) - len(kept)
                 break
         if gen.is_done():
             if gen.tokens and gen.tokens[-1] in gen.eos:
@@ -380,10 +383,11 @@ def _drive(
         stats = {"target": gen.graph_stats()}
         if isinstance(gen, SpeculativeGenerator):
             stats["proposer"] = gen.proposer.graph_stats()
+        sequence = gen.get_sequence()
         result.append(
             GenerationResult(
                 scanner.text,
-                gen.get_sequence(),
+                sequence[: len(sequence) - dropped],
                 len(ids),
                 t1 - t0,
                 t2 - t1,
@@ -492,7 +496,8 @@ def _decode_batch(
             row = rows[i]
             # Without stop strings a row's text is decoded once, when it ends (the same
             # stream decoder over the same tokens), not token by token in the step loop.
-            hit = scanners[i].feed(batch.last_tokens(row))[2] if stops else None
+            new = batch.last_tokens(row)
+            kept, hit = scanners[i].feed(new)[1:] if stops else (new, None)
             if hit is not None:
                 reasons[i] = f"stop string {hit!r}"
             elif batch.ended_by_eos(row):
@@ -501,7 +506,9 @@ def _decode_batch(
                 reasons[i] = "max_new_tokens"
             if reasons[i] is not None:
                 live.discard(i)
-                sequences[i] = batch.sequence(row)
+                sequence = batch.sequence(row)
+                # a speculative step's tokens after the one that completed a stop string
+                sequences[i] = sequence[: len(sequence) - (len(new) - len(kept))]
                 if not stops:
                     scanners[i].feed(sequences[i][len(ids[i]) :])
                 batch.remove(row)  # later steps skip the row

@@ -68,19 +68,23 @@ class StopScanner:
         self._shown = 0  # length of the text returned so far
 
     def feed(self, tokens: Sequence[int]) -> tuple[str, list[int], str | None]:
+        """Decode ``tokens`` one by one; where one completes a stop string, the tokens
+        returned end with it (a speculative step's tokens after it are not generated)."""
         tokens = [int(t) for t in tokens]
         if self.decoder is None:
             return "", tokens, None
-        before = len(self.text)
-        self.text += "".join(self.decoder.decode(t) for t in tokens)
-        # A stop string may straddle pieces: search from where one could start.
-        start = max(0, before - max((len(s) for s in self.stop), default=0) + 1)
-        hits = [(self.text.find(s, start), s) for s in self.stop]
-        hits = [(at, s) for at, s in hits if at >= 0]
-        if hits:
-            cut, hit = min(hits)
-            self.text = self.text[:cut]
-            return self._show(cut), tokens, hit
+        longest = max((len(s) for s in self.stop), default=0)
+        for count, token in enumerate(tokens, 1):
+            before = len(self.text)
+            self.text += self.decoder.decode(token)
+            # A stop string may straddle pieces: search from where one could start.
+            start = max(0, before - longest + 1)
+            hits = [(self.text.find(s, start), s) for s in self.stop]
+            hits = [(at, s) for at, s in hits if at >= 0]
+            if hits:
+                cut, hit = min(hits)
+                self.text = self.text[:cut]
+                return self._show(cut), tokens[:count], hit
         return self._show(len(self.text) - self._held()), tokens, None
 
     def flush(self) -> str:

@@ -220,6 +220,36 @@ def test_scheduler_with_chunked_prompts_equals_each_served_alone(model, kind):
     assert metrics.graph_stats["verify"]["fallbacks"] == 0
 
 
+@KINDS
+def test_stop_strings_end_rows_where_they_end_alone(model, kind):
+    """A stop string completed inside a step's kept drafts: the row's text, tokens and stop
+    reason are those of the prompt generated alone, through generate_batch and through the
+    scheduler (usage counts no token past the stop)."""
+    full = {t: generate(model, t, 40).text for t in TEXTS}
+    stops = {t: full[t][len(full[t]) // 2 : len(full[t]) // 2 + 3] for t in TEXTS}
+    every = list(stops.values())
+    alone = {t: generate(model, t, 40, stop=every) for t in TEXTS}
+    batched = generate_batch(model, TEXTS, 40, stop=every, spec=kind)
+    for text, result in zip(TEXTS, batched, strict=True):
+        want = alone[text]
+        assert (result.text, result.tokens, result.stop_reason) == (
+            want.text,
+            want.tokens,
+            want.stop_reason,
+        )
+    with Scheduler(model, max_batch=4, spec=kind, k=3) as sched:
+        handles = {t: sched.submit(t, max_new_tokens=40, stop=every) for t in TEXTS}
+        served = {t: h.result(60) for t, h in handles.items()}
+    for text, result in served.items():
+        want = alone[text]
+        assert result.text == want.text
+        assert result.token_ids == want.tokens[want.prompt_tokens :]
+        assert result.finish_reason == (
+            "stop" if want.stop_reason != "max_new_tokens" else "length"
+        )
+    assert any(r.stop_reason.startswith("stop string") for r in alone.values())
+
+
 def test_auto_stops_verifying_when_plain_steps_give_more_tokens():
     """A batch's plain step adds a token a row: 8 rows in 2 ms (4000 tok/s) beat verify
     steps adding 12 tokens in 4 ms (3000 tok/s), so ``auto`` settles on plain steps."""

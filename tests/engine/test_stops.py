@@ -68,3 +68,44 @@ def test_a_partial_stop_at_the_end_of_a_piece_is_held_back(tokenizer):
     shown = "".join(scanner.feed([t])[0] for t in ids)
     assert shown == "abc" and scanner.text == "abc de"  # " de" could still become " dex"
     assert scanner.flush() == " de"
+
+
+@pytest.mark.parametrize("group", [2, 4, 7])
+def test_tokens_after_the_stop_in_one_feed_are_not_returned(tokenizer, tokens, group):
+    """A speculative step feeds several tokens at once: the tokens returned end with the
+    one that completes the stop string, as feeding them one at a time ends."""
+    text = tokenizer.decode(tokens)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    one = StopScanner(tokenizer.create_stream(), (stop,))
+    taken = []
+    for token in tokens:
+        _, kept, hit = one.feed([token])
+        taken += kept
+        if hit:
+            break
+    grouped = StopScanner(tokenizer.create_stream(), (stop,))
+    got = []
+    for start in range(0, len(tokens), group):
+        _, kept, hit = grouped.feed(tokens[start : start + group])
+        got += kept
+        if hit:
+            break
+    assert hit == stop and got == taken and grouped.text == one.text
+
+
+@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+def test_speculative_generation_stops_where_plain_generation_stops(spec):
+    """Text, tokens and stop reason of a generation with a stop string: the same with
+    speculation (whose steps hold tokens past the stop) as without."""
+    model = Model(default_model_dir())
+    for prompt in ("class Foo:\n    def", "import os\nimport sys\n"):
+        text = generate(model, prompt, 40).text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        plain = generate(model, prompt, 40, stop=stop)
+        fast = generate(model, prompt, 40, stop=stop, spec=spec, k=3)
+        assert (fast.text, fast.tokens, fast.stop_reason) == (
+            plain.text,
+            plain.tokens,
+            plain.stop_reason,
+        )
+        assert plain.stop_reason == f"stop string {stop!r}"
