@@ -216,6 +216,24 @@ def test_speculative_decode_embedded_model(benchmark, spec, embedded):
     assert tokens == reference, f"{spec or 'greedy'} and an onnxruntime greedy loop disagree"
 
 
+@pytest.mark.benchmark(group="streams-embedded-4x48-tokens")
+@pytest.mark.parametrize("spec", [None, "ngram", "mtp"], ids=lambda s: s or "plain")
+def test_four_streams_speculating_per_row(benchmark, spec, embedded):
+    """Four rows of the bench prompt decoded together, plainly or speculating per row (by
+    prompt lookup, by the MTP head); every row gives onnxruntime's greedy tokens."""
+    from onnx_genrt.tools.llm_bench import bench_batch
+
+    folder, prompt, reference = embedded
+    once = bench_batch(folder, [prompt] * 4, EMBEDDED_NEW, "cpu", spec=spec)
+    once()  # warm-up: compile, plan, capture
+    _, _, tokens, extra = benchmark(once)
+    benchmark.extra_info["new_tokens"] = 4 * EMBEDDED_NEW
+    if extra.get("speculation"):
+        benchmark.extra_info["mean_accepted"] = extra["speculation"]["mean_accepted_length"]
+        assert extra["speculation"]["verify_steps"] > 0
+    assert tokens == reference, f"row 0 ({spec or 'plain'}) and an onnxruntime greedy loop disagree"
+
+
 def test_host_wait_profile_reports_each_kind(capsys):
     """scripts/host_wait_profile.py: one line per kind with steps and the time waited."""
     import importlib.util
