@@ -117,11 +117,14 @@ class RowSpeculation:
                     proposer = self._proposers[index] = PromptLookupProposer()
                 out[index] = proposer.propose(tokens, None, min(self.k, room))
         elif ready:
-            hidden = np.stack([r[3] for r in ready])
-            last = np.array([r[1][-1] for r in ready], np.int64)
-            for (index, _, room, _), drafts in zip(
-                ready, self.mtp.propose_rows(hidden, last, self.k), strict=True
-            ):
+            # padded to a power of two rows: a few chain graphs serve any number of rows
+            size = 1 << (len(ready) - 1).bit_length()
+            hidden = np.zeros((size, *np.shape(ready[0][3])), np.asarray(ready[0][3]).dtype)
+            hidden[: len(ready)] = [r[3] for r in ready]
+            last = np.zeros(size, np.int64)
+            last[: len(ready)] = [r[1][-1] for r in ready]
+            proposed = self.mtp.propose_rows(hidden, last, self.k)
+            for (index, _, room, _), drafts in zip(ready, proposed, strict=False):
                 out[index] = drafts[:room]
         return out
 

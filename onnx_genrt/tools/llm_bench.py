@@ -667,7 +667,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KIND[:K]",
         help="also time speculation: mtp, draft or ngram, optionally with its drafts per step "
-        "(mtp:3); repeat to compare",
+        "(mtp:3); repeat to compare; with --streams, mtp and ngram also time each stream "
+        "count speculating per row",
     )
     add_drafts_argument(p)
     p.add_argument(
