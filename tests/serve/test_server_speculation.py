@@ -4,6 +4,7 @@ real server process on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -95,3 +96,29 @@ def test_a_seeded_sampled_completion_repeats(spec_server):
     first = sample(5)
     assert first == sample(5) and len(first) > 0
     assert sample(6) != first
+
+
+def test_a_disconnecting_stream_frees_its_speculating_row(spec_server):
+    """A client that goes away mid-stream while rows speculate: its row is freed at the next
+    step (counted cancelled), long before its 900 tokens, and the server answers on."""
+    import httpx
+
+    before = metrics(spec_server)
+    body = {"model": MODEL_NAME, "prompt": "import os", "max_tokens": 900, "temperature": 0}
+    url = f"{spec_server.url}/v1/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as response:
+        received = [line for _, line in zip(range(6), response.iter_lines(), strict=False)]
+        assert len(received) == 6
+    deadline = time.monotonic() + 20
+    while metrics(spec_server)[("onnx_genrt_running_rows", ())] != 0:
+        assert time.monotonic() < deadline, "the row was not freed"
+        time.sleep(0.05)
+    after = metrics(spec_server)
+    cancelled = ("onnx_genrt_requests_total", (("finish_reason", "cancelled"),))
+    assert after[cancelled] - before[cancelled] == 1
+    generated = ("onnx_genrt_generated_tokens_total", ())
+    assert after[generated] - before[generated] < 600
+    result = client(spec_server).completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0
+    )
+    assert result.choices[0].finish_reason == "length"
