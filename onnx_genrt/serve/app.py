@@ -46,18 +46,18 @@ async def _generate(http: Request, *, chat: bool) -> Response:
         except (ValueError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
         request = parse_request(body, chat=chat)
-        handle = service.submit(request)
+        handles = service.submit(request)
     except APIError as error:
         reason = {429: "queue_full", 503: "draining"}.get(error.status, "invalid")
         service.counters.request_rejected(reason)
         return error_response(error)
     if request.stream:
         return StreamingResponse(
-            service.events(request, handle, arrival),
+            service.events(request, handles, arrival),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await service.whole(request, handle, http, arrival)
+    return await service.whole(request, handles, http, arrival)
 
 
 async def completions(http: Request) -> Response:

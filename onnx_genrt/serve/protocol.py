@@ -1,7 +1,7 @@
 """The OpenAI request and response shapes: parse and check request bodies, build responses.
 
 Requests are checked field by field; an unknown field, a value of the wrong type or out
-of range, or a feature this server does not have (``n`` > 1, logprobs, tools) is an
+of range, or a feature this server does not have (logprobs, tools) is an
 :class:`APIError` with status 400 naming the field (``param``), never ignored.
 """
 
@@ -48,6 +48,8 @@ COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt")
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens")
 #: OpenAI allows at most four stop sequences.
 MAX_STOP = 4
+#: Most answers (``n``) one request may ask for; each takes a row of the batch.
+MAX_N = 16
 
 
 class APIError(Exception):
@@ -97,16 +99,19 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    #: Answers (choices) to generate for the prompt, each in its own row.
+    n: int = 1
 
-    def search_options(self) -> dict[str, Any]:
-        """The engine's search options: temperature 0 is greedy, above 0 samples."""
+    def search_options(self, index: int = 0) -> dict[str, Any]:
+        """The engine's search options of answer ``index``: temperature 0 is greedy, above 0
+        samples (with a ``seed``, answer i samples from ``seed + i``)."""
         if self.temperature == 0:
             return {"do_sample": False}
         return {
             "do_sample": True,
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "seed": self.seed,
+            "seed": None if self.seed is None else self.seed + index,
         }
 
 
@@ -129,8 +134,10 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     if not isinstance(model, str) or not model:
         raise bad_field("model", "required: the name of the model (see /v1/models)")
     n = body.get("n")
-    if n is not None and (_not_int(n) or n != 1):
-        raise bad_field("n", f"only n=1 is supported, got {n!r}", "unsupported_value")
+    if n is None:
+        n = 1
+    if _not_int(n) or not 1 <= n <= MAX_N:
+        raise bad_field("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
     if chat:
         from onnx_genrt.core.errors import InvalidInputError
         from onnx_genrt.engine.chat_template import check_messages
@@ -168,6 +175,7 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=_include_usage(body.get("stream_options"), stream),
+        n=n,
     )
 
 
@@ -273,27 +281,35 @@ def completion_body(
     request: GenerationRequest,
     response_id: str,
     created: int,
-    text: str,
-    finish_reason: str,
+    answers: list[tuple[str, str]],
     prompt_tokens: int,
     completion_tokens: int,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) response of either endpoint."""
-    if request.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    """A whole (non-streamed) response of either endpoint: one choice per (text, finish
+    reason) of ``answers``; ``completion_tokens`` counts them all."""
+    choices = []
+    for index, (text, finish_reason) in enumerate(answers):
+        if request.chat:
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        else:
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        choices.append(choice)
     return {
         "id": response_id,
         "object": "chat.completion" if request.chat else "text_completion",
         "created": created,
         "model": request.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
@@ -307,9 +323,11 @@ def chunk_body(
     role: bool = False,
     finish_reason: str | None = None,
     usage_counts: dict[str, int] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk: a piece of text, the role (chat's first chunk), the finish
-    reason (last chunk), or, with ``usage_counts``, the usage chunk (no choices)."""
+    """One streamed chunk of answer ``index``: a piece of text, the role (chat's first
+    chunk), the finish reason (last chunk), or, with ``usage_counts``, the usage chunk (no
+    choices)."""
     if usage_counts is not None:
         choices: list[dict[str, Any]] = []
     elif request.chat:
@@ -318,10 +336,12 @@ def chunk_body(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        choices = [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        ]
     else:
         choices = [
-            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         ]
     body: dict[str, Any] = {
         "id": response_id,
@@ -345,9 +365,11 @@ class TextChunks:
     once per answer: ``event(text)`` gives what ``sse(chunk_body(..., text=text))`` gives,
     at the cost of encoding the text alone."""
 
-    def __init__(self, request: GenerationRequest, response_id: str, created: int) -> None:
+    def __init__(
+        self, request: GenerationRequest, response_id: str, created: int, index: int = 0
+    ) -> None:
         marker = uuid.uuid4().hex  # a string JSON writes as is, found nowhere else
-        whole = sse(chunk_body(request, response_id, created, text=marker))
+        whole = sse(chunk_body(request, response_id, created, text=marker, index=index))
         self._head, self._tail = whole.split(f'"{marker}"')
 
     def event(self, text: str) -> str:

@@ -19,6 +19,7 @@ from onnx_genrt.engine.scheduler import (
     RequestHandle,
     Scheduler,
     SchedulerClosedError,
+    TokenEvent,
 )
 from onnx_genrt.engine.stops import prompt_ids
 
@@ -110,8 +111,9 @@ class Service:
             self._drained.set()
 
     # -- requests -----------------------------------------------------------------
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Tokenize the request, check it fits the context, and queue it."""
+    def submit(self, request: GenerationRequest) -> list[RequestHandle]:
+        """Tokenize the request, check it fits the context, and queue its ``n`` answers
+        (one handle each; none stays queued when one cannot be)."""
         if self.draining:
             raise APIError(
                 503,
@@ -148,13 +150,20 @@ class Service:
                 param=param if room < 1 else "max_tokens",
                 code="context_length_exceeded",
             )
+        handles: list[RequestHandle] = []
+        queued: list[RequestHandle] | None = None
         try:
-            return self.scheduler.submit(
-                ids,
-                max_new_tokens=request.max_tokens or room,
-                stop=request.stop,
-                **request.search_options(),
-            )
+            for index in range(request.n):
+                handles.append(
+                    self.scheduler.submit(
+                        ids,
+                        max_new_tokens=request.max_tokens or room,
+                        stop=request.stop,
+                        **request.search_options(index),
+                    )
+                )
+            queued = handles
+            return handles
         except QueueFullError as exc:
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
         except SchedulerClosedError as exc:
@@ -163,77 +172,139 @@ class Service:
             ) from None
         except InvalidInputError as exc:
             raise APIError(400, str(exc)) from None
+        finally:
+            if queued is not handles:  # refused part-way: no answer of it stays queued
+                for handle in handles:
+                    handle.cancel()
 
     async def whole(
-        self, request: GenerationRequest, handle: RequestHandle, http: Request, arrival: float
+        self,
+        request: GenerationRequest,
+        handles: list[RequestHandle],
+        http: Request,
+        arrival: float,
     ) -> Response:
-        """Wait for the whole answer; a client that disconnects meanwhile cancels it."""
-        watcher = asyncio.create_task(_cancel_on_disconnect(http, handle))
-        pieces: list[str] = []
-        tokens = 0
-        reason = "cancelled"
+        """Wait for every answer; a client that disconnects meanwhile cancels them."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(http, handles))
+        timed = [False]  # time to first token: of the request's first answer to have one
+
+        async def collect(handle: RequestHandle) -> tuple[str, int, str]:
+            pieces: list[str] = []
+            tokens = 0
+            reason = "cancelled"
+            try:
+                async for batch in handle.stream_batches():
+                    if not timed[0] and any(event.token_ids for event in batch):
+                        timed[0] = True
+                        self.counters.first_token(time.perf_counter() - arrival)
+                    tokens += sum(len(event.token_ids) for event in batch)
+                    pieces += [event.text for event in batch]
+                    if batch[-1].finish_reason is not None:
+                        reason = batch[-1].finish_reason
+            finally:
+                if reason == "cancelled":
+                    handle.cancel()
+                self.counters.request_finished(reason)
+            return "".join(pieces), tokens, reason
+
         try:
-            async for batch in handle.stream_batches():
-                if tokens == 0 and any(event.token_ids for event in batch):
-                    self.counters.first_token(time.perf_counter() - arrival)
-                tokens += sum(len(event.token_ids) for event in batch)
-                pieces += [event.text for event in batch]
-                if batch[-1].finish_reason is not None:
-                    reason = batch[-1].finish_reason
+            answers = await asyncio.gather(*(collect(handle) for handle in handles))
         finally:
             watcher.cancel()
-            if reason == "cancelled":
-                handle.cancel()
-            self.counters.request_finished(reason)
-        if reason in ("stop", "length"):
-            body = completion_body(
-                request,
-                new_id(request.chat),
-                now(),
-                "".join(pieces),
-                reason,
-                handle.prompt_tokens,
-                tokens,
-            )
-            return JSONResponse(body)
-        return error_response(_ended_early(handle, reason))
+        for handle, (_, _, reason) in zip(handles, answers, strict=True):
+            if reason not in ("stop", "length"):
+                return error_response(_ended_early(handle, reason))
+        body = completion_body(
+            request,
+            new_id(request.chat),
+            now(),
+            [(text, reason) for text, _, reason in answers],
+            handles[0].prompt_tokens,
+            sum(tokens for _, tokens, _ in answers),
+        )
+        return JSONResponse(body)
 
     async def events(
-        self, request: GenerationRequest, handle: RequestHandle, arrival: float
+        self, request: GenerationRequest, handles: list[RequestHandle], arrival: float
     ) -> AsyncIterator[str]:
-        """The answer as server-sent events in OpenAI's chunk format, ending ``[DONE]``: one
-        event per text piece, the events of the pieces ready together in one string (one
-        write). If the client goes away, the generator is closed and the request cancelled."""
+        """The answers as server-sent events in OpenAI's chunk format, ending ``[DONE]``: one
+        event per text piece (its choice's index), the events of the pieces ready together
+        in one string (one write). If the client goes away, the generator is closed and the
+        answers cancelled; an answer that fails ends the stream with its error."""
         rid, created = new_id(request.chat), now()
-        text_event = TextChunks(request, rid, created).event
-        finished = False
+        text_events = [TextChunks(request, rid, created, i).event for i in range(len(handles))]
+        running = set(range(len(handles)))
         tokens = 0
         try:
             if request.chat:
-                yield sse(chunk_body(request, rid, created, text="", role=True))
-            async for batch in handle.stream_batches():
+                yield "".join(
+                    sse(chunk_body(request, rid, created, text="", role=True, index=i))
+                    for i in running
+                )
+            async for index, batch in _merged(handles):
                 if tokens == 0 and any(event.token_ids for event in batch):
                     self.counters.first_token(time.perf_counter() - arrival)
-                out = [text_event(event.text) for event in batch if event.text]
+                out = [text_events[index](event.text) for event in batch if event.text]
                 tokens += sum(len(event.token_ids) for event in batch)
                 reason = batch[-1].finish_reason
                 if reason is not None:
-                    finished = True
+                    running.discard(index)
                     self.counters.request_finished(reason)
-                    if reason in ("stop", "length"):
-                        out.append(sse(chunk_body(request, rid, created, finish_reason=reason)))
+                    if reason not in ("stop", "length"):
+                        out.append(sse(_ended_early(handles[index], reason).body()))
+                        out.append("data: [DONE]\n\n")
+                        yield "".join(out)
+                        return  # the other answers are cancelled below
+                    out.append(
+                        sse(chunk_body(request, rid, created, finish_reason=reason, index=index))
+                    )
+                    if not running:
                         if request.include_usage:
-                            counts = usage(handle.prompt_tokens, tokens)
+                            counts = usage(handles[0].prompt_tokens, tokens)
                             out.append(sse(chunk_body(request, rid, created, usage_counts=counts)))
-                    else:
-                        out.append(sse(_ended_early(handle, reason).body()))
-                    out.append("data: [DONE]\n\n")
+                        out.append("data: [DONE]\n\n")
                 if out:
                     yield "".join(out)
         finally:
-            if not finished:  # the client disconnected (or the server is forced down)
-                handle.cancel()
+            for index in running:  # the client disconnected, or another answer failed
+                handles[index].cancel()
                 self.counters.request_finished("cancelled")
+
+
+async def _merged(
+    handles: list[RequestHandle],
+) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
+    """(answer index, events) of every handle as they come: one handle is read directly,
+    several through a queue their readers fill."""
+    if len(handles) == 1:
+        async for batch in handles[0].stream_batches():
+            yield 0, batch
+        return
+    queue: asyncio.Queue[tuple[int, list[TokenEvent] | BaseException | None]] = asyncio.Queue()
+
+    async def read(index: int, handle: RequestHandle) -> None:
+        try:
+            async for batch in handle.stream_batches():
+                queue.put_nowait((index, batch))
+        except Exception as exc:  # handed to the consumer, raised there
+            queue.put_nowait((index, exc))
+            return
+        queue.put_nowait((index, None))
+
+    readers = [asyncio.create_task(read(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(readers)
+        while left:
+            index, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for reader in readers:
+            reader.cancel()
 
 
 def _ended_early(handle: RequestHandle, reason: str) -> APIError:
@@ -253,11 +324,12 @@ def _ended_early(handle: RequestHandle, reason: str) -> APIError:
     )
 
 
-async def _cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
+async def _cancel_on_disconnect(http: Request, handles: list[RequestHandle]) -> None:
     while True:
         message = await http.receive()
         if message["type"] == "http.disconnect":
-            handle.cancel()
+            for handle in handles:
+                handle.cancel()
             return
 
 

@@ -237,7 +237,9 @@ def test_concurrent_clients_get_the_answers_served_alone(server, reference):
         ("top_p", 0, "top_p"),
         ("max_tokens", 0, "max_tokens"),
         ("max_tokens", True, "max_tokens"),
-        ("n", 2, "n"),
+        ("n", 0, "n"),
+        ("n", 17, "n"),
+        ("n", 1.5, "n"),
         ("stop", ["a", "b", "c", "d", "e"], "stop"),
         ("logprobs", 3, "logprobs"),
         ("prompt", "", "prompt"),
@@ -416,6 +418,25 @@ def test_a_full_queue_gets_429(small_server):
     )
 
 
+def test_n_answers_that_do_not_fit_the_queue_get_429_and_leave_nothing(small_server):
+    """One row and a queue of one: n=3 answers cannot all be taken; the request gets 429
+    and the answers queued before the refusal are cancelled, not run."""
+    url = f"{small_server.url}/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 900, "temperature": 0, "n": 3}
+    refused = httpx.post(url, json=body, timeout=30)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    wait_for(
+        lambda: (
+            metrics(small_server)[("onnx_genrt_running_rows", ())] == 0
+            and metrics(small_server)[("onnx_genrt_queue_depth", ())] == 0
+        ),
+        what="no row or queue entry left",
+    )
+    answer = httpx.post(url, json={**body, "n": 1, "max_tokens": 2}, timeout=60)
+    assert answer.status_code == 200 and len(answer.json()["choices"]) == 1
+    assert metrics(small_server)[("onnx_genrt_generated_tokens_total", ())] < 100
+
+
 def test_sigterm_finishes_the_running_request_and_exits_0(small_server, reference):
     """SIGTERM drains: new requests get 503, the running one completes, the exit code is 0."""
     body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 200, "temperature": 0}
@@ -478,3 +499,40 @@ def test_sigterm_cancels_what_outlives_the_grace_period(impatient_server):
         assert status == 0 or (status == 503 and "shutting_down" in "".join(lines)), lines
     assert impatient_server.process.wait(30) == 0
     assert time.monotonic() - started < 30
+
+
+def test_n_answers_each_in_its_own_row(server, reference):
+    """``n``: greedy answers are n copies of the answer alone; sampled answer i is what a
+    request of n=1 with ``seed + i`` gives, whole or streamed, with usage counting all."""
+    api = client(server)
+    greedy = api.completions.create(
+        model=MODEL_NAME, prompt="def add(a, b):", max_tokens=10, temperature=0, n=3
+    )
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.text for c in greedy.choices} == {reference("def add(a, b):", 10)}
+    assert greedy.usage.completion_tokens == 30
+    messages = [{"role": "user", "content": "import os"}]
+    asked = {"model": MODEL_NAME, "messages": messages, "max_tokens": 12, "temperature": 0.9}
+    sampled = api.chat.completions.create(**asked, n=3, seed=40)
+    alone = [api.chat.completions.create(**asked, seed=40 + i) for i in range(3)]
+    assert [c.message.content for c in sampled.choices] == [
+        a.choices[0].message.content for a in alone
+    ]
+    assert len({c.message.content for c in sampled.choices}) > 1
+    pieces: dict[int, list[str]] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    stream = api.chat.completions.create(
+        **asked, n=3, seed=40, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            pieces.setdefault(choice.index, []).append(choice.delta.content or "")
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert {i: "".join(p) for i, p in pieces.items()} == {
+        i: c.message.content for i, c in enumerate(sampled.choices)
+    }
+    assert set(reasons) == {0, 1, 2}
+    assert usage is not None and usage.completion_tokens == sampled.usage.completion_tokens

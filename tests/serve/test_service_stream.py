@@ -48,9 +48,9 @@ def test_text_chunks_equal_the_chunk_bodies(chat, include_usage):
         assert chunks.event(text) == sse(chunk_body(request, "cmpl-1", 1700000000, text=text)), text
 
 
-def _collect(service: Service, request, handle) -> list[str]:
+def _collect(service: Service, request, handles) -> list[str]:
     async def run() -> list[str]:
-        return [piece async for piece in service.events(request, handle, time.perf_counter())]
+        return [piece async for piece in service.events(request, handles, time.perf_counter())]
 
     return asyncio.run(run())
 
@@ -79,9 +79,9 @@ def test_pieces_ready_together_go_out_in_one_write(model, chat):
         else:
             body["prompt"] = prompt = "import os"
         request = parse_request(body, chat=chat)
-        handle = service.submit(request)
-        result = handle.result(60)
-        writes = _collect(service, request, handle)
+        handles = service.submit(request)
+        result = handles[0].result(60)
+        writes = _collect(service, request, handles)
     finally:
         service.drain(0)
     assert len(writes) == (2 if chat else 1)
