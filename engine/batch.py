@@ -426,7 +426,13 @@ class BatchGenerator:
         for i, row in live.items():
             if i in by_logits:
                 kept = spec.accept_by_logits(
-                    drafts[i], logits[i], row.tokens, row.search, row.eos, row.rng
+                    drafts[i],
+                    logits[i],
+                    row.tokens,
+                    row.search,
+                    row.eos,
+                    row.rng,
+                    row.prompt_length,
                 )
             else:
                 kept = spec.accept(drafts[i], argmax[i])
@@ -514,7 +520,7 @@ class BatchGenerator:
     @staticmethod
     def _pick(row: _Row, argmax: int, logits) -> int:
         history = row.tokens
-        return choose(int(argmax), logits, history, row.search, row.eos, row.rng)
+        return choose(int(argmax), logits, history, row.search, row.eos, row.rng, row.prompt_length)
 
     # -- reading ------------------------------------------------------------------
     def sequence(self, index: int) -> list[int]:

@@ -145,18 +145,19 @@ class RowSpeculation:
         search: SearchOptions,
         eos: set[int],
         rng: np.random.Generator,
+        prompt_length: int = 0,
     ) -> list[int]:
         """The tokens any other row keeps, from its verify logits ``[k + 1, vocab]``: at each
-        position the logits after the repetition penalty and ``min_length`` mask of the text
-        so far, the draft accepted or replaced by :func:`accept_draft`; it stops after the
-        first replaced draft or end of sequence."""
+        position the logits after the penalties and ``min_length`` mask of the text so far
+        (the generated tokens begin at ``prompt_length``), the draft accepted or replaced by
+        :func:`accept_draft`; it stops after the first replaced draft or end of sequence."""
         text = list(history)
         kept: list[int] = []
         accepted = 0
         for j in range(len(drafts) + 1):
             draft = drafts[j] if j < len(drafts) else None
             token, ok = accept_draft(
-                masked_logits(logits[j], text, search, eos), draft, search, rng
+                masked_logits(logits[j], text, search, eos, prompt_length), draft, search, rng
             )
             kept.append(token)
             text.append(token)

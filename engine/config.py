@@ -41,6 +41,10 @@ class SearchOptions:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    #: OpenAI's additive penalties over the tokens generated after the prompt: a token's
+    #: logit minus ``frequency_penalty`` times its count and ``presence_penalty`` once.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     #: Sequences a :class:`~onnx_genrt.engine.Generator` holds (one row each); see
     #: :class:`~onnx_genrt.engine.batch.SequencesGenerator`.

@@ -78,6 +78,9 @@ class Generator:
         self.runner = model.acquire_runner(self, self.search.max_length + spare)
         self.rng = np.random.default_rng(self.search.seed)
         self.tokens: list[int] = []
+        #: Tokens given by ``append_tokens`` up to its last call: the presence and frequency
+        #: penalties count only what follows (the tokens generated since).
+        self._prompt_end = 0
         # The step whose last row predicts the next token (None until the pending token is fed).
         self._next: StepOutput | None = None
         # The step and row whose hidden state predicted the pending token (for MTP).
@@ -128,6 +131,7 @@ class Generator:
         self._cancel_ahead()
         feed = self._take_pending() + ids
         self.tokens.extend(ids)
+        self._prompt_end = len(self.tokens)
         self._run(feed)
 
     def _take_pending(self) -> list[int]:
@@ -216,12 +220,20 @@ class Generator:
     def _choose(self, out: StepOutput, row: int, history: Sequence[int]) -> int:
         """Next token from one row: the device argmax when plain greedy, else from logits."""
         argmax = int(out.tokens[row]) if self._plain_greedy else None
-        return choose(argmax, lambda: out.logits[row], history, self.search, self.eos, self.rng)
+        return choose(
+            argmax,
+            lambda: out.logits[row],
+            history,
+            self.search,
+            self.eos,
+            self.rng,
+            self._prompt_end,
+        )
 
     def row_logits(self, out: StepOutput, row: int, history: Sequence[int]) -> np.ndarray:
         """One row's logits after the repetition penalty and, before ``min_length``, with
         end-of-sequence tokens ruled out (as onnxruntime-genai does)."""
-        return masked_logits(out.logits[row], history, self.search, self.eos)
+        return masked_logits(out.logits[row], history, self.search, self.eos, self._prompt_end)
 
     @property
     def _last_hidden(self) -> HiddenState | None:
@@ -262,6 +274,7 @@ class Generator:
                 f"cannot rewind to {length}: the sequence has {len(self.tokens)}"
             )
         self.tokens = self.tokens[:length]
+        self._prompt_end = min(self._prompt_end, length)
         self.runner.rewind_to(min(self.runner.cache.length, max(length - 1, 0)))
         self._next = None
         self._hidden_at = None

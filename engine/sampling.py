@@ -60,6 +60,20 @@ def validate(
             open_min=True,
             error=error,
         ),
+        presence_penalty=check_float(
+            options.presence_penalty,
+            name("presence_penalty") + " (0 = off)",
+            minimum=-2.0,
+            maximum=2.0,
+            error=error,
+        ),
+        frequency_penalty=check_float(
+            options.frequency_penalty,
+            name("frequency_penalty") + " (0 = off)",
+            minimum=-2.0,
+            maximum=2.0,
+            error=error,
+        ),
         seed=seed,
         batch_size=integer(options.batch_size, name("batch_size"), minimum=1, error=error),
     )
@@ -118,12 +132,34 @@ def pick(
     return int(rng.choice(p.size, p=p))
 
 
-def masked_logits(
-    logits: np.ndarray, history: Sequence[int], options: SearchOptions, eos: set[int]
+def penalize_presence_frequency(
+    logits: np.ndarray, generated: Sequence[int], presence: float, frequency: float
 ) -> np.ndarray:
-    """One row's logits after the repetition penalty and, before ``min_length``, with
-    end-of-sequence tokens ruled out (as onnxruntime-genai does)."""
+    """OpenAI's additive penalties: each token's logit minus ``frequency`` times its count in
+    ``generated`` and ``presence`` once if it occurs there."""
+    if (presence == 0.0 and frequency == 0.0) or not len(generated):
+        return logits
+    out = np.array(logits, dtype=np.float32, copy=True)
+    ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+    inside = (ids >= 0) & (ids < out.shape[-1])
+    out[ids[inside]] -= (frequency * counts[inside] + presence).astype(np.float32)
+    return out
+
+
+def masked_logits(
+    logits: np.ndarray,
+    history: Sequence[int],
+    options: SearchOptions,
+    eos: set[int],
+    prompt_length: int = 0,
+) -> np.ndarray:
+    """One row's logits after the repetition penalty (over ``history``), the presence and
+    frequency penalties (over what follows its first ``prompt_length`` tokens) and, before
+    ``min_length``, with end-of-sequence tokens ruled out (as onnxruntime-genai does)."""
     logits = penalize_repetition(logits, history, options.repetition_penalty)
+    logits = penalize_presence_frequency(
+        logits, history[prompt_length:], options.presence_penalty, options.frequency_penalty
+    )
     if eos and len(history) < options.min_length:
         logits = np.array(logits, dtype=np.float32, copy=True)
         logits[[t for t in eos if t < logits.shape[-1]]] = -np.inf
@@ -132,7 +168,12 @@ def masked_logits(
 
 def plain_greedy(options: SearchOptions) -> bool:
     """Whether the next token is the argmax of the raw logits (no sampling, no penalty)."""
-    return not options.do_sample and options.repetition_penalty == 1.0
+    return (
+        not options.do_sample
+        and options.repetition_penalty == 1.0
+        and options.presence_penalty == 0.0
+        and options.frequency_penalty == 0.0
+    )
 
 
 def choose(
@@ -142,6 +183,7 @@ def choose(
     options: SearchOptions,
     eos: set[int],
     rng: np.random.Generator,
+    prompt_length: int = 0,
 ) -> int:
     """The next token of a row whose device argmax is ``argmax`` (None when not computed):
     that argmax when plain greedy allows it, else picked from ``logits()`` (read only
@@ -149,4 +191,4 @@ def choose(
     masked = argmax in eos and len(history) < options.min_length
     if plain_greedy(options) and argmax is not None and not masked:
         return argmax
-    return pick(masked_logits(logits(), history, options, eos), options, rng, ())
+    return pick(masked_logits(logits(), history, options, eos, prompt_length), options, rng, ())

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .cli_args import (
+    FINITE,
     NON_NEGATIVE,
     NON_NEGATIVE_INT,
     POSITIVE,
@@ -83,6 +84,18 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=POSITIVE, default=1.0)
     g.add_argument("--min-p", type=NON_NEGATIVE, default=0.0)
     g.add_argument("--repetition-penalty", type=POSITIVE, default=1.0)
+    g.add_argument(
+        "--presence-penalty",
+        type=FINITE,
+        default=0.0,
+        help="subtracted once from the logit of each token generated so far ([-2, 2])",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=FINITE,
+        default=0.0,
+        help="times its count, subtracted from the logit of each token generated so far",
+    )
     g.add_argument("--seed", type=NON_NEGATIVE_INT, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument(
@@ -98,6 +111,8 @@ def search_kwargs(args: argparse.Namespace) -> dict:
         "top_p": args.top_p,
         "min_p": args.min_p,
         "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
         "seed": args.seed,
     }
 

@@ -26,13 +26,13 @@ COMMON_FIELDS = (
     "stream",
     "stream_options",
     "n",
+    "presence_penalty",
+    "frequency_penalty",
     "user",
 )
 #: Fields OpenAI defines that this server accepts only at their neutral value, which
 #: changes nothing: a request asking for more is refused rather than served without it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
@@ -101,17 +101,25 @@ class GenerationRequest:
     include_usage: bool
     #: Answers (choices) to generate for the prompt, each in its own row.
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def search_options(self, index: int = 0) -> dict[str, Any]:
         """The engine's search options of answer ``index``: temperature 0 is greedy, above 0
-        samples (with a ``seed``, answer i samples from ``seed + i``)."""
+        samples (with a ``seed``, answer i samples from ``seed + i``); the presence and
+        frequency penalties apply either way."""
+        penalties = {
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
         if self.temperature == 0:
-            return {"do_sample": False}
+            return {"do_sample": False, **penalties}
         return {
             "do_sample": True,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": None if self.seed is None else self.seed + index,
+            **penalties,
         }
 
 
@@ -176,6 +184,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         stream=stream,
         include_usage=_include_usage(body.get("stream_options"), stream),
         n=n,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, low_open=False),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, low_open=False),
     )
 
 

@@ -237,6 +237,8 @@ def test_concurrent_clients_get_the_answers_served_alone(server, reference):
         ("top_p", 0, "top_p"),
         ("max_tokens", 0, "max_tokens"),
         ("max_tokens", True, "max_tokens"),
+        ("presence_penalty", 2.5, "presence_penalty"),
+        ("frequency_penalty", "high", "frequency_penalty"),
         ("n", 0, "n"),
         ("n", 17, "n"),
         ("n", 1.5, "n"),
@@ -536,3 +538,17 @@ def test_n_answers_each_in_its_own_row(server, reference):
     }
     assert set(reasons) == {0, 1, 2}
     assert usage is not None and usage.completion_tokens == sampled.usage.completion_tokens
+
+
+def test_presence_and_frequency_penalties_answer_like_generate(server, reference_model):
+    """OpenAI's penalties reach the engine: a greedy answer with them equals ``generate``
+    with the same options in-process (and differs from the answer without them)."""
+    from onnx_genrt.engine import generate
+
+    options = {"presence_penalty": 0.6, "frequency_penalty": 1.1}
+    result = client(server).completions.create(
+        model=MODEL_NAME, prompt="import os", max_tokens=24, temperature=0, **options
+    )
+    want = generate(reference_model, "import os", 24, **options).text
+    assert result.choices[0].text == want
+    assert want != generate(reference_model, "import os", 24).text
