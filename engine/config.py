@@ -45,6 +45,9 @@ class SearchOptions:
     #: logit minus ``frequency_penalty`` times its count and ``presence_penalty`` once.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    #: Added to the logits of these token ids before every pick: {id: bias} (a mapping is
+    #: accepted; kept as sorted (id, bias) pairs). -100 bans a token in practice.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     #: Sequences a :class:`~onnx_genrt.engine.Generator` holds (one row each); see
     #: :class:`~onnx_genrt.engine.batch.SequencesGenerator`.

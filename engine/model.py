@@ -146,6 +146,12 @@ class GeneratorParams:
         if unknown:
             raise InvalidInputError(f"unknown search options {unknown}; known: {sorted(known)}")
         search = validate(dataclasses.replace(self.search, **options))
+        vocab = self.model.config.vocab_size
+        outside = [token for token, _ in search.logit_bias if token >= vocab]
+        if outside:
+            raise InvalidInputError(
+                f"logit_bias token ids {outside[:5]} are outside the vocabulary of {vocab}"
+            )
         if search.max_length > self.model.config.context_length:
             raise InvalidInputError(
                 f"max_length {search.max_length} exceeds the model's context length "

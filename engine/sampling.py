@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -74,12 +74,32 @@ def validate(
             maximum=2.0,
             error=error,
         ),
+        logit_bias=_logit_bias(options.logit_bias, name("logit_bias"), error),
         seed=seed,
         batch_size=integer(options.batch_size, name("batch_size"), minimum=1, error=error),
     )
     if checked.min_p >= 1.0:
         raise error(f"{name('min_p')} must be in [0, 1), got {checked.min_p}")
     return checked
+
+
+def _logit_bias(
+    value: Any, label: str, error: type[OnnxGenrtError]
+) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (or (id, bias) pairs) as sorted pairs; ids >= 0, biases in
+    [-100, 100]."""
+    pairs = value.items() if isinstance(value, Mapping) else value
+    try:
+        items = [(token, bias) for token, bias in pairs]
+    except (TypeError, ValueError):
+        raise error(f"{label} must map token ids to biases, got {value!r}") from None
+    checked = {
+        check_int(token, f"{label} token id", minimum=0, error=error): check_float(
+            bias, f"{label}[{token}]", minimum=-100.0, maximum=100.0, error=error
+        )
+        for token, bias in items
+    }
+    return tuple(sorted(checked.items()))
 
 
 def penalize_repetition(logits: np.ndarray, previous: Sequence[int], penalty: float) -> np.ndarray:
@@ -154,12 +174,18 @@ def masked_logits(
     prompt_length: int = 0,
 ) -> np.ndarray:
     """One row's logits after the repetition penalty (over ``history``), the presence and
-    frequency penalties (over what follows its first ``prompt_length`` tokens) and, before
-    ``min_length``, with end-of-sequence tokens ruled out (as onnxruntime-genai does)."""
+    frequency penalties (over what follows its first ``prompt_length`` tokens), the logit
+    bias and, before ``min_length``, with end-of-sequence tokens ruled out (as
+    onnxruntime-genai does)."""
     logits = penalize_repetition(logits, history, options.repetition_penalty)
     logits = penalize_presence_frequency(
         logits, history[prompt_length:], options.presence_penalty, options.frequency_penalty
     )
+    if options.logit_bias:
+        logits = np.array(logits, dtype=np.float32, copy=True)
+        for token, bias in options.logit_bias:
+            if token < logits.shape[-1]:
+                logits[token] += bias
     if eos and len(history) < options.min_length:
         logits = np.array(logits, dtype=np.float32, copy=True)
         logits[[t for t in eos if t < logits.shape[-1]]] = -np.inf
@@ -173,6 +199,7 @@ def plain_greedy(options: SearchOptions) -> bool:
         and options.repetition_penalty == 1.0
         and options.presence_penalty == 0.0
         and options.frequency_penalty == 0.0
+        and not options.logit_bias
     )
 
 

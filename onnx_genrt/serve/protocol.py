@@ -28,12 +28,12 @@ COMMON_FIELDS = (
     "n",
     "presence_penalty",
     "frequency_penalty",
+    "logit_bias",
     "user",
 )
 #: Fields OpenAI defines that this server accepts only at their neutral value, which
 #: changes nothing: a request asking for more is refused rather than served without it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "echo": (None, False),
@@ -103,6 +103,8 @@ class GenerationRequest:
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    #: (token id, bias) pairs added to the logits before every pick.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def search_options(self, index: int = 0) -> dict[str, Any]:
         """The engine's search options of answer ``index``: temperature 0 is greedy, above 0
@@ -111,6 +113,7 @@ class GenerationRequest:
         penalties = {
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias,
         }
         if self.temperature == 0:
             return {"do_sample": False, **penalties}
@@ -186,6 +189,7 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         n=n,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, low_open=False),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, low_open=False),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
 
 
@@ -244,6 +248,27 @@ def _prompt(value: Any) -> str | list[int]:
         "must be a non-empty string or a list of token ids (one prompt per request; "
         "send several requests for several prompts)",
     )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (ids as JSON keys, biases in [-100, 100])."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise bad_field("logit_bias", f"must map token ids to biases, got {value!r}")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise bad_field("logit_bias", f"keys must be token ids, got {key!r}")
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, int | float)
+            or not math.isfinite(bias)
+            or not -100 <= bias <= 100
+        ):
+            raise bad_field("logit_bias", f"biases must be numbers in [-100, 100], got {bias!r}")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def _stop(value: Any) -> tuple[str, ...]:

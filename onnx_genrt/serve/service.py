@@ -141,6 +141,12 @@ class Service:
             raise bad_field(param, str(exc)) from None
         except ModelLoadError as exc:
             raise APIError(500, str(exc), type="server_error", code="model_error") from None
+        vocab = self.model.config.vocab_size
+        outside = [token for token, _ in request.logit_bias if token >= vocab]
+        if outside:
+            raise bad_field(
+                "logit_bias", f"token ids {outside[:5]} are outside the vocabulary of {vocab}"
+            )
         room = self.scheduler.max_length - len(ids)
         if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
             raise APIError(

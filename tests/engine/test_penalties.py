@@ -1,6 +1,6 @@
-"""OpenAI's presence and frequency penalties: additive, over the generated tokens only,
-against a float64 reference, and greedy decoding with them against a plain onnxruntime loop
-that applies them itself."""
+"""OpenAI's presence and frequency penalties (additive, over the generated tokens only) and
+logit bias, against a float64 reference, and greedy decoding with them against a plain
+onnxruntime loop that applies them itself."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from onnx_genrt.engine.sampling import masked_logits
 from onnx_genrt.generate_cli import default_model_dir
 
 PRESENCE, FREQUENCY = 0.7, 0.9
+#: One token pushed down, another up.
+BIAS = {14: -3.0, 7: 2.5}
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +27,8 @@ def _reference(logits: np.ndarray, generated: list[int]) -> np.ndarray:
     out = logits.astype(np.float64)
     for token in set(generated):
         out[token] -= FREQUENCY * generated.count(token) + PRESENCE
+    for token, bias in BIAS.items():
+        out[token] += bias
     return out
 
 
@@ -32,7 +36,9 @@ def test_penalties_count_only_what_follows_the_prompt():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(64).astype(np.float32)
     prompt, generated = [3, 3, 5, 9], [5, 7, 7, 7, 63]
-    options = SearchOptions(presence_penalty=PRESENCE, frequency_penalty=FREQUENCY)
+    options = SearchOptions(
+        presence_penalty=PRESENCE, frequency_penalty=FREQUENCY, logit_bias=tuple(BIAS.items())
+    )
     got = masked_logits(logits, prompt + generated, options, set(), len(prompt))
     np.testing.assert_allclose(got, _reference(logits, generated), rtol=1e-6, atol=1e-6)
     assert got[3] == logits[3] and got[9] == logits[9]  # prompt-only tokens: untouched
@@ -70,7 +76,7 @@ def test_greedy_with_penalties_matches_a_plain_onnxruntime_loop(model, spec):
     the onnxruntime loop."""
     prompts = [model.tokenizer.encode(t) for t in ("import os\nimport sys\n", "class Foo:")]
     want = [_onnxruntime_greedy(model.folder, p, 32) for p in prompts]
-    options = {"presence_penalty": PRESENCE, "frequency_penalty": FREQUENCY}
+    options = {"presence_penalty": PRESENCE, "frequency_penalty": FREQUENCY, "logit_bias": BIAS}
     for prompt, tokens in zip(prompts, want, strict=True):
         got = generate(model, prompt, 32, min_length=len(prompt) + 32, spec=spec, **options)
         assert got.tokens == tokens
@@ -81,7 +87,18 @@ def test_greedy_with_penalties_matches_a_plain_onnxruntime_loop(model, spec):
     assert plain.tokens != want[0]  # the penalties changed the text
 
 
-@pytest.mark.parametrize("value", [2.5, -3.0, float("nan")])
-def test_penalties_outside_their_range_are_refused(model, value):
-    with pytest.raises(InvalidInputError, match="frequency_penalty"):
-        generate(model, "x", 2, frequency_penalty=value)
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -3.0),
+        ("frequency_penalty", float("nan")),
+        ("logit_bias", {5: 101}),
+        ("logit_bias", {-1: 1}),
+        ("logit_bias", {4096: 1}),
+        ("logit_bias", [1, 2]),
+    ],
+)
+def test_options_outside_their_range_are_refused(model, option, value):
+    with pytest.raises(InvalidInputError, match=option):
+        generate(model, "x", 2, **{option: value})

@@ -238,6 +238,9 @@ def test_concurrent_clients_get_the_answers_served_alone(server, reference):
         ("max_tokens", 0, "max_tokens"),
         ("max_tokens", True, "max_tokens"),
         ("presence_penalty", 2.5, "presence_penalty"),
+        ("logit_bias", {"x": 1}, "logit_bias"),
+        ("logit_bias", {"5": 101}, "logit_bias"),
+        ("logit_bias", {"999999": 1}, "logit_bias"),
         ("frequency_penalty", "high", "frequency_penalty"),
         ("n", 0, "n"),
         ("n", 17, "n"),
@@ -552,3 +555,22 @@ def test_presence_and_frequency_penalties_answer_like_generate(server, reference
     want = generate(reference_model, "import os", 24, **options).text
     assert result.choices[0].text == want
     assert want != generate(reference_model, "import os", 24).text
+
+
+def test_logit_bias_bans_a_token_like_generate(server, reference_model):
+    """``logit_bias`` reaches the engine: -100 on the token greedy decoding picks first
+    keeps it out of the answer, which equals ``generate`` with the same bias."""
+    from onnx_genrt.engine import generate
+
+    free = generate(reference_model, "import os", 12)
+    banned = free.tokens[free.prompt_tokens]
+    result = client(server).completions.create(
+        model=MODEL_NAME,
+        prompt="import os",
+        max_tokens=12,
+        temperature=0,
+        logit_bias={str(banned): -100},
+    )
+    want = generate(reference_model, "import os", 12, logit_bias={banned: -100})
+    assert result.choices[0].text == want.text != free.text
+    assert banned not in want.tokens[want.prompt_tokens :]
