@@ -6,7 +6,9 @@ rows are untouched), then every decode step feeds all running rows at once, each
 own position (the length lives in the row's attention mask). A step of ``n`` rows runs the
 smallest bucket (a power of two, or ``max_batch``) holding the highest running row, and
 replays that bucket's graph in slot PRIMARY: changing the number of rows never recaptures.
-Free rows inside the bucket run a one-token dummy sequence that nothing reads.
+Free rows inside the bucket run a one-token dummy sequence that nothing reads. With
+:meth:`BatchGenerator.speculate`, a step may instead verify each row's drafts in one step of
+``k + 1`` tokens a row (slot VERIFY; ``engine/batch_speculation.py``).
 """
 
 from __future__ import annotations
