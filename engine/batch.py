@@ -327,7 +327,11 @@ class BatchGenerator:
                 fed_by = pending[0] if isinstance(pending, list) else pending  # one piece
                 queued = (
                     self.runner.launch_rows(
-                        None, after, DeviceGraphSlot.PRIMARY, feed_argmax_of=fed_by
+                        None,
+                        after,
+                        DeviceGraphSlot.PRIMARY,
+                        feed_argmax_of=fed_by,
+                        read_hidden=need_hidden,
                     ),
                     frozenset(live),
                     size,
@@ -360,14 +364,17 @@ class BatchGenerator:
         self, live: dict[int, _Row], size: int, lengths: np.ndarray, need_logits: bool
     ) -> bool:
         """Whether to queue the next step now: every decoding row plain greedy, one graph
-        of rows, room in the cache, on a provider with asynchronous reads (unless forced)."""
+        of rows, room in the cache, on a provider with asynchronous reads (unless forced),
+        and, while the batch speculates, no verify step possible next (too many rows of
+        tokens or too little room)."""
         wanted = self.look_ahead
         if wanted is None:
             wanted = self.runner.io.reads_async
         if not wanted or need_logits or size > self.max_graph_rows:
             return False
-        if self.speculation is not None:  # the next step may verify instead
-            return False
+        spec = self.speculation
+        if spec is not None and self._may_verify(spec, live, size):
+            return False  # the next step may verify instead
         if not self.runner.device_argmax:
             return False
         return int(np.max(lengths)) + 2 <= self.max_length

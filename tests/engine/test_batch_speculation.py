@@ -290,3 +290,31 @@ def test_mtp_on_a_model_without_a_head_is_refused():
     with pytest.raises(ModelLoadError, match="speculative.json has no mtp section"):
         Scheduler(plain, spec="mtp")
     assert generate_batch(plain, [[1, 2, 3], [4, 5]], 4, spec="auto")[0].speculation["k"] == 4
+
+
+@KINDS
+def test_steps_too_wide_to_verify_look_ahead_and_equal_alone(model, kind, monkeypatch):
+    """Four rows of 4 tokens exceed graphs of 8 rows: every step is plain, and with look-ahead
+    forced on (as on a GPU) each is queued before the last is read, the rows still equal
+    their prompts alone; two rows verify again (8 rows of tokens)."""
+    monkeypatch.setattr(BatchGenerator, "look_ahead", True)
+    batch = BatchGenerator(model, 4, 128, max_graph_rows=8)
+    batch.speculate(kind, 3)
+    rows = {}
+    for text in TEXTS:
+        ids = model.tokenizer.encode(text)
+        rows[batch.add(ids, _params(model, ids, 24), ignore_eos=True)] = text
+    _run(batch)
+    for row, text in rows.items():
+        assert batch.sequence(row) == generate(model, text, 24, ignore_eos=True).tokens
+    assert batch.steps_ahead > 0 and batch.speculation.verify_steps == 0
+    batch.clear()
+    batch.speculate(kind, 3)
+    pair = {}
+    for text in TEXTS[:2]:
+        ids = model.tokenizer.encode(text)
+        pair[batch.add(ids, _params(model, ids, 24), ignore_eos=True)] = text
+    _run(batch)
+    for row, text in pair.items():
+        assert batch.sequence(row) == generate(model, text, 24, ignore_eos=True).tokens
+    assert batch.speculation.verify_steps > 0
