@@ -6,7 +6,9 @@
 # prints a summary. Logs go to $OUT when set. With no argument all parts run; `tests`, `kit`
 # (`onnx-genrt check-provider cuda`) or `bench` runs one (each fits a 10-minute call).
 # GPU_LANE_PYTEST_ARGS overrides the extra pytest arguments (default: -x); GPU_LANE_WORKERS the
-# number of pytest-xdist processes where its wheels are carried in .whl/ (default 8, 0: one).
+# number of pytest-xdist processes where its wheels are carried in .whl/ (default 8, 0: one);
+# GPU_LANE_TESTS the test paths (default "tests/providers/cuda tests/ops"), e.g. one file for
+# a short first check.
 set -euo pipefail
 
 PY="${PYTHON:-python3}"
@@ -97,7 +99,7 @@ run_tests() {
   # parametrization (tests/ops, one test on every provider), after them so that -x stops there
   # only once the CUDA provider's tests have run.
   # shellcheck disable=SC2086
-  ONNX_GENRT_REQUIRE_GPU=1 "$PY" -m pytest -q -m gpu tests/providers/cuda tests/ops \
+  ONNX_GENRT_REQUIRE_GPU=1 "$PY" -m pytest -q -m gpu ${GPU_LANE_TESTS:-tests/providers/cuda tests/ops} \
     "${workers[@]}" ${GPU_LANE_PYTEST_ARGS--x} -rA \
     --junitxml="$LOGDIR/gpu_tests.xml"
   TESTS_RC=$?
