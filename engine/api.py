@@ -16,7 +16,7 @@ from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.session import load_model
 
 from .batch import BatchGenerator
-from .batch_speculation import check_batch_spec, row_speculation
+from .batch_speculation import check_batch_spec
 from .config import SPECULATIVE_FILE
 from .generator import Generator
 from .model import GeneratorParams, Model
@@ -446,9 +446,7 @@ def generate_batch(
     ``"ngram"`` (prompt lookup) or ``"mtp"`` (the model's MTP head) verify up to ``k``
     drafts per row in each step, ``"auto"`` only while that measurably pays; a draft model
     runs one sequence."""
-    check_batch_spec(spec, k)
-    if spec is not None:
-        row_speculation(model, spec, k)  # a model without an MTP head fails first
+    check_batch_spec(spec, k)  # a missing MTP head fails in batch.speculate below
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
     stops = stop_strings(stop)
     ignore_eos = check_bool(ignore_eos, "ignore_eos")

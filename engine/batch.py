@@ -342,7 +342,9 @@ class BatchGenerator:
                 # A masked pick reads this step's logits, which the queued step overwrote:
                 # drop it and run this step again (the same keys and values).
                 queued = None
-                argmax, logits, hidden = self._finish(self._launch(tokens, lengths, need_logits))
+                argmax, logits, hidden = self._finish(
+                    self._launch(tokens, lengths, need_logits, need_hidden)
+                )
             new = {}
             for i, row in live.items():
                 token = self._pick(

@@ -260,8 +260,8 @@ PREFILL_VARIANT = 1 << 40
 @dataclass
 class PendingRows:
     """A queued batched step (:meth:`DecoderRunner.launch_rows`): its buffers, rows, slot,
-    whether its logits are read back, the call that waits for the read-back, and the
-    tokens each row fed."""
+    whether its logits are read back, the call that waits for the read-back, and how many
+    tokens each row fed (``width``)."""
 
     bufs: StepBuffers
     rows: int

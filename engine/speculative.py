@@ -265,7 +265,8 @@ class SpeculativeGenerator(Generator):
                 token = self._choose(out, i, history)
                 ok = draft is not None and draft == token
             else:
-                token, ok = self._accept(self.row_logits(out, i, history), draft)
+                logits = self.row_logits(out, i, history)
+                token, ok = accept_draft(logits, draft, self.search, self.rng)
             new.append(token)
             history.append(token)
             if not ok or token in self.eos:
@@ -339,10 +340,6 @@ class SpeculativeGenerator(Generator):
         self._chained = None
         self._queued = None
         super().rewind_to(length)
-
-    def _accept(self, logits: np.ndarray, draft: int | None) -> tuple[int, bool]:
-        """(token to emit, whether it was the draft): :func:`accept_draft`."""
-        return accept_draft(logits, draft, self.search, self.rng)
 
 
 def accept_draft(

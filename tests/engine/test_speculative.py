@@ -222,20 +222,17 @@ def test_rejection_rule_preserves_the_target_distribution():
     logits = rng.standard_normal(12).astype(np.float32) * 2
     options = SearchOptions(do_sample=True, temperature=0.8, top_k=0, top_p=1.0)
 
-    class Probe(SpeculativeGenerator):
-        def __init__(self):  # only the acceptance rule is exercised
-            self.search = options
-            self.rng = np.random.default_rng(1)
-
-    probe = Probe()
     from onnx_genrt.engine.sampling import distribution
+    from onnx_genrt.engine.speculative import accept_draft
+
+    draw = np.random.default_rng(1)
 
     p = distribution(logits, options)
     draft = int(np.argsort(p)[len(p) // 2])  # a middling draft: accepted sometimes
     counts = np.zeros(p.size)
     accepted = 0
     for _ in range(40_000):
-        token, ok = probe._accept(logits, draft)
+        token, ok = accept_draft(logits, draft, options, draw)
         counts[token] += 1
         accepted += ok
         assert not ok or token == draft
