@@ -657,7 +657,10 @@ class DecoderRunner:
             self.io.copy(feed_argmax_of.bufs.argmax, bufs.ids)
         # one graph per row count and width (a batch's verify steps beside its decode steps)
         variant = self.variant_base + rows + (width - 1) * (self.cache.rows + 1)
-        self.session.run_with_iobinding(binding, slot, variant=variant)
+        if slot is None:  # eager, as ``launch`` runs a prefill
+            self.session.run_eager_with_iobinding(binding)
+        else:
+            self.session.run_with_iobinding(binding, slot, variant=variant)
         device_argmax = bufs.argmax is not None
         reads = [bufs.nonfinite, bufs.argmax] if device_argmax else []
         with_logits = read_logits or not device_argmax

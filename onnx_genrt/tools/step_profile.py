@@ -1,7 +1,10 @@
 """``onnx-genrt profile``: where one decode step's time goes: the whole step, the graph
 replay alone, and each op.
 
-    onnx-genrt profile --model DIR --provider cuda [--width 1] [--top 12]
+    onnx-genrt profile --model DIR --provider cuda [--width 1 | --rows N] [--top 12]
+
+``--rows N`` times a batched decode step instead: N rows of one token each, every row at
+``--context`` cached positions (a continuous batch's step, ``BatchGenerator``).
 
 - ``step``: a graphed step as generation runs it (write ids and mask, replay, read back the
   token ids and the non-finite probe);
@@ -85,12 +88,14 @@ def profile_nodes(
     repeats: int,
     then: Callable[[], None] | None = None,
     then_session: Any = None,
+    step: Callable[[], None] | None = None,
 ) -> list[NodeTime]:
     """Each node of one eager step of ``width`` tokens, timed alone; median of ``repeats``.
 
     ``then()`` runs more eager work after the step (the MTP chain) on ``then_session``,
-    whose nodes are timed the same way. Nodes are timed through the sessions' launch hooks
-    (``InferenceSession.on_launch``)."""
+    whose nodes are timed the same way. ``step()``: the eager step itself, instead of one
+    of ``width`` tokens after the runner's cache (a batched step, say). Nodes are timed
+    through the sessions' launch hooks (``InferenceSession.on_launch``)."""
     provider = runner.session.main_provider
     start, stop, sync = _timer(provider)
     times: dict[int, list[float]] = defaultdict(list)
@@ -115,7 +120,10 @@ def profile_nodes(
             for _ in range(repeats):
                 position["next"] = 0
                 runner.rewind_to(length)
-                runner.forward(list(range(7, 7 + width)), None, width)
+                if step is None:
+                    runner.forward(list(range(7, 7 + width)), None, width)
+                else:
+                    step()
                 if then is not None:
                     then()
                 sync()
@@ -181,6 +189,54 @@ def profile_step(
     }
 
 
+def profile_rows(
+    folder: Path, provider: Any, rows: int, context: int, steps: int
+) -> dict[str, Any]:
+    """A batched decode step of ``rows`` rows, one token each, every row after ``context``
+    cached positions: timed as a batch runs it (graphed, its argmax read back), its graph
+    replayed alone, and its nodes run eagerly and timed alone."""
+    import numpy as np
+
+    from onnx_genrt.engine import Model
+    from onnx_genrt.session.slot_runner import VARIANT_PARTS
+
+    model = Model(folder, provider)
+    batch = model.take_batch(rows, context + 2)
+    runner = batch.runner
+    prompt = np.tile(np.arange(1, context + 1, dtype=np.int64), (rows, 1))
+    runner.finish_rows(runner.launch_rows(prompt, np.zeros(rows, np.int64), None))
+    tokens = np.full(rows, 7, np.int64)
+    lengths = np.full(rows, context, np.int64)
+    slot = DeviceGraphSlot.PRIMARY
+    step_times = []
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        runner.finish_rows(runner.launch_rows(tokens, lengths, slot))
+        if i >= 3:
+            step_times.append((time.perf_counter() - t0) * 1e3)
+    prov = runner.session.main_provider
+    part = (runner.variant_base + rows) * VARIANT_PARTS  # a one-token step of ``rows`` rows
+    replay_ms = float("nan")
+    if prov.has_graph(slot, part):
+        prov.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            prov.replay(slot, part)
+        prov.synchronize()
+        replay_ms = (time.perf_counter() - t0) * 1e3 / steps
+
+    def step() -> None:
+        runner.finish_rows(runner.launch_rows(tokens, lengths, None))
+
+    nodes = profile_nodes(runner, 1, repeats=5, step=step)
+    return {
+        "step_ms": statistics.median(step_times),
+        "replay_ms": replay_ms,
+        "nodes": nodes,
+        "stats": model.session.all_graph_stats().get(slot.value, {}),
+    }
+
+
 def report(result: dict[str, Any], top: int) -> str:
     nodes: list[NodeTime] = result["nodes"]
     total = sum(n.ms for n in nodes)
@@ -207,13 +263,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The step flags, then the step's width, the nodes listed and ``--mtp``."""
     add_step_arguments(p)
     p.add_argument("--width", type=POSITIVE_INT, default=1, help="tokens per step (1 = decode)")
+    p.add_argument(
+        "--rows",
+        type=POSITIVE_INT,
+        default=None,
+        help="a batched decode step of this many rows instead, one token each, every row "
+        "after --context cached positions",
+    )
     p.add_argument("--top", type=POSITIVE_INT, default=12, help="slowest nodes listed")
     p.add_argument("--mtp", action="store_true", help="verify step + the MTP chain after it")
 
 
 def run(a: argparse.Namespace) -> int:
     """``onnx-genrt profile``: time the step, print the report."""
-    result = profile_step(model_folder(a), step_providers(a), a.width, a.context, a.steps, a.mtp)
+    if a.rows is not None:
+        if a.width != 1 or a.mtp:
+            raise InvalidInputError(
+                "--rows times one-token decode steps: leave out --width and --mtp"
+            )
+        result = profile_rows(model_folder(a), step_providers(a), a.rows, a.context, a.steps)
+    else:
+        result = profile_step(
+            model_folder(a), step_providers(a), a.width, a.context, a.steps, a.mtp
+        )
     print(report(result, a.top))
     return 0
 

@@ -30,6 +30,7 @@ from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
 from .kernels.contrib_attention import (
     ATTENTION_CLUSTER_MAX_KEYS,
+    ATTENTION_CLUSTER_MAX_ROWS,
     ATTENTION_FLASH_MIN_ROWS,
     ATTENTION_GEMM_MIN_ROWS,
 )
@@ -126,6 +127,16 @@ class CUDAProvider(ExecutionProvider):
             "8-block cluster per row (sm_90+; 0: any); a longer cache spreads over many "
             "blocks per row (attention_grouped_decode)",
             env="ONNX_GENRT_ATTENTION_CLUSTER_MAX_KEYS",
+        ),
+        ProviderOption(
+            "attention_cluster_max_rows",
+            ATTENTION_CLUSTER_MAX_ROWS,
+            "query rows (batch rows x new tokens) up to which decode and verify attention on a "
+            "short cache run the cluster kernel; more rows run the grouped kernel, faster for "
+            "a large batch (8: 32 streams 1.3x on an H100) but rounded differently, so a row's "
+            "greedy tokens may then depend on the rows sharing its step (0: the cluster "
+            "kernel for any number of rows, the same tokens)",
+            env="ONNX_GENRT_ATTENTION_CLUSTER_MAX_ROWS",
         ),
         ProviderOption(
             "attention_grouped_decode",

@@ -71,3 +71,24 @@ def test_step_tools_take_the_cpu_threads(command: str, capsys: pytest.CaptureFix
     finally:
         wp.set_pool_threads(before)
     assert "ms" in capsys.readouterr().out
+
+
+def test_profile_rows_times_a_batched_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """--rows N: a continuous batch's decode step of N rows, graphed (replaying its bucket
+    graph) and node by node eagerly (every node of the model's step is timed)."""
+    assert main(["profile", "--rows", "3", "--steps", "3", "--top", "2", "--context", "8"]) == 0
+    text = capsys.readouterr().out
+    head = re.match(
+        r"step ([\d.]+) ms \| graph replay alone ([\d.]+) ms \| sum of (\d+) nodes", text
+    )
+    assert head and float(head[2]) > 0, text  # nan when no bucket graph was captured
+    model = onnx.load(str(default_model_path() / "model.onnx"), load_external_data=False)
+    attention = sum(n.op_type == "GroupQueryAttention" for n in model.graph.node)
+    assert re.search(rf"^GroupQueryAttention\s+{attention}\s", text, re.M), text
+    assert int(head[3]) >= len(model.graph.node) // 2, text
+
+
+def test_profile_rows_refuses_a_width(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "--rows", "2", "--width", "3", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--rows times one-token decode steps" in err, err

@@ -35,8 +35,9 @@ sync). The attention kernel has one block per (split, query head, batch x query 
   which it sets back to zero) merges the partials from global memory. Both merge in a
   fixed order (deterministic).
 
-Decode / verify over a cache longer than the provider's ``attention_cluster_max_keys`` runs
-the grouped decode kernel instead (``_gqa_decode``: one block per split, KV head and row,
+Decode / verify over a cache longer than the provider's ``attention_cluster_max_keys``, or
+with more query rows (a batch's rows times new tokens) than its ``attention_cluster_max_rows``,
+runs the grouped decode kernel instead (``_gqa_decode``: one block per split, KV head and row,
 scoring the group's query heads against each key it loads, so each key is read once per
 split rather than once per query head; splits sized from the capacity and the SM count,
 merged in two fixed-order levels). Calls it has no instance for (more than 8 query heads per
@@ -126,6 +127,16 @@ CLUSTER_MIN_CHUNK = 64
 #: 2026-12-04) the many-split kernel decoded 1150 / 893 / 647 tok/s after 256 / 8192 / 30000
 #: tokens against the cluster's 1191 / 735 / 351; a 4096-position cache keeps the cluster.
 ATTENTION_CLUSTER_MAX_KEYS = 4096
+#: Default of the CUDA provider's ``attention_cluster_max_rows``: query rows (batch x new
+#: tokens) up to which decode / verify keep the cluster kernel on a short cache (0: any). It
+#: launches 8 blocks per query row and head, so its cost grows with the rows (H100, 0.5B
+#: shape, 96 cached positions, us per layer: 10.8 / 12.4 / 20.5 / 36.3 at 1 / 8 / 16 / 32
+#: rows) while the grouped decode kernel's stays near 15.6: with 8, 32 streams decode 19.5k
+#: instead of 14.9k tok/s (docs/performance.md, 2026-12-05). Off by default: the two kernels
+#: round differently, so a row's tokens would depend on how many rows share its step (a
+#: batched row against the prompt alone, a verify step of more than 8 tokens against plain
+#: decoding), and greedy batching and speculation promise the same tokens.
+ATTENTION_CLUSTER_MAX_ROWS = 0
 #: Decode / verify over a cache longer than ``attention_cluster_max_keys``: the grouped decode
 #: kernel (``_gqa_decode``) where it has an instance; False: the many-split ``gqa_attn`` (for
 #: measurement; the provider's ``attention_grouped_decode`` turns it off per provider).
@@ -1137,12 +1148,21 @@ def _cluster_fits(ctx: KernelContext, call: _GqaCall, fuse: bool) -> bool:
     return bool(fuse and CLUSTER and _cc_major() >= 9 and _short_cache(ctx, call))
 
 
+def _many_rows(ctx: KernelContext, call: _GqaCall) -> bool:
+    """Whether the call has more query rows (batch x new tokens) than the provider's
+    ``attention_cluster_max_rows`` (0: never), which the cluster kernel serves well."""
+    most = int(ctx.option("attention_cluster_max_rows", ATTENTION_CLUSTER_MAX_ROWS))
+    return most > 0 and call.batch * call.new > most
+
+
 def _grouped_decode_fits(ctx: KernelContext, call: _GqaCall) -> bool:
     """Whether the grouped decode kernel takes a decode / verify call: a cache longer than
-    ``attention_cluster_max_keys``, the kernel on (GROUPED_DECODE and the provider's
-    ``attention_grouped_decode``) and an instance for the call (``decode_call_problem``)."""
+    ``attention_cluster_max_keys`` or more query rows than ``attention_cluster_max_rows``,
+    the kernel on (GROUPED_DECODE and the provider's ``attention_grouped_decode``) and an
+    instance for the call (``decode_call_problem``)."""
     on = GROUPED_DECODE and bool(ctx.option("attention_grouped_decode", False))
-    return on and not _short_cache(ctx, call) and decode_call_problem(call) is None
+    wanted = not _short_cache(ctx, call) or _many_rows(ctx, call)
+    return on and wanted and decode_call_problem(call) is None
 
 
 def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool) -> None:

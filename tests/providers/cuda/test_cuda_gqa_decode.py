@@ -237,6 +237,30 @@ def test_grouped_decode_is_chosen_for_long_caches(cp, rng, launched, options, h,
     assert {k[: len(kernel)] for k in _attention(launched)} == {kernel}, launched
 
 
+@pytest.mark.parametrize(
+    "b,s,most,kernel",
+    [
+        (16, 1, 8, "gqa_decode"),
+        (4, 5, 8, "gqa_decode"),
+        (8, 1, 8, "gqa_attn"),
+        (16, 1, 0, "gqa_attn"),
+    ],
+    ids=["16-rows", "4-rows-verify5", "8-rows", "16-rows-option-0"],
+)
+def test_many_rows_on_a_short_cache_take_the_grouped_kernel(cp, rng, launched, b, s, most, kernel):
+    """A batch's decode (or verify) step of more query rows than attention_cluster_max_rows
+    runs the grouped kernel on a short cache (the cluster kernel's 8 blocks per row and head
+    cost more there), and matches float64; up to that many rows (or with the option 0) the
+    cluster kernel (many-split before sm_90) keeps it."""
+    totals = [int(t) for t in rng.integers(s, 257, b)]
+    c = dict(b=b, s=s, h=14, kvh=2, d=64, cap=256, totals=totals)
+    inputs, attrs = gqa_inputs(rng, c, np.float16)
+    prov = _provider(attention_cluster_max_keys=4096, attention_cluster_max_rows=most)
+    got, _, _ = _run(cp, prov, c, inputs[:9], attrs)
+    assert {k[: len(kernel)] for k in _attention(launched)} == {kernel}, launched
+    close(got[0], _want(inputs, c), np.float16, what="output")
+
+
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 @pytest.mark.parametrize("s", [1, 5])
 def test_grouped_decode_one_graph_follows_the_device_length(cp, rng, launched, s, dtype):
