@@ -27,6 +27,7 @@ from onnx_genrt.core.locking import SingleUser
 from .batch_speculation import RowSpeculation, row_speculation
 from .config import SearchOptions
 from .decoder import DecoderRunner, PendingRows
+from .logprobs import TokenLogprob, check_top_logprobs, token_logprob
 from .model import GeneratorParams, Model
 from .sampling import choose, plain_greedy
 
@@ -74,10 +75,20 @@ class _Row:
     #: The target's hidden state that predicted the pending token (kept while the batch's
     #: drafts come from an MTP head).
     hidden: np.ndarray | None = None
+    #: Alternatives listed with each generated token's log-probability (None: none kept).
+    logprobs: int | None = None
+    #: Each generated token's log-probability, in order (with ``logprobs``).
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
         return self.prefilled < self.prompt_length
+
+    def record(self, tokens: Sequence[int], logits: Sequence[np.ndarray] | np.ndarray) -> None:
+        """Keep the log-probabilities of ``tokens``, token j picked from ``logits[j]``."""
+        if self.logprobs is not None:
+            for token, row in zip(tokens, logits, strict=False):
+                self.token_logprobs.append(token_logprob(row, token, self.logprobs))
 
 
 class BatchGenerator:
@@ -157,9 +168,12 @@ class BatchGenerator:
         *,
         ignore_eos: bool = False,
         chunk: int | None = None,
+        logprobs: int | None = None,
     ) -> int:
         """Take the lowest free row for ``prompt`` and return it. The row ends at
-        ``params``' max_length (at most this batch's).
+        ``params``' max_length (at most this batch's). With ``logprobs`` (0-20), the row
+        keeps each generated token's log-probability and that many likeliest alternatives
+        (:meth:`last_logprobs`); its steps then read its logits back.
 
         Without ``chunk`` (or with a prompt of at most ``chunk`` tokens) the prompt is
         prefilled now and the row's first token picked. Otherwise the row prefills
@@ -187,12 +201,14 @@ class BatchGenerator:
             )
         if chunk is not None:
             chunk = check_int(chunk, "prefill chunk", minimum=1)
+        top = check_top_logprobs(logprobs)
         with self._user:
             index = min(set(range(self.max_batch)) - self.rows.keys())
             eos = set(self.model.config.eos_token_ids)
             if check_bool(ignore_eos, "ignore_eos"):
                 eos = set()
             row = _Row(list(ids), len(ids), search, eos, np.random.default_rng(search.seed))
+            row.logprobs = top
             self._ahead = None  # queued for the rows before: a new row must not reuse it
             self._row_runner(index).rewind_to(0)
             self.rows[index] = row
@@ -235,6 +251,7 @@ class BatchGenerator:
             token = self._pick(row, out.tokens[-1], lambda: out.logits[-1])
             row.tokens.append(token)
             row.new = [token]
+            row.record(row.new, out.logits[-1:])
             spec = self.speculation
             if spec is not None and spec.needs_hidden and out.hidden is not None:
                 row.hidden = np.array(out.hidden[last])
@@ -311,7 +328,9 @@ class BatchGenerator:
             tokens[i] = row.tokens[-1]
         # Greedy rows take the device argmax; one whose argmax is end of sequence before its
         # min_length reads its own logits row after the step (``_row_logits``).
-        need_logits = any(not plain_greedy(r.search) for r in live.values())
+        need_logits = any(
+            not plain_greedy(r.search) or r.logprobs is not None for r in live.values()
+        )
         spec = self.speculation
         need_hidden = spec is not None and spec.needs_hidden
         with self.model.session.exclusive():
@@ -355,6 +374,8 @@ class BatchGenerator:
                 row.tokens.append(token)
                 row.new = [token]
                 new[i] = [token]
+                if row.logprobs is not None:
+                    row.record(row.new, [logits[i]])
                 if hidden is not None:
                     row.hidden = np.array(hidden[i, 0])
                 if token != int(argmax[i]):  # the queued step was fed the argmax
@@ -454,14 +475,17 @@ class BatchGenerator:
             row.tokens.extend(kept)
             row.new = kept
             new[i] = kept
+            if row.logprobs is not None:
+                row.record(kept, logits[i])
         return new
 
     @staticmethod
     def _takes_argmax(row: _Row) -> bool:
-        """Whether every pick of the row's next tokens is the raw argmax: plain greedy, with
-        no end of sequence that ``min_length`` masks."""
+        """Whether every pick of the row's next tokens is the raw argmax, with nothing else
+        read: plain greedy, with no end of sequence that ``min_length`` masks, and no
+        log-probabilities kept."""
         masks = bool(row.eos) and len(row.tokens) < row.search.min_length
-        return plain_greedy(row.search) and not masks
+        return plain_greedy(row.search) and not masks and row.logprobs is None
 
     @staticmethod
     def _masks(row: _Row, argmax: int) -> bool:
@@ -541,6 +565,13 @@ class BatchGenerator:
     def last_tokens(self, index: int) -> list[int]:
         """The tokens the last ``add`` or ``step`` gave row ``index``."""
         return list(self.rows[index].new)
+
+    def last_logprobs(self, index: int) -> list[TokenLogprob] | None:
+        """The log-probabilities of :meth:`last_tokens` (None: the row keeps none)."""
+        row = self.rows[index]
+        if row.logprobs is None:
+            return None
+        return row.token_logprobs[len(row.token_logprobs) - len(row.new) :]
 
     def ended_by_eos(self, index: int) -> bool:
         row = self.rows[index]

@@ -29,6 +29,7 @@ from onnx_genrt.core.errors import InvalidInputError, OnnxGenrtError
 from .api import DEFAULT_MAX_NEW_TOKENS
 from .batch import BatchGenerator
 from .batch_speculation import check_batch_spec, row_speculation
+from .logprobs import TokenLogprob, check_top_logprobs
 from .model import GeneratorParams, Model
 from .stops import StopScanner, prompt_ids, stop_strings
 
@@ -58,6 +59,8 @@ class TokenEvent:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
+    #: The log-probability of each of ``token_ids`` (requests submitted with ``logprobs``).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class RequestResult:
     #: Seconds from submission to the first token, None if none came.
     time_to_first_token: float | None
     error: str | None = None
+    #: Each generated token's log-probability (None: not asked for).
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -146,6 +151,7 @@ class RequestHandle:
         self._cancel = threading.Event()
         self._text: list[str] = []
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] | None = None
         self._first: float | None = None
         self._result: RequestResult | None = None
 
@@ -221,15 +227,19 @@ class RequestHandle:
         finish: str | None = None,
         error: str | None = None,
         *,
+        logprobs: Sequence[TokenLogprob] | None = None,
         wakes: set[_LoopWaker] | None = None,
     ) -> None:
-        """Hand the consumer an event. An asyncio consumer's loop is woken now, or, given
-        ``wakes``, added to it for the caller to flush once for all its handles."""
+        """Hand the consumer an event (``logprobs``: of ``tokens``, when kept). An asyncio
+        consumer's loop is woken now, or, given ``wakes``, added to it for the caller to
+        flush once for all its handles."""
         if tokens and self._first is None:
             self._first = time.perf_counter() - self.submitted
         self._text.append(text)
         self._tokens.extend(tokens)
-        event = TokenEvent(text, tuple(tokens), finish)
+        if logprobs is not None:
+            self._logprobs = [*(self._logprobs or []), *logprobs]
+        event = TokenEvent(text, tuple(tokens), finish, tuple(logprobs or ()))
         if finish is not None:
             self._result = RequestResult(
                 "".join(self._text),
@@ -238,6 +248,7 @@ class RequestHandle:
                 self.prompt_tokens,
                 self._first,
                 error,
+                None if self._logprobs is None else list(self._logprobs),
             )
         with self._lock:
             self._pending.append(event)
@@ -284,6 +295,7 @@ class _Pending:
     max_new_tokens: int
     stop: tuple[str, ...]
     ignore_eos: bool
+    logprobs: int | None = None
 
 
 class _Running:
@@ -404,12 +416,16 @@ class Scheduler:
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop: str | Sequence[str] = (),
         ignore_eos: bool = False,
+        logprobs: int | None = None,
         **search: Any,
     ) -> RequestHandle:
         """Queue a request and return its handle. ``search``: the search options of
         :meth:`GeneratorParams.set_search_options` (``temperature``, ``top_p``, ``seed``,
-        ``do_sample``...), checked here, as are the prompt and ``max_new_tokens``."""
+        ``do_sample``...), checked here, as are the prompt and ``max_new_tokens``.
+        ``logprobs`` (0-20): every event carries its tokens' log-probabilities under the
+        model's raw logits, each with that many likeliest alternatives."""
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
+        logprobs = check_top_logprobs(logprobs)
         stops = stop_strings(stop)
         ignore_eos = check_bool(ignore_eos, "ignore_eos")
         ids = prompt_ids(self.model, prompt)
@@ -431,7 +447,9 @@ class Scheduler:
                     f"{waiting} requests already wait for a free row "
                     f"(max_queue={self.max_queue}); retry later"
                 )
-            self._queue.append(_Pending(handle, ids, params, max_new_tokens, stops, ignore_eos))
+            self._queue.append(
+                _Pending(handle, ids, params, max_new_tokens, stops, ignore_eos, logprobs)
+            )
             self._cv.notify_all()
         return handle
 
@@ -513,7 +531,11 @@ class Scheduler:
             return None
         try:
             row = batch.add(
-                pending.ids, pending.params, ignore_eos=pending.ignore_eos, chunk=self.prefill_chunk
+                pending.ids,
+                pending.params,
+                ignore_eos=pending.ignore_eos,
+                chunk=self.prefill_chunk,
+                logprobs=pending.logprobs,
             )
         except Exception as exc:  # this prompt failed (its row stays free); others go on
             with self._cv:
@@ -559,6 +581,9 @@ class Scheduler:
         assert batch is not None
         pending = running.pending
         text, tokens, hit = running.scanner.feed(tokens)
+        logprobs = batch.last_logprobs(row)
+        if logprobs is not None:  # those of the tokens kept (a stop string may cut them)
+            logprobs = logprobs[: len(tokens)]
         running.generated += len(tokens)
         with self._cv:
             self._tokens += len(tokens)
@@ -571,11 +596,11 @@ class Scheduler:
             finish = "length"
         if finish is None:
             if text or tokens:
-                pending.handle._emit(text, tokens, wakes=self._wakes)
+                pending.handle._emit(text, tokens, logprobs=logprobs, wakes=self._wakes)
             return
         if not hit:  # text held back as a possible start of a stop string
             text += running.scanner.flush()
-        pending.handle._emit(text, tokens, finish, wakes=self._wakes)
+        pending.handle._emit(text, tokens, finish, logprobs=logprobs, wakes=self._wakes)
         self._release(row, finished=True)
 
     def _retire(self, row: int, reason: str) -> None:

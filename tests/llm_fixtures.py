@@ -431,3 +431,33 @@ def nan_token_copy(source: Path, target: Path, token: int) -> Path:
     (target / "model.onnx.data").unlink()
     onnx.save(proto, target / "model.onnx")  # small enough to hold its weights inline
     return target
+
+
+def ort_forced(folder: Path, prompt: list[int], continuation: list[int]) -> np.ndarray:
+    """onnxruntime on a model folder (CPU, growing KV cache), teacher-forced: prefill
+    ``prompt``, then feed ``continuation`` one token a step. Logits ``[P + C, vocab]``."""
+    import onnxruntime as ort
+
+    from onnx_genrt.engine import load_config
+
+    cfg = load_config(folder)
+    sess = ort.InferenceSession(str(cfg.model_path), providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in sess.get_outputs()]
+    past = {
+        i.name: np.zeros((1, cfg.num_kv_heads, 0, cfg.head_size), np.float32)
+        for i in sess.get_inputs()
+        if i.name.startswith("past_key_values")
+    }
+    rows, feed, length = [], list(prompt), 0
+    for nxt in [*continuation, None]:
+        length += len(feed)
+        feeds = {
+            "input_ids": np.array([feed], np.int64),
+            "attention_mask": np.ones((1, length), np.int64),
+            **past,
+        }
+        results = dict(zip(outputs, sess.run(None, feeds), strict=True))
+        rows.append(results["logits"][0])
+        past = {k: results[k.replace("past_key_values", "present")] for k in past}
+        feed = [nxt]
+    return np.concatenate(rows)

@@ -1,19 +1,28 @@
 """The OpenAI request and response shapes: parse and check request bodies, build responses.
 
 Requests are checked field by field; an unknown field, a value of the wrong type or out
-of range, or a feature this server does not have (logprobs, tools) is an
+of range, or a feature this server does not have (echo, tools) is an
 :class:`APIError` with status 400 naming the field (``param``), never ignored.
+
+``logprobs`` are those of the model's own distribution (``log_softmax`` of the raw logits),
+before penalties, ``logit_bias``, temperature or ``top_p`` shape what is sampled, as vLLM
+reports them by default. A log-probability of minus infinity is written as -9999.0 (JSON has
+no infinity).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from onnx_genrt.engine.logprobs import TokenLogprob
 
 #: Fields both endpoints accept.
 COMMON_FIELDS = (
@@ -34,8 +43,6 @@ COMMON_FIELDS = (
 #: Fields OpenAI defines that this server accepts only at their neutral value, which
 #: changes nothing: a request asking for more is refused rather than served without it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -44,8 +51,14 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}),
 }
-COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt")
-CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens")
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "logprobs")
+CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs")
+#: Most alternatives per position: chat's ``top_logprobs``, completions' ``logprobs``
+#: (OpenAI's limits).
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+#: What a log-probability of minus infinity is written as.
+LOGPROB_FLOOR = -9999.0
 #: OpenAI allows at most four stop sequences.
 MAX_STOP = 4
 #: Most answers (``n``) one request may ask for; each takes a row of the batch.
@@ -105,6 +118,8 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     #: (token id, bias) pairs added to the logits before every pick.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Alternatives listed with each token's log-probability; None: no log-probabilities.
+    logprobs: int | None = None
 
     def search_options(self, index: int = 0) -> dict[str, Any]:
         """The engine's search options of answer ``index``: temperature 0 is greedy, above 0
@@ -190,6 +205,7 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0, low_open=False),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, low_open=False),
         logit_bias=_logit_bias(body.get("logit_bias")),
+        logprobs=_logprobs(body, chat),
     )
 
 
@@ -248,6 +264,34 @@ def _prompt(value: Any) -> str | list[int]:
         "must be a non-empty string or a list of token ids (one prompt per request; "
         "send several requests for several prompts)",
     )
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """Chat: ``logprobs`` true, with ``top_logprobs`` (0-20) alternatives; completions:
+    ``logprobs`` (0-5) alternatives. None: no log-probabilities."""
+    value = body.get("logprobs")
+    if not chat:
+        if value is None:
+            return None
+        if _not_int(value) or not 0 <= value <= MAX_COMPLETION_LOGPROBS:
+            raise bad_field(
+                "logprobs",
+                f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] (alternatives per "
+                f"token), got {value!r}",
+            )
+        return value
+    if value is not None and not isinstance(value, bool):
+        raise bad_field("logprobs", f"must be true or false, got {value!r}")
+    top = body.get("top_logprobs")
+    if top is not None and (_not_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise bad_field(
+            "top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}"
+        )
+    if not value:
+        if top:
+            raise bad_field("top_logprobs", "needs logprobs: true")
+        return None
+    return top or 0
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -312,6 +356,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def logprobs_body(
+    request: GenerationRequest,
+    entries: Sequence[TokenLogprob],
+    token_text: Callable[[int], str],
+    offset: int = 0,
+) -> dict[str, Any]:
+    """A choice's ``logprobs`` for ``entries`` (its tokens in order): chat's ``content``
+    list, or the completions' parallel lists, whose ``text_offset`` counts from ``offset``
+    (the characters of the answer before these tokens) and whose ``top_logprobs`` hold the
+    likeliest tokens and the chosen one."""
+    if request.chat:
+        content = [
+            {
+                **_token_entry(e.token, e.logprob, token_text),
+                "top_logprobs": [_token_entry(t, lp, token_text) for t, lp in e.top],
+            }
+            for e in entries
+        ]
+        return {"content": content, "refusal": None}
+    tokens = [token_text(e.token) for e in entries]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_finite(e.logprob) for e in entries],
+        "top_logprobs": [
+            {token_text(t): _finite(lp) for t, lp in (*e.top, (e.token, e.logprob))}
+            for e in entries
+        ],
+        "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1],
+    }
+
+
+def _token_entry(token: int, logprob: float, token_text: Callable[[int], str]) -> dict[str, Any]:
+    text = token_text(token)
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def completion_body(
     request: GenerationRequest,
     response_id: str,
@@ -319,23 +403,26 @@ def completion_body(
     answers: list[tuple[str, str]],
     prompt_tokens: int,
     completion_tokens: int,
+    logprobs: Sequence[dict[str, Any] | None] = (),
 ) -> dict[str, Any]:
     """A whole (non-streamed) response of either endpoint: one choice per (text, finish
-    reason) of ``answers``; ``completion_tokens`` counts them all."""
+    reason) of ``answers``, with its ``logprobs_body`` where given; ``completion_tokens``
+    counts them all."""
     choices = []
     for index, (text, finish_reason) in enumerate(answers):
+        probs = logprobs[index] if index < len(logprobs) else None
         if request.chat:
             choice = {
                 "index": index,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": probs,
                 "finish_reason": finish_reason,
             }
         else:
             choice = {
                 "index": index,
                 "text": text,
-                "logprobs": None,
+                "logprobs": probs,
                 "finish_reason": finish_reason,
             }
         choices.append(choice)
@@ -359,10 +446,11 @@ def chunk_body(
     finish_reason: str | None = None,
     usage_counts: dict[str, int] | None = None,
     index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk of answer ``index``: a piece of text, the role (chat's first
-    chunk), the finish reason (last chunk), or, with ``usage_counts``, the usage chunk (no
-    choices)."""
+    """One streamed chunk of answer ``index``: a piece of text (with its tokens'
+    ``logprobs_body``), the role (chat's first chunk), the finish reason (last chunk), or,
+    with ``usage_counts``, the usage chunk (no choices)."""
     if usage_counts is not None:
         choices: list[dict[str, Any]] = []
     elif request.chat:
@@ -372,11 +460,16 @@ def chunk_body(
         if text is not None:
             delta["content"] = text
         choices = [
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         ]
     else:
         choices = [
-            {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         ]
     body: dict[str, Any] = {
         "id": response_id,

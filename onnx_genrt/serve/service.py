@@ -4,15 +4,17 @@ answers of one request, whole or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from onnx_genrt.core.errors import InvalidInputError, ModelLoadError
 from onnx_genrt.engine.decoder import PREFILL_WIDTHS
+from onnx_genrt.engine.logprobs import TokenLogprob
 from onnx_genrt.engine.model import Model
 from onnx_genrt.engine.scheduler import (
     QueueFullError,
@@ -31,6 +33,7 @@ from .protocol import (
     bad_field,
     chunk_body,
     completion_body,
+    logprobs_body,
     new_id,
     now,
     sse,
@@ -77,6 +80,18 @@ class Service:
         self._draining = threading.Event()
         self._drained = threading.Event()
         self._drain_lock = threading.Lock()
+
+    @functools.cached_property
+    def token_text(self) -> Callable[[int], str]:
+        """A token id's text, special tokens included (cached per id): the ``token`` of
+        each log-probability entry."""
+        tokenizer = self.model.tokenizer
+
+        @functools.lru_cache(maxsize=65536)
+        def text(token: int) -> str:
+            return tokenizer.decode([token], skip_special_tokens=False)
+
+        return text
 
     # -- life cycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -141,6 +156,11 @@ class Service:
             raise bad_field(param, str(exc)) from None
         except ModelLoadError as exc:
             raise APIError(500, str(exc), type="server_error", code="model_error") from None
+        if request.logprobs is not None:
+            try:
+                self.token_text  # noqa: B018 (the tokenizer names the tokens)
+            except ModelLoadError as exc:
+                raise bad_field("logprobs", f"needs the model's tokenizer: {exc}") from None
         vocab = self.model.config.vocab_size
         outside = [token for token, _ in request.logit_bias if token >= vocab]
         if outside:
@@ -165,6 +185,7 @@ class Service:
                         ids,
                         max_new_tokens=request.max_tokens or room,
                         stop=request.stop,
+                        logprobs=request.logprobs,
                         **request.search_options(index),
                     )
                 )
@@ -194,10 +215,11 @@ class Service:
         watcher = asyncio.create_task(_cancel_on_disconnect(http, handles))
         timed = [False]  # time to first token: of the request's first answer to have one
 
-        async def collect(handle: RequestHandle) -> tuple[str, int, str]:
+        async def collect(handle: RequestHandle) -> tuple[str, int, str, list[TokenLogprob]]:
             pieces: list[str] = []
             tokens = 0
             reason = "cancelled"
+            logprobs: list[TokenLogprob] = []
             try:
                 async for batch in handle.stream_batches():
                     if not timed[0] and any(event.token_ids for event in batch):
@@ -205,28 +227,33 @@ class Service:
                         self.counters.first_token(time.perf_counter() - arrival)
                     tokens += sum(len(event.token_ids) for event in batch)
                     pieces += [event.text for event in batch]
+                    logprobs += [entry for event in batch for entry in event.logprobs]
                     if batch[-1].finish_reason is not None:
                         reason = batch[-1].finish_reason
             finally:
                 if reason == "cancelled":
                     handle.cancel()
                 self.counters.request_finished(reason)
-            return "".join(pieces), tokens, reason
+            return "".join(pieces), tokens, reason, logprobs
 
         try:
             answers = await asyncio.gather(*(collect(handle) for handle in handles))
         finally:
             watcher.cancel()
-        for handle, (_, _, reason) in zip(handles, answers, strict=True):
+        for handle, (_, _, reason, _) in zip(handles, answers, strict=True):
             if reason not in ("stop", "length"):
                 return error_response(_ended_early(handle, reason))
+        logprobs = []
+        if request.logprobs is not None:
+            logprobs = [logprobs_body(request, e, self.token_text) for *_, e in answers]
         body = completion_body(
             request,
             new_id(request.chat),
             now(),
-            [(text, reason) for text, _, reason in answers],
+            [(text, reason) for text, _, reason, _ in answers],
             handles[0].prompt_tokens,
-            sum(tokens for _, tokens, _ in answers),
+            sum(tokens for _, tokens, _, _ in answers),
+            logprobs,
         )
         return JSONResponse(body)
 
@@ -239,6 +266,20 @@ class Service:
         answers cancelled; an answer that fails ends the stream with its error."""
         rid, created = new_id(request.chat), now()
         text_events = [TextChunks(request, rid, created, i).event for i in range(len(handles))]
+        if request.logprobs is not None:  # each piece with its tokens' log-probabilities
+            offsets = [0] * len(handles)  # characters of each answer so far
+
+            def piece(index: int, event: TokenEvent) -> str:
+                probs = logprobs_body(request, event.logprobs, self.token_text, offsets[index])
+                offsets[index] += sum(len(self.token_text(e.token)) for e in event.logprobs)
+                return sse(
+                    chunk_body(request, rid, created, text=event.text, index=index, logprobs=probs)
+                )
+        else:
+
+            def piece(index: int, event: TokenEvent) -> str:
+                return text_events[index](event.text)
+
         running = set(range(len(handles)))
         tokens = 0
         try:
@@ -250,7 +291,7 @@ class Service:
             async for index, batch in _merged(handles):
                 if tokens == 0 and any(event.token_ids for event in batch):
                     self.counters.first_token(time.perf_counter() - arrival)
-                out = [text_events[index](event.text) for event in batch if event.text]
+                out = [piece(index, e) for e in batch if e.text or e.logprobs]
                 tokens += sum(len(event.token_ids) for event in batch)
                 reason = batch[-1].finish_reason
                 if reason is not None:

@@ -22,6 +22,7 @@ from ..llm_fixtures import (
     export_dynamo,
     greedy_generator,
     hf_checkpoint,
+    ort_forced,  # noqa: F401 (the parity tests import it from here)
 )
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
@@ -82,36 +83,6 @@ def engine_greedy(model, prompt: list[int], steps: int) -> tuple[np.ndarray, lis
 def engine_generate(model, prompt: list[int], new: int) -> list[int]:
     """New tokens from our Generator, greedy, with eos ignored."""
     return greedy_generator(model, prompt, new).get_sequence()[len(prompt) :]
-
-
-def ort_forced(folder: Path, prompt: list[int], continuation: list[int]) -> np.ndarray:
-    """onnxruntime on the builder model (CPU, growing KV cache), teacher-forced: prefill
-    ``prompt``, then feed ``continuation`` one token a step. Logits ``[P + C, vocab]``."""
-    import onnxruntime as ort
-
-    from onnx_genrt.engine import load_config
-
-    cfg = load_config(folder)
-    sess = ort.InferenceSession(str(cfg.model_path), providers=["CPUExecutionProvider"])
-    outputs = [o.name for o in sess.get_outputs()]
-    past = {
-        i.name: np.zeros((1, cfg.num_kv_heads, 0, cfg.head_size), np.float32)
-        for i in sess.get_inputs()
-        if i.name.startswith("past_key_values")
-    }
-    rows, feed, length = [], list(prompt), 0
-    for nxt in [*continuation, None]:
-        length += len(feed)
-        feeds = {
-            "input_ids": np.array([feed], np.int64),
-            "attention_mask": np.ones((1, length), np.int64),
-            **past,
-        }
-        results = dict(zip(outputs, sess.run(None, feeds), strict=True))
-        rows.append(results["logits"][0])
-        past = {k: results[k.replace("past_key_values", "present")] for k in past}
-        feed = [nxt]
-    return np.concatenate(rows)
 
 
 def genai_forced(folder: Path, prompt: list[int], continuation: list[int]) -> np.ndarray:
