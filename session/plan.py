@@ -35,7 +35,7 @@ from .fusion import (
     fuse_skip_rms_norm,
 )
 from .loader import graph_without_initializers
-from .schema_check import check_node_schema
+from .schema_check import check_input_types, check_node_schema
 
 if TYPE_CHECKING:  # onnx is imported when a model is planned, not with the engine
     import onnx
@@ -298,6 +298,12 @@ def build_plan(
                 "which the model does not import"
             )
         check_node_schema(proto, domain, opsets[domain])
+        check_input_types(
+            proto,
+            domain,
+            opsets[domain],
+            [_dtype_of(type_of(n)) if n else None for n in proto.input],
+        )
         try:
             info = NodeInfo.from_proto(proto, opsets[domain])
         except (ValueError, TypeError) as exc:  # a tensor attribute whose bytes do not fit
@@ -333,6 +339,10 @@ def build_plan(
     plan.value_types = value_types
     plan.bodies = bodies
     return plan
+
+
+def _dtype_of(t: TensorType | None) -> np.dtype | None:
+    return None if t is None else t.dtype
 
 
 def _read_initializers(

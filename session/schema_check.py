@@ -3,13 +3,18 @@
 Input and output counts and attribute names and types are compared with the schema
 ``onnx.defs`` holds for the node's op at the model's opset, so a malformed node is refused
 with a message naming it, instead of failing later inside a fusion or a kernel (or an
-attribute of a later opset being ignored). Ops ONNX does not define (contrib and custom
-domains) are left to their providers.
+attribute of a later opset being ignored). So are the element types of its inputs, where
+they are known: each must be one its type constraint allows, and inputs sharing a type
+parameter must agree (a Gather with float indices is refused, never truncated). Ops ONNX
+does not define (contrib and custom domains) are left to their providers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from onnx_genrt.core.errors import ModelLoadError
 
@@ -74,3 +79,67 @@ def check_node_schema(node: onnx.NodeProto, domain: str, opset: int) -> None:
                 f"{where}: attribute {name!r} is {_type_name(attr.type)}; {fits} wants "
                 f"{_type_name(want)}"
             )
+
+
+#: Inputs whose schema type is taken as the union of two type parameters: Tile-1 declares
+#: its ``tiles`` and ``axis`` as T (its data's float type) and T1 (int64) without using T1,
+#: and the models of that opset give them as int64.
+TYPE_ERRATA = {("", "Tile", 1): {"tiles": ("T", "T1"), "axis": ("T", "T1")}}
+
+
+def _tensor_type(dtype: np.dtype) -> str | None:
+    """ONNX's name of a tensor of ``dtype`` (``tensor(float)``), None for a dtype it has none for."""
+    from onnx import TensorProto, helper
+
+    try:
+        code = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return f"tensor({TensorProto.DataType.Name(code).lower()})"
+
+
+def check_input_types(
+    node: onnx.NodeProto, domain: str, opset: int, dtypes: Sequence[np.dtype | None]
+) -> None:
+    """Raise :class:`ModelLoadError` when an input's element type (``dtypes``, None where
+    absent or unknown) is not one the op's schema allows, or differs from another input's
+    bound to the same type parameter."""
+    schema = _schema(node, domain, opset)
+    if schema is None or not schema.inputs:
+        return
+    allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    where = f"node {node.name or '<unnamed>'!r} ({node.op_type}, opset {opset})"
+    bound: dict[str, tuple[str, str]] = {}
+    from onnx import defs
+
+    variadic = defs.OpSchema.FormalParameterOption.Variadic
+    for i, dtype in enumerate(dtypes):
+        formal = schema.inputs[min(i, len(schema.inputs) - 1)]
+        if i >= len(schema.inputs) and formal.option != variadic:
+            return  # more inputs than the schema lists: check_node_schema refuses the node
+        name = node.input[i] if i < len(node.input) else ""
+        if dtype is None or not name:
+            continue
+        given = _tensor_type(dtype)
+        if given is None:
+            continue
+        errata = TYPE_ERRATA.get((domain, node.op_type, schema.since_version), {})
+        if formal.name in errata:  # either parameter's types, bound to neither
+            wanted, param = set().union(*(allowed[p] for p in errata[formal.name])), None
+        else:
+            wanted = allowed.get(formal.type_str, {formal.type_str})
+            homogeneous = formal.type_str in allowed and formal.is_homogeneous
+            param = formal.type_str if homogeneous else None
+        if given not in wanted and all(w.startswith("tensor(") for w in wanted):
+            raise ModelLoadError(
+                f"{where}: input {i} ({name!r}, {formal.name}) is {given}; ONNX "
+                f"{node.op_type}-{schema.since_version} takes {' or '.join(sorted(wanted))}"
+            )
+        if param is not None:
+            first = bound.setdefault(param, (given, name))
+            if first[0] != given:
+                raise ModelLoadError(
+                    f"{where}: input {i} ({name!r}) is {given} but {first[1]!r} is "
+                    f"{first[0]}; both are {param} of ONNX "
+                    f"{node.op_type}-{schema.since_version}, one type"
+                )

@@ -85,3 +85,60 @@ def test_layer_normalization_takes_attributes_it_does_not_list_as_onnx_does():
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(y, session.run(None, {"x": X})[0], rtol=1e-5, atol=1e-5)
+
+
+def _typed_model(node: onnx.NodeProto, inputs: dict[str, int], out: int) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, t, [2]) for n, t in inputs.items()],
+        [helper.make_tensor_value_info("y", out, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(
+    ("node", "inputs", "message"),
+    [
+        (  # float indices were truncated: Gather gave x[1] for 1.7
+            helper.make_node("Gather", ["x", "i"], ["y"], name="g"),
+            {"x": TensorProto.FLOAT, "i": TensorProto.FLOAT},
+            r"node 'g' \(Gather, opset 17\): input 1 \('i', indices\) is tensor\(float\); ONNX "
+            r"Gather-13 takes tensor\(int32\) or tensor\(int64\)",
+        ),
+        (
+            helper.make_node("Gather", ["x", "i"], ["y"], name="g"),
+            {"x": TensorProto.FLOAT, "i": TensorProto.COMPLEX64},
+            r"input 1 \('i', indices\) is tensor\(complex64\)",
+        ),
+        (  # one type parameter, two types
+            helper.make_node("Add", ["x", "z"], ["y"], name="a"),
+            {"x": TensorProto.FLOAT, "z": TensorProto.DOUBLE},
+            r"node 'a' \(Add, opset 17\): input 1 \('z'\) is tensor\(double\) but 'x' is "
+            r"tensor\(float\); both are T of ONNX Add-14, one type",
+        ),
+        (  # a fixed type: Reshape's shape is int64
+            helper.make_node("Reshape", ["x", "s"], ["y"], name="r"),
+            {"x": TensorProto.FLOAT, "s": TensorProto.INT32},
+            r"input 1 \('s', shape\) is tensor\(int32\); ONNX Reshape-14 takes tensor\(int64\)",
+        ),
+    ],
+)
+def test_an_input_type_the_schema_does_not_allow_is_refused(node, inputs, message):
+    """Input element types against the op's type constraints, as onnxruntime checks them
+    (it refuses these models too); the node, input and allowed types are named."""
+    model = _typed_model(node, inputs, TensorProto.FLOAT)
+    with pytest.raises(ModelLoadError, match=message):
+        InferenceSession(model.SerializeToString())
+    with pytest.raises(Exception, match="(?i)type"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_inputs_of_allowed_types_run() -> None:
+    node = helper.make_node("Gather", ["x", "i"], ["y"])
+    for index_type in (TensorProto.INT32, TensorProto.INT64):
+        model = _typed_model(node, {"x": TensorProto.FLOAT, "i": index_type}, TensorProto.FLOAT)
+        x = np.array([3.0, 4.0], np.float32)
+        i = np.array([1, 0], helper.tensor_dtype_to_np_dtype(index_type))
+        (y,) = InferenceSession(model.SerializeToString()).run(None, {"x": x, "i": i})
+        np.testing.assert_array_equal(y, ReferenceEvaluator(model).run(None, {"x": x, "i": i})[0])
