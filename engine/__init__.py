@@ -12,6 +12,7 @@ from .api import (
 from .batch import BatchGenerator, SequencesGenerator
 from .config import GenAIConfig, SearchOptions, load_config
 from .generator import Generator
+from .logprobs import TokenLogprob
 from .model import GeneratorParams, Model
 from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
 from .scheduler import RequestHandle, RequestResult, Scheduler, TokenEvent
@@ -37,6 +38,7 @@ __all__ = [
     "SearchOptions",
     "SequencesGenerator",
     "SpeculativeGenerator",
+    "TokenLogprob",
     "Tokenizer",
     "generate",
     "load_config",

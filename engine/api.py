@@ -19,6 +19,7 @@ from .batch import BatchGenerator
 from .batch_speculation import check_batch_spec
 from .config import SPECULATIVE_FILE
 from .generator import Generator
+from .logprobs import TokenLogprob, check_top_logprobs
 from .model import GeneratorParams, Model
 from .mtp_chain import restrict_draft_vocab
 from .proposers import DraftModelProposer, MTPProposer, PromptLookupProposer, Proposer
@@ -42,6 +43,8 @@ class GenerationResult:
     stop_reason: str
     speculation: dict[str, Any] = field(default_factory=dict)
     graph_stats: dict[str, Any] = field(default_factory=dict)
+    #: Each generated token's log-probability (``generate(..., logprobs=N)``), else None.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -407,9 +410,20 @@ def generate(
     """Generate and return the whole result (text, tokens, timings, statistics).
 
     A list of prompts (strings, or lists of token ids) is decoded as one batch
-    (:func:`generate_batch`) and gives a list of results, one per prompt."""
+    (:func:`generate_batch`) and gives a list of results, one per prompt. ``logprobs=N``
+    (0-20) keeps each generated token's log-probability under the model's raw logits with
+    its N likeliest alternatives (``GenerationResult.logprobs``); the batched decoder keeps
+    them, so a single prompt then runs as a batch of one (the same tokens)."""
     if _is_batch(prompt):
         return generate_batch(model, prompt, max_new_tokens, **kwargs)
+    if kwargs.get("logprobs") is not None:
+        if kwargs.get("spec") == "draft":
+            raise InvalidInputError(
+                "logprobs are kept by the batched decoder, which speculates by prompt lookup "
+                "or an MTP head (spec='ngram' or 'mtp'), not by a draft model"
+            )
+        return generate_batch(model, [prompt], max_new_tokens, **kwargs)[0]
+    kwargs.pop("logprobs", None)
     out: list[GenerationResult] = []
     options = {"spec": None, "k": None, "stop": (), "ignore_eos": False}
     options |= {name: kwargs.pop(name) for name in list(options) if name in kwargs}
@@ -437,6 +451,7 @@ def generate_batch(
     ignore_eos: bool = False,
     spec: str | None = None,
     k: int | None = None,
+    logprobs: int | None = None,
     **search: Any,
 ) -> list[GenerationResult]:
     """Decode several prompts together, one row each (:class:`BatchGenerator`): each
@@ -445,8 +460,9 @@ def generate_batch(
     seeded from ``seed``. ``spec`` speculates per row (:meth:`BatchGenerator.speculate`):
     ``"ngram"`` (prompt lookup) or ``"mtp"`` (the model's MTP head) verify up to ``k``
     drafts per row in each step, ``"auto"`` only while that measurably pays; a draft model
-    runs one sequence."""
-    check_batch_spec(spec, k)  # a missing MTP head fails in batch.speculate below
+    runs one sequence. ``logprobs``: see :func:`generate`."""
+    check_batch_spec(spec, k)
+    logprobs = check_top_logprobs(logprobs)  # a missing MTP head fails in batch.speculate below
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
     stops = stop_strings(stop)
     ignore_eos = check_bool(ignore_eos, "ignore_eos")
@@ -460,7 +476,7 @@ def generate_batch(
     batch = model.take_batch(len(ids), longest)
     try:
         batch.speculate(spec, k)
-        return _decode_batch(model, batch, ids, max_new_tokens, stops, ignore_eos, search)
+        return _decode_batch(model, batch, ids, max_new_tokens, stops, ignore_eos, search, logprobs)
     finally:
         model.give_back_batch(batch)
 
@@ -473,17 +489,19 @@ def _decode_batch(
     stops: tuple[str, ...],
     ignore_eos: bool,
     search: dict[str, Any],
+    logprobs: int | None = None,
 ) -> list[GenerationResult]:
     """The loop of :func:`generate_batch` on a batch taken from the model's pool."""
     scanners: list[StopScanner] = []
     reasons: list[str | None] = []
     rows: list[int] = []
     sequences: list[list[int]] = [[] for _ in ids]
+    kept_logprobs: list[list[TokenLogprob] | None] = [None for _ in ids]
     t0 = time.perf_counter()
     for prompt in ids:
         params = GeneratorParams(model)
         params.set_search_options(max_length=len(prompt) + max_new_tokens, **search)
-        rows.append(batch.add(prompt, params, ignore_eos=ignore_eos))
+        rows.append(batch.add(prompt, params, ignore_eos=ignore_eos, logprobs=logprobs))
         tokenizer = model.tokenizer.create_stream() if _has_tokenizer(model) else None
         scanners.append(StopScanner(tokenizer, stops))
         reasons.append(None)
@@ -507,6 +525,9 @@ def _decode_batch(
                 sequence = batch.sequence(row)
                 # a speculative step's tokens after the one that completed a stop string
                 sequences[i] = sequence[: len(sequence) - (len(new) - len(kept))]
+                probs = batch.all_logprobs(row)
+                if probs is not None:
+                    kept_logprobs[i] = probs[: len(sequences[i]) - len(ids[i])]
                 if not stops:
                     scanners[i].feed(sequences[i][len(ids[i]) :])
                 batch.remove(row)  # later steps skip the row
@@ -526,6 +547,7 @@ def _decode_batch(
             reasons[i],
             spec_stats,
             stats,
+            kept_logprobs[i],
         )
         for i in range(len(ids))
     ]

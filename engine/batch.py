@@ -566,6 +566,11 @@ class BatchGenerator:
         """The tokens the last ``add`` or ``step`` gave row ``index``."""
         return list(self.rows[index].new)
 
+    def all_logprobs(self, index: int) -> list[TokenLogprob] | None:
+        """The log-probabilities of every token row ``index`` generated (None: it keeps none)."""
+        row = self.rows[index]
+        return None if row.logprobs is None else list(row.token_logprobs)
+
     def last_logprobs(self, index: int) -> list[TokenLogprob] | None:
         """The log-probabilities of :meth:`last_tokens` (None: the row keeps none)."""
         row = self.rows[index]

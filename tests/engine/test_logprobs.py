@@ -154,3 +154,26 @@ def test_bad_logprobs_are_refused(model: Model, value) -> None:
     with pytest.raises(InvalidInputError, match="logprobs"):
         batch.add([5, 6], params, logprobs=value)
     assert not batch.rows  # nothing taken
+
+
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_generate_keeps_logprobs_with_the_same_tokens(model: Model, spec: str | None) -> None:
+    """``generate(..., logprobs=N)`` (one prompt: a batch of one) gives the tokens of plain
+    ``generate`` and onnxruntime's log-probabilities; a stop string cuts both."""
+    text = "import os\n"
+    plain = generate(model, text, max_new_tokens=16, spec=spec)
+    got = generate(model, text, max_new_tokens=16, spec=spec, logprobs=2)
+    assert got.tokens == plain.tokens and got.text == plain.text
+    assert plain.logprobs is None
+    generated = got.tokens[got.prompt_tokens :]
+    _check(got.logprobs, generated, _reference(model, got.tokens, got.prompt_tokens), 2)
+    stop = got.text[3:6]
+    cut = generate(model, text, max_new_tokens=16, logprobs=0, stop=stop)
+    assert len(cut.logprobs) == cut.new_tokens < got.new_tokens
+    want = [e.logprob for e in got.logprobs[: cut.new_tokens]]  # verify steps round apart
+    assert [e.logprob for e in cut.logprobs] == pytest.approx(want, abs=1e-5)
+
+
+def test_generate_refuses_logprobs_with_a_draft_model(model: Model) -> None:
+    with pytest.raises(InvalidInputError, match="not by a draft model"):
+        generate(model, "x", max_new_tokens=2, spec="draft", logprobs=1)
