@@ -26,7 +26,7 @@ from onnx_genrt.core.locking import SingleUser
 
 from .batch_speculation import RowSpeculation, row_speculation
 from .config import SearchOptions
-from .decoder import DecoderRunner, PendingRows
+from .decoder import DecoderRunner, PendingRows, StepOutput
 from .logprobs import TokenLogprob, check_top_logprobs, token_logprob
 from .model import GeneratorParams, Model
 from .sampling import choose, plain_greedy
@@ -42,6 +42,9 @@ MAX_GRAPH_ROWS = 64
 #: are left to single sequences: rows stay at 8-64 (120 rows of logits each), and a prompt
 #: of more than 4 x 64 tokens prefills eagerly, as before cuBLAS captured.
 ROW_PREFILL_MAX_WIDTH = 64
+#: Prompt tokens fed per eager step of a row that scores its prompt (``add(...,
+#: prompt_logprobs=True)``): such a step reads every token's logits, ``[tokens, vocab]``.
+PROMPT_LOGPROBS_CHUNK = 64
 
 
 def buckets(max_batch: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> tuple[int, ...]:
@@ -79,6 +82,8 @@ class _Row:
     logprobs: int | None = None
     #: Each generated token's log-probability, in order (with ``logprobs``).
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: The log-probability of each prompt token after the first (None: not asked for).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -169,11 +174,14 @@ class BatchGenerator:
         ignore_eos: bool = False,
         chunk: int | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> int:
         """Take the lowest free row for ``prompt`` and return it. The row ends at
         ``params``' max_length (at most this batch's). With ``logprobs`` (0-20), the row
         keeps each generated token's log-probability and that many likeliest alternatives
-        (:meth:`last_logprobs`); its steps then read its logits back.
+        (:meth:`last_logprobs`); its steps then read its logits back. ``prompt_logprobs``
+        (with ``logprobs``) scores the prompt too (:meth:`prompt_logprobs`): it is fed
+        eagerly, ``PROMPT_LOGPROBS_CHUNK`` tokens a step, every token's logits read.
 
         Without ``chunk`` (or with a prompt of at most ``chunk`` tokens) the prompt is
         prefilled now and the row's first token picked. Otherwise the row prefills
@@ -202,6 +210,8 @@ class BatchGenerator:
         if chunk is not None:
             chunk = check_int(chunk, "prefill chunk", minimum=1)
         top = check_top_logprobs(logprobs)
+        if check_bool(prompt_logprobs, "prompt_logprobs") and top is None:
+            raise InvalidInputError("prompt_logprobs needs logprobs (the alternatives listed)")
         with self._user:
             index = min(set(range(self.max_batch)) - self.rows.keys())
             eos = set(self.model.config.eos_token_ids)
@@ -209,6 +219,7 @@ class BatchGenerator:
                 eos = set()
             row = _Row(list(ids), len(ids), search, eos, np.random.default_rng(search.seed))
             row.logprobs = top
+            row.prompt_logprobs = [] if prompt_logprobs else None
             self._ahead = None  # queued for the rows before: a new row must not reuse it
             self._row_runner(index).rewind_to(0)
             self.rows[index] = row
@@ -244,8 +255,11 @@ class BatchGenerator:
         graphed = self.graph_prefill
         if graphed is None:
             graphed = runner.io.reads_async
-        with self.model.session.exclusive():
-            out, last = runner.prefill(part, bool(graphed) and self.model.enable_graphs)
+        if row.prompt_logprobs is not None:
+            out, last = self._prefill_scored(row, runner, part)
+        else:
+            with self.model.session.exclusive():
+                out, last = runner.prefill(part, bool(graphed) and self.model.enable_graphs)
         row.prefilled += len(part)
         if not row.prefilling:
             token = self._pick(row, out.tokens[-1], lambda: out.logits[-1])
@@ -255,6 +269,29 @@ class BatchGenerator:
             spec = self.speculation
             if spec is not None and spec.needs_hidden and out.hidden is not None:
                 row.hidden = np.array(out.hidden[last])
+
+    def _prefill_scored(
+        self, row: _Row, runner: DecoderRunner, part: list[int]
+    ) -> tuple[StepOutput, int]:
+        """Feed ``part`` (from ``row.prefilled`` on) eagerly, ``PROMPT_LOGPROBS_CHUNK``
+        tokens a step with every token's logits, keeping the log-probability of each prompt
+        token they predict; returns the last step's output and its last row."""
+        assert row.prompt_logprobs is not None and row.logprobs is not None
+        every_row, runner.prefill_last_row = runner.prefill_last_row, False
+        try:
+            for first in range(0, len(part), PROMPT_LOGPROBS_CHUNK):
+                piece = part[first : first + PROMPT_LOGPROBS_CHUNK]
+                with self.model.session.exclusive():
+                    out = runner.forward(piece, None)
+                at = row.prefilled + first + 1  # the prompt position the first row predicts
+                scored = row.tokens[at : min(at + len(piece), row.prompt_length)]
+                row.prompt_logprobs += [
+                    token_logprob(logits, token, row.logprobs)
+                    for token, logits in zip(scored, out.logits, strict=False)
+                ]
+        finally:
+            runner.prefill_last_row = every_row
+        return out, len(piece) - 1
 
     def remove(self, index: int) -> None:
         """Free row ``index`` (its cache positions are overwritten by the next prompt)."""
@@ -565,6 +602,12 @@ class BatchGenerator:
     def last_tokens(self, index: int) -> list[int]:
         """The tokens the last ``add`` or ``step`` gave row ``index``."""
         return list(self.rows[index].new)
+
+    def prompt_logprobs(self, index: int) -> list[TokenLogprob] | None:
+        """The log-probability of each prompt token after the first, under the model given
+        the tokens before it (rows added with ``prompt_logprobs``; else None)."""
+        row = self.rows[index]
+        return None if row.prompt_logprobs is None else list(row.prompt_logprobs)
 
     def all_logprobs(self, index: int) -> list[TokenLogprob] | None:
         """The log-probabilities of every token row ``index`` generated (None: it keeps none)."""

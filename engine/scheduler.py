@@ -61,6 +61,9 @@ class TokenEvent:
     finish_reason: str | None = None
     #: The log-probability of each of ``token_ids`` (requests submitted with ``logprobs``).
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: On the first event of a request submitted with ``prompt_logprobs``: the
+    #: log-probability of each prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class RequestResult:
     error: str | None = None
     #: Each generated token's log-probability (None: not asked for).
     logprobs: list[TokenLogprob] | None = None
+    #: Each prompt token's after the first (None: not asked for).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -152,6 +157,7 @@ class RequestHandle:
         self._text: list[str] = []
         self._tokens: list[int] = []
         self._logprobs: list[TokenLogprob] | None = None
+        self._prompt_logprobs: list[TokenLogprob] | None = None
         self._first: float | None = None
         self._result: RequestResult | None = None
 
@@ -228,6 +234,7 @@ class RequestHandle:
         error: str | None = None,
         *,
         logprobs: Sequence[TokenLogprob] | None = None,
+        prompt_logprobs: Sequence[TokenLogprob] | None = None,
         wakes: set[_LoopWaker] | None = None,
     ) -> None:
         """Hand the consumer an event (``logprobs``: of ``tokens``, when kept). An asyncio
@@ -239,7 +246,11 @@ class RequestHandle:
         self._tokens.extend(tokens)
         if logprobs is not None:
             self._logprobs = [*(self._logprobs or []), *logprobs]
-        event = TokenEvent(text, tuple(tokens), finish, tuple(logprobs or ()))
+        if prompt_logprobs is not None:
+            self._prompt_logprobs = list(prompt_logprobs)
+        event = TokenEvent(
+            text, tuple(tokens), finish, tuple(logprobs or ()), tuple(prompt_logprobs or ())
+        )
         if finish is not None:
             self._result = RequestResult(
                 "".join(self._text),
@@ -249,6 +260,7 @@ class RequestHandle:
                 self._first,
                 error,
                 None if self._logprobs is None else list(self._logprobs),
+                self._prompt_logprobs,
             )
         with self._lock:
             self._pending.append(event)
@@ -296,6 +308,7 @@ class _Pending:
     stop: tuple[str, ...]
     ignore_eos: bool
     logprobs: int | None = None
+    prompt_logprobs: bool = False
 
 
 class _Running:
@@ -417,15 +430,20 @@ class Scheduler:
         stop: str | Sequence[str] = (),
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        prompt_logprobs: bool = False,
         **search: Any,
     ) -> RequestHandle:
         """Queue a request and return its handle. ``search``: the search options of
         :meth:`GeneratorParams.set_search_options` (``temperature``, ``top_p``, ``seed``,
         ``do_sample``...), checked here, as are the prompt and ``max_new_tokens``.
         ``logprobs`` (0-20): every event carries its tokens' log-probabilities under the
-        model's raw logits, each with that many likeliest alternatives."""
+        model's raw logits, each with that many likeliest alternatives;
+        ``prompt_logprobs`` (with ``logprobs``): the first event also carries the prompt's
+        (``BatchGenerator.add``)."""
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
         logprobs = check_top_logprobs(logprobs)
+        if check_bool(prompt_logprobs, "prompt_logprobs") and logprobs is None:
+            raise InvalidInputError("prompt_logprobs needs logprobs (the alternatives listed)")
         stops = stop_strings(stop)
         ignore_eos = check_bool(ignore_eos, "ignore_eos")
         ids = prompt_ids(self.model, prompt)
@@ -448,7 +466,16 @@ class Scheduler:
                     f"(max_queue={self.max_queue}); retry later"
                 )
             self._queue.append(
-                _Pending(handle, ids, params, max_new_tokens, stops, ignore_eos, logprobs)
+                _Pending(
+                    handle,
+                    ids,
+                    params,
+                    max_new_tokens,
+                    stops,
+                    ignore_eos,
+                    logprobs,
+                    prompt_logprobs,
+                )
             )
             self._cv.notify_all()
         return handle
@@ -536,6 +563,7 @@ class Scheduler:
                 ignore_eos=pending.ignore_eos,
                 chunk=self.prefill_chunk,
                 logprobs=pending.logprobs,
+                prompt_logprobs=pending.prompt_logprobs,
             )
         except Exception as exc:  # this prompt failed (its row stays free); others go on
             with self._cv:
@@ -584,6 +612,7 @@ class Scheduler:
         logprobs = batch.last_logprobs(row)
         if logprobs is not None:  # those of the tokens kept (a stop string may cut them)
             logprobs = logprobs[: len(tokens)]
+        prompt = batch.prompt_logprobs(row) if running.generated == 0 else None
         running.generated += len(tokens)
         with self._cv:
             self._tokens += len(tokens)
@@ -596,11 +625,15 @@ class Scheduler:
             finish = "length"
         if finish is None:
             if text or tokens:
-                pending.handle._emit(text, tokens, logprobs=logprobs, wakes=self._wakes)
+                pending.handle._emit(
+                    text, tokens, logprobs=logprobs, prompt_logprobs=prompt, wakes=self._wakes
+                )
             return
         if not hit:  # text held back as a possible start of a stop string
             text += running.scanner.flush()
-        pending.handle._emit(text, tokens, finish, logprobs=logprobs, wakes=self._wakes)
+        pending.handle._emit(
+            text, tokens, finish, logprobs=logprobs, prompt_logprobs=prompt, wakes=self._wakes
+        )
         self._release(row, finished=True)
 
     def _retire(self, row: int, reason: str) -> None:

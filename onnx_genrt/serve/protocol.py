@@ -1,7 +1,7 @@
 """The OpenAI request and response shapes: parse and check request bodies, build responses.
 
 Requests are checked field by field; an unknown field, a value of the wrong type or out
-of range, or a feature this server does not have (echo, tools) is an
+of range, or a feature this server does not have (tools, best_of) is an
 :class:`APIError` with status 400 naming the field (``param``), never ignored.
 
 ``logprobs`` are those of the model's own distribution (``log_softmax`` of the raw logits),
@@ -43,7 +43,6 @@ COMMON_FIELDS = (
 #: Fields OpenAI defines that this server accepts only at their neutral value, which
 #: changes nothing: a request asking for more is refused rather than served without it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "tools": (None, []),
@@ -51,7 +50,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}),
 }
-COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "logprobs")
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs")
 #: Most alternatives per position: chat's ``top_logprobs``, completions' ``logprobs``
 #: (OpenAI's limits).
@@ -120,6 +119,9 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: Alternatives listed with each token's log-probability; None: no log-probabilities.
     logprobs: int | None = None
+    #: Completions: the answer begins with the prompt (and, with ``logprobs``, so do its
+    #: log-probabilities: none for the first token, the model's for each after it).
+    echo: bool = False
 
     def search_options(self, index: int = 0) -> dict[str, Any]:
         """The engine's search options of answer ``index``: temperature 0 is greedy, above 0
@@ -206,7 +208,17 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0, low_open=False),
         logit_bias=_logit_bias(body.get("logit_bias")),
         logprobs=_logprobs(body, chat),
+        echo=_flag(body, "echo"),
     )
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_field(name, f"must be true or false, got {value!r}")
+    return value
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -384,6 +396,27 @@ def logprobs_body(
             for e in entries
         ],
         "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1],
+    }
+
+
+def echoed_logprobs_body(
+    request: GenerationRequest,
+    first_token: int,
+    prompt: Sequence[TokenLogprob],
+    answer: Sequence[TokenLogprob],
+    token_text: Callable[[int], str],
+) -> dict[str, Any]:
+    """A completion's ``logprobs`` with the prompt echoed: the prompt's first token (no
+    log-probability, as OpenAI gives it: null), the rest of the prompt's, then the
+    answer's, offsets counted from the prompt's start."""
+    first = token_text(first_token)
+    head = logprobs_body(request, prompt, token_text, len(first))
+    tail = logprobs_body(request, answer, token_text, len(first) + sum(map(len, head["tokens"])))
+    return {
+        "tokens": [first, *head["tokens"], *tail["tokens"]],
+        "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
+        "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
+        "text_offset": [0, *head["text_offset"], *tail["text_offset"]],
     }
 
 

@@ -33,6 +33,7 @@ from .protocol import (
     bad_field,
     chunk_body,
     completion_body,
+    echoed_logprobs_body,
     logprobs_body,
     new_id,
     now,
@@ -186,6 +187,7 @@ class Service:
                         max_new_tokens=request.max_tokens or room,
                         stop=request.stop,
                         logprobs=request.logprobs,
+                        prompt_logprobs=request.echo and request.logprobs is not None,
                         **request.search_options(index),
                     )
                 )
@@ -204,6 +206,16 @@ class Service:
                 for handle in handles:
                     handle.cancel()
 
+    def _echo(self, request: GenerationRequest) -> tuple[str, int] | None:
+        """For a completion with ``echo``: the prompt's text and first token id; else None."""
+        if not request.echo:
+            return None
+        assert request.prompt is not None
+        ids = prompt_ids(self.model, request.prompt)
+        if isinstance(request.prompt, str):
+            return request.prompt, ids[0]
+        return self.model.tokenizer.decode(ids), ids[0]
+
     async def whole(
         self,
         request: GenerationRequest,
@@ -215,11 +227,14 @@ class Service:
         watcher = asyncio.create_task(_cancel_on_disconnect(http, handles))
         timed = [False]  # time to first token: of the request's first answer to have one
 
-        async def collect(handle: RequestHandle) -> tuple[str, int, str, list[TokenLogprob]]:
+        async def collect(
+            handle: RequestHandle,
+        ) -> tuple[str, int, str, list[TokenLogprob], list[TokenLogprob]]:
             pieces: list[str] = []
             tokens = 0
             reason = "cancelled"
             logprobs: list[TokenLogprob] = []
+            prompt: list[TokenLogprob] = []
             try:
                 async for batch in handle.stream_batches():
                     if not timed[0] and any(event.token_ids for event in batch):
@@ -228,31 +243,39 @@ class Service:
                     tokens += sum(len(event.token_ids) for event in batch)
                     pieces += [event.text for event in batch]
                     logprobs += [entry for event in batch for entry in event.logprobs]
+                    prompt += [entry for event in batch for entry in event.prompt_logprobs]
                     if batch[-1].finish_reason is not None:
                         reason = batch[-1].finish_reason
             finally:
                 if reason == "cancelled":
                     handle.cancel()
                 self.counters.request_finished(reason)
-            return "".join(pieces), tokens, reason, logprobs
+            return "".join(pieces), tokens, reason, logprobs, prompt
 
         try:
             answers = await asyncio.gather(*(collect(handle) for handle in handles))
         finally:
             watcher.cancel()
-        for handle, (_, _, reason, _) in zip(handles, answers, strict=True):
+        for handle, (_, _, reason, _, _) in zip(handles, answers, strict=True):
             if reason not in ("stop", "length"):
                 return error_response(_ended_early(handle, reason))
+        echo = self._echo(request)
+        head = "" if echo is None else echo[0]
         logprobs = []
-        if request.logprobs is not None:
-            logprobs = [logprobs_body(request, e, self.token_text) for *_, e in answers]
+        if request.logprobs is not None and echo is not None:
+            logprobs = [
+                echoed_logprobs_body(request, echo[1], prompt, e, self.token_text)
+                for *_, e, prompt in answers
+            ]
+        elif request.logprobs is not None:
+            logprobs = [logprobs_body(request, e, self.token_text) for *_, e, _ in answers]
         body = completion_body(
             request,
             new_id(request.chat),
             now(),
-            [(text, reason) for text, _, reason, _ in answers],
+            [(head + text, reason) for text, _, reason, _, _ in answers],
             handles[0].prompt_tokens,
-            sum(tokens for _, tokens, _, _ in answers),
+            sum(tokens for _, tokens, *_ in answers),
             logprobs,
         )
         return JSONResponse(body)
@@ -266,19 +289,34 @@ class Service:
         answers cancelled; an answer that fails ends the stream with its error."""
         rid, created = new_id(request.chat), now()
         text_events = [TextChunks(request, rid, created, i).event for i in range(len(handles))]
-        if request.logprobs is not None:  # each piece with its tokens' log-probabilities
-            offsets = [0] * len(handles)  # characters of each answer so far
+        echo = self._echo(request)
+        first = [echo is not None] * len(handles)  # answers whose prompt is still to echo
+        offsets = [0] * len(handles)  # characters of each answer's tokens so far
 
-            def piece(index: int, event: TokenEvent) -> str:
-                probs = logprobs_body(request, event.logprobs, self.token_text, offsets[index])
-                offsets[index] += sum(len(self.token_text(e.token)) for e in event.logprobs)
-                return sse(
-                    chunk_body(request, rid, created, text=event.text, index=index, logprobs=probs)
-                )
-        else:
-
-            def piece(index: int, event: TokenEvent) -> str:
+        def piece(index: int, event: TokenEvent) -> str:
+            """The event's chunk: its text (after the echoed prompt, on an answer's first)
+            and its tokens' log-probabilities (the prompt's too, echoed)."""
+            if request.logprobs is None and not first[index]:
                 return text_events[index](event.text)
+            text, probs, echoed = event.text, None, first[index]
+            first[index] = False
+            if echoed:
+                assert echo is not None
+                text = echo[0] + text
+            if request.logprobs is not None:
+                name = self.token_text
+                if echoed:
+                    assert echo is not None
+                    probs = echoed_logprobs_body(
+                        request, echo[1], event.prompt_logprobs, event.logprobs, name
+                    )
+                    offsets[index] = len(name(echo[1])) + sum(
+                        len(name(e.token)) for e in event.prompt_logprobs
+                    )
+                else:
+                    probs = logprobs_body(request, event.logprobs, name, offsets[index])
+                offsets[index] += sum(len(name(e.token)) for e in event.logprobs)
+            return sse(chunk_body(request, rid, created, text=text, index=index, logprobs=probs))
 
         running = set(range(len(handles)))
         tokens = 0
@@ -291,7 +329,7 @@ class Service:
             async for index, batch in _merged(handles):
                 if tokens == 0 and any(event.token_ids for event in batch):
                     self.counters.first_token(time.perf_counter() - arrival)
-                out = [piece(index, e) for e in batch if e.text or e.logprobs]
+                out = [piece(index, e) for e in batch if e.text or e.logprobs or first[index]]
                 tokens += sum(len(event.token_ids) for event in batch)
                 reason = batch[-1].finish_reason
                 if reason is not None:

@@ -177,3 +177,31 @@ def test_generate_keeps_logprobs_with_the_same_tokens(model: Model, spec: str | 
 def test_generate_refuses_logprobs_with_a_draft_model(model: Model) -> None:
     with pytest.raises(InvalidInputError, match="not by a draft model"):
         generate(model, "x", max_new_tokens=2, spec="draft", logprobs=1)
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_a_row_scores_its_prompt(model: Model, chunk: int | None, monkeypatch) -> None:
+    """``prompt_logprobs``: each prompt token after the first gets onnxruntime's
+    log-probability given the tokens before it, across the pieces the prompt is fed in
+    (three of at most 4 tokens here; with ``chunk``, scheduler-style chunks of 5 too), and
+    the row's generated tokens are those of the prompt alone."""
+    from onnx_genrt.engine import batch as batch_module
+
+    monkeypatch.setattr(batch_module, "PROMPT_LOGPROBS_CHUNK", 4)
+    prompt = model.tokenizer.encode("    def __init__(self, x):")
+    assert len(prompt) > 8
+    batch = BatchGenerator(model, 2, 128)
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 6)
+    row = batch.add(prompt, params, logprobs=1, prompt_logprobs=True, chunk=chunk)
+    while batch.prefilling(row):
+        batch.prefill_step(chunk)
+    while not batch.is_done(row):
+        batch.step()
+    alone = generate(model, prompt, max_new_tokens=6)
+    assert batch.sequence(row) == alone.tokens
+    logits = ort_forced(model.folder, prompt, [])
+    want = log_softmax(logits[:-1].astype(np.float64), axis=-1)
+    _check(batch.prompt_logprobs(row), prompt[1:], want, 1)
+    with pytest.raises(InvalidInputError, match="prompt_logprobs needs logprobs"):
+        batch.add(prompt, params, prompt_logprobs=True)

@@ -140,7 +140,8 @@ def test_no_logprobs_unless_asked(server):
         ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("chat/completions", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
         ("completions", {"logprobs": 6}, "logprobs"),
-        ("completions", {"logprobs": 2, "echo": True}, "echo"),
+        ("completions", {"echo": "yes"}, "echo"),
+        ("chat/completions", {"echo": True}, "echo"),
         ("completions", {"top_logprobs": 2}, "top_logprobs"),
     ],
 )
@@ -178,3 +179,52 @@ def test_streamed_completion_logprobs_cover_text_held_for_a_stop_string(server):
     assert text == whole.text
     assert textless >= 1, "no chunk held its text back"
     assert probs == whole.logprobs.model_dump(include=set(probs))
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(server, reference_model):
+    """lm-evaluation-harness's loglikelihood request: token ids, ``echo``, ``logprobs`` 1,
+    ``max_tokens`` 1. The answer begins with the prompt; the first prompt token has no
+    log-probability (null), every later one onnxruntime's given the tokens before it, and
+    the generated token follows."""
+    text = "def fib(n):\n    return"
+    ids = reference_model.tokenizer.encode(text)
+    result = client(server).completions.create(
+        model=MODEL_NAME, prompt=[ids], max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    choice = result.choices[0]
+    answer = _greedy_ids(reference_model, text, 1)
+    assert choice.text == reference_model.tokenizer.decode(ids + answer)
+    probs = choice.logprobs
+    assert probs.tokens == [_token(reference_model, t) for t in ids + answer]
+    assert probs.token_logprobs[0] is None and probs.top_logprobs[0] is None
+    logits = ort_forced(reference_model.folder, ids, answer)[:-1]
+    want = log_softmax(logits.astype(np.float64), axis=-1)
+    chosen = [row[t] for t, row in zip(ids[1:] + answer, want, strict=True)]
+    assert probs.token_logprobs[1:] == pytest.approx(chosen, abs=1e-4)
+    for top, row, token in zip(probs.top_logprobs[1:], want, ids[1:] + answer, strict=True):
+        best = int(np.argmax(row))  # the likeliest, and the token given (prompt or answer)
+        assert top == pytest.approx(
+            {_token(reference_model, t): row[t] for t in {best, token}}, abs=1e-4
+        )
+    offsets = np.cumsum([0, *map(len, probs.tokens)])[:-1].tolist()
+    assert probs.text_offset == offsets
+    assert result.usage.completion_tokens == 1
+
+
+def test_echo_without_logprobs_and_streamed(server, reference):
+    """``echo`` alone puts the prompt before the answer; streamed, the first chunk carries
+    it (with its log-probabilities when asked), and the streamed lists equal the whole."""
+    prompt = "import os"
+    request = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    plain = client(server).completions.create(**request, echo=True)
+    assert plain.choices[0].text == prompt + reference(prompt, 6)
+    assert plain.choices[0].logprobs is None
+    whole = client(server).completions.create(**request, echo=True, logprobs=2).choices[0]
+    text, lists = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client(server).completions.create(**request, echo=True, logprobs=2, stream=True):
+        for choice in chunk.choices:
+            text += choice.text
+            for key, values in lists.items():
+                values += getattr(choice.logprobs, key) if choice.logprobs else []
+    assert text == whole.text == plain.choices[0].text
+    assert lists == whole.logprobs.model_dump(include=set(lists))
