@@ -433,9 +433,16 @@ def nan_token_copy(source: Path, target: Path, token: int) -> Path:
     return target
 
 
-def ort_forced(folder: Path, prompt: list[int], continuation: list[int]) -> np.ndarray:
+def ort_forced(
+    folder: Path,
+    prompt: list[int],
+    continuation: list[int],
+    past_length: Callable[[int], int] = lambda layer: 0,
+) -> np.ndarray:
     """onnxruntime on a model folder (CPU, growing KV cache), teacher-forced: prefill
-    ``prompt``, then feed ``continuation`` one token a step. Logits ``[P + C, vocab]``."""
+    ``prompt``, then feed ``continuation`` one token a step. Logits ``[P + C, vocab]``.
+    ``past_length(layer)``: the positions of that layer's first past (a window-sized cache
+    starts at the window, as small as onnxruntime allows; a growing one at 0)."""
     import onnxruntime as ort
 
     from onnx_genrt.engine import load_config
@@ -444,7 +451,10 @@ def ort_forced(folder: Path, prompt: list[int], continuation: list[int]) -> np.n
     sess = ort.InferenceSession(str(cfg.model_path), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in sess.get_outputs()]
     past = {
-        i.name: np.zeros((1, cfg.num_kv_heads, 0, cfg.head_size), np.float32)
+        i.name: np.zeros(
+            (1, cfg.num_kv_heads, past_length(int(i.name.split(".")[1])), cfg.head_size),
+            np.float32,
+        )
         for i in sess.get_inputs()
         if i.name.startswith("past_key_values")
     }

@@ -29,6 +29,7 @@ from .host_shadow import HostShadow
 from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
 from .kernels.contrib_attention import (
+    ATTENTION_CLUSTER_GROUP_MIN_ROWS,
     ATTENTION_CLUSTER_MAX_KEYS,
     ATTENTION_CLUSTER_MAX_ROWS,
     ATTENTION_FLASH_MIN_ROWS,
@@ -137,6 +138,14 @@ class CUDAProvider(ExecutionProvider):
             "greedy tokens may then depend on the rows sharing its step (0: the cluster "
             "kernel for any number of rows, the same tokens)",
             env="ONNX_GENRT_ATTENTION_CLUSTER_MAX_ROWS",
+        ),
+        ProviderOption(
+            "attention_cluster_group_min_rows",
+            ATTENTION_CLUSTER_GROUP_MIN_ROWS,
+            "query rows from which the cluster attention kernel launches one block per KV "
+            "head and split, each taking the group's query heads in turn with the same "
+            "arithmetic (the same tokens at any batch size, fewer blocks); 0: never",
+            env="ONNX_GENRT_ATTENTION_CLUSTER_GROUP_MIN_ROWS",
         ),
         ProviderOption(
             "attention_grouped_decode",

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
-from onnx_genrt.engine import Model, load_config
+from onnx_genrt.engine import Model
 from onnx_genrt.engine.decoder import DecoderRunner
 
-from ..llm_fixtures import TINY_GEMMA2, build_gemma2, greedy_generator
+from ..llm_fixtures import TINY_GEMMA2, build_gemma2, greedy_generator, ort_forced
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [2, 300, 41, 41, 9, 120, 77, 6, 500, 12, 3, 8, 64, 1]]
 NEW_TOKENS = 40
@@ -77,33 +76,12 @@ def test_greedy_matches_onnxruntime_genai(gemma2_model, gemma2_dir, prompt) -> N
 
 
 def _ort_forced(folder: Path, prompt: list[int], continuation: list[int]) -> np.ndarray:
-    """onnxruntime, teacher-forced: prefill ``prompt``, then one token a step. The local
-    layers get a window-sized cache (capacity = the window, as small as onnxruntime allows,
-    so it compacts on most steps); the global layers a growing one. Logits [P + C, vocab]."""
-    cfg = load_config(folder)
+    """onnxruntime, teacher-forced (``ort_forced``): the local layers get a window-sized
+    cache (capacity = the window, so it compacts on most steps), the global layers a
+    growing one. Logits [P + C, vocab]."""
     local = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     local = set(local["sliding_window"]["layers"])
-    sess = ort.InferenceSession(str(cfg.model_path), providers=["CPUExecutionProvider"])
-    past = {}
-    for layer in range(cfg.num_layers):
-        length = WINDOW if layer in local else 0
-        for kind in ("key", "value"):
-            shape = (1, cfg.num_kv_heads, length, cfg.head_size)
-            past[f"past_key_values.{layer}.{kind}"] = np.zeros(shape, np.float32)
-    outputs = [o.name for o in sess.get_outputs()]
-    rows, feed, length = [], list(prompt), 0
-    for nxt in [*continuation, None]:
-        length += len(feed)
-        feeds = {
-            "input_ids": np.array([feed], np.int64),
-            "attention_mask": np.ones((1, length), np.int64),
-            **past,
-        }
-        results = dict(zip(outputs, sess.run(None, feeds), strict=True))
-        rows.append(results["logits"][0])
-        past = {k: results[k.replace("past_key_values", "present")] for k in past}
-        feed = [nxt]
-    return np.concatenate(rows)
+    return ort_forced(folder, prompt, continuation, lambda layer: WINDOW if layer in local else 0)
 
 
 def test_logits_match_onnxruntime(gemma2_model, gemma2_dir) -> None:

@@ -137,6 +137,11 @@ ATTENTION_CLUSTER_MAX_KEYS = 4096
 #: batched row against the prompt alone, a verify step of more than 8 tokens against plain
 #: decoding), and greedy batching and speculation promise the same tokens.
 ATTENTION_CLUSTER_MAX_ROWS = 0
+#: Default of the CUDA provider's ``attention_cluster_group_min_rows``: query rows from which
+#: the cluster kernel runs as ``gqa_attn_cluster_group`` (each block the group's query heads
+#: in turn, the same arithmetic: a row's bits never depend on the rows beside it), 0: never.
+#: 0 until its first GPU run measures it (NOTES.md).
+ATTENTION_CLUSTER_GROUP_MIN_ROWS = 0
 #: Decode / verify over a cache longer than ``attention_cluster_max_keys``: the grouped decode
 #: kernel (``_gqa_decode``) where it has an instance; False: the many-split ``gqa_attn`` (for
 #: measurement; the provider's ``attention_grouped_decode`` turns it off per provider).
@@ -358,16 +363,16 @@ DEVI float ld_cluster(const float* p, unsigned int rank) {
   return v;
 }
 
-// The body of gqa_attn (CL = 0) and gqa_attn_cluster (CL = cluster size = splits): the
-// splits of one (row, head) merge through a last-block-done counter and global memory, or
-// (CL > 0) through the cluster's shared memory: every block of the cluster, with keys or
-// not, publishes its partial and waits at a cluster barrier; block 0 merges.
+// The body of gqa_attn (CL = 0) and gqa_attn_cluster (CL = cluster size = splits) for query
+// head h: the splits of one (row, head) merge through a last-block-done counter and global
+// memory, or (CL > 0) through the cluster's shared memory: every block of the cluster, with
+// keys or not, publishes its partial and waits at a cluster barrier; block 0 merges.
 template <typename S, typename C, int NC, int W, int CL>
-DEVI void gqa_body(GQA_PARAMS) {
+DEVI void gqa_body(GQA_PARAMS, const int h) {
   constexpr int T = 32 * W, QE = (256 + T - 1) / T;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int split = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
+  const int split = blockIdx.x, bi = blockIdx.z;
   const int b = bi / S_len, i = bi % S_len;
   const int G = H / kvh, g = h / G;
   const int total = seqlens[b] + 1;
@@ -603,7 +608,7 @@ template <typename S, typename C, int NC, int W, int MB>
 __global__ void __launch_bounds__(32 * W, MB) gqa_attn(GQA_PARAMS) {
   GRID_WAIT();
   GRID_LAUNCH_DEPENDENTS();
-  gqa_body<S, C, NC, W, 0>(GQA_ARGS);
+  gqa_body<S, C, NC, W, 0>(GQA_ARGS, blockIdx.y);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -613,7 +618,23 @@ __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(32 * W, MB)
     gqa_attn_cluster(GQA_PARAMS) {
   GRID_WAIT();
   GRID_LAUNCH_DEPENDENTS();
-  gqa_body<S, C, NC, W, 8>(GQA_ARGS);
+  gqa_body<S, C, NC, W, 8>(GQA_ARGS, blockIdx.y);
+}
+
+// grid (8, kvh, B * S) in clusters of the 8 splits of one (row, KV head): each block takes
+// the group's H / kvh query heads one after another, each with gqa_attn_cluster's arithmetic
+// (the same bits), in H / kvh times fewer blocks: for a step of many query rows, where one
+// cluster per (row, head) spends more on blocks than on keys.
+template <typename S, typename C, int NC, int W, int MB>
+__global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(32 * W, MB)
+    gqa_attn_cluster_group(GQA_PARAMS) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
+  const int G = H / kvh;
+  for (int j = 0; j < G; ++j) {
+    gqa_body<S, C, NC, W, 8>(GQA_ARGS, (int)blockIdx.y * G + j);
+    __syncthreads();  // the next head's shared memory after this one's last reads
+  }
 }
 #endif
 
@@ -1155,6 +1176,14 @@ def _many_rows(ctx: KernelContext, call: _GqaCall) -> bool:
     return most > 0 and call.batch * call.new > most
 
 
+def _group_launch(ctx: KernelContext, call: _GqaCall) -> bool:
+    """Whether a cluster-kernel call runs one block per KV head rather than per query head
+    (``gqa_attn_cluster_group``): at least the provider's ``attention_cluster_group_min_rows``
+    query rows (0: never), and more than one query head per KV head."""
+    least = int(ctx.option("attention_cluster_group_min_rows", ATTENTION_CLUSTER_GROUP_MIN_ROWS))
+    return 0 < least <= call.batch * call.new and call.heads > call.kv_heads
+
+
 def _grouped_decode_fits(ctx: KernelContext, call: _GqaCall) -> bool:
     """Whether the grouped decode kernel takes a decode / verify call: a cache longer than
     ``attention_cluster_max_keys`` or more query rows than ``attention_cluster_max_rows``,
@@ -1180,9 +1209,12 @@ def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool)
     ps = -(-(d + 2) // 4) * 4  # floats per partial: D sums, max, denominator, padding
     part, counts = y, call.seqlens  # placeholders: no global merge
     cluster = _cluster_fits(ctx, call, fuse)
+    grid_heads = heads
     if cluster:
         kernel, splits, min_chunk = "gqa_attn_cluster", 8, CLUSTER_MIN_CHUNK
         shared += ps * 4
+        if _group_launch(ctx, call):
+            kernel, grid_heads = "gqa_attn_cluster_group", call.kv_heads
     else:
         kernel, min_chunk = "gqa_attn", MIN_CHUNK
         stage = min(STAGE_BYTES, _SHARED_MAX - shared)
@@ -1198,7 +1230,7 @@ def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool)
     name = f"{kernel}<{call.s_type}, {call.c_type}, {-(-d // 64)}, {warps}, {ATTN_MIN_BLOCKS}>"
     attn = function(_SOURCE, name)
     attn(
-        (splits, heads, b * s),
+        (splits, grid_heads, b * s),
         (32 * warps,),
         (
             call.query,

@@ -261,6 +261,31 @@ def test_many_rows_on_a_short_cache_take_the_grouped_kernel(cp, rng, launched, b
     close(got[0], _want(inputs, c), np.float16, what="output")
 
 
+@pytest.mark.parametrize("b,s", [(16, 1), (4, 5)], ids=["16-rows", "4-rows-verify5"])
+def test_the_cluster_kernel_per_kv_head_gives_the_same_bits(cp, rng, launched, b, s):
+    """``attention_cluster_group_min_rows``: the cluster kernel launched one block per KV
+    head and split (``gqa_attn_cluster_group``, each block the group's query heads in turn)
+    gives the output and cache bits of the launch per query head, and matches float64."""
+    from onnx_genrt.providers.cuda.kernels.contrib_attention import _cc_major
+
+    if _cc_major() < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    totals = [int(t) for t in rng.integers(s, 257, b)]
+    c = dict(b=b, s=s, h=14, kvh=2, d=64, cap=256, totals=totals)
+    inputs, attrs = gqa_inputs(rng, c, np.float16)
+    runs = {}
+    for least in (0, 2):
+        prov = _provider(attention_cluster_max_keys=4096, attention_cluster_group_min_rows=least)
+        launched.clear()
+        fresh = [x.copy() if x is not None else None for x in inputs[:9]]
+        got, _, _ = _run(cp, prov, c, fresh, attrs)
+        runs[least] = ([np.asarray(g) for g in got], _attention(launched))
+    assert runs[0][1] == {"gqa_attn_cluster"} and runs[2][1] == {"gqa_attn_cluster_group"}
+    for per_head, per_group in zip(runs[0][0], runs[2][0], strict=True):
+        np.testing.assert_array_equal(per_head.view(np.uint16), per_group.view(np.uint16))
+    close(runs[2][0][0], _want(inputs, c), np.float16, what="output")
+
+
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 @pytest.mark.parametrize("s", [1, 5])
 def test_grouped_decode_one_graph_follows_the_device_length(cp, rng, launched, s, dtype):
