@@ -183,7 +183,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     else:
         messages = None
         prompt = _prompt(body.get("prompt"))
-        max_tokens = _optional_int(body, "max_tokens", 1)
+        # 0 with echo: the prompt scored, nothing generated
+        max_tokens = _optional_int(body, "max_tokens", 0 if body.get("echo") is True else 1)
         if max_tokens is None:
             max_tokens = 16  # OpenAI's default for completions
     stream = body.get("stream")

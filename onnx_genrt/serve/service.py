@@ -8,6 +8,7 @@ import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -177,6 +178,8 @@ class Service:
                 param=param if room < 1 else "max_tokens",
                 code="context_length_exceeded",
             )
+        # max_tokens 0 (echo): one token is generated, and left out of the answer
+        new_tokens = room if request.max_tokens is None else max(1, request.max_tokens)
         handles: list[RequestHandle] = []
         queued: list[RequestHandle] | None = None
         try:
@@ -184,7 +187,7 @@ class Service:
                 handles.append(
                     self.scheduler.submit(
                         ids,
-                        max_new_tokens=request.max_tokens or room,
+                        max_new_tokens=new_tokens,
                         stop=request.stop,
                         logprobs=request.logprobs,
                         prompt_logprobs=request.echo and request.logprobs is not None,
@@ -237,6 +240,8 @@ class Service:
             prompt: list[TokenLogprob] = []
             try:
                 async for batch in handle.stream_batches():
+                    if request.max_tokens == 0:
+                        batch = _unanswered(batch)
                     if not timed[0] and any(event.token_ids for event in batch):
                         timed[0] = True
                         self.counters.first_token(time.perf_counter() - arrival)
@@ -327,6 +332,8 @@ class Service:
                     for i in running
                 )
             async for index, batch in _merged(handles):
+                if request.max_tokens == 0:
+                    batch = _unanswered(batch)
                 if tokens == 0 and any(event.token_ids for event in batch):
                     self.counters.first_token(time.perf_counter() - arrival)
                 out = [piece(index, e) for e in batch if e.text or e.logprobs or first[index]]
@@ -390,6 +397,12 @@ async def _merged(
     finally:
         for reader in readers:
             reader.cancel()
+
+
+def _unanswered(batch: list[TokenEvent]) -> list[TokenEvent]:
+    """Events of a request with ``max_tokens`` 0 (``echo``): without the token generated,
+    which the answer leaves out (its prompt's log-probabilities stay)."""
+    return [replace(event, text="", token_ids=(), logprobs=()) for event in batch]
 
 
 def _ended_early(handle: RequestHandle, reason: str) -> APIError:

@@ -228,3 +228,31 @@ def test_echo_without_logprobs_and_streamed(server, reference):
                 values += getattr(choice.logprobs, key) if choice.logprobs else []
     assert text == whole.text == plain.choices[0].text
     assert lists == whole.logprobs.model_dump(include=set(lists))
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(server, reference_model):
+    """``max_tokens`` 0 with ``echo`` (older scoring clients): the answer is the prompt with
+    its log-probabilities, no token after it, whole and streamed; without echo 0 is a 400."""
+    prompt = "class Foo:\n    def"
+    request = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 0, "echo": True}
+    result = client(server).completions.create(**request, logprobs=1, temperature=0)
+    choice = result.choices[0]
+    ids = reference_model.tokenizer.encode(prompt)
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert result.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == [_token(reference_model, t) for t in ids]
+    want = log_softmax(ort_forced(reference_model.folder, ids, [])[:-1].astype(np.float64), -1)
+    chosen = [row[t] for t, row in zip(ids[1:], want, strict=True)]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(chosen, abs=1e-4)
+    chunks = list(client(server).completions.create(**request, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    tokens = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    assert tokens == choice.logprobs.tokens
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 0}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"

@@ -156,10 +156,19 @@ def test_a_chunk_that_fails_on_the_caller_raises(two_threads):
     pool = two_threads
     gate = np.zeros(4, np.int64)
     gate[FAIL_CALLER] = gate[RELEASE] = 1
-    status, out = _run_gate_job(pool, gate)
-    assert status & 3 == 3
-    with pytest.raises(KernelError, match="test job: the chunk kernel failed on the calling"):
-        pool.settle(status, (out, gate), "test job")
+    for _ in range(200):
+        status, out = _run_gate_job(pool, gate)
+        if status & 3 == 3:
+            with pytest.raises(
+                KernelError, match="test job: the chunk kernel failed on the calling"
+            ):
+                pool.settle(status, (out, gate), "test job")
+            return
+        # the worker took every chunk before the caller ran one (a busy machine): again
+        assert status & 3 in (0, 1), status
+        if status & 3:
+            pool.settle(status, (out, gate), "test job")
+    pytest.fail("the caller never ran a chunk")
 
 
 def test_one_pool_per_process_started_on_first_use():
