@@ -256,3 +256,22 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(server, reference_model)
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 0}
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+def test_each_of_n_answers_has_its_own_logprobs(server):
+    """``n`` answers, each a row: each choice's log-probabilities are its own tokens', whole
+    and streamed (greedy: the two equal; seeded samples: each matches its own text)."""
+    request = {"model": MODEL_NAME, "prompt": "import os", "max_tokens": 6, "logprobs": 1, "n": 2}
+    greedy = client(server).completions.create(**request, temperature=0).choices
+    assert greedy[0].logprobs.model_dump() == greedy[1].logprobs.model_dump()
+    sampled = client(server).completions.create(**request, temperature=1.5, seed=5).choices
+    assert sampled[0].text != sampled[1].text
+    for choice in sampled:
+        assert "".join(choice.logprobs.tokens) == choice.text
+    streamed: dict[int, list[str]] = {0: [], 1: []}
+    chunks = client(server).completions.create(**request, temperature=1.5, seed=5, stream=True)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed[choice.index] += choice.logprobs.tokens
+    assert streamed == {i: c.logprobs.tokens for i, c in enumerate(sampled)}
