@@ -133,12 +133,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--stats", action="store_true", help="print timings and graph statistics to stderr"
     )
     p.add_argument("--json", action="store_true", help="print one JSON result instead of streaming")
+    p.add_argument(
+        "--logprobs",
+        type=NON_NEGATIVE_INT,
+        default=None,
+        metavar="N",
+        help="also print each generated token's log-probability under the model's raw logits "
+        "and its N likeliest alternatives (0-20; the text is then printed when it is done, "
+        "not streamed)",
+    )
     add_search_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from onnx_genrt.engine import Model, stream, warm_up
+    from onnx_genrt.engine import Model, generate, stream, warm_up
 
     folder = args.model or default_model_dir()
     loading = time.perf_counter()
@@ -150,17 +159,19 @@ def run(args: argparse.Namespace) -> int:
     prompt_length = len(model.tokenizer.encode(args.prompt)) if args.prompt else 1
     warmed = warm_up(model, prompt_length + args.max_new_tokens, args.spec, args.k, prompt_length)
     results: list = []
-    pieces = stream(
-        model,
-        args.prompt,
-        args.max_new_tokens,
-        spec=args.spec,
-        k=args.k,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-        result=results,
-        **search_kwargs(args),
-    )
+    options = dict(spec=args.spec, k=args.k, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    if args.logprobs is not None:  # the batched decoder keeps them: no pieces to stream
+        whole = generate(
+            model, args.prompt, args.max_new_tokens, logprobs=args.logprobs, **options,
+            **search_kwargs(args),
+        )  # fmt: skip
+        results.append(whole)
+        pieces = iter([whole.text])
+    else:
+        pieces = stream(
+            model, args.prompt, args.max_new_tokens, result=results, **options,
+            **search_kwargs(args),
+        )  # fmt: skip
     started = False
     for piece in pieces:
         if not args.json:
@@ -171,16 +182,43 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     res = results[0]
     if args.json:
-        print(json.dumps(_as_json(res), indent=2))
+        print(json.dumps(_as_json(res, model), indent=2))
     else:
         print()
+        if res.logprobs is not None:
+            print(logprobs_text(res, model))
     if args.stats:
         print(f"model load {loaded * 1e3:.0f} ms, warm-up {warmed * 1e3:.0f} ms", file=sys.stderr)
         print(stats_text(res), file=sys.stderr)
     return 0
 
 
-def _as_json(res) -> dict:
+def _token_text(model, token: int) -> str:
+    return model.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def logprobs_text(res, model) -> str:
+    """One line per generated token: its log-probability, its text, then its alternatives."""
+    lines = []
+    for entry in res.logprobs:
+        top = ", ".join(f"{_token_text(model, t)!r} {lp:.3f}" for t, lp in entry.top)
+        line = f"{entry.logprob:9.3f}  {_token_text(model, entry.token)!r}"
+        lines.append(line + (f"  [{top}]" if top else ""))
+    return "\n".join(lines)
+
+
+def _as_json(res, model) -> dict:
+    logprobs = None
+    if res.logprobs is not None:
+        logprobs = [
+            {
+                "token": e.token,
+                "text": _token_text(model, e.token),
+                "logprob": e.logprob,
+                "top": [[t, lp] for t, lp in e.top],
+            }
+            for e in res.logprobs
+        ]
     return {
         "text": res.text,
         "tokens": res.tokens,
@@ -192,6 +230,7 @@ def _as_json(res) -> dict:
         "stop_reason": res.stop_reason,
         "speculation": res.speculation,
         "graph_stats": res.graph_stats,
+        "logprobs": logprobs,
     }
 
 
