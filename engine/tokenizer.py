@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ class Tokenizer:
             raise ModelLoadError(f"{path} cannot be read: {exc}") from None
         self.config: dict[str, Any] = read_json_object(folder, "tokenizer_config.json") or {}
         self._config_path = folder / "tokenizer_config.json"
+        #: ``token_text`` per id, kept (log-probabilities name every token they list).
+        self._token_texts = functools.lru_cache(maxsize=65536)(self._one_token_text)
 
     @property
     def vocab_size(self) -> int:
@@ -53,6 +56,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token: int) -> str:
+        """One token id's text, special tokens included (cached per id)."""
+        return self._token_texts(int(token))
+
+    def _one_token_text(self, token: int) -> str:
+        return self._tok.decode([token], skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -193,16 +193,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _token_text(model, token: int) -> str:
-    return model.tokenizer.decode([token], skip_special_tokens=False)
-
-
 def logprobs_text(res, model) -> str:
     """One line per generated token: its log-probability, its text, then its alternatives."""
     lines = []
     for entry in res.logprobs:
-        top = ", ".join(f"{_token_text(model, t)!r} {lp:.3f}" for t, lp in entry.top)
-        line = f"{entry.logprob:9.3f}  {_token_text(model, entry.token)!r}"
+        top = ", ".join(f"{model.tokenizer.token_text(t)!r} {lp:.3f}" for t, lp in entry.top)
+        line = f"{entry.logprob:9.3f}  {model.tokenizer.token_text(entry.token)!r}"
         lines.append(line + (f"  [{top}]" if top else ""))
     return "\n".join(lines)
 
@@ -213,7 +209,7 @@ def _as_json(res, model) -> dict:
         logprobs = [
             {
                 "token": e.token,
-                "text": _token_text(model, e.token),
+                "text": model.tokenizer.token_text(e.token),
                 "logprob": e.logprob,
                 "top": [[t, lp] for t, lp in e.top],
             }

@@ -35,7 +35,7 @@ from .fusion import (
     fuse_skip_rms_norm,
 )
 from .loader import graph_without_initializers
-from .schema_check import check_input_types, check_node_schema
+from .schema_check import check_node_schema
 
 if TYPE_CHECKING:  # onnx is imported when a model is planned, not with the engine
     import onnx
@@ -297,13 +297,8 @@ def build_plan(
                 f"node {proto.name!r} ({proto.op_type}) uses domain {proto.domain!r}, "
                 "which the model does not import"
             )
-        check_node_schema(proto, domain, opsets[domain])
-        check_input_types(
-            proto,
-            domain,
-            opsets[domain],
-            [_dtype_of(type_of(n)) if n else None for n in proto.input],
-        )
+        dtypes = [_dtype_of(type_of(n)) if n else None for n in proto.input]
+        check_node_schema(proto, domain, opsets[domain], dtypes)
         try:
             info = NodeInfo.from_proto(proto, opsets[domain])
         except (ValueError, TypeError) as exc:  # a tensor attribute whose bytes do not fit

@@ -43,8 +43,12 @@ def _type_name(code: int) -> str:
     return AttributeProto.AttributeType.Name(code)
 
 
-def check_node_schema(node: onnx.NodeProto, domain: str, opset: int) -> None:
-    """Raise :class:`ModelLoadError` when ``node`` does not fit its op's ONNX schema."""
+def check_node_schema(
+    node: onnx.NodeProto, domain: str, opset: int, dtypes: Sequence[np.dtype | None] = ()
+) -> None:
+    """Raise :class:`ModelLoadError` when ``node`` does not fit its op's ONNX schema: its
+    input and output counts, its attributes, and the element types of its inputs
+    (``dtypes``, None where absent or unknown)."""
     schema = _schema(node, domain, opset)
     if schema is None:
         return
@@ -79,6 +83,7 @@ def check_node_schema(node: onnx.NodeProto, domain: str, opset: int) -> None:
                 f"{where}: attribute {name!r} is {_type_name(attr.type)}; {fits} wants "
                 f"{_type_name(want)}"
             )
+    _check_input_types(node, domain, schema, where, dtypes)
 
 
 #: Inputs whose schema type is taken as the union of two type parameters: Tile-1 declares
@@ -98,25 +103,18 @@ def _tensor_type(dtype: np.dtype) -> str | None:
     return f"tensor({TensorProto.DataType.Name(code).lower()})"
 
 
-def check_input_types(
-    node: onnx.NodeProto, domain: str, opset: int, dtypes: Sequence[np.dtype | None]
+def _check_input_types(
+    node: onnx.NodeProto, domain: str, schema: defs.OpSchema, where: str, dtypes: Sequence
 ) -> None:
-    """Raise :class:`ModelLoadError` when an input's element type (``dtypes``, None where
-    absent or unknown) is not one the op's schema allows, or differs from another input's
-    bound to the same type parameter."""
-    schema = _schema(node, domain, opset)
-    if schema is None or not schema.inputs:
+    """Raise :class:`ModelLoadError` when an input's element type is not one the op's
+    schema allows, or differs from another input's bound to the same type parameter. The
+    input count fits the schema already: inputs past its list are its variadic last one's."""
+    if not schema.inputs:
         return
     allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
-    where = f"node {node.name or '<unnamed>'!r} ({node.op_type}, opset {opset})"
     bound: dict[str, tuple[str, str]] = {}
-    from onnx import defs
-
-    variadic = defs.OpSchema.FormalParameterOption.Variadic
     for i, dtype in enumerate(dtypes):
         formal = schema.inputs[min(i, len(schema.inputs) - 1)]
-        if i >= len(schema.inputs) and formal.option != variadic:
-            return  # more inputs than the schema lists: check_node_schema refuses the node
         name = node.input[i] if i < len(node.input) else ""
         if dtype is None or not name:
             continue

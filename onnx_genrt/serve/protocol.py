@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from onnx_genrt.engine.logprobs import MAX_TOP_LOGPROBS
+
 if TYPE_CHECKING:
     from onnx_genrt.engine.logprobs import TokenLogprob
 
@@ -52,9 +54,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs")
-#: Most alternatives per position: chat's ``top_logprobs``, completions' ``logprobs``
-#: (OpenAI's limits).
-MAX_TOP_LOGPROBS = 20
+#: Most alternatives per position of completions' ``logprobs`` (OpenAI's limit; chat's
+#: ``top_logprobs``: the engine's MAX_TOP_LOGPROBS, 20).
 MAX_COMPLETION_LOGPROBS = 5
 #: What a log-probability of minus infinity is written as.
 LOGPROB_FLOOR = -9999.0

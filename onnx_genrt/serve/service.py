@@ -4,11 +4,11 @@ answers of one request, whole or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -83,17 +83,10 @@ class Service:
         self._drained = threading.Event()
         self._drain_lock = threading.Lock()
 
-    @functools.cached_property
+    @property
     def token_text(self) -> Callable[[int], str]:
-        """A token id's text, special tokens included (cached per id): the ``token`` of
-        each log-probability entry."""
-        tokenizer = self.model.tokenizer
-
-        @functools.lru_cache(maxsize=65536)
-        def text(token: int) -> str:
-            return tokenizer.decode([token], skip_special_tokens=False)
-
-        return text
+        """A token id's text (``Tokenizer.token_text``): each log-probability entry's."""
+        return self.model.tokenizer.token_text
 
     # -- life cycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -219,6 +212,20 @@ class Service:
             return request.prompt, ids[0]
         return self.model.tokenizer.decode(ids), ids[0]
 
+    def _choice_logprobs(
+        self,
+        request: GenerationRequest,
+        echo: tuple[str, int] | None,
+        prompt: Sequence[TokenLogprob],
+        answer: Sequence[TokenLogprob],
+        offset: int = 0,
+    ) -> dict[str, Any]:
+        """A choice's ``logprobs`` for ``answer`` (text offsets from ``offset``), after the
+        echoed prompt's (``echo``: its text and first token, ``prompt``: the rest's)."""
+        if echo is None:
+            return logprobs_body(request, answer, self.token_text, offset)
+        return echoed_logprobs_body(request, echo[1], prompt, answer, self.token_text)
+
     async def whole(
         self,
         request: GenerationRequest,
@@ -267,13 +274,8 @@ class Service:
         echo = self._echo(request)
         head = "" if echo is None else echo[0]
         logprobs = []
-        if request.logprobs is not None and echo is not None:
-            logprobs = [
-                echoed_logprobs_body(request, echo[1], prompt, e, self.token_text)
-                for *_, e, prompt in answers
-            ]
-        elif request.logprobs is not None:
-            logprobs = [logprobs_body(request, e, self.token_text) for *_, e, _ in answers]
+        if request.logprobs is not None:
+            logprobs = [self._choice_logprobs(request, echo, p, e) for *_, e, p in answers]
         body = completion_body(
             request,
             new_id(request.chat),
@@ -309,18 +311,12 @@ class Service:
                 assert echo is not None
                 text = echo[0] + text
             if request.logprobs is not None:
-                name = self.token_text
-                if echoed:
-                    assert echo is not None
-                    probs = echoed_logprobs_body(
-                        request, echo[1], event.prompt_logprobs, event.logprobs, name
-                    )
-                    offsets[index] = len(name(echo[1])) + sum(
-                        len(name(e.token)) for e in event.prompt_logprobs
-                    )
-                else:
-                    probs = logprobs_body(request, event.logprobs, name, offsets[index])
-                offsets[index] += sum(len(name(e.token)) for e in event.logprobs)
+                probs = self._choice_logprobs(
+                    request, echo if echoed else None, event.prompt_logprobs, event.logprobs,
+                    offsets[index],
+                )  # fmt: skip
+                if not request.chat and probs["tokens"]:  # where the next chunk's text starts
+                    offsets[index] = probs["text_offset"][-1] + len(probs["tokens"][-1])
             return sse(chunk_body(request, rid, created, text=text, index=index, logprobs=probs))
 
         running = set(range(len(handles)))
