@@ -44,6 +44,11 @@ DECODE_WARPS = 4
 MERGE_GROUP = 16
 #: Most splits of one (KV head, row): the groups' merge reads one group per lane of a warp.
 MAX_DECODE_SPLITS = 32 * MERGE_GROUP
+#: Splits of the cluster launch (``gqa_decode_cluster``, sm_90+: decode / verify on a short
+#: cache): one thread-block cluster per (KV head, query row), merged by its first block through
+#: distributed shared memory. The arithmetic of ``decode_splits`` = CLUSTER_SPLITS (one merge
+#: group), and the count does not depend on the batch, so a row's bits do not either.
+CLUSTER_SPLITS = 8
 #: Most query heads per KV head (each lane keeps G x (16 bytes of values) sums).
 MAX_GROUP = 8
 #: Blocks per SM that the kernel's launch bounds ask for (128 threads: up to 255 registers a

@@ -31,20 +31,25 @@ from .kernel_args import Packer
 #: Streams (by handle) whose kernels go through cuLaunchKernelEx with the PDL attribute, and
 #: whether their kernels prefetch weights into L2 before they wait (``pdl_prefetch``).
 _PROGRAMMATIC: dict[int, bool] = {}
-_LOCK = threading.Lock()
+#: Reentrant: ``forbid_programmatic`` runs from a provider's finalizer, which the garbage
+#: collector may call on a thread that holds the lock (it deadlocked a GPU test run when the
+#: lock was plain and ``stream.ptr`` was read under it); nothing that allocates runs under it.
+_LOCK = threading.RLock()
 
 
 def allow_programmatic(stream: Any, prefetch: bool = True) -> None:
     """Launch PDL-ready kernels on ``stream`` (a CuPy stream) programmatically; ``prefetch``:
     compile them with their L2 weight prefetches before GRID_WAIT()."""
+    key, value = int(stream.ptr), bool(prefetch)
     with _LOCK:
-        _PROGRAMMATIC[int(stream.ptr)] = bool(prefetch)
+        _PROGRAMMATIC[key] = value
 
 
 def forbid_programmatic(stream_ptr: int) -> None:
     """Undo :func:`allow_programmatic` (by the stream's handle, which may be reused later)."""
+    key = int(stream_ptr)
     with _LOCK:
-        _PROGRAMMATIC.pop(int(stream_ptr), None)
+        _PROGRAMMATIC.pop(key, None)
 
 
 def compile_defines() -> tuple[str, ...]:

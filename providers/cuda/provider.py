@@ -29,11 +29,11 @@ from .host_shadow import HostShadow
 from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
 from .kernels.contrib_attention import (
-    ATTENTION_CLUSTER_GROUP_MIN_ROWS,
     ATTENTION_CLUSTER_MAX_KEYS,
     ATTENTION_CLUSTER_MAX_ROWS,
     ATTENTION_FLASH_MIN_ROWS,
     ATTENTION_GEMM_MIN_ROWS,
+    ATTENTION_GROUPED_CLUSTER,
 )
 from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
@@ -140,12 +140,13 @@ class CUDAProvider(ExecutionProvider):
             env="ONNX_GENRT_ATTENTION_CLUSTER_MAX_ROWS",
         ),
         ProviderOption(
-            "attention_cluster_group_min_rows",
-            ATTENTION_CLUSTER_GROUP_MIN_ROWS,
-            "query rows from which the cluster attention kernel launches one block per KV "
-            "head and split, each taking the group's query heads in turn with the same "
-            "arithmetic (the same tokens at any batch size, fewer blocks); 0: never",
-            env="ONNX_GENRT_ATTENTION_CLUSTER_GROUP_MIN_ROWS",
+            "attention_grouped_cluster",
+            ATTENTION_GROUPED_CLUSTER,
+            "decode and verify attention on a cache of at most attention_cluster_max_keys "
+            "positions run as one 8-block cluster per KV head and row, each key read once for "
+            "the group's query heads, the same arithmetic at any batch size (sm_90+; tested, "
+            "not yet timed; off: one cluster per query head and row)",
+            env="ONNX_GENRT_ATTENTION_GROUPED_CLUSTER",
         ),
         ProviderOption(
             "attention_grouped_decode",

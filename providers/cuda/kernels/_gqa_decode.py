@@ -1,9 +1,13 @@
 """The grouped decode attention kernel of CUDA GroupQueryAttention (``gqa_decode``).
 
-Decode and verify steps (up to ``FUSE_MAX_NEW`` new rows, the captured ones) over a long KV
-cache. One block takes one (split, KV head, batch x new row) and computes all ``G`` query
-heads of the KV head's group against each key it loads, so each K and V element is read from
-global memory once per split rather than once per query head (``gqa_attn`` reads it G times).
+Decode and verify steps (up to ``FUSE_MAX_NEW`` new rows, the captured ones). One block takes
+one (split, KV head, batch x new row) and computes all ``G`` query heads of the KV head's group
+against each key it loads, so each K and V element is read from global memory once per split
+rather than once per query head (``gqa_attn`` reads it G times). Two launches of one body:
+``gqa_decode`` (a long KV cache: many splits, merged through global memory) and, on sm_90+
+for a short cache, ``gqa_decode_cluster`` (``CLUSTER_SPLITS`` splits forming a thread-block
+cluster; block 0 merges the others' partials from their shared memory: no counters and no
+global round trip, and the same bits as ``gqa_decode`` over as many splits).
 The tiling, split sizing and merge order are those of ``providers/cuda/grouped_decode.py``,
 whose numpy mirror ``grouped_decode`` the CPU tests check against float64 attention.
 
@@ -41,6 +45,7 @@ import numpy as np
 from onnx_genrt.core.kernels import KernelContext
 
 from ..grouped_decode import (
+    CLUSTER_SPLITS,
     DECODE_BLOCKS_PER_SM,
     DECODE_WARPS,
     MAX_DECODE_SPLITS,
@@ -62,6 +67,7 @@ _SOURCE = (
     + GQA_DEVICE
     + f"""
 #define GD_MERGE_GROUP {MERGE_GROUP}
+#define GD_CLUSTER {CLUSTER_SPLITS}
 """
     + r"""
 // Programmatic dependent launch: the kernel waits for the previous one before it touches
@@ -186,25 +192,30 @@ DEVI void decode_tile(const float* q_sh, const S* K, const S* Vc, const S* kn, c
   }
 }
 
-// A partial's floats: from shared memory (SH), else from global memory written by other
-// blocks of this launch (past L1).
-template <bool SH>
-DEVI float ld_part(const float* p) {
-  if constexpr (SH) return *p;
-  else return __ldcg(p);
+// Where the partials a merge reads live: global memory written by other blocks of this
+// launch (read past L1), this block's shared memory, or the shared memory of the cluster's
+// blocks (partial k in block k, at the same offset).
+enum { PART_GLOBAL = 0, PART_SHARED = 1, PART_CLUSTER = 2 };
+// Float `off` of partial k: partials [k][G][PS] from src, or (PART_CLUSTER) [G][PS] in block k.
+template <int SRC>
+DEVI float ld_part(const float* src, int k, long long stride, int off) {
+  if constexpr (SRC == PART_CLUSTER) return ld_cluster(src + off, k);
+  else if constexpr (SRC == PART_SHARED) return src[k * stride + off];
+  else return __ldcg(src + k * stride + off);
 }
-template <bool SH>
-DEVI float4 ld_part4(const float* p) {
-  if constexpr (SH) return *reinterpret_cast<const float4*>(p);
-  else return __ldcg(reinterpret_cast<const float4*>(p));
+template <int SRC>
+DEVI float4 ld_part4(const float* src, int k, long long stride, int off) {
+  if constexpr (SRC == PART_CLUSTER) return ld_cluster4(src + off, k);
+  else if constexpr (SRC == PART_SHARED)
+    return *reinterpret_cast<const float4*>(src + k * stride + off);
+  else return __ldcg(reinterpret_cast<const float4*>(src + k * stride + off));
 }
 
 // n <= 32 partials of one (row, KV head), src[k] = [G][D + 4] floats (sums relative to the max
-// at D, the denominator at D + 1; shared memory when SH, else global memory written by other
-// blocks), merged in order k = 0, 1, ...: into the partial dst (global memory), or when
+// at D, the denominator at D + 1; where SRC says), merged in order k = 0, 1, ...: into the partial dst (global memory), or when
 // `final` into the output rows out[(orow + j) * D + d], with head h0 + j's sink. Every thread
 // of the block calls it; wsh [G][32] weights, msh / lsh [G] in shared memory.
-template <bool SH, typename S, int D, int G, int W>
+template <int SRC, typename S, int D, int G, int W>
 DEVI void decode_merge(const float* src, int n, bool final, float* dst, S* out, long long orow,
                        const S* sinks, int sink_mode, int h0, float* wsh, float* msh,
                        float* lsh) {
@@ -213,11 +224,11 @@ DEVI void decode_merge(const float* src, int n, bool final, float* dst, S* out, 
   for (int j = warp; j < G; j += W) {
     float sink = neg_inf();
     if (final && sink_mode) sink = sink_mode == 1 ? ld(sinks, h0 + j) : 0.f;
-    const float* pm = src + ((long long)lane * G + j) * PS + D;
+    const long long stride = (long long)G * PS;
     float mk = neg_inf(), lk = 0.f;
     if (lane < n) {
-      mk = ld_part<SH>(pm);
-      lk = ld_part<SH>(pm + 1);
+      mk = ld_part<SRC>(src, lane, stride, j * PS + D);
+      lk = ld_part<SRC>(src, lane, stride, j * PS + D + 1);
     }
     const float mx = warp_max(fmaxf(mk, sink));
     const float w = mk == neg_inf() ? 0.f : expf(mk - mx);
@@ -237,8 +248,8 @@ DEVI void decode_merge(const float* src, int n, bool final, float* dst, S* out, 
       float4 x[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        const float* p = src + ((long long)(k0 + u) * G + j) * PS + d;
-        x[u] = k0 + u < n ? ld_part4<SH>(p) : make_float4(0.f, 0.f, 0.f, 0.f);
+        x[u] = k0 + u < n ? ld_part4<SRC>(src, k0 + u, (long long)G * PS, j * PS + d)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
@@ -265,28 +276,37 @@ DEVI void decode_merge(const float* src, int n, bool final, float* dst, S* out, 
   }
 }
 
+#define DECODE_PARAMS                                                                         \
+  const S *__restrict__ q, long long q_row, const S *__restrict__ k_new, long long k_row,     \
+      const S *__restrict__ v_new, long long v_row, S *__restrict__ kc, S *__restrict__ vc,   \
+      const int *__restrict__ seqlens, const C *__restrict__ cos_c,                           \
+      const C *__restrict__ sin_c, int max_pos, const S *__restrict__ sinks,                  \
+      S *__restrict__ out, float *__restrict__ part, float *__restrict__ part2,               \
+      int *__restrict__ counters, int S_len, int H, int kvh, int cap, int rot,                \
+      int interleaved, int rotary, float scale, float softcap, int window, int causal,        \
+      int splits, int min_chunk, int sink_mode, int wcache, int groups_max
+#define DECODE_ARGS                                                                           \
+  q, q_row, k_new, k_row, v_new, v_row, kc, vc, seqlens, cos_c, sin_c, max_pos, sinks, out,   \
+      part, part2, counters, S_len, H, kvh, cap, rot, interleaved, rotary, scale, softcap,    \
+      window, causal, splits, min_chunk, sink_mode, wcache, groups_max
+
 // grid (splits, kvh, B * S); block 32 * W threads. part: per (row, KV head, split) a partial
 // [G][D + 4] floats; part2: per (row, KV head, group) one; counters: groups_max per (row, KV
 // head) for the groups, then one per (row, KV head); zero at entry and left zero.
 // Lengths as in gqa_attn: total = seqlens[b] + 1, n_new = min(total, S), past = total - n_new,
 // row i at position past + i (cache row base + i: base = past, or a window-sized cache's kept
 // rows).
-template <typename S, typename C, int D, int G, int W, int MB>
-__global__ void __launch_bounds__(32 * W, MB)
-    gqa_decode(const S* __restrict__ q, long long q_row, const S* __restrict__ k_new,
-               long long k_row, const S* __restrict__ v_new, long long v_row,
-               S* __restrict__ kc, S* __restrict__ vc, const int* __restrict__ seqlens,
-               const C* __restrict__ cos_c, const C* __restrict__ sin_c, int max_pos,
-               const S* __restrict__ sinks, S* __restrict__ out, float* __restrict__ part,
-               float* __restrict__ part2, int* __restrict__ counters, int S_len, int H,
-               int kvh, int cap, int rot, int interleaved, int rotary, float scale,
-               float softcap, int window, int causal, int splits, int min_chunk, int sink_mode,
-               int wcache, int groups_max) {
+// CL (cluster launch, sm_90+): the splits (CL of them) of one (row, KV head) form a cluster;
+// each block leaves its partial in its own shared memory and block 0 merges the n_act of
+// them through distributed shared memory, in the order and with the arithmetic of a lone
+// merge group (so the same bits as the launch of CL splits without clusters); part, part2
+// and counters are unused.
+template <typename S, typename C, int D, int G, int W, int CL>
+DEVI void decode_body(DECODE_PARAMS) {
   using SH = DecodeShape<S, D>;
   constexpr int T = 32 * W, LK = SH::LK, TK = SH::TK, QP = SH::QP, V = SH::V, FS = SH::FS;
   constexpr int PS = D + 4, QE = (G * D + T - 1) / T;
   extern __shared__ __align__(16) unsigned char smem[];
-  GRID_WAIT();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int split = blockIdx.x, g = blockIdx.y, bi = blockIdx.z;
   const int b = bi / S_len, i = bi % S_len;
@@ -336,12 +356,21 @@ __global__ void __launch_bounds__(32 * W, MB)
       for (int e = tid; e < G * D; e += T) st(out, orow * D + e, 0.f);
     return;
   }
-  if (split >= n_act) return;
+  if (split >= n_act) {
+    if constexpr (CL > 0) {
+      if (n_act > 1) {  // block 0 merges the others' partials from their shared memory
+        cluster_sync();
+        cluster_sync();
+      }
+    }
+    return;
+  }
   const int k_begin = lo + split * chunk;
   const int k_end = min(k_begin + chunk, hi + 1);
 
   // Shared memory: new K / V rows [S_len][D] and the query heads [G][LK][QP]; after the tiles
-  // the warps' partials [W][G][PS] over them; then the merge weights and a flag.
+  // the warps' partials [W][G][PS] over them; then the merge weights and a flag; with CL, the
+  // block's partial [G][PS] (16-byte aligned) after them.
   const int stage_b = 2 * S_len * D * (int)sizeof(S);
   const int main_b = max(stage_b + G * LK * QP * 4, W * G * PS * 4);
   S* kn = reinterpret_cast<S*>(smem);
@@ -352,6 +381,8 @@ __global__ void __launch_bounds__(32 * W, MB)
   float* msh = wsh + G * 32;
   float* lsh = msh + G;
   int* flag = reinterpret_cast<int*>(lsh + G);
+  float* mine = reinterpret_cast<float*>(
+      smem + ((main_b + (G * 32 + 2 * G + 1) * 4 + 15) & ~15));
 
   const int p = clampi(pos, 0, max_pos - 1);
 #pragma unroll
@@ -421,12 +452,22 @@ __global__ void __launch_bounds__(32 * W, MB)
   const int h0 = g * G;
   const long long pair = (long long)bi * kvh + g;
   if (n_act == 1) {
-    decode_merge<true, S, D, G, W>(wp, W, true, nullptr, out, orow, sinks, sink_mode, h0, wsh,
-                                   msh, lsh);
+    decode_merge<PART_SHARED, S, D, G, W>(wp, W, true, nullptr, out, orow, sinks, sink_mode, h0,
+                                          wsh, msh, lsh);
     return;
   }
-  decode_merge<true, S, D, G, W>(wp, W, false, part + (pair * splits + split) * G * PS, out,
-                                 orow, sinks, sink_mode, h0, wsh, msh, lsh);
+  if constexpr (CL > 0) {
+    decode_merge<PART_SHARED, S, D, G, W>(wp, W, false, mine, out, orow, sinks, sink_mode, h0,
+                                          wsh, msh, lsh);
+    cluster_sync();
+    if (split == 0)
+      decode_merge<PART_CLUSTER, S, D, G, W>(mine, n_act, true, nullptr, out, orow, sinks,
+                                             sink_mode, h0, wsh, msh, lsh);
+    cluster_sync();  // every block's partial stays until block 0 has read it
+    return;
+  }
+  decode_merge<PART_SHARED, S, D, G, W>(wp, W, false, part + (pair * splits + split) * G * PS,
+                                        out, orow, sinks, sink_mode, h0, wsh, msh, lsh);
   __threadfence();
   __syncthreads();
   const int grp = split / GD_MERGE_GROUP;
@@ -443,13 +484,13 @@ __global__ void __launch_bounds__(32 * W, MB)
   __threadfence();
   const float* first = part + (pair * splits + grp * GD_MERGE_GROUP) * G * PS;
   if (n_groups == 1) {
-    decode_merge<false, S, D, G, W>(first, members, true, nullptr, out, orow, sinks, sink_mode,
-                                    h0, wsh, msh, lsh);
+    decode_merge<PART_GLOBAL, S, D, G, W>(first, members, true, nullptr, out, orow, sinks,
+                                          sink_mode, h0, wsh, msh, lsh);
     return;
   }
   float* gpart = part2 + pair * groups_max * G * PS;
-  decode_merge<false, S, D, G, W>(first, members, false, gpart + (long long)grp * G * PS, out,
-                                  orow, sinks, sink_mode, h0, wsh, msh, lsh);
+  decode_merge<PART_GLOBAL, S, D, G, W>(first, members, false, gpart + (long long)grp * G * PS,
+                                        out, orow, sinks, sink_mode, h0, wsh, msh, lsh);
   __threadfence();
   __syncthreads();
   if (tid == 0) {
@@ -461,9 +502,25 @@ __global__ void __launch_bounds__(32 * W, MB)
   __syncthreads();
   if (!*flag) return;
   __threadfence();
-  decode_merge<false, S, D, G, W>(gpart, n_groups, true, nullptr, out, orow, sinks, sink_mode, h0,
-                                  wsh, msh, lsh);
+  decode_merge<PART_GLOBAL, S, D, G, W>(gpart, n_groups, true, nullptr, out, orow, sinks,
+                                        sink_mode, h0, wsh, msh, lsh);
 }
+
+template <typename S, typename C, int D, int G, int W, int MB>
+__global__ void __launch_bounds__(32 * W, MB) gqa_decode(DECODE_PARAMS) {
+  GRID_WAIT();
+  decode_body<S, C, D, G, W, 0>(DECODE_ARGS);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// grid (GD_CLUSTER, kvh, B * S) in clusters of the splits of one (row, KV head).
+template <typename S, typename C, int D, int G, int W, int MB>
+__global__ void __cluster_dims__(GD_CLUSTER, 1, 1) __launch_bounds__(32 * W, MB)
+    gqa_decode_cluster(DECODE_PARAMS) {
+  GRID_WAIT();
+  decode_body<S, C, D, G, W, GD_CLUSTER>(DECODE_ARGS);
+}
+#endif
 """
 )
 
@@ -474,14 +531,20 @@ def decode_template_args(s_type: str, c_type: str, head_size: int, group: int) -
     return f"{s_type}, {c_type}, {head_size}, {group}, {DECODE_WARPS}, {DECODE_BLOCKS_PER_SM}"
 
 
-def decode_shared_bytes(new: int, head_size: int, itemsize: int, group: int) -> int:
+def decode_shared_bytes(
+    new: int, head_size: int, itemsize: int, group: int, cluster: bool = False
+) -> int:
     """Dynamic shared memory of one block (the kernel's layout): the new rows and the query
-    heads, or the warps' partials over them; then the merge weights and the flag."""
+    heads, or the warps' partials over them; then the merge weights and the flag; in a
+    cluster launch, the block's partial after them (16-byte aligned)."""
     shape = DecodeShape(head_size, itemsize)
     stage = 2 * new * head_size * itemsize
     query = group * shape.lanes_per_key * (head_size // shape.lanes_per_key + 4) * 4
     warps = DECODE_WARPS * group * (head_size + 4) * 4
-    return max(stage + query, warps) + (group * 32 + 2 * group + 1) * 4
+    size = max(stage + query, warps) + (group * 32 + 2 * group + 1) * 4
+    if cluster:
+        size = -(-size // 16) * 16 + group * (head_size + 4) * 4
+    return size
 
 
 def decode_call_problem(call: _GqaCall) -> str | None:
@@ -503,21 +566,28 @@ def decode_split_count(call: _GqaCall, fixed: int = 0) -> int:
     return decode_splits(rows, keys, sm_count(), shape.min_chunk)
 
 
-def decode_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, splits: int) -> None:
+def decode_attend(
+    ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, splits: int, cluster: bool = False
+) -> None:
     """Launch ``gqa_decode`` for a decode / verify call (``decode_call_problem`` must be None)
-    over ``splits`` splits; it appends the new keys and values itself."""
+    over ``splits`` splits; it appends the new keys and values itself. ``cluster`` (sm_90+):
+    ``gqa_decode_cluster``, CLUSTER_SPLITS splits merged through distributed shared memory
+    (``splits`` is ignored), the same bits as ``gqa_decode`` over CLUSTER_SPLITS splits."""
     d, group = call.head_size, call.heads // call.kv_heads
     rows = call.batch * call.new * call.kv_heads
+    if cluster:
+        splits = CLUSTER_SPLITS
     groups_max = -(-splits // MERGE_GROUP)
-    part = part2 = y  # placeholders: a lone split writes the output
+    part = part2 = y  # placeholders: a lone split or a cluster writes the output
     counters = call.seqlens
-    if splits > 1:
+    if splits > 1 and not cluster:
         floats = group * (d + 4)
         buf = scratch(ctx, rows * (splits + groups_max) * floats * 4).view(np.float32)
         part, part2 = buf[: rows * splits * floats], buf[rows * splits * floats :]
         counters = zeroed_counters(ctx, rows * (groups_max + 1))
+    name = "gqa_decode_cluster" if cluster else "gqa_decode"
     kernel = function(
-        _SOURCE, f"gqa_decode<{decode_template_args(call.s_type, call.c_type, d, group)}>"
+        _SOURCE, f"{name}<{decode_template_args(call.s_type, call.c_type, d, group)}>"
     )
     kernel(
         (splits, call.kv_heads, call.batch * call.new),
@@ -557,5 +627,5 @@ def decode_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, splits: i
             np.int32(call.wcache),
             np.int32(groups_max),
         ),
-        shared_mem=decode_shared_bytes(call.new, d, call.dtype.itemsize, group),
+        shared_mem=decode_shared_bytes(call.new, d, call.dtype.itemsize, group, cluster),
     )

@@ -34,6 +34,33 @@ DEVI float rope_elem(const S* x, int d, int rot, int interleaved, const C* cs, c
   return rope_mix(v, ld(x, rope_partner(d, rot, interleaved)), d, rot, interleaved, cs, sn);
 }
 
+// Thread-block clusters (sm_90+): a barrier of every thread of the cluster's blocks (shared
+// memory written before it is visible to the cluster after it), and loads of the float (or
+// four floats, 16-byte aligned) at p, this block's shared memory, in block `rank`.
+DEVI void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
+}
+DEVI unsigned int cluster_addr(const float* p, unsigned int rank) {
+  const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+  unsigned int r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+}
+DEVI float ld_cluster(const float* p, unsigned int rank) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
+  return v;
+}
+DEVI float4 ld_cluster4(const float* p, unsigned int rank) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(cluster_addr(p, rank))
+               : "memory");
+  return v;
+}
+
 DEVI int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 // One new token's K row (rotated at position pos, clamped to the table) and V row, stored at

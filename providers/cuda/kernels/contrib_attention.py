@@ -35,14 +35,17 @@ sync). The attention kernel has one block per (split, query head, batch x query 
   which it sets back to zero) merges the partials from global memory. Both merge in a
   fixed order (deterministic).
 
-Decode / verify over a cache longer than the provider's ``attention_cluster_max_keys``, or
-with more query rows (a batch's rows times new tokens) than its ``attention_cluster_max_rows``,
-runs the grouped decode kernel instead (``_gqa_decode``: one block per split, KV head and row,
-scoring the group's query heads against each key it loads, so each key is read once per
-split rather than once per query head; splits sized from the capacity and the SM count,
-merged in two fixed-order levels). Calls it has no instance for (more than 8 query heads per
-KV head, rows that are not 16 x 2^k bytes) keep the many-split ``gqa_attn``, as do all with
-the provider's ``attention_grouped_decode`` off.
+Decode / verify on sm_90+ over a cache of at most the provider's ``attention_cluster_max_keys``
+positions runs, with the provider's ``attention_grouped_cluster`` on (off by default until it
+is timed), the grouped decode kernel's cluster launch instead of ``gqa_attn_cluster`` (``_gqa_decode``: one 8-block cluster per KV head and
+row, each key read once for the group's query heads; the same arithmetic at any batch size).
+Over a longer cache, or (with that option off) with more query rows (a batch's rows times new
+tokens) than its ``attention_cluster_max_rows``, decode / verify run the grouped decode
+kernel's plain launch (one block per split, KV head and row, splits sized from the capacity
+and the SM count, merged in two fixed-order levels). Calls it has no instance for (more than
+8 query heads per KV head, rows that are not 16 x 2^k bytes) keep ``gqa_attn_cluster`` or the
+many-split ``gqa_attn``, as do long caches with the provider's ``attention_grouped_decode``
+off.
 
 Concat mode (a past shorter than the total, or no past at all) is refused.
 
@@ -74,6 +77,7 @@ from onnx_genrt.core.op_rules import (
 )
 
 from ..attention_gemm import attend_rows, rotate_rows
+from ..grouped_decode import CLUSTER_SPLITS
 from ._common import (
     DEVICE_COMMON,
     F16,
@@ -137,11 +141,13 @@ ATTENTION_CLUSTER_MAX_KEYS = 4096
 #: batched row against the prompt alone, a verify step of more than 8 tokens against plain
 #: decoding), and greedy batching and speculation promise the same tokens.
 ATTENTION_CLUSTER_MAX_ROWS = 0
-#: Default of the CUDA provider's ``attention_cluster_group_min_rows``: query rows from which
-#: the cluster kernel runs as ``gqa_attn_cluster_group`` (each block the group's query heads
-#: in turn, the same arithmetic: a row's bits never depend on the rows beside it), 0: never.
-#: 0 until its first GPU run measures it (NOTES.md).
-ATTENTION_CLUSTER_GROUP_MIN_ROWS = 0
+#: Default of the CUDA provider's ``attention_grouped_cluster``: decode / verify on a short
+#: cache (sm_90+) run the grouped decode kernel as one 8-block cluster per (KV head, row)
+#: (``gqa_decode_cluster``: each key read once for the group's query heads, 7x fewer blocks than
+#: ``gqa_attn_cluster`` on the 0.5B shape), the same arithmetic at every batch size. Its GPU
+#: tests pass (H200, session 24); off until ``scripts/gpu_grouped_cluster.sh`` has timed it
+#: against the per-head cluster kernel at 1 and 32 rows.
+ATTENTION_GROUPED_CLUSTER = False
 #: Decode / verify over a cache longer than ``attention_cluster_max_keys``: the grouped decode
 #: kernel (``_gqa_decode``) where it has an instance; False: the many-split ``gqa_attn`` (for
 #: measurement; the provider's ``attention_grouped_decode`` turns it off per provider).
@@ -348,20 +354,6 @@ DEVI void attend(const float* q_sh, const S* Kb, const S* Vb, int off, int k0, i
   q, q_row, k_new, k_row, v_new, v_row, kc, vc, seqlens, cos_c, sin_c, max_pos, sinks, out,  \
       part, counters, S_len, H, kvh, D, cap, rot, interleaved, rotary, scale, softcap,        \
       window, causal, splits, min_chunk, fuse, sink_mode, vec, wcache
-
-DEVI void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
-                   : "memory");
-}
-// p (this block's shared memory) in block `rank` of the cluster.
-DEVI float ld_cluster(const float* p, unsigned int rank) {
-  const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
-  unsigned int r;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-  return v;
-}
 
 // The body of gqa_attn (CL = 0) and gqa_attn_cluster (CL = cluster size = splits) for query
 // head h: the splits of one (row, head) merge through a last-block-done counter and global
@@ -619,22 +611,6 @@ __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(32 * W, MB)
   GRID_WAIT();
   GRID_LAUNCH_DEPENDENTS();
   gqa_body<S, C, NC, W, 8>(GQA_ARGS, blockIdx.y);
-}
-
-// grid (8, kvh, B * S) in clusters of the 8 splits of one (row, KV head): each block takes
-// the group's H / kvh query heads one after another, each with gqa_attn_cluster's arithmetic
-// (the same bits), in H / kvh times fewer blocks: for a step of many query rows, where one
-// cluster per (row, head) spends more on blocks than on keys.
-template <typename S, typename C, int NC, int W, int MB>
-__global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(32 * W, MB)
-    gqa_attn_cluster_group(GQA_PARAMS) {
-  GRID_WAIT();
-  GRID_LAUNCH_DEPENDENTS();
-  const int G = H / kvh;
-  for (int j = 0; j < G; ++j) {
-    gqa_body<S, C, NC, W, 8>(GQA_ARGS, (int)blockIdx.y * G + j);
-    __syncthreads();  // the next head's shared memory after this one's last reads
-  }
 }
 #endif
 
@@ -1176,12 +1152,12 @@ def _many_rows(ctx: KernelContext, call: _GqaCall) -> bool:
     return most > 0 and call.batch * call.new > most
 
 
-def _group_launch(ctx: KernelContext, call: _GqaCall) -> bool:
-    """Whether a cluster-kernel call runs one block per KV head rather than per query head
-    (``gqa_attn_cluster_group``): at least the provider's ``attention_cluster_group_min_rows``
-    query rows (0: never), and more than one query head per KV head."""
-    least = int(ctx.option("attention_cluster_group_min_rows", ATTENTION_CLUSTER_GROUP_MIN_ROWS))
-    return 0 < least <= call.batch * call.new and call.heads > call.kv_heads
+def _grouped_cluster_fits(ctx: KernelContext, call: _GqaCall, fuse: bool) -> bool:
+    """Whether a decode / verify call the cluster kernel would take runs the grouped decode
+    kernel's cluster launch instead: the provider's ``attention_grouped_cluster`` on and an
+    instance for the call (``decode_call_problem``)."""
+    on = bool(ctx.option("attention_grouped_cluster", ATTENTION_GROUPED_CLUSTER))
+    return on and _cluster_fits(ctx, call, fuse) and decode_call_problem(call) is None
 
 
 def _grouped_decode_fits(ctx: KernelContext, call: _GqaCall) -> bool:
@@ -1196,7 +1172,11 @@ def _grouped_decode_fits(ctx: KernelContext, call: _GqaCall) -> bool:
 
 def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool) -> None:
     """The attention launch: splits of each query row's keys, merged in a cluster or by
-    the last split to finish; decode / verify over a long cache: the grouped decode kernel."""
+    the last split to finish; decode / verify over a long cache: the grouped decode kernel,
+    and on a short one its cluster launch (``attention_grouped_cluster``)."""
+    if fuse and _grouped_cluster_fits(ctx, call, fuse):
+        decode_attend(ctx, call, y, CLUSTER_SPLITS, cluster=True)
+        return
     if fuse and _grouped_decode_fits(ctx, call):
         fixed = int(ctx.option("attention_decode_splits", 0))
         decode_attend(ctx, call, y, decode_split_count(call, fixed))
@@ -1209,12 +1189,9 @@ def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool)
     ps = -(-(d + 2) // 4) * 4  # floats per partial: D sums, max, denominator, padding
     part, counts = y, call.seqlens  # placeholders: no global merge
     cluster = _cluster_fits(ctx, call, fuse)
-    grid_heads = heads
     if cluster:
         kernel, splits, min_chunk = "gqa_attn_cluster", 8, CLUSTER_MIN_CHUNK
         shared += ps * 4
-        if _group_launch(ctx, call):
-            kernel, grid_heads = "gqa_attn_cluster_group", call.kv_heads
     else:
         kernel, min_chunk = "gqa_attn", MIN_CHUNK
         stage = min(STAGE_BYTES, _SHARED_MAX - shared)
@@ -1230,7 +1207,7 @@ def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool)
     name = f"{kernel}<{call.s_type}, {call.c_type}, {-(-d // 64)}, {warps}, {ATTN_MIN_BLOCKS}>"
     attn = function(_SOURCE, name)
     attn(
-        (splits, grid_heads, b * s),
+        (splits, heads, b * s),
         (32 * warps,),
         (
             call.query,

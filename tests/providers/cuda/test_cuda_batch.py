@@ -41,20 +41,19 @@ def _with_joins(batch, texts: list[str], new: int) -> dict[str, list[int]]:
     return finished
 
 
-@pytest.mark.parametrize("group_rows", [0, 2], ids=["per-head", "per-kv-head-from-2-rows"])
-def test_embedded_model_rows_equal_alone_with_joins(cp, monkeypatch, group_rows):
+@pytest.mark.parametrize("grouped", [1, 0], ids=["grouped-cluster", "cluster-per-head"])
+def test_embedded_model_rows_equal_alone_with_joins(cp, monkeypatch, grouped):
     """Six prompts through four rows on CUDA: rows join and leave between steps, every
     sequence equals the prompt generated alone on CUDA (and on the CPU), and the decode
-    steps replay one graph per bucket with no fallback or invalidation; also with the
-    cluster attention launched per KV head from 2 query rows (batched steps and prompt
-    chunks), which the single sequence's decode does not use."""
+    steps replay one graph per bucket with no fallback or invalidation; with decode
+    attention as one cluster per KV head and row (the default) and per query head."""
     from onnx_genrt.engine import Model, generate
     from onnx_genrt.engine.batch import BatchGenerator
     from onnx_genrt.generate_cli import default_model_dir
 
-    monkeypatch.setenv("ONNX_GENRT_ATTENTION_CLUSTER_GROUP_MIN_ROWS", str(group_rows))
+    monkeypatch.setenv("ONNX_GENRT_ATTENTION_GROUPED_CLUSTER", str(grouped))
     cuda = Model(default_model_dir(), provider="cuda")
-    assert cuda.session.main_provider.option("attention_cluster_group_min_rows") == group_rows
+    assert cuda.session.main_provider.option("attention_grouped_cluster") == bool(grouped)
     cpu = Model(default_model_dir())
     alone = {t: generate(cuda, t, 40, ignore_eos=True).tokens for t in TEXTS}
     for t in TEXTS:

@@ -150,23 +150,39 @@ def _run(cp, prov, c, inputs, attrs):
     return run_gpu(cp, prov, info, inputs, [((b, s, h * d), inputs[3].dtype), None, None])
 
 
-@pytest.mark.parametrize("splits", [0, 1, 40], ids=["auto", "one-split", "two-levels"])
+def _sm90() -> bool:
+    from onnx_genrt.providers.cuda.kernels.contrib_attention import _cc_major
+
+    return _cc_major() >= 9
+
+
+@pytest.mark.parametrize(
+    "splits", [0, 1, 40, "cluster"], ids=["auto", "one-split", "two-levels", "cluster"]
+)
 @pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_grouped_decode_matches_float64(cp, rng, launched, case, dtype, splits):
     """Output and cache (the new rows rotated at [past, total), all else untouched) against
     float64; the grouped kernel ran unless it has no instance for the call (fp32 at head size
     256). Splits: the kernel's own count, one (the block writes the output), 40 (groups of
-    splits merged, then the groups)."""
+    splits merged, then the groups), or the cluster launch (sm_90+: every cache counts as
+    short, ``gqa_decode_cluster``; the cluster kernel where the grouped one has no instance)."""
     c = CASES[case]
     inputs, attrs = gqa_inputs(rng, c, dtype)
     if not c.get("causal", True):
         attrs["causal"] = 0
-    prov = _provider(attention_decode_splits=splits)
+    if splits == "cluster":
+        if not _sm90():
+            pytest.skip("thread-block clusters need sm_90")
+        prov = _provider(attention_cluster_max_keys=0, attention_grouped_cluster=True)
+        kernels = ("gqa_decode_cluster", "gqa_attn_cluster")
+    else:
+        prov = _provider(attention_decode_splits=splits)
+        kernels = ("gqa_decode", "gqa_attn")
     got, d_in, res = _run(cp, prov, c, inputs if inputs[11] is not None else inputs[:9], attrs)
     assert res[1] is d_in[3] and res[2] is d_in[4], "present must be the past buffer itself"
     grouped = decode_problem(c["d"], np.dtype(dtype).itemsize, c["h"] // c["kvh"]) is None
-    assert _attention(launched) == ({"gqa_decode"} if grouped else {"gqa_attn"}), launched
+    assert _attention(launched) == {kernels[0] if grouped else kernels[1]}, launched
     close(got[0], _want(inputs, c), dtype, what="output")
     _, k_new, v_new = _split_inputs(inputs, c)
     table = _table(inputs, c)
@@ -225,12 +241,22 @@ def test_grouped_decode_marks_a_device_length_past_the_cache(cp, rng, launched):
     [
         (dict(), 14, "gqa_decode"),
         (dict(attention_grouped_decode=False), 14, "gqa_attn"),
+        (
+            dict(attention_cluster_max_keys=0, attention_grouped_cluster=True),
+            14,
+            "gqa_decode_cluster",
+        ),
         (dict(attention_cluster_max_keys=0), 14, "gqa_attn"),  # cluster (sm_90) or many-split
         (dict(), 18, "gqa_attn"),  # 9 query heads per KV head: no instance
     ],
-    ids=["grouped", "option-off", "short-cache", "group-of-9"],
+    ids=["grouped", "option-off", "short-cache", "short-cache-per-head", "group-of-9"],
 )
 def test_grouped_decode_is_chosen_for_long_caches(cp, rng, launched, options, h, kernel):
+    """A long cache takes the grouped kernel; a short one the cluster kernel per query head
+    (many-split before sm_90), or with ``attention_grouped_cluster`` the grouped kernel's
+    cluster launch (sm_90+)."""
+    if kernel == "gqa_decode_cluster" and not _sm90():
+        kernel = "gqa_attn"
     c = dict(b=1, s=1, h=h, kvh=2, d=64, cap=700, totals=[650])
     inputs, attrs = gqa_inputs(rng, c, np.float16)
     _run(cp, _provider(**options), c, inputs[:9], attrs)
@@ -261,29 +287,36 @@ def test_many_rows_on_a_short_cache_take_the_grouped_kernel(cp, rng, launched, b
     close(got[0], _want(inputs, c), np.float16, what="output")
 
 
-@pytest.mark.parametrize("b,s", [(16, 1), (4, 5)], ids=["16-rows", "4-rows-verify5"])
-def test_the_cluster_kernel_per_kv_head_gives_the_same_bits(cp, rng, launched, b, s):
-    """``attention_cluster_group_min_rows``: the cluster kernel launched one block per KV
-    head and split (``gqa_attn_cluster_group``, each block the group's query heads in turn)
-    gives the output and cache bits of the launch per query head, and matches float64."""
-    from onnx_genrt.providers.cuda.kernels.contrib_attention import _cc_major
-
-    if _cc_major() < 9:
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+@pytest.mark.parametrize(
+    "b,s,cap", [(1, 1, 1024), (16, 1, 256), (4, 5, 1024)], ids=["1-row", "16-rows", "4-verify5"]
+)
+def test_the_cluster_launch_gives_the_bits_of_eight_splits(cp, rng, launched, b, s, cap, dtype):
+    """``gqa_decode_cluster`` (8 splits merged through distributed shared memory) gives the
+    output and cache bits of ``gqa_decode`` over 8 splits (merged through global memory): the
+    same tiles, the same merge order. Lengths spread from one split to eight."""
+    if not _sm90():
         pytest.skip("thread-block clusters need sm_90")
-    totals = [int(t) for t in rng.integers(s, 257, b)]
-    c = dict(b=b, s=s, h=14, kvh=2, d=64, cap=256, totals=totals)
-    inputs, attrs = gqa_inputs(rng, c, np.float16)
+    totals = [int(t) for t in rng.integers(s, cap + 1, b)]
+    totals[0] = cap
+    c = dict(b=b, s=s, h=14, kvh=2, d=64, cap=cap, totals=totals)
+    inputs, attrs = gqa_inputs(rng, c, dtype)
     runs = {}
-    for least in (0, 2):
-        prov = _provider(attention_cluster_max_keys=4096, attention_cluster_group_min_rows=least)
+    for name, options in (
+        (
+            "gqa_decode_cluster",
+            dict(attention_cluster_max_keys=4096, attention_grouped_cluster=True),
+        ),
+        ("gqa_decode", dict(attention_decode_splits=8)),
+    ):
         launched.clear()
         fresh = [x.copy() if x is not None else None for x in inputs[:9]]
-        got, _, _ = _run(cp, prov, c, fresh, attrs)
-        runs[least] = ([np.asarray(g) for g in got], _attention(launched))
-    assert runs[0][1] == {"gqa_attn_cluster"} and runs[2][1] == {"gqa_attn_cluster_group"}
-    for per_head, per_group in zip(runs[0][0], runs[2][0], strict=True):
-        np.testing.assert_array_equal(per_head.view(np.uint16), per_group.view(np.uint16))
-    close(runs[2][0][0], _want(inputs, c), np.float16, what="output")
+        got, _, _ = _run(cp, _provider(**options), c, fresh, attrs)
+        assert _attention(launched) == {name}, launched
+        runs[name] = [np.asarray(g) for g in got]
+    for a, b_ in zip(runs["gqa_decode_cluster"], runs["gqa_decode"], strict=True):
+        np.testing.assert_array_equal(a.view(np.uint16), b_.view(np.uint16))
+    close(runs["gqa_decode_cluster"][0], _want(inputs, c), dtype, what="output")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16])

@@ -128,9 +128,15 @@ INSTANCES = {
         "gqa_attn<float, float, 2, 4, 8>",
         "gqa_attn<bf16_t, float, 4, 4, 8>",
         "gqa_attn_cluster<half_t, half_t, 1, 4, 8>",
-        "gqa_attn_cluster_group<half_t, half_t, 1, 4, 8>",
         "gqa_window_store<float, float>",
         "rotary_rows<half_t, float>",
+    ],
+    "_gqa_decode._SOURCE": [
+        "gqa_decode<half_t, half_t, 64, 7, 4, 2>",
+        "gqa_decode<float, float, 64, 4, 4, 2>",
+        "gqa_decode_cluster<half_t, half_t, 64, 7, 4, 2>",
+        "gqa_decode_cluster<bf16_t, float, 128, 6, 4, 2>",
+        "gqa_decode_cluster<float, float, 64, 8, 4, 2>",
     ],
     "normalization._SOURCE": ["rms_norm_rows<half_t, half_t>", "layer_norm_rows<float, float>"],
     "contrib_norm._SOURCE": ["skip_norm_rows<half_t, half_t>", "skip_rms_rows_reg<bf16_t, bf16_t>"],
@@ -139,7 +145,7 @@ INSTANCES = {
     "genrt._ARGMAX_PROB_SOURCE": ["argmax_prob_rows<half_t>"],
 }
 #: Kernels that exist on sm_90 and newer only (their sources guard them).
-SM90_ONLY = ("gqa_attn_cluster", "gqa_attn_cluster_group")
+SM90_ONLY = ("gqa_attn_cluster", "gqa_decode_cluster")
 
 _DUMP_SOURCES = r"""
 import importlib, json, sys
@@ -181,7 +187,6 @@ KNOWN_SPILLS = {
     "sm_90": (
         "8gqa_attnI",
         "16gqa_attn_clusterI",
-        "22gqa_attn_cluster_groupI",
         "13nbits4_gemv16I6bf16_tS0_Li1ELi1ELi2E",
         "21nbits4_gemv16_small_kIttLi2ELi8ELi2ELi1E",
     ),

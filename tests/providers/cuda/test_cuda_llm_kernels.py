@@ -490,7 +490,9 @@ class _DecodeStep:
 
 
 @pytest.mark.parametrize(
-    "cluster", [True, False, "capacity"], ids=["cluster", "counter", "counter-by-capacity"]
+    "cluster",
+    ["grouped", True, False, "capacity"],
+    ids=["grouped-cluster", "cluster", "counter", "counter-by-capacity"],
 )
 @pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("s", [1, 4, 5])
@@ -499,31 +501,37 @@ def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, monkeypatch, s,
 
     Qwen2.5-0.5B heads (14 q, 2 kv, 64 wide) on a 4096-position cache: one split with keys
     for short lengths, then more and more splits, merged through the thread-block cluster
-    (sm_90+) or by the last split to finish (a counter; the path of older GPUs, and of caches
-    longer than the provider's ``attention_cluster_max_keys`` with ``attention_grouped_decode``
-    off: the grouped kernel has its own tests, test_cuda_gqa_decode.py)."""
-    from onnx_genrt.providers.cuda.kernels import contrib_attention
+    (sm_90+: one cluster per query head, the provider's default, or with
+    ``attention_grouped_cluster`` the grouped kernel's cluster launch) or by the last split to
+    finish (a counter; the path of older GPUs, and of caches longer than the provider's
+    ``attention_cluster_max_keys`` with ``attention_grouped_decode`` off: the grouped kernel
+    has its own tests, test_cuda_gqa_decode.py)."""
+    from onnx_genrt.providers.cuda.kernels import _gqa_decode, contrib_attention
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
     prov = fresh
     if cluster == "capacity":
         prov = CUDAProvider(attention_cluster_max_keys=4095, attention_grouped_decode=False)
-    else:
-        monkeypatch.setattr(contrib_attention, "CLUSTER", cluster)
+    elif cluster == "grouped":
+        prov = CUDAProvider(attention_grouped_cluster=True)
+    elif cluster is False:
+        monkeypatch.setattr(contrib_attention, "CLUSTER", False)
     launched: list[str] = []
-    compile_kernel = contrib_attention.function
+    for module in (contrib_attention, _gqa_decode):
 
-    def recording(source, name, *args, **kwargs):
-        launched.append(name)
-        return compile_kernel(source, name, *args, **kwargs)
+        def recording(source, name, *args, compile_kernel=module.function, **kwargs):
+            launched.append(name)
+            return compile_kernel(source, name, *args, **kwargs)
 
-    monkeypatch.setattr(contrib_attention, "function", recording)
+        monkeypatch.setattr(module, "function", recording)
     step = _DecodeStep(cp, prov, rng, s, dtype=dtype)
     q = step.write(s)
     step.run()  # eager: compiles, sizes the scratch and the counters
     step.check(q, s)
-    want = "gqa_attn_cluster<" if cluster is True else "gqa_attn<"
-    attention = [name for name in launched if name.startswith("gqa_attn")]
+    want = {"grouped": "gqa_decode_cluster<", True: "gqa_attn_cluster<"}.get(cluster, "gqa_attn<")
+    if cluster in ("grouped", True) and contrib_attention._cc_major() < 9:
+        want = "gqa_attn<"
+    attention = [name for name in launched if name.startswith("gqa_")]
     assert attention and all(name.startswith(want) for name in attention), launched
     prov.begin_capture(PRIMARY)
     step.run()

@@ -348,6 +348,39 @@ print(json.dumps(out))
 """
 
 
+_FINALIZER_UNDER_THE_LOCK = r"""
+import json, threading
+from onnx_genrt.providers.cuda import launch
+
+class Stream:
+    @property
+    def ptr(self):  # CuPy's property allocates: a collection may run a dead provider's finalizer
+        launch.forbid_programmatic(0x9000)
+        return 0x6000
+
+done = []
+
+def body():
+    launch.allow_programmatic(Stream())
+    with launch._LOCK:  # a collection while the lock is held, on the same thread
+        launch.forbid_programmatic(0x6000)
+    done.append(True)
+
+thread = threading.Thread(target=body, daemon=True)
+thread.start()
+thread.join(10)
+print(json.dumps({"done": bool(done), "left": sorted(launch._PROGRAMMATIC)}))
+"""
+
+
+def test_a_finalizer_that_forbids_a_stream_never_deadlocks():
+    """A provider's finalizer (``forbid_programmatic``) may run inside ``allow_programmatic``
+    or while the lock is held on the same thread, as the garbage collector decides: it once
+    hung a GPU test worker for good."""
+    got = run_with_cupy_stub(_FINALIZER_UNDER_THE_LOCK)
+    assert got == {"done": True, "left": []}
+
+
 def test_kernel_routes_by_stream_and_readiness():
     got = run_with_cupy_stub(_ROUTING)
     assert got["ordinary"] == [1, 0, {"programmatic": 0, "ordinary": 1, "unready": 0}]
