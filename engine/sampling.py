@@ -114,28 +114,65 @@ def penalize_repetition(logits: np.ndarray, previous: Sequence[int], penalty: fl
     return out
 
 
+#: Largest tokens taken first when top_p looks for the smallest prefix of the descending
+#: distribution that reaches its mass (then 8x more, up to the whole vocabulary).
+TOP_P_FIRST = 256
+
+
+def descending_prefix(p: np.ndarray, mass: float) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, cumulative): ``p``'s indices by descending value, ties by index (a stable
+    argsort of ``-p``), and their running sum, far enough to reach ``mass`` (or all of them).
+
+    The largest values are found by partition first, so a large vocabulary is sorted only
+    where top_p looks; the prefix is the one a full sort gives, with the same sums."""
+    n = p.size
+    k = TOP_P_FIRST
+    while k < n:
+        kth = np.partition(p, n - k)[n - k]
+        candidates = np.flatnonzero(p >= kth)  # every tie of the k-th value, by index
+        order = candidates[np.argsort(-p[candidates], kind="stable")]
+        cumulative = np.cumsum(p[order])
+        if cumulative[-1] >= mass:
+            return order, cumulative
+        k *= 8
+    order = np.argsort(-p, kind="stable")
+    return order, np.cumsum(p[order])
+
+
 def distribution(logits: np.ndarray, options: SearchOptions) -> np.ndarray:
     """The sampling distribution (float64, sums to 1) after temperature, top-k, top-p, min-p."""
-    x = np.asarray(logits, dtype=np.float64) / options.temperature
-    x = x - x.max()
-    p = np.exp(x)
+    p = np.array(logits, dtype=np.float64)
+    p /= options.temperature
+    p -= p.max()
+    np.exp(p, out=p)
     p /= p.sum()
-    keep = np.ones(p.shape, bool)
+    keep = None
     if options.top_k and options.top_k < p.size:
         kth = np.partition(p, -options.top_k)[-options.top_k]
-        keep &= p >= kth
+        keep = p >= kth
     if options.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cumulative = np.cumsum(p[order])
+        order, cumulative = descending_prefix(p, options.top_p)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
         cut = int(np.searchsorted(cumulative, options.top_p, side="left")) + 1
         mask = np.zeros(p.shape, bool)
         mask[order[:cut]] = True
-        keep &= mask
+        keep = mask if keep is None else keep & mask
     if options.min_p > 0.0:
-        keep &= p >= options.min_p * p.max()
-    p = np.where(keep, p, 0.0)
-    return p / p.sum()
+        mask = p >= options.min_p * p.max()
+        keep = mask if keep is None else keep & mask
+    if keep is not None:
+        p[~keep] = 0.0
+    p /= p.sum()
+    return p
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """An index drawn from the distribution ``p`` (non-negative, summing to 1): what
+    ``rng.choice(p.size, p=p)`` returns, from the same one uniform draw, without its checks
+    of ``p`` (a vocabulary-sized pass each)."""
+    cdf = np.cumsum(p)
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
 
 
 def pick(
@@ -148,8 +185,7 @@ def pick(
     logits = penalize_repetition(logits, previous, options.repetition_penalty)
     if not options.do_sample:
         return int(np.argmax(logits))  # an all -inf row picks index 0, like np.argmax
-    p = distribution(logits, options)
-    return int(rng.choice(p.size, p=p))
+    return draw(distribution(logits, options), rng)
 
 
 def penalize_presence_frequency(

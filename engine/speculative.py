@@ -24,7 +24,7 @@ from .decoder import PendingStep
 from .generator import Generator, one_thread
 from .model import GeneratorParams, Model
 from .proposers import Proposer
-from .sampling import distribution
+from .sampling import distribution, draw
 
 #: Drafts per speculative step when neither the call nor the model's speculative.json says.
 DEFAULT_K = 4
@@ -357,7 +357,7 @@ def accept_draft(
         return target, draft is not None and draft == target
     p = distribution(logits, search)
     if draft is None:
-        return int(rng.choice(p.size, p=p)), False
+        return draw(p, rng), False
     if rng.random() < p[draft]:
         return draft, True
     residual = p.copy()
@@ -365,4 +365,5 @@ def accept_draft(
     total = residual.sum()
     if total <= 0.0:
         return draft, True
-    return int(rng.choice(p.size, p=residual / total)), False
+    residual /= total
+    return draw(residual, rng), False
