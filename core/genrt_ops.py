@@ -19,6 +19,7 @@ MatMulAdd              ``MatMul(A, W) + bias`` (bias a row of N)                
 NonFinite              ``ReduceSum(x - x)``: 0 if all of x is finite, else NaN      fusion
 MTPAccept              accepted drafts of a verify step, and the row to draft from   MTP chain
 MTPNextInputs          the next verify step's start, ids, positions, mask, count     MTP chain
+SampleTokens           a token per row from ``softmax(logits / temperature)``       decode head
 =====================  ===========================================================  =========
 
 Every op is version 1 of the domain. ``GENRT_OPS[name]`` is the declaration;
@@ -686,8 +687,103 @@ def _mtp_ops() -> list[GenrtOp]:
     ]
 
 
+# -- SampleTokens -----------------------------------------------------------------------------
+
+
+def _sample_tokens_body(b: BodyBuilder, types) -> None:
+    """``core.token_sampling``'s rule in standard ops: Philox4x32-10 in uint64 arithmetic
+    (each 32 x 32-bit product exact in 64 bits), one entry of four words per vocabulary index,
+    then the Gumbel scores and their first argmax."""
+    from .token_sampling import MASK32, PHILOX_M, PHILOX_ROUNDS, PHILOX_W, SAMPLE_STREAM
+
+    logits, temperature, seed, offset = b.node.input_names[:4]
+    u64 = DType.UINT64.value
+
+    def const(name: str, value: int) -> str:
+        return b.const(name, value, np.uint64)
+
+    mask, n32 = const("mask32", MASK32), const("n32", 32)
+
+    def op(kind: str, *inputs: str, **attrs) -> str:
+        return b.add(kind, list(inputs), [b.tmp(f"{kind.lower()}{len(b.body.nodes)}")], **attrs)
+
+    def shr(x: str, bits: str) -> str:
+        return op("BitShift", x, bits, direction="RIGHT")
+
+    def low(x: str) -> str:
+        return op("BitwiseAnd", x, mask)
+
+    x = op("Cast", logits, to=DType.FLOAT32.value)
+    vocab = op("Squeeze", op("Shape", x, start=-1), b.const("axis0", [0]))
+    index = op("Cast", op("Range", b.const("zero", 0), vocab, b.const("one", 1)), to=u64)
+    last = b.const("last", [-1])
+    s = op("Unsqueeze", op("Cast", seed, to=u64), last)
+    o = op("Unsqueeze", op("Cast", offset, to=u64), last)
+    c = [shr(index, const("two", 2)), low(o), shr(o, n32), const("stream", SAMPLE_STREAM)]
+    k = [low(s), shr(s, n32)]
+    m = [const("m0", PHILOX_M[0]), const("m1", PHILOX_M[1])]
+    w = [const("w0", PHILOX_W[0]), const("w1", PHILOX_W[1])]
+    for r in range(PHILOX_ROUNDS):
+        if r:
+            k = [low(op("Add", k[0], w[0])), low(op("Add", k[1], w[1]))]
+        p0, p1 = op("Mul", m[0], c[0]), op("Mul", m[1], c[2])
+        c = [
+            op("BitwiseXor", op("BitwiseXor", shr(p1, n32), c[1]), k[0]),
+            low(p1),
+            op("BitwiseXor", op("BitwiseXor", shr(p0, n32), c[3]), k[1]),
+            low(p0),
+        ]
+    word = op("BitwiseAnd", index, const("three", 3))
+    bits = ""  # the entry's word: the sum of each word times (word == i), one of them 1
+    for i in range(4):
+        pick = op("Mul", c[i], op("Cast", op("Equal", word, const(f"word{i}", i)), to=u64))
+        bits = op("Add", bits, pick) if bits else pick
+    odd = op("Add", op("Mul", shr(bits, const("nine", 9)), const("two_u", 2)), const("one_u", 1))
+    u = op("Mul", op("Cast", odd, to=DType.FLOAT32.value), b.const("ulp", 2.0**-24, np.float32))
+    noise = op("Neg", op("Log", op("Neg", op("Log", u))))
+    t = op("Unsqueeze", op("Cast", temperature, to=DType.FLOAT32.value), last)
+    hot = op("Greater", t, b.const("zero_f", 0.0, np.float32))
+    scaled = op("Add", op("Div", x, op("Where", hot, t, b.const("one_f", 1.0, np.float32))), noise)
+    scores = op("Where", hot, scaled, x)
+    scores = op("Where", op("IsNaN", scores), b.const("ninf", -np.inf, np.float32), scores)
+    b.add("ArgMax", [scores], [b.output(0, "tokens")], axis=-1, keepdims=0)
+
+
+def _sample_tokens_problem(op: GenrtOp, node: NodeInfo) -> str | None:
+    """Refuse a node without its four inputs (the schema's optional flags cannot say it)."""
+    if len(node.input_names) < 4 or not all(node.input_names[:4]):
+        return "SampleTokens needs logits, temperature, seed and offset"
+    return None
+
+
+def _sampling_ops() -> list[GenrtOp]:
+    """Device-side sampling (``core.token_sampling``)."""
+    return [
+        GenrtOp(
+            "SampleTokens",
+            "A token per row drawn from ``softmax(logits / temperature)`` by the Gumbel-max "
+            "trick with Philox4x32-10 noise keyed by ``seed`` and counted by ``offset`` and "
+            "the vocabulary index (``core.token_sampling``): the first largest of ``logits / "
+            "temperature - log(-log(u))`` in float32; ``temperature <= 0``: the argmax of the "
+            "logits. temperature, seed and offset are shaped like the logits but the last "
+            "axis.",
+            (
+                Formal("logits", "T", "[..., vocab]"),
+                Formal("temperature", "F", "[...] (float32)"),
+                Formal("seed", "I", "[...]: the key (its 64 bits)"),
+                Formal("offset", "I", "[...]: the draw's number in its sequence"),
+            ),
+            (Formal("tokens", "I", "[...] int64"),),
+            (),
+            {**_T, "F": ("float32",), "I": _INT64},
+            _sample_tokens_body,
+            check=_sample_tokens_problem,
+        ),
+    ]
+
+
 def _ops() -> dict[str, GenrtOp]:
-    return {op.name: op for op in [*_fused_ops(), *_mtp_ops()]}
+    return {op.name: op for op in [*_fused_ops(), *_mtp_ops(), *_sampling_ops()]}
 
 
 #: Every ``onnx_genrt`` op by name.

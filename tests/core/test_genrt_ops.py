@@ -371,6 +371,33 @@ def test_mtp_next_inputs_body_equals_the_kernel_and_python(k, outputs):
 # -- placement and the schema ----------------------------------------------------------------
 
 
+# -- SampleTokens -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=str)
+def test_sample_tokens_body_equals_the_kernel_and_the_rule(dtype):
+    """The body (Philox in uint64 ops, the Gumbel scores, ArgMax), the CPU kernel and
+    onnxruntime running the body give ``core.token_sampling.sample_tokens``'s tokens, on rows
+    of temperature 0 (the argmax) and above, seeds of all 64 bits, offsets past 2**32."""
+    from onnx_genrt.core.token_sampling import gumbel_scores, sample_tokens
+
+    rng = np.random.default_rng(3)
+    logits = (3 * rng.standard_normal((5, 2, 37))).astype(dtype)
+    temperature = rng.uniform(0.3, 1.7, (5, 2)).astype(np.float32)
+    temperature[0, 0] = 0.0
+    seed = rng.integers(-(2**63), 2**63 - 1, (5, 2))
+    offset = rng.integers(0, 2**40, (5, 2))
+    feeds = {"logits": logits, "temperature": temperature, "seed": seed, "offset": offset}
+    model = _model("SampleTokens", feeds, {}, ["tokens"])
+    want = sample_tokens(logits, temperature, seed, offset)
+    scores = np.sort(gumbel_scores(logits, temperature, seed, offset), axis=-1)
+    assert (scores[..., -1] - scores[..., -2] > 1e-4).all()  # no near tie: exact tokens
+    assert want[0, 0] == np.argmax(logits[0, 0])
+    np.testing.assert_array_equal(_run_body(model, feeds)["tokens"], want)
+    np.testing.assert_array_equal(_run_fused(model, feeds)["tokens"], want)
+    np.testing.assert_array_equal(_run_ort_body(model, feeds)["tokens"], want)
+
+
 def test_two_bodies_of_one_op_get_distinct_names_and_run_on_the_session_provider():
     rng = np.random.default_rng(0)
     g, u = rng.standard_normal((2, 4, 8)).astype(np.float32)

@@ -8,12 +8,14 @@ from onnx import TensorProto, helper
 from onnx_genrt.core.dtypes import is_float_dtype
 from onnx_genrt.core.kernels import GENRT_DOMAIN, KernelContext
 from onnx_genrt.core.op_rules import mtp_accept_drafts, silu_mul_half
+from onnx_genrt.core.token_sampling import check_sample_shapes
 
 from ._native_rows import silu_halves_native
 from ._native_small import argmax_prob_native, mtp_accept_native, nonfinite_native
 from ._nn_common import compute_dtype
 from ._prompt_threads import row_parts
 from ._registry import REGISTRY
+from ._sampling import sample_rows
 from .elementwise import as_rows, sigmoid_into, silu_mul_halves, silu_mul_rows
 from .matmul import TiledWeight, matmul_kernel, packed_call, packed_shape, prepack_weight
 
@@ -282,3 +284,29 @@ def _bind_matmul_add(ctx, inputs, out: np.ndarray):
 REGISTRY.register(
     "MatMulAdd", since=1, domain=GENRT_DOMAIN, prepack=prepack_weight, bind=_bind_matmul_add
 )(matmul_add)
+
+
+def sample_tokens(ctx: KernelContext, logits, temperature, seed, offset) -> np.ndarray:
+    """A token per row from ``softmax(logits / temperature)`` (``core.token_sampling``):
+    Gumbel-max with Philox4x32-10 noise; temperature <= 0 gives the argmax."""
+    rows = check_sample_shapes(
+        ctx.node.describe(),
+        logits.shape,
+        ("temperature", temperature.shape),
+        ("seed", seed.shape),
+        ("offset", offset.shape),
+    )
+    tokens = ctx.out(0, logits.shape[:-1], np.int64)
+    if rows:
+        x = np.ascontiguousarray(logits, np.float32).reshape(rows, logits.shape[-1])
+        sample_rows(
+            x,
+            np.ascontiguousarray(temperature, np.float32).reshape(rows),
+            np.ascontiguousarray(seed, np.int64).reshape(rows),
+            np.ascontiguousarray(offset, np.int64).reshape(rows),
+            tokens.reshape(rows),
+        )
+    return tokens
+
+
+REGISTRY.register("SampleTokens", since=1, domain=GENRT_DOMAIN)(sample_tokens)

@@ -38,6 +38,13 @@ from onnx_genrt.core.op_rules import (
     mtp_accept_drafts,
     silu_mul_half,
 )
+from onnx_genrt.core.token_sampling import (
+    PHILOX_M,
+    PHILOX_ROUNDS,
+    PHILOX_W,
+    SAMPLE_STREAM,
+    check_sample_shapes,
+)
 
 from ._common import (
     ARG_KEYS,
@@ -212,6 +219,123 @@ def argmax_prob(ctx: KernelContext, x: cupy.ndarray) -> tuple[cupy.ndarray, cupy
         fn = function(_ARGMAX_PROB_SOURCE, f"argmax_prob_rows<{storage(ctx, x.dtype)}>")
         fn((rows,), (row_threads(cols),), (contiguous(ctx, x), idx, prob, np.int64(cols)))
     return idx, prob
+
+
+# ----------------------------------------------------------------------------- SampleTokens
+
+_SAMPLE_SOURCE = (
+    DEVICE_COMMON
+    + ARG_KEYS
+    + f"""
+#define PHILOX_M0 {PHILOX_M[0]:#x}u
+#define PHILOX_M1 {PHILOX_M[1]:#x}u
+#define PHILOX_W0 {PHILOX_W[0]:#x}u
+#define PHILOX_W1 {PHILOX_W[1]:#x}u
+#define PHILOX_ROUNDS {PHILOX_ROUNDS}
+#define SAMPLE_STREAM {SAMPLE_STREAM:#x}u
+"""
+    + r"""
+// Philox4x32-10 of counter (c0, c1, c2, c3) under key (k0, k1) into w (core.token_sampling).
+DEVI void philox4x32(unsigned int (&w)[4], unsigned int c0, unsigned int c1, unsigned int c2,
+                     unsigned int c3, unsigned int k0, unsigned int k1) {
+#pragma unroll
+  for (int r = 0; r < PHILOX_ROUNDS; ++r) {
+    if (r) { k0 += PHILOX_W0; k1 += PHILOX_W1; }
+    const unsigned int h0 = __umulhi(PHILOX_M0, c0), l0 = PHILOX_M0 * c0;
+    const unsigned int h1 = __umulhi(PHILOX_M1, c2), l1 = PHILOX_M1 * c2;
+    c0 = h1 ^ c1 ^ k0; c1 = l1; c2 = h0 ^ c3 ^ k1; c3 = l0;
+  }
+  w[0] = c0; w[1] = c1; w[2] = c2; w[3] = c3;
+}
+
+// SampleTokens: per row, the first largest Gumbel score logits / t - log(-log(u)) (the
+// logits alone where t <= 0; NaN never wins); one block per row, one Philox call per four
+// vocabulary entries.
+template <typename S>
+__global__ void sample_tokens_rows(const S* __restrict__ x, const float* __restrict__ temp,
+                                   const long long* __restrict__ seed,
+                                   const long long* __restrict__ offset,
+                                   long long* __restrict__ tokens, long long cols) {
+  __shared__ unsigned long long shk[32];
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
+  const long long r = blockIdx.x;
+  const S* xr = x + r * cols;
+  const float t = temp[r];
+  const bool hot = t > 0.f;
+  const unsigned long long s = (unsigned long long)seed[r], o = (unsigned long long)offset[r];
+  const unsigned int k0 = (unsigned int)s, k1 = (unsigned int)(s >> 32);
+  const unsigned int c1 = (unsigned int)o, c2 = (unsigned int)(o >> 32);
+  unsigned long long best = 0ull;
+  const long long blocks = (cols + 3) >> 2;
+  for (long long b = threadIdx.x; b < blocks; b += blockDim.x) {
+    unsigned int w[4];
+    philox4x32(w, (unsigned int)b, c1, c2, SAMPLE_STREAM, k0, k1);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const long long v = b * 4 + j;
+      if (v < cols) {
+        float score = ld(xr, v);
+        if (hot) {
+          const float u = ((float)(w[j] >> 9) * 2.f + 1.f) * 5.9604644775390625e-8f;  // 2^-24
+          score = score / t - logf(-logf(u));
+        }
+        if (score != score) score = __int_as_float(0xff800000);  // NaN: -inf, never the pick
+        best = kmax(best, arg_key(score, v, 0));
+      }
+    }
+  }
+  best = block_kmax(best, shk);
+  if (threadIdx.x == 0) tokens[r] = arg_index(best, 0);
+}
+"""
+)
+
+
+@REGISTRY.register("SampleTokens", since=1, domain=GENRT_DOMAIN)
+def sample_tokens(
+    ctx: KernelContext,
+    logits: cupy.ndarray,
+    temperature: cupy.ndarray,
+    seed: cupy.ndarray,
+    offset: cupy.ndarray,
+) -> cupy.ndarray:
+    """A token per row from ``softmax(logits / temperature)`` (``core.token_sampling``):
+    Gumbel-max with Philox4x32-10 noise in one launch, one block per row."""
+    desc = ctx.node.describe()
+    if logits.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{desc}: logits must be float32/float16/bfloat16, got {logits.dtype}")
+    rows = check_sample_shapes(
+        desc,
+        logits.shape,
+        ("temperature", temperature.shape),
+        ("seed", seed.shape),
+        ("offset", offset.shape),
+    )
+    for name, value, dtype in (
+        ("temperature", temperature, np.float32),
+        ("seed", seed, np.int64),
+        ("offset", offset, np.int64),
+    ):
+        if value.dtype != dtype:
+            raise TypeError(f"{desc}: {name} must be {np.dtype(dtype)}, got {value.dtype}")
+    tokens = out(ctx, 0, logits.shape[:-1], np.int64)
+    if rows:
+        cols = int(logits.shape[-1])
+        fn = function(_SAMPLE_SOURCE, f"sample_tokens_rows<{storage(ctx, logits.dtype)}>")
+        fn(
+            (rows,),
+            (1024,),
+            (
+                contiguous(ctx, logits),
+                contiguous(ctx, temperature),
+                contiguous(ctx, seed),
+                contiguous(ctx, offset),
+                tokens,
+                np.int64(cols),
+            ),
+        )
+    return tokens
 
 
 # ----------------------------------------------------------------------------- SiluMul

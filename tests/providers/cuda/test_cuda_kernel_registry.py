@@ -31,6 +31,7 @@ REQUIRED = {
     ("onnx_genrt", "SiluMulMatMulNBits"),
     ("onnx_genrt", "MTPAccept"),
     ("onnx_genrt", "MTPNextInputs"),
+    ("onnx_genrt", "SampleTokens"),
 }
 
 _CHILD = """

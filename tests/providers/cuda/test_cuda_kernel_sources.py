@@ -143,6 +143,7 @@ INSTANCES = {
     "softmax._SOURCE": ["softmax_rows<half_t>"],
     "genrt._SOURCE": ["mtp_accept<half_t, float>", "mtp_next_inputs"],
     "genrt._ARGMAX_PROB_SOURCE": ["argmax_prob_rows<half_t>"],
+    "genrt._SAMPLE_SOURCE": ["sample_tokens_rows<half_t>", "sample_tokens_rows<float>"],
 }
 #: Kernels that exist on sm_90 and newer only (their sources guard them).
 SM90_ONLY = ("gqa_attn_cluster", "gqa_decode_cluster")
