@@ -745,14 +745,27 @@ def _sample_tokens_body(b: BodyBuilder, types) -> None:
     hot = op("Greater", t, b.const("zero_f", 0.0, np.float32))
     scaled = op("Add", op("Div", x, op("Where", hot, t, b.const("one_f", 1.0, np.float32))), noise)
     scores = op("Where", hot, scaled, x)
-    scores = op("Where", op("IsNaN", scores), b.const("ninf", -np.inf, np.float32), scores)
+    ninf = b.const("ninf", -np.inf, np.float32)
+    if len(b.node.input_names) > 4 and b.node.input_names[4]:
+        # the k-th largest logit (a full descending sort; NaN as -inf), -inf where k is off
+        finite = op("Where", op("IsNaN", x), ninf, x)
+        full = op("Shape", x, start=-1)
+        ordered = b.add("TopK", [finite, full], [b.tmp("sorted"), b.tmp("order")], axis=-1)
+        k = op("Unsqueeze", b.node.input_names[4], last)
+        one, zero = b.const("k_one", 1), b.const("k_zero", 0)
+        at = op("Clip", op("Sub", k, one), zero, op("Sub", full, one))
+        kth = op("GatherElements", ordered, at, axis=-1)
+        on = op("And", op("Greater", k, zero), op("Less", k, full))
+        floor = op("Where", on, kth, ninf)
+        scores = op("Where", op("And", hot, op("Less", x, floor)), ninf, scores)
+    scores = op("Where", op("IsNaN", scores), ninf, scores)
     b.add("ArgMax", [scores], [b.output(0, "tokens")], axis=-1, keepdims=0)
 
 
 def _sample_tokens_problem(op: GenrtOp, node: NodeInfo) -> str | None:
     """Refuse a node without its four inputs (the schema's optional flags cannot say it)."""
     if len(node.input_names) < 4 or not all(node.input_names[:4]):
-        return "SampleTokens needs logits, temperature, seed and offset"
+        return "SampleTokens needs logits, temperature, seed and offset (top_k is optional)"
     return None
 
 
@@ -764,14 +777,16 @@ def _sampling_ops() -> list[GenrtOp]:
             "A token per row drawn from ``softmax(logits / temperature)`` by the Gumbel-max "
             "trick with Philox4x32-10 noise keyed by ``seed`` and counted by ``offset`` and "
             "the vocabulary index (``core.token_sampling``): the first largest of ``logits / "
-            "temperature - log(-log(u))`` in float32; ``temperature <= 0``: the argmax of the "
-            "logits. temperature, seed and offset are shaped like the logits but the last "
-            "axis.",
+            "temperature - log(-log(u))`` in float32 over the entries at or above the row's "
+            "``top_k``-th largest logit (0: all); ``temperature <= 0``: the argmax of the "
+            "logits. temperature, seed, offset and top_k are shaped like the logits but the "
+            "last axis.",
             (
                 Formal("logits", "T", "[..., vocab]"),
                 Formal("temperature", "F", "[...] (float32)"),
                 Formal("seed", "I", "[...]: the key (its 64 bits)"),
                 Formal("offset", "I", "[...]: the draw's number in its sequence"),
+                Formal("top_k", "I", "[...]: entries kept per row (0: all)", optional=True),
             ),
             (Formal("tokens", "I", "[...] int64"),),
             (),

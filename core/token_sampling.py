@@ -11,6 +11,8 @@ sequence drawn again with the same seed gets the same noise at each offset.
   offset & 0xffffffff, offset >> 32, SAMPLE_STREAM)``; entry ``v`` takes word ``v & 3``.
 * ``u = (2 * (x >> 9) + 1) * 2**-24``: an odd multiple of ``2**-24`` in (0, 1), exact in
   float32; ``g = -log(-log(u))`` and the score ``logits / temperature + g`` in float32.
+* ``top_k`` (optional, per row; 0 or at least the vocabulary: off) leaves out the entries
+  whose logit is below the row's k-th largest (ties of it stay; a NaN logit counts as -inf).
 * The first largest score wins; a NaN score never does; a row of no finite score gives 0.
   ``temperature <= 0`` scores the logits alone: the argmax (greedy decoding).
 
@@ -68,26 +70,51 @@ def uniforms(seed: np.ndarray, offset: np.ndarray, vocab: int) -> np.ndarray:
     return odd * np.float32(2.0**-24)
 
 
+def top_k_floor(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
+    """Each row's k-th largest logit (float32, NaN as -inf), or -inf where ``top_k`` is off
+    (0, negative, or at least the vocabulary)."""
+    x = np.asarray(logits).astype(np.float32)
+    x = np.where(np.isnan(x), np.float32(-np.inf), x)
+    vocab = x.shape[-1]
+    k = np.asarray(top_k, np.int64)
+    descending = -np.sort(-x, axis=-1)
+    kth = np.take_along_axis(descending, np.clip(k - 1, 0, vocab - 1)[..., None], axis=-1)[..., 0]
+    return np.where((k > 0) & (k < vocab), kth, np.float32(-np.inf)).astype(np.float32)
+
+
 def gumbel_scores(
-    logits: np.ndarray, temperature: np.ndarray, seed: np.ndarray, offset: np.ndarray
+    logits: np.ndarray,
+    temperature: np.ndarray,
+    seed: np.ndarray,
+    offset: np.ndarray,
+    top_k: np.ndarray | None = None,
 ) -> np.ndarray:
     """float32 scores [..., vocab] whose first largest entry is the sampled token: ``logits /
-    temperature - log(-log(u))``, or the logits alone where ``temperature <= 0``."""
+    temperature - log(-log(u))``, or the logits alone where ``temperature <= 0``; -inf for
+    entries below the row's ``top_k`` floor."""
     x = np.asarray(logits).astype(np.float32)
     t = np.asarray(temperature, np.float32)[..., None]
     u = uniforms(seed, offset, x.shape[-1])
     noise = -np.log(-np.log(u))
     with np.errstate(divide="ignore", invalid="ignore"):
         scores = np.where(t > 0, x / np.where(t > 0, t, np.float32(1)) + noise, x)
+    if top_k is not None:
+        floor = top_k_floor(x, top_k)[..., None]
+        scores = np.where((t > 0) & (x < floor), np.float32(-np.inf), scores)
     return scores.astype(np.float32)
 
 
 def sample_tokens(
-    logits: np.ndarray, temperature: np.ndarray, seed: np.ndarray, offset: np.ndarray
+    logits: np.ndarray,
+    temperature: np.ndarray,
+    seed: np.ndarray,
+    offset: np.ndarray,
+    top_k: np.ndarray | None = None,
 ) -> np.ndarray:
     """The sampled token (int64) of each row of ``logits`` [..., vocab]; ``temperature``
-    (float32), ``seed`` and ``offset`` (int64) are shaped like ``logits.shape[:-1]``."""
-    scores = gumbel_scores(logits, temperature, seed, offset)
+    (float32), ``seed``, ``offset`` and ``top_k`` (int64) are shaped like
+    ``logits.shape[:-1]``."""
+    scores = gumbel_scores(logits, temperature, seed, offset, top_k)
     scores = np.where(np.isnan(scores), -np.inf, scores)
     return np.argmax(scores, axis=-1).astype(np.int64)
 

@@ -27,6 +27,7 @@ from onnx_genrt.core.locking import SingleUser
 from .batch_speculation import RowSpeculation, row_speculation
 from .config import SearchOptions
 from .decoder import DecoderRunner, PendingRows, StepOutput
+from .device_sampler import SampleInputs, device_samplable
 from .logprobs import TokenLogprob, check_top_logprobs, token_logprob
 from .model import GeneratorParams, Model
 from .sampling import choose, plain_greedy
@@ -78,6 +79,8 @@ class _Row:
     #: The target's hidden state that predicted the pending token (kept while the batch's
     #: drafts come from an MTP head).
     hidden: np.ndarray | None = None
+    #: The key of the row's draws on the device (its seed, or one drawn from its generator).
+    sample_seed: int = 0
     #: Alternatives listed with each generated token's log-probability (None: none kept).
     logprobs: int | None = None
     #: Each generated token's log-probability, in order (with ``logprobs``).
@@ -113,6 +116,11 @@ class BatchGenerator:
 
     #: Queue the next greedy step before reading this one (None: where reads are async).
     look_ahead: bool | None = None
+    #: Draw the tokens of rows that sample by temperature alone on the device
+    #: (``engine/device_sampler.py``: Philox noise keyed by the row's seed, one token read
+    #: back per row instead of its logits); False: the host sampler for every row. Off
+    #: until it is timed on a GPU; its draws differ from the host sampler's for a seed.
+    device_sampling: bool = False
     #: Prompts as graphed chunks of padded rows (``DecoderRunner.prefill``): None where
     #: reads are async (a GPU), True or False to force it. Each row keeps one graph per
     #: chunk width.
@@ -218,6 +226,9 @@ class BatchGenerator:
             if check_bool(ignore_eos, "ignore_eos"):
                 eos = set()
             row = _Row(list(ids), len(ids), search, eos, np.random.default_rng(search.seed))
+            row.sample_seed = (
+                search.seed if search.seed is not None else int(row.rng.integers(0, 2**63 - 1))
+            )
             row.logprobs = top
             row.prompt_logprobs = [] if prompt_logprobs else None
             self._ahead = None  # queued for the rows before: a new row must not reuse it
@@ -364,10 +375,15 @@ class BatchGenerator:
         for i, row in live.items():
             tokens[i] = row.tokens[-1]
         # Greedy rows take the device argmax; one whose argmax is end of sequence before its
-        # min_length reads its own logits row after the step (``_row_logits``).
+        # min_length reads its own logits row after the step (``_row_logits``). Rows that
+        # sample by temperature alone draw on the device when the batch does
+        # (``device_sampling``).
+        drawn = self._device_drawn(live)
         need_logits = any(
-            not plain_greedy(r.search) or r.logprobs is not None for r in live.values()
+            (not plain_greedy(r.search) and i not in drawn) or r.logprobs is not None
+            for i, r in live.items()
         )
+        sample = self._sample_inputs(live, drawn, size) if drawn else None
         spec = self.speculation
         need_hidden = spec is not None and spec.needs_hidden
         with self.model.session.exclusive():
@@ -375,9 +391,9 @@ class BatchGenerator:
                 pending = ahead[0]  # queued last step with these tokens, fed on the device
                 self.steps_ahead += 1
             else:
-                pending = self._launch(tokens, lengths, need_logits, need_hidden)
+                pending = self._launch(tokens, lengths, need_logits, need_hidden, sample)
             queued = None
-            if self._may_look_ahead(live, size, lengths, need_logits):
+            if sample is None and self._may_look_ahead(live, size, lengths, need_logits):
                 after = lengths.copy()
                 after[list(live)] += 1
                 fed_by = pending[0] if isinstance(pending, list) else pending  # one piece
@@ -394,6 +410,7 @@ class BatchGenerator:
                 )
             # on an error the queued step is dropped
             argmax, logits, hidden = self._finish(pending)
+            sampled = self._sampled(pending) if sample is not None else None
             if queued is not None and any(self._masks(r, int(argmax[i])) for i, r in live.items()):
                 # A masked pick reads this step's logits, which the queued step overwrote:
                 # drop it and run this step again (the same keys and values).
@@ -403,11 +420,16 @@ class BatchGenerator:
                 )
             new = {}
             for i, row in live.items():
-                token = self._pick(
-                    row,
-                    int(argmax[i]),
-                    lambda i=i, lg=logits: lg[i] if lg is not None else self._row_logits(size, i),
-                )
+                if sampled is not None and i in drawn:
+                    token = int(sampled[i])
+                else:
+                    token = self._pick(
+                        row,
+                        int(argmax[i]),
+                        lambda i=i, lg=logits: (
+                            lg[i] if lg is not None else self._row_logits(size, i)
+                        ),
+                    )
                 row.tokens.append(token)
                 row.new = [token]
                 new[i] = [token]
@@ -419,6 +441,32 @@ class BatchGenerator:
                     queued = None
             self._ahead = queued
         return new
+
+    def _device_drawn(self, live: dict[int, _Row]) -> set[int]:
+        """The live rows whose next token is drawn on the device: with ``device_sampling``,
+        those sampling by temperature alone and free to end (past their min_length)."""
+        if not self.device_sampling:
+            return set()
+        return {
+            i
+            for i, r in live.items()
+            if device_samplable(r.search) and not (r.eos and len(r.tokens) < r.search.min_length)
+        }
+
+    @staticmethod
+    def _sample_inputs(live: dict[int, _Row], drawn: set[int], size: int) -> SampleInputs:
+        """(temperature, seed, offset, top_k) of a step's rows: a drawn row's temperature,
+        seed, the index its token will have in its sequence and top_k; temperature 0
+        elsewhere."""
+        temperature = np.zeros(size, np.float32)
+        seed, offset, top_k = (np.zeros(size, np.int64) for _ in range(3))
+        for i in drawn:
+            row = live[i]
+            temperature[i] = row.search.temperature
+            seed[i] = row.sample_seed
+            offset[i] = len(row.tokens)
+            top_k[i] = row.search.top_k
+        return temperature, seed, offset, top_k
 
     def _may_look_ahead(
         self, live: dict[int, _Row], size: int, lengths: np.ndarray, need_logits: bool
@@ -545,9 +593,11 @@ class BatchGenerator:
         lengths: np.ndarray,
         need_logits: bool,
         need_hidden: bool = False,
+        sample: SampleInputs | None = None,
     ) -> list[PendingRows]:
         """Queue the step of ``len(tokens)`` rows as graphs of at most ``max_graph_rows``
-        rows, each replayed on its own rows of the cache; ``_finish`` reads them back."""
+        rows, each replayed on its own rows of the cache; ``_finish`` reads them back.
+        ``sample``: each row's (temperature, seed, offset, top_k) for draws on the device."""
         size, most = len(tokens), self.max_graph_rows
         pieces = []
         for start in range(0, size, most):
@@ -560,9 +610,16 @@ class BatchGenerator:
                     DeviceGraphSlot.PRIMARY,
                     need_logits,
                     read_hidden=need_hidden,
+                    sample=None if sample is None else tuple(a[start:stop] for a in sample),
                 )
             )
         return pieces
+
+    @staticmethod
+    def _sampled(pending: PendingRows | list[PendingRows]) -> np.ndarray:
+        """The tokens drawn on the device by a step ``_finish`` has read."""
+        pieces = pending if isinstance(pending, list) else [pending]
+        return np.concatenate([p.sampled for p in pieces])
 
     def _finish(
         self, pending: PendingRows | list[PendingRows]

@@ -24,6 +24,7 @@ from onnx_genrt.session.device_io import DeviceIO
 
 from .config import DecoderIO, GenAIConfig
 from .decode_heads import ARGMAX, NONFINITE
+from .device_sampler import DeviceSampler, SampleInputs
 
 
 class StepOutput:
@@ -273,6 +274,10 @@ class PendingRows:
     #: (``[rows, width, hidden]``).
     read_hidden: bool = False
     hidden: np.ndarray | None = None
+    #: Whether tokens drawn on the device are read back too; ``finish_rows`` puts them in
+    #: ``sampled`` (``[rows]``).
+    read_sampled: bool = False
+    sampled: np.ndarray | None = None
 
 
 class DecoderRunner:
@@ -321,6 +326,7 @@ class DecoderRunner:
         spec = session.output_spec(io.logits)
         self.vocab = int(spec.shape[-1]) if spec.shape and isinstance(spec.shape[-1], int) else None
         self.logits_dtype = spec.dtype or np.float32
+        self._sampler: DeviceSampler | None = None
 
     @property
     def max_length(self) -> int:
@@ -610,13 +616,16 @@ class DecoderRunner:
         read_logits: bool = False,
         feed_argmax_of: PendingRows | None = None,
         read_hidden: bool = False,
+        sample: SampleInputs | None = None,
     ) -> PendingRows:
         """Queue :meth:`step_rows`' step and its read-back; :meth:`finish_rows` waits for it.
 
         With ``feed_argmax_of`` (an earlier one-token step of as many rows), ``tokens`` is
         None and each row's token is that step's device argmax, copied on the device: the
         next greedy step is queued before the host has read this one's. ``read_hidden``
-        reads the hidden states back too, where the model outputs them."""
+        reads the hidden states back too, where the model outputs them. ``sample``
+        (temperature, seed, offset and top_k per row; a one-token step) draws each row's token on the
+        device after the step (``engine/device_sampler.py``; temperature 0: the argmax)."""
         rows = len(lengths)
         if feed_argmax_of is None and (tokens is None or len(tokens) != rows):
             raise InvalidInputError(
@@ -669,9 +678,29 @@ class DecoderRunner:
         read_hidden = read_hidden and bufs.hidden is not None
         if read_hidden:
             reads.append(bufs.hidden)
+        if sample is not None:
+            if width != 1:
+                raise InvalidInputError(
+                    f"tokens are drawn on the device for one-token steps, not {width}"
+                )
+            reads.append(self._device_sampler().launch(bufs.logits, *sample))
         return PendingRows(
-            bufs, rows, slot, with_logits, self.io.read_later(reads), width, read_hidden
+            bufs,
+            rows,
+            slot,
+            with_logits,
+            self.io.read_later(reads),
+            width,
+            read_hidden,
+            read_sampled=sample is not None,
         )
+
+    def _device_sampler(self) -> DeviceSampler:
+        """The sampler of this runner's steps (made on first use)."""
+        if self._sampler is None:
+            assert self.vocab is not None  # a binding was made
+            self._sampler = DeviceSampler(self.session, self.vocab, self.logits_dtype)
+        return self._sampler
 
     def finish_rows(self, step: PendingRows) -> tuple[np.ndarray, np.ndarray | None]:
         """Wait for a step queued by :meth:`launch_rows`: each row's argmax and (when it
@@ -679,6 +708,8 @@ class DecoderRunner:
         ``[rows, vocab]``), one per token of a wider one (``[rows, width]``,
         ``[rows, width, vocab]``); raises :class:`NonFiniteError` on non-finite logits."""
         values = list(step.fetch())
+        if step.read_sampled:
+            step.sampled = values.pop()[:, 0]
         if step.read_hidden:
             step.hidden = values.pop()
         logits = values[-1] if step.with_logits else None

@@ -332,6 +332,11 @@ def reference_in_child(label: str, folder: Path, prompt: list[int], new: int, th
     return once
 
 
+#: The search options of ``--sampled`` rows: OpenAI's default temperature and the top_k that
+#: onnxruntime-genai's builder writes into genai_config.json.
+SAMPLED_SEARCH = {"do_sample": True, "temperature": 1.0, "top_k": 50, "seed": 0}
+
+
 def bench_batch(
     folder: Path,
     prompts: list[list[int]],
@@ -341,25 +346,32 @@ def bench_batch(
     overlap: bool = True,
     spec: str | None = None,
     k: int | None = None,
+    sampled: str | None = None,
 ):
     """One timed batched generation per call (``generate_batch``, one row per prompt): the
     decode rate is every row's tokens after its first, over the decode time (aggregate).
     ``overlap=False`` turns the batched greedy look-ahead off for the call; ``spec``
-    (``"ngram"`` or ``"auto"``) speculates per row."""
+    (``"ngram"`` or ``"auto"``) speculates per row; ``sampled`` (``"host"`` or ``"device"``)
+    samples every row (SAMPLED_SEARCH) with its tokens drawn there
+    (``BatchGenerator.device_sampling``)."""
     from onnx_genrt.engine import Model, generate_batch
     from onnx_genrt.engine.batch import BatchGenerator
 
     model = Model(folder, providers, enable_graphs=graphs)
     longest = max(len(p) for p in prompts) + new
+    search = SAMPLED_SEARCH if sampled else {}
 
     def once():
-        saved = BatchGenerator.look_ahead
+        saved = BatchGenerator.look_ahead, BatchGenerator.device_sampling
         if not overlap:
             BatchGenerator.look_ahead = False
+        BatchGenerator.device_sampling = sampled == "device"
         try:
-            results = generate_batch(model, prompts, new, min_length=longest, spec=spec, k=k)
+            results = generate_batch(
+                model, prompts, new, min_length=longest, spec=spec, k=k, **search
+            )
         finally:
-            BatchGenerator.look_ahead = saved
+            BatchGenerator.look_ahead, BatchGenerator.device_sampling = saved
         decoded = sum(r.new_tokens - 1 for r in results)
         seconds = results[0].decode_seconds
         return (
@@ -370,6 +382,7 @@ def bench_batch(
                 "graph_stats": results[0].graph_stats,
                 "streams": len(prompts),
                 "speculation": results[0].speculation,
+                "sampled": sampled,
             },
         )
 
@@ -419,6 +432,9 @@ def _stream_cases(
             if spec in BATCH_SPEC_KINDS:
                 label = f"onnx-genrt[{tag},{streams} streams,{entry}]"
                 cases.append((label, bench_batch(folder, prompts, new, providers, spec=spec, k=k)))
+        for where in ("host", "device") if args.sampled else ():
+            label = f"onnx-genrt[{tag},{streams} streams,sampled on the {where}]"
+            cases.append((label, bench_batch(folder, prompts, new, providers, sampled=where)))
     return cases
 
 
@@ -627,6 +643,8 @@ def format_rows(rows: list[BenchRow]) -> str:
         vs_genai = f"{r.decode_tok_s / genai.decode_tok_s:.2f}x" if genai else "-"
         vs_loop = f"{r.decode_tok_s / loop.decode_tok_s:.2f}x" if loop else "-"
         same = "yes" if r.tokens == base else "NO"
+        if r.extra.get("sampled"):
+            same = "-"  # sampled: other tokens than greedy decoding by design
         notes = []
         spec = r.extra.get("speculation")
         if spec:
@@ -685,6 +703,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N[,N...]",
         help="also time batched decoding of N prompts at once (one row per prompt; decode "
         "tok/s is the aggregate of all rows), e.g. --streams 4,8",
+    )
+    p.add_argument(
+        "--sampled",
+        action="store_true",
+        help="with --streams, also time each stream count sampling every row (temperature 1, "
+        "top_k 50, a seed per run) with the tokens drawn on the host and on the device",
     )
     p.add_argument(
         "--compare-serial",

@@ -374,24 +374,35 @@ def test_mtp_next_inputs_body_equals_the_kernel_and_python(k, outputs):
 # -- SampleTokens -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("top_k", [False, True], ids=["all", "top-k"])
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
-def test_sample_tokens_body_equals_the_kernel_and_the_rule(dtype):
-    """The body (Philox in uint64 ops, the Gumbel scores, ArgMax), the CPU kernel and
-    onnxruntime running the body give ``core.token_sampling.sample_tokens``'s tokens, on rows
-    of temperature 0 (the argmax) and above, seeds of all 64 bits, offsets past 2**32."""
+def test_sample_tokens_body_equals_the_kernel_and_the_rule(dtype, top_k):
+    """The body (Philox in uint64 ops, the Gumbel scores, a sort for the top-k floor,
+    ArgMax), the CPU kernel and onnxruntime running the body give
+    ``core.token_sampling.sample_tokens``'s tokens, on rows of temperature 0 (the argmax) and
+    above, seeds of all 64 bits, offsets past 2**32, top_k off, small, tied and past the
+    vocabulary."""
     from onnx_genrt.core.token_sampling import gumbel_scores, sample_tokens
 
     rng = np.random.default_rng(3)
     logits = (3 * rng.standard_normal((5, 2, 37))).astype(dtype)
+    logits[1, 1, :4] = logits[1, 1].max()  # the floor of top_k 2 is a tie of four
     temperature = rng.uniform(0.3, 1.7, (5, 2)).astype(np.float32)
     temperature[0, 0] = 0.0
     seed = rng.integers(-(2**63), 2**63 - 1, (5, 2))
     offset = rng.integers(0, 2**40, (5, 2))
     feeds = {"logits": logits, "temperature": temperature, "seed": seed, "offset": offset}
+    k = None
+    if top_k:
+        k = feeds["top_k"] = np.array([[0, 3], [5, 2], [1, 40], [37, 36], [-1, 10]], np.int64)
     model = _model("SampleTokens", feeds, {}, ["tokens"])
-    want = sample_tokens(logits, temperature, seed, offset)
-    scores = np.sort(gumbel_scores(logits, temperature, seed, offset), axis=-1)
-    assert (scores[..., -1] - scores[..., -2] > 1e-4).all()  # no near tie: exact tokens
+    want = sample_tokens(logits, temperature, seed, offset, k)
+    if top_k:
+        assert want[1, 0] in np.argsort(-logits[1, 0].astype(np.float32))[:5]
+        assert want[2, 0] == np.argmax(logits[2, 0])
+    scores = np.sort(gumbel_scores(logits, temperature, seed, offset, k), axis=-1)
+    gaps = scores[..., -1] - scores[..., -2]
+    assert ((gaps > 1e-4) | np.isinf(scores[..., -2])).all()  # no near tie: exact tokens
     assert want[0, 0] == np.argmax(logits[0, 0])
     np.testing.assert_array_equal(_run_body(model, feeds)["tokens"], want)
     np.testing.assert_array_equal(_run_fused(model, feeds)["tokens"], want)

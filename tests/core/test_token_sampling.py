@@ -14,6 +14,7 @@ from onnx_genrt.core.token_sampling import (
     gumbel_scores,
     philox4x32,
     sample_tokens,
+    top_k_floor,
     uniforms,
 )
 from onnx_genrt.providers.cpu.kernels._sampling import sample_rows
@@ -99,18 +100,45 @@ def test_a_row_draws_the_same_alone_and_in_any_batch():
         assert alone[0, 0] == batch[r, 0]
 
 
+def test_top_k_draws_from_the_renormalised_top_k():
+    """With top_k 4 of 12 tokens: every draw is among the 4 largest logits, and the draws
+    follow their softmax renormalised (chi-square); top_k 0 or 12 changes nothing."""
+    logits = np.linspace(-2.0, 1.5, 12).astype(np.float32)[::-1].copy()
+    n = 20000
+    rows = np.broadcast_to(logits, (n, 12))
+    args = (np.full(n, 1.0, np.float32), np.full(n, 77), np.arange(n))
+    tokens = sample_tokens(rows, *args, np.full(n, 4))
+    assert tokens.max() < 4
+    p = np.exp(logits[:4].astype(np.float64))
+    assert stats.chisquare(np.bincount(tokens, minlength=4), p / p.sum() * n).pvalue > 1e-4
+    plain = sample_tokens(rows, *args)
+    for off in (0, 12, -3):
+        np.testing.assert_array_equal(sample_tokens(rows, *args, np.full(n, off)), plain)
+
+
+def test_the_top_k_floor_keeps_ties_and_counts_nan_as_minus_infinity():
+    x = np.array([[3.0, 1.0, 3.0, 2.0, np.nan], [np.nan, np.nan, 0.5, -1.0, 2.0]], np.float32)
+    np.testing.assert_array_equal(top_k_floor(x, np.array([2, 3])), [3.0, -1.0])
+    np.testing.assert_array_equal(top_k_floor(x, np.array([0, 5])), [-np.inf, -np.inf])
+    tokens = sample_tokens(x, np.ones(2, np.float32), np.arange(2), np.zeros(2, np.int64),
+                           np.array([2, 3]))  # fmt: skip
+    assert tokens[0] in (0, 2) and tokens[1] in (2, 3, 4)
+
+
 @pytest.mark.parametrize("vocab", [1, 3, 4, 5003])
 def test_the_cpu_kernel_is_the_rule(vocab):
     rng = np.random.default_rng(vocab)
     rows = 64
     logits = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
+    logits[5, : min(vocab, 3)] = np.nan
     temperature = rng.uniform(0.2, 2.0, rows).astype(np.float32)
     temperature[:3] = [0.0, -1.0, 1e-3]
     seed = rng.integers(-(2**63), 2**63 - 1, rows)
     offset = rng.integers(0, 2**45, rows)
+    top_k = rng.integers(-1, vocab + 2, rows)
     got = np.empty(rows, np.int64)
-    sample_rows(logits, temperature, seed, offset, got)
-    want = sample_tokens(logits, temperature, seed, offset)
+    sample_rows(logits, temperature, seed, offset, top_k, got)
+    want = sample_tokens(logits, temperature, seed, offset, top_k)
     _tie_free(logits, temperature, seed, offset, got, want)
     assert (got == want).mean() > 0.95
 

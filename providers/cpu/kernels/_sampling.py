@@ -1,6 +1,6 @@
 """The CPU kernel of ``onnx_genrt::SampleTokens`` (the rule: ``core.token_sampling``): per
-row, Philox4x32-10 once per four vocabulary entries, the Gumbel score of each entry in
-float32, and the first largest score."""
+row, the top-k floor (a partition of the row), Philox4x32-10 once per four vocabulary
+entries, the Gumbel score of each entry in float32, and the first largest score."""
 
 from __future__ import annotations
 
@@ -43,12 +43,25 @@ def _score(x, word, t, hot):
 
 
 @numba.njit(cache=True, nogil=True)
-def sample_rows(logits, temperature, seed, offset, tokens):
-    """tokens[r] for rows of ``logits`` [rows, vocab] (float32)."""
+def _floor(row, k):
+    """The row's k-th largest value, NaN as -inf; -inf when k is off (the rule's)."""
+    vocab = row.shape[0]
+    if k <= 0 or k >= vocab:
+        return np.float32(-np.inf)
+    x = np.empty(vocab, np.float32)
+    for v in range(vocab):
+        x[v] = np.float32(-np.inf) if np.isnan(row[v]) else row[v]
+    return np.partition(x, vocab - k)[vocab - k]
+
+
+@numba.njit(cache=True, nogil=True)
+def sample_rows(logits, temperature, seed, offset, top_k, tokens):
+    """tokens[r] for rows of ``logits`` [rows, vocab] (float32); ``top_k`` per row."""
     rows, vocab = logits.shape
     for r in range(rows):
         t = np.float32(temperature[r])
         hot = t > np.float32(0)
+        floor = _floor(logits[r], top_k[r]) if hot else np.float32(-np.inf)
         s = np.uint64(seed[r])
         o = np.uint64(offset[r])
         k0, k1 = s & _MASK, s >> _N32
@@ -61,8 +74,11 @@ def sample_rows(logits, temperature, seed, offset, tokens):
                 v = block * 4 + j
                 if v >= vocab:
                     break
+                x = logits[r, v]
+                if x < floor:
+                    continue
                 word = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
-                score = _score(logits[r, v], word, t, hot)
+                score = _score(x, word, t, hot)
                 if score > best:  # NaN never wins; the first largest stays
                     best = score
                     arg = v

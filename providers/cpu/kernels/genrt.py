@@ -286,16 +286,14 @@ REGISTRY.register(
 )(matmul_add)
 
 
-def sample_tokens(ctx: KernelContext, logits, temperature, seed, offset) -> np.ndarray:
+def sample_tokens(ctx: KernelContext, logits, temperature, seed, offset, top_k=None) -> np.ndarray:
     """A token per row from ``softmax(logits / temperature)`` (``core.token_sampling``):
-    Gumbel-max with Philox4x32-10 noise; temperature <= 0 gives the argmax."""
-    rows = check_sample_shapes(
-        ctx.node.describe(),
-        logits.shape,
-        ("temperature", temperature.shape),
-        ("seed", seed.shape),
-        ("offset", offset.shape),
-    )
+    Gumbel-max with Philox4x32-10 noise, within each row's top_k; temperature <= 0 gives
+    the argmax."""
+    shapes = [("temperature", temperature.shape), ("seed", seed.shape), ("offset", offset.shape)]
+    if top_k is not None:
+        shapes.append(("top_k", top_k.shape))
+    rows = check_sample_shapes(ctx.node.describe(), logits.shape, *shapes)
     tokens = ctx.out(0, logits.shape[:-1], np.int64)
     if rows:
         x = np.ascontiguousarray(logits, np.float32).reshape(rows, logits.shape[-1])
@@ -304,6 +302,9 @@ def sample_tokens(ctx: KernelContext, logits, temperature, seed, offset) -> np.n
             np.ascontiguousarray(temperature, np.float32).reshape(rows),
             np.ascontiguousarray(seed, np.int64).reshape(rows),
             np.ascontiguousarray(offset, np.int64).reshape(rows),
+            np.zeros(rows, np.int64)
+            if top_k is None
+            else np.ascontiguousarray(top_k, np.int64).reshape(rows),
             tokens.reshape(rows),
         )
     return tokens

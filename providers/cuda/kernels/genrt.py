@@ -248,21 +248,66 @@ DEVI void philox4x32(unsigned int (&w)[4], unsigned int c0, unsigned int c1, uns
   w[0] = c0; w[1] = c1; w[2] = c2; w[3] = c3;
 }
 
-// SampleTokens: per row, the first largest Gumbel score logits / t - log(-log(u)) (the
-// logits alone where t <= 0; NaN never wins); one block per row, one Philox call per four
-// vocabulary entries.
+// The order key of a float for selection: unsigned-comparable, -0 as +0, NaN lowest (-inf).
+DEVI unsigned int select_key(float v) {
+  const unsigned int u = __float_as_uint(v);
+  if (v != v) return 0x007fffffu;  // NaN counts as -inf
+  return v == 0.f ? 0x80000000u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
+}
+
+// The key of the k-th largest value of row xr (0 < k < cols): a radix select, 8 bits a pass
+// from the top, each pass a histogram in shared memory of the values that share the prefix.
+template <typename S>
+DEVI unsigned int kth_key(const S* xr, long long cols, long long k, unsigned int* hist,
+                          unsigned int* pick) {
+  unsigned int prefix = 0u, mask = 0u;
+  long long left = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0u;
+    __syncthreads();
+    for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
+      const unsigned int key = select_key(ld(xr, c));
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      long long above = 0;
+      int b = 255;
+      for (; b > 0 && above + hist[b] < left; --b) above += hist[b];
+      pick[0] = (unsigned int)b;
+      pick[1] = (unsigned int)(left - above);
+    }
+    __syncthreads();
+    prefix |= pick[0] << shift;
+    mask |= 255u << shift;
+    left = pick[1];
+    __syncthreads();
+  }
+  return prefix;
+}
+
+// SampleTokens: per row, the first largest Gumbel score logits / t - log(-log(u)) over the
+// entries at or above the row's top_k floor (the logits alone where t <= 0; NaN never wins);
+// one block per row, one Philox call per four vocabulary entries.
 template <typename S>
 __global__ void sample_tokens_rows(const S* __restrict__ x, const float* __restrict__ temp,
                                    const long long* __restrict__ seed,
                                    const long long* __restrict__ offset,
+                                   const long long* __restrict__ top_k, int with_top_k,
                                    long long* __restrict__ tokens, long long cols) {
   __shared__ unsigned long long shk[32];
+  __shared__ unsigned int hist[256];
+  __shared__ unsigned int pick[2];
   GRID_WAIT();
   GRID_LAUNCH_DEPENDENTS();
   const long long r = blockIdx.x;
   const S* xr = x + r * cols;
   const float t = temp[r];
   const bool hot = t > 0.f;
+  const long long k = with_top_k ? top_k[r] : 0;
+  // Entries whose key is below the floor's are out (a -inf floor keeps every entry).
+  const unsigned int floor = (hot && k > 0 && k < cols) ? kth_key(xr, cols, k, hist, pick)
+                                                        : 0u;
   const unsigned long long s = (unsigned long long)seed[r], o = (unsigned long long)offset[r];
   const unsigned int k0 = (unsigned int)s, k1 = (unsigned int)(s >> 32);
   const unsigned int c1 = (unsigned int)o, c2 = (unsigned int)(o >> 32);
@@ -277,6 +322,7 @@ __global__ void sample_tokens_rows(const S* __restrict__ x, const float* __restr
       if (v < cols) {
         float score = ld(xr, v);
         if (hot) {
+          if (score == score && select_key(score) < floor) continue;
           const float u = ((float)(w[j] >> 9) * 2.f + 1.f) * 5.9604644775390625e-8f;  // 2^-24
           score = score / t - logf(-logf(u));
         }
@@ -299,24 +345,20 @@ def sample_tokens(
     temperature: cupy.ndarray,
     seed: cupy.ndarray,
     offset: cupy.ndarray,
+    top_k: cupy.ndarray | None = None,
 ) -> cupy.ndarray:
     """A token per row from ``softmax(logits / temperature)`` (``core.token_sampling``):
-    Gumbel-max with Philox4x32-10 noise in one launch, one block per row."""
+    Gumbel-max with Philox4x32-10 noise within each row's top_k (a radix select) in one
+    launch, one block per row."""
     desc = ctx.node.describe()
     if logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{desc}: logits must be float32/float16/bfloat16, got {logits.dtype}")
-    rows = check_sample_shapes(
-        desc,
-        logits.shape,
-        ("temperature", temperature.shape),
-        ("seed", seed.shape),
-        ("offset", offset.shape),
-    )
-    for name, value, dtype in (
-        ("temperature", temperature, np.float32),
-        ("seed", seed, np.int64),
-        ("offset", offset, np.int64),
-    ):
+    named = [("temperature", temperature, np.float32), ("seed", seed, np.int64),
+             ("offset", offset, np.int64)]  # fmt: skip
+    if top_k is not None:
+        named.append(("top_k", top_k, np.int64))
+    rows = check_sample_shapes(desc, logits.shape, *((n, v.shape) for n, v, _ in named))
+    for name, value, dtype in named:
         if value.dtype != dtype:
             raise TypeError(f"{desc}: {name} must be {np.dtype(dtype)}, got {value.dtype}")
     tokens = out(ctx, 0, logits.shape[:-1], np.int64)
@@ -331,6 +373,8 @@ def sample_tokens(
                 contiguous(ctx, temperature),
                 contiguous(ctx, seed),
                 contiguous(ctx, offset),
+                contiguous(ctx, top_k) if top_k is not None else seed,  # unread without it
+                np.int32(top_k is not None),
                 tokens,
                 np.int64(cols),
             ),

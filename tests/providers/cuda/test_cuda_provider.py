@@ -528,26 +528,34 @@ def test_argmax_prob(cp, prov, rng, dtype):
     assert_close(got_p, want_p)
 
 
+@pytest.mark.parametrize("top_k", [False, True], ids=["all", "top-k"])
 @pytest.mark.parametrize("dtype", FLOATS_BF16)
 @pytest.mark.parametrize("rows,vocab", [(1, 151936), (37, 5003), (3, 1)])
-def test_sample_tokens(cp, prov, rng, dtype, rows, vocab):
+def test_sample_tokens(cp, prov, rng, dtype, rows, vocab, top_k):
     """onnx_genrt::SampleTokens against ``core.token_sampling``'s rule on the same logits (as
     stored): the same token on every row but where the two best scores are within float32
-    rounding (CUDA's logf and numpy's may differ by an ulp); temperature 0 is the argmax."""
+    rounding (CUDA's logf and numpy's may differ by an ulp); temperature 0 is the argmax;
+    with top_k (the radix select's floor), k from off to past the vocabulary, ties at it."""
     from onnx_genrt.core.token_sampling import gumbel_scores, sample_tokens
 
     x = (rng.standard_normal((rows, 1, vocab)) * 3).astype(dtype)
+    x[-1, 0, : min(vocab, 6)] = x[-1, 0].max()  # ties at the top
     temperature = rng.uniform(0.2, 2.0, (rows, 1)).astype(np.float32)
     temperature[0, 0] = 0.0 if rows > 1 else temperature[0, 0]
     seed = rng.integers(-(2**63), 2**63 - 1, (rows, 1))
     offset = rng.integers(0, 2**40, (rows, 1))
+    inputs = [x, temperature, seed, offset]
+    k = None
+    if top_k:
+        k = rng.integers(0, 60, (rows, 1))
+        k[-1, 0] = 3  # inside the tie of six
+        if rows > 2:
+            k[1, 0] = vocab + 1
+        inputs.append(k)
     logits = x.astype(np.float32)
-    want = sample_tokens(logits, temperature, seed, offset)
-    (got,) = run_op(
-        cp, prov, "SampleTokens", [x, temperature, seed, offset], [want], opset=1,
-        domain=GENRT_DOMAIN,
-    )  # fmt: skip
-    scores = np.sort(gumbel_scores(logits, temperature, seed, offset), axis=-1)
+    want = sample_tokens(logits, temperature, seed, offset, k)
+    (got,) = run_op(cp, prov, "SampleTokens", inputs, [want], opset=1, domain=GENRT_DOMAIN)
+    scores = np.sort(gumbel_scores(logits, temperature, seed, offset, k), axis=-1)
     near = np.zeros(want.shape, bool)
     if vocab > 1:
         near = scores[..., -1] - scores[..., -2] <= 1e-5 * np.abs(scores[..., -1])

@@ -1,0 +1,91 @@
+"""Tokens drawn on the device in batched steps (``BatchGenerator.device_sampling``,
+``engine/device_sampler.py``) on the CPU provider: each drawn token is
+``core.token_sampling``'s rule applied to the logits the model gives for that sequence
+teacher-forced in one eager run; a row draws the same tokens in any batch; greedy and
+host-sampled rows beside it are unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx_genrt.core.token_sampling import gumbel_scores, sample_tokens
+from onnx_genrt.engine import Model
+from onnx_genrt.engine.batch import BatchGenerator
+from onnx_genrt.engine.model import GeneratorParams
+from onnx_genrt.generate_cli import default_model_dir
+
+TEXTS = ["def fib(n):", "import sys", "class A:"]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(default_model_dir())
+
+
+def _params(model: Model, ids: list[int], **search) -> GeneratorParams:
+    params = GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + NEW + 1, **search)
+    return params
+
+
+def _run(model: Model, rows: list[tuple[str, dict]], device: bool = True):
+    batch = BatchGenerator(model, 4, 64)
+    batch.device_sampling = device
+    index = []
+    for text, search in rows:
+        ids = model.tokenizer.encode(text)
+        index.append(batch.add(ids, _params(model, ids, **search), ignore_eos=True))
+    for _ in range(NEW):
+        batch.step()
+    return batch, [batch.sequence(i) for i in index]
+
+
+def _forced_logits(model: Model, seq: list[int]) -> np.ndarray:
+    cfg = model.config
+    feeds = {
+        "input_ids": np.array([seq], np.int64),
+        "attention_mask": np.ones((1, len(seq)), np.int64),
+    }
+    for i in range(cfg.num_layers):
+        empty = np.zeros((1, cfg.num_kv_heads, 0, cfg.head_size), np.float32)
+        feeds[cfg.io.past_key % i] = empty
+        feeds[cfg.io.past_value % i] = empty
+    return model.session.run([cfg.io.logits], feeds)[0][0]
+
+
+HOT = dict(do_sample=True, temperature=1.5, top_k=0, seed=11)
+
+
+def test_drawn_tokens_follow_the_rule_on_the_teacher_forced_logits(model):
+    """Rows of top_k 0 (the whole vocabulary) and 5 (the model's default is 50)."""
+    batch, seqs = _run(model, [(TEXTS[0], HOT), (TEXTS[1], {**HOT, "seed": 12, "top_k": 5})])
+    assert batch.runner._sampler is not None
+    for seq, seed, k in zip(seqs, (11, 12), (0, 5), strict=True):
+        logits = _forced_logits(model, seq)
+        prompt = len(seq) - NEW
+        for pos in range(prompt + 1, len(seq)):  # the first token is the prompt's (host)
+            row = logits[pos - 1][None]
+            args = (np.float32([1.5]), np.int64([seed]), np.int64([pos]), np.int64([k]))
+            if k:
+                assert seq[pos] in np.argsort(-row[0])[:k]
+            want = int(sample_tokens(row, *args)[0])
+            if seq[pos] != want:  # only where two scores tie to float32 rounding
+                scores = np.sort(gumbel_scores(row, *args)[0])
+                assert scores[-1] - scores[-2] <= 1e-4 * abs(scores[-1]), (pos, seq[pos], want)
+
+
+def test_a_row_draws_the_same_tokens_in_any_batch(model):
+    _, alone = _run(model, [(TEXTS[1], HOT)])
+    _, batched = _run(model, [(TEXTS[0], {**HOT, "seed": 5}), (TEXTS[1], HOT),
+                              (TEXTS[2], dict(do_sample=False))])  # fmt: skip
+    assert batched[1] == alone[0]
+
+
+def test_greedy_and_host_sampled_rows_beside_drawn_ones_are_unchanged(model):
+    host = dict(do_sample=True, temperature=0.9, top_p=0.8, seed=3)  # top-p: the host sampler
+    greedy = dict(do_sample=False)
+    _, plain = _run(model, [(TEXTS[0], greedy), (TEXTS[2], host)], device=False)
+    _, mixed = _run(model, [(TEXTS[0], greedy), (TEXTS[2], host), (TEXTS[1], HOT)])
+    assert mixed[:2] == plain
