@@ -359,7 +359,9 @@ def bench_batch(
 
     model = Model(folder, providers, enable_graphs=graphs)
     longest = max(len(p) for p in prompts) + new
-    search = SAMPLED_SEARCH if sampled else {}
+    # Sampled rows ignore the end of sequence (an end masked before min_length would be
+    # drawn on the host); greedy rows keep min_length, as they always did.
+    search = {**SAMPLED_SEARCH, "ignore_eos": True} if sampled else {"min_length": longest}
 
     def once():
         saved = BatchGenerator.look_ahead, BatchGenerator.device_sampling
@@ -367,9 +369,7 @@ def bench_batch(
             BatchGenerator.look_ahead = False
         BatchGenerator.device_sampling = sampled == "device"
         try:
-            results = generate_batch(
-                model, prompts, new, min_length=longest, spec=spec, k=k, **search
-            )
+            results = generate_batch(model, prompts, new, spec=spec, k=k, **search)
         finally:
             BatchGenerator.look_ahead, BatchGenerator.device_sampling = saved
         decoded = sum(r.new_tokens - 1 for r in results)

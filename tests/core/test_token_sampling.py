@@ -17,7 +17,7 @@ from onnx_genrt.core.token_sampling import (
     top_k_floor,
     uniforms,
 )
-from onnx_genrt.providers.cpu.kernels._sampling import sample_rows
+from onnx_genrt.providers.cpu.kernels._sampling import SMALL_K, _floor, sample_rows
 
 #: Random123 tests/kat_vectors, the three "philox4x32 10" lines: counter, key, result.
 KAT = [
@@ -149,3 +149,15 @@ def test_shapes_that_do_not_fit_are_named():
     with pytest.raises(ValueError, match="last axis of at least 1"):
         check_sample_shapes("node", (2, 0))
     assert check_sample_shapes("node", (2, 3, 10), ("offset", (2, 3))) == 6
+
+
+def test_the_cpu_floor_is_the_rule_for_small_and_large_k():
+    """The CPU kernel's top-k floor (a sorted buffer up to SMALL_K, a partition above) is
+    ``top_k_floor`` on rows with ties and NaN, for k off, small, large and past the row."""
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        vocab = int(rng.integers(1, 3 * SMALL_K))
+        x = np.round(rng.standard_normal(vocab) * 2).astype(np.float32)
+        x[rng.random(vocab) < 0.05] = np.nan
+        for k in {-1, 0, 1, int(rng.integers(1, vocab + 2)), SMALL_K, SMALL_K + 1, vocab}:
+            assert _floor(x, k) == top_k_floor(x[None], np.array([k]))[0], (vocab, k)

@@ -1,6 +1,7 @@
 """The CPU kernel of ``onnx_genrt::SampleTokens`` (the rule: ``core.token_sampling``): per
 row, the top-k floor (a partition of the row), Philox4x32-10 once per four vocabulary
-entries, the Gumbel score of each entry in float32, and the first largest score."""
+entries (none for four below the floor, or at temperature 0), the Gumbel score of each kept
+entry in float32, and the first largest score."""
 
 from __future__ import annotations
 
@@ -42,12 +43,28 @@ def _score(x, word, t, hot):
     return x / t - np.log(-np.log(u))
 
 
+#: Largest k whose floor is found by keeping the k largest values seen in a sorted buffer
+#: (few insertions on a long row); above it, a partition of a copy of the row.
+SMALL_K = 256
+
+
 @numba.njit(cache=True, nogil=True)
 def _floor(row, k):
     """The row's k-th largest value, NaN as -inf; -inf when k is off (the rule's)."""
     vocab = row.shape[0]
     if k <= 0 or k >= vocab:
         return np.float32(-np.inf)
+    if k <= SMALL_K:
+        top = np.full(k, np.float32(-np.inf), np.float32)  # ascending: top[0] is the floor
+        for v in range(vocab):
+            x = row[v]
+            if x > top[0]:  # NaN never enters: it counts as -inf
+                i = 1
+                while i < k and top[i] < x:
+                    top[i - 1] = top[i]
+                    i += 1
+                top[i - 1] = x
+        return top[0]
     x = np.empty(vocab, np.float32)
     for v in range(vocab):
         x[v] = np.float32(-np.inf) if np.isnan(row[v]) else row[v]
@@ -55,9 +72,67 @@ def _floor(row, k):
 
 
 @numba.njit(cache=True, nogil=True)
+def _words(c1, c2, k0, k1, blocks, out):
+    """The Philox words of vocabulary blocks 0 .. blocks - 1 into out (four per block): one
+    branch-free loop, which LLVM vectorizes (32 x 32-bit products in 64-bit lanes)."""
+    for b in range(blocks):
+        w0, w1, w2, w3 = _philox(np.uint64(b), c1, c2, _STREAM, k0, k1)
+        out[4 * b] = np.uint32(w0)
+        out[4 * b + 1] = np.uint32(w1)
+        out[4 * b + 2] = np.uint32(w2)
+        out[4 * b + 3] = np.uint32(w3)
+
+
+@numba.njit(cache=True, nogil=True)
+def _draw_all(row, t, c1, c2, k0, k1, words):
+    """The first largest Gumbel score of a whole row (no top-k floor)."""
+    vocab = row.shape[0]
+    _words(c1, c2, k0, k1, (vocab + 3) // 4, words)
+    best = np.float32(-np.inf)
+    arg = 0
+    for v in range(vocab):
+        score = _score(row[v], np.uint64(words[v]), t, True)
+        if score > best:  # NaN never wins; the first largest stays
+            best = score
+            arg = v
+    return arg
+
+
+@numba.njit(cache=True, nogil=True)
+def _draw_above(row, t, hot, floor, c1, c2, k0, k1):
+    """The first largest score among the entries at or above ``floor``: noise drawn only for
+    blocks of four with such an entry (none at temperature 0)."""
+    vocab = row.shape[0]
+    best = np.float32(-np.inf)
+    arg = 0
+    for block in range((vocab + 3) // 4):
+        first, end = block * 4, min(block * 4 + 4, vocab)
+        kept = False
+        for v in range(first, end):
+            kept = kept or not row[v] < floor
+        if not kept:  # every entry below the top-k floor: no noise to draw
+            continue
+        w0 = w1 = w2 = w3 = np.uint64(0)
+        if hot:
+            w0, w1, w2, w3 = _philox(np.uint64(block), c1, c2, _STREAM, k0, k1)
+        for v in range(first, end):
+            x = row[v]
+            if x < floor:
+                continue
+            j = v - first
+            word = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
+            score = _score(x, word, t, hot)
+            if score > best:  # NaN never wins; the first largest stays
+                best = score
+                arg = v
+    return arg
+
+
+@numba.njit(cache=True, nogil=True)
 def sample_rows(logits, temperature, seed, offset, top_k, tokens):
     """tokens[r] for rows of ``logits`` [rows, vocab] (float32); ``top_k`` per row."""
     rows, vocab = logits.shape
+    words = np.empty(4 * ((vocab + 3) // 4), np.uint32)
     for r in range(rows):
         t = np.float32(temperature[r])
         hot = t > np.float32(0)
@@ -66,20 +141,7 @@ def sample_rows(logits, temperature, seed, offset, top_k, tokens):
         o = np.uint64(offset[r])
         k0, k1 = s & _MASK, s >> _N32
         c1, c2 = o & _MASK, o >> _N32
-        best = np.float32(-np.inf)
-        arg = 0
-        for block in range((vocab + 3) // 4):
-            w0, w1, w2, w3 = _philox(np.uint64(block), c1, c2, _STREAM, k0, k1)
-            for j in range(4):
-                v = block * 4 + j
-                if v >= vocab:
-                    break
-                x = logits[r, v]
-                if x < floor:
-                    continue
-                word = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
-                score = _score(x, word, t, hot)
-                if score > best:  # NaN never wins; the first largest stays
-                    best = score
-                    arg = v
-        tokens[r] = arg
+        if hot and floor == np.float32(-np.inf):
+            tokens[r] = _draw_all(logits[r], t, c1, c2, k0, k1, words)
+        else:
+            tokens[r] = _draw_above(logits[r], t, hot, floor, c1, c2, k0, k1)

@@ -314,13 +314,22 @@ __global__ void sample_tokens_rows(const S* __restrict__ x, const float* __restr
   unsigned long long best = 0ull;
   const long long blocks = (cols + 3) >> 2;
   for (long long b = threadIdx.x; b < blocks; b += blockDim.x) {
-    unsigned int w[4];
-    philox4x32(w, (unsigned int)b, c1, c2, SAMPLE_STREAM, k0, k1);
+    float xs[4];
+    bool kept = false;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const long long v = b * 4 + j;
+      xs[j] = v < cols ? ld(xr, v) : 0.f;
+      kept = kept || (v < cols && !(xs[j] == xs[j] && select_key(xs[j]) < floor));
+    }
+    if (!kept) continue;  // every entry below the top-k floor: no noise to draw
+    unsigned int w[4] = {0u, 0u, 0u, 0u};
+    if (hot) philox4x32(w, (unsigned int)b, c1, c2, SAMPLE_STREAM, k0, k1);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const long long v = b * 4 + j;
       if (v < cols) {
-        float score = ld(xr, v);
+        float score = xs[j];
         if (hot) {
           if (score == score && select_key(score) < floor) continue;
           const float u = ((float)(w[j] >> 9) * 2.f + 1.f) * 5.9604644775390625e-8f;  // 2^-24
