@@ -65,6 +65,42 @@ def test_embedded_model_rows_equal_alone_with_joins(cp, monkeypatch, grouped):
     assert stats["replays"] > 40
 
 
+def test_device_sampled_rows_draw_the_same_in_any_batch(cp):
+    """``BatchGenerator.device_sampling`` on CUDA (SampleTokens after each step): a sampled
+    row (temperature 1.5, top_k 0 or 5) draws the same tokens alone and beside other rows,
+    a top-k row only among its step's k largest logits, and a greedy row beside them keeps
+    its tokens alone."""
+    from onnx_genrt.engine import Model
+    from onnx_genrt.engine.batch import BatchGenerator
+    from onnx_genrt.engine.model import GeneratorParams
+    from onnx_genrt.generate_cli import default_model_dir
+
+    model = Model(default_model_dir(), provider="cuda")
+    hot = dict(do_sample=True, temperature=1.5, top_k=0, seed=21)
+
+    def run(rows):
+        batch = BatchGenerator(model, 4, 96)
+        batch.device_sampling = True
+        index = []
+        for text, search in rows:
+            ids = model.tokenizer.encode(text)
+            params = GeneratorParams(model)
+            params.set_search_options(max_length=len(ids) + 25, **search)
+            index.append(batch.add(ids, params, ignore_eos=True))
+        for _ in range(24):
+            batch.step()
+        assert batch.runner._sampler is not None
+        return [batch.sequence(i) for i in index]
+
+    greedy = dict(do_sample=False)
+    alone = run([(TEXTS[1], hot)])[0]
+    alone_k = run([(TEXTS[2], {**hot, "top_k": 5, "seed": 4})])[0]
+    alone_greedy = run([(TEXTS[0], greedy)])[0]
+    mixed = run([(TEXTS[0], greedy), (TEXTS[1], hot), (TEXTS[2], {**hot, "top_k": 5, "seed": 4})])
+    assert mixed == [alone_greedy, alone, alone_k]
+    assert len(set(alone[-24:])) > 3  # it samples: not one repeated token
+
+
 @pytest.mark.parametrize("name", ["qwen2-fp32", "qwen2-int4"])
 def test_builder_model_row_matches_reference(cp, name):
     """The fixture's reference greedy tokens (the CPU provider's) come out of row 2 of a
