@@ -332,7 +332,9 @@ class Scheduler:
     prefilled a chunk per step, so running rows keep decoding meanwhile. Start it with ``with Scheduler(...) as s`` or
     :meth:`start`; :meth:`close` stops admitting and finishes (or cancels) what runs.
     ``spec`` (``"ngram"``, ``"mtp"`` or ``"auto"``, ``k`` drafts a row) verifies drafts of
-    every row in each step (:meth:`BatchGenerator.speculate`).
+    every row in each step (:meth:`BatchGenerator.speculate`). ``device_sampling`` draws
+    the tokens of requests that sample by temperature and top-k on the device
+    (:attr:`BatchGenerator.device_sampling`).
     """
 
     def __init__(
@@ -345,9 +347,11 @@ class Scheduler:
         prefill_chunk: int | None = 256,
         spec: str | None = None,
         k: int | None = None,
+        device_sampling: bool = False,
     ) -> None:
         self.model = model
         check_batch_spec(spec, k)
+        self.device_sampling = check_bool(device_sampling, "device_sampling")
         if spec is not None:  # a missing MTP head fails here, not in the model thread
             row_speculation(model, spec, k)
         self.spec, self.k = spec, k
@@ -391,6 +395,7 @@ class Scheduler:
             if self._thread is None:
                 self._batch = BatchGenerator(self.model, self.max_batch, self.max_length)
                 self._batch.speculate(self.spec, self.k)
+                self._batch.device_sampling = self.device_sampling
                 self._thread = threading.Thread(
                     target=self._loop, name="onnx-genrt-scheduler", daemon=True
                 )

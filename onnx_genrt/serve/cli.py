@@ -76,6 +76,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "has one, else ngram, while it measurably pays",
     )
     add_drafts_argument(p)
+    p.add_argument(
+        "--device-sampling",
+        action="store_true",
+        help="draw the tokens of requests that sample by temperature and top-k on the device "
+        "(one token read back per row instead of its logits; a seed draws other tokens than "
+        "without it)",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests at start")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn)")
     p.add_argument(
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         spec=args.spec,
         k=args.k,
+        device_sampling=args.device_sampling,
     )
     config = uvicorn.Config(
         app,

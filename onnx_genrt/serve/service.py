@@ -64,6 +64,7 @@ class Service:
         warmup: bool,
         spec: str | None = None,
         k: int | None = None,
+        device_sampling: bool = False,
     ) -> None:
         self.model = model
         self.model_name = model_name
@@ -74,6 +75,7 @@ class Service:
             max_length=max_length,
             spec=spec,
             k=k,
+            device_sampling=device_sampling,
         )
         self.counters = prom.ServerCounters()
         self.grace_period = grace_period

@@ -89,3 +89,22 @@ def test_greedy_and_host_sampled_rows_beside_drawn_ones_are_unchanged(model):
     _, plain = _run(model, [(TEXTS[0], greedy), (TEXTS[2], host)], device=False)
     _, mixed = _run(model, [(TEXTS[0], greedy), (TEXTS[2], host), (TEXTS[1], HOT)])
     assert mixed[:2] == plain
+
+
+def test_the_scheduler_draws_on_the_device_when_asked(model):
+    """``Scheduler(device_sampling=True)`` (``onnx-genrt serve --device-sampling``): a
+    sampled request gets the tokens the batch draws on the device for it, whatever runs
+    beside it; without the option, the host's draws (other tokens for the seed)."""
+    from onnx_genrt.engine.scheduler import Scheduler
+
+    _, (want,) = _run(model, [(TEXTS[1], HOT)])
+    prompt = model.tokenizer.encode(TEXTS[1])
+    got = {}
+    for device in (True, False):
+        with Scheduler(model, max_batch=4, max_length=64, device_sampling=device) as s:
+            other = s.submit(TEXTS[0], max_new_tokens=NEW, ignore_eos=True, **{**HOT, "seed": 2})
+            handle = s.submit(prompt, max_new_tokens=NEW + 1, ignore_eos=True, **HOT)
+            got[device] = list(handle.result(timeout=60).token_ids)
+            other.result(timeout=60)
+    assert prompt + got[True] == want
+    assert got[False] != got[True]
