@@ -88,7 +88,7 @@ class DeviceSampler:
     def __init__(self, session: InferenceSession, vocab: int, logits_dtype: Any) -> None:
         self._session = session.sibling(sampler_model(vocab, logits_dtype))
         self._io = self._session.device_io
-        self._bound: dict[int, tuple[Any, Any, Any, Any]] = {}
+        self._bound: dict[int, tuple[Any, Any, Any, Any, Any]] = {}
 
     def launch(
         self,
@@ -103,7 +103,7 @@ class DeviceSampler:
         their argmax; top_k 0 keeps every entry."""
         rows = int(logits.shape[0])
         bound = self._bound.get(id(logits))
-        if bound is None:
+        if bound is None or bound[0] is not logits:  # (an id outlives its buffer)
             b = self._session.io_binding()
             b.bind_input(LOGITS, logits)
             temp = b.bind_input(TEMPERATURE, np.zeros((rows, 1), np.float32))
@@ -112,8 +112,8 @@ class DeviceSampler:
             b.bind_input(OFFSET, keys[rows : 2 * rows].reshape(rows, 1))
             b.bind_input(TOP_K, keys[2 * rows :].reshape(rows, 1))
             tokens = b.bind_output(TOKENS, shape=(rows, 1), dtype=np.int64)
-            bound = self._bound[id(logits)] = (b, temp, keys, tokens)
-        binding, temp, keys, tokens = bound
+            bound = self._bound[id(logits)] = (logits, b, temp, keys, tokens)
+        _, binding, temp, keys, tokens = bound
         self._io.write(temp, np.asarray(temperature, np.float32).reshape(rows, 1))
         self._io.write(keys, np.concatenate([seed, offset, top_k]).astype(np.int64))
         self._session.run_eager_with_iobinding(binding)
