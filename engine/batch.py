@@ -116,7 +116,7 @@ class BatchGenerator:
 
     #: Queue the next greedy step before reading this one (None: where reads are async).
     look_ahead: bool | None = None
-    #: Draw the tokens of rows that sample by temperature alone on the device
+    #: Draw the tokens of rows that sample by temperature and top-k on the device
     #: (``engine/device_sampler.py``: Philox noise keyed by the row's seed, one token read
     #: back per row instead of its logits); False: the host sampler for every row. Off
     #: until it is timed on a GPU; its draws differ from the host sampler's for a seed.
@@ -376,7 +376,7 @@ class BatchGenerator:
             tokens[i] = row.tokens[-1]
         # Greedy rows take the device argmax; one whose argmax is end of sequence before its
         # min_length reads its own logits row after the step (``_row_logits``). Rows that
-        # sample by temperature alone draw on the device when the batch does
+        # sample by temperature and top-k draw on the device when the batch does
         # (``device_sampling``).
         drawn = self._device_drawn(live)
         need_logits = any(
@@ -444,7 +444,7 @@ class BatchGenerator:
 
     def _device_drawn(self, live: dict[int, _Row]) -> set[int]:
         """The live rows whose next token is drawn on the device: with ``device_sampling``,
-        those sampling by temperature alone and free to end (past their min_length)."""
+        those sampling by temperature and top-k and free to end (past their min_length)."""
         if not self.device_sampling:
             return set()
         return {

@@ -624,8 +624,9 @@ class DecoderRunner:
         None and each row's token is that step's device argmax, copied on the device: the
         next greedy step is queued before the host has read this one's. ``read_hidden``
         reads the hidden states back too, where the model outputs them. ``sample``
-        (temperature, seed, offset and top_k per row; a one-token step) draws each row's token on the
-        device after the step (``engine/device_sampler.py``; temperature 0: the argmax)."""
+        (temperature, seed, offset and top_k per row; a one-token step) draws each row's
+        token on the device after the step (``engine/device_sampler.py``; temperature 0:
+        the argmax)."""
         rows = len(lengths)
         if feed_argmax_of is None and (tokens is None or len(tokens) != rows):
             raise InvalidInputError(

@@ -355,16 +355,16 @@ DEVI void attend(const float* q_sh, const S* Kb, const S* Vb, int off, int k0, i
       part, counters, S_len, H, kvh, D, cap, rot, interleaved, rotary, scale, softcap,        \
       window, causal, splits, min_chunk, fuse, sink_mode, vec, wcache
 
-// The body of gqa_attn (CL = 0) and gqa_attn_cluster (CL = cluster size = splits) for query
-// head h: the splits of one (row, head) merge through a last-block-done counter and global
-// memory, or (CL > 0) through the cluster's shared memory: every block of the cluster, with
-// keys or not, publishes its partial and waits at a cluster barrier; block 0 merges.
+// The body of gqa_attn (CL = 0) and gqa_attn_cluster (CL = cluster size = splits): the
+// splits of one (row, head) merge through a last-block-done counter and global memory, or
+// (CL > 0) through the cluster's shared memory: every block of the cluster, with keys or
+// not, publishes its partial and waits at a cluster barrier; block 0 merges.
 template <typename S, typename C, int NC, int W, int CL>
-DEVI void gqa_body(GQA_PARAMS, const int h) {
+DEVI void gqa_body(GQA_PARAMS) {
   constexpr int T = 32 * W, QE = (256 + T - 1) / T;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int split = blockIdx.x, bi = blockIdx.z;
+  const int split = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
   const int b = bi / S_len, i = bi % S_len;
   const int G = H / kvh, g = h / G;
   const int total = seqlens[b] + 1;
@@ -600,7 +600,7 @@ template <typename S, typename C, int NC, int W, int MB>
 __global__ void __launch_bounds__(32 * W, MB) gqa_attn(GQA_PARAMS) {
   GRID_WAIT();
   GRID_LAUNCH_DEPENDENTS();
-  gqa_body<S, C, NC, W, 0>(GQA_ARGS, blockIdx.y);
+  gqa_body<S, C, NC, W, 0>(GQA_ARGS);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -610,7 +610,7 @@ __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(32 * W, MB)
     gqa_attn_cluster(GQA_PARAMS) {
   GRID_WAIT();
   GRID_LAUNCH_DEPENDENTS();
-  gqa_body<S, C, NC, W, 8>(GQA_ARGS, blockIdx.y);
+  gqa_body<S, C, NC, W, 8>(GQA_ARGS);
 }
 #endif
 
