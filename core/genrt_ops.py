@@ -283,10 +283,12 @@ def _is_16bit(t: TensorType | None) -> bool:
 # -- SiluMul ---------------------------------------------------------------------------------
 
 
-def _silu_mul(b: BodyBuilder, types, gate: str, up: str, out: str) -> str:
-    """``out = g * sigmoid(g) * u`` from inputs ``gate`` and (optional) ``up``; ``split``."""
+def _silu_mul(b: BodyBuilder, types, gate: str, up: str, out: str, split: int | None = None) -> str:
+    """``out = g * sigmoid(g) * u`` from inputs ``gate`` and (optional) ``up``; ``split``
+    (the node's attribute when None)."""
     node = b.node
-    split = int(GENRT_OPS[node.op_type].attr(node, "split"))
+    if split is None:
+        split = int(GENRT_OPS[node.op_type].attr(node, "split"))
     if not up:
         if not split:
             raise ModelLoadError(f"{node.describe()}: one input (no up) needs split=1")
@@ -368,11 +370,12 @@ def _projection(b: BodyBuilder, activations: str) -> None:
     b.body.node_opsets[b.body.nodes[-1].name] = proj.opset
 
 
-def _norm_matmul_body(b: BodyBuilder, types) -> None:
+def _norm(b: BodyBuilder, normed: str) -> str:
+    """The (Skip)SimplifiedLayerNormalization of inputs x [, skip], gamma into ``normed``,
+    writing the node's output 1 (the residual sum) when it names one."""
     node = b.node
     x, skip, gamma = node.input_names[0], _input(node, 1), node.input_names[2]
     eps = float(node.attrs.get("epsilon", 1e-5))
-    normed = b.output(2, "normed")
     total = node.output_names[1] if len(node.output_names) > 1 else ""
     if skip:
         outs = [normed, "", "", total] if total else [normed]
@@ -382,13 +385,30 @@ def _norm_matmul_body(b: BodyBuilder, types) -> None:
     else:
         # ai.onnx, where onnxruntime (and every provider here) registers it
         b.add("SimplifiedLayerNormalization", [x, gamma], [normed], axis=-1, epsilon=eps)
-    _projection(b, normed)
+    return normed
+
+
+def _norm_matmul_body(b: BodyBuilder, types) -> None:
+    _projection(b, _norm(b, b.output(2, "normed")))
 
 
 def _silu_mul_matmul_body(b: BodyBuilder, types) -> None:
     node = b.node
     act = _silu_mul(b, types, node.input_names[0], _input(node, 1), b.output(1, "act"))
     _projection(b, act)
+
+
+def _norm_gated_mlp_body(b: BodyBuilder, types) -> None:
+    """norm -> MatMul(W_gate_up) -> SiluMul(split=1) -> MatMul(W_down), each MatMul at
+    ``projection_opset``."""
+    node = b.node
+    opset = int(GENRT_OPS[node.op_type].attr(node, "projection_opset"))
+    normed = _norm(b, b.output(4, "normed"))
+    gate_up = b.add("MatMul", [normed, node.input_names[3]], [b.output(2, "gate_up")])
+    b.body.node_opsets[b.body.nodes[-1].name] = opset
+    act = _silu_mul(b, types, gate_up, "", b.output(3, "act"), split=1)
+    b.add("MatMul", [act, node.input_names[4]], [b.output(0, "y")])
+    b.body.node_opsets[b.body.nodes[-1].name] = opset
 
 
 # -- MatMulAdd ------------------------------------------------------------------------------
@@ -626,6 +646,44 @@ def _fused_ops() -> list[GenrtOp]:
     ]
 
 
+def _layer_ops() -> list[GenrtOp]:
+    """Fused ops spanning several projections of a decoder layer."""
+    return [
+        GenrtOp(
+            "NormGatedMLP",
+            "A decoder layer's gated MLP after its norm: ``y = MatMul(SiluMul(MatMul(normed, "
+            "W_gate_up); split=1), W_down)`` with ``normed`` as in NormMatMul; both "
+            "projections are ai.onnx MatMul at ``projection_opset``.",
+            (
+                *_NORM_INPUTS,
+                Formal("W_gate_up", "T", "gate and up weights side by side [K, 2F]"),
+                Formal("W_down", "T", "down weight [F, N]"),
+            ),
+            (
+                Formal("y", "T", "the down projection [..., N]"),
+                Formal("sum", "T", "x + skip, the residual (needs skip)", optional=True),
+                *(
+                    Formal(
+                        name,
+                        "T",
+                        f"{what} where an implementation makes it (the body does); a fused "
+                        "kernel may use it as scratch only, so nothing may read it",
+                        optional=True,
+                    )
+                    for name, what in (
+                        ("gate_up", "the gate/up projection [..., 2F]"),
+                        ("act", "SiluMul of gate_up [..., F]"),
+                        ("normed", "the normalized activations [..., K]"),
+                    )
+                ),
+            ),
+            (_EPS, _PROJ_OPSET),
+            _T,
+            _norm_gated_mlp_body,
+        ),
+    ]
+
+
 def _mtp_ops() -> list[GenrtOp]:
     """The ops of the MTP chain: accepting drafts, and the next verify step's inputs."""
     return [
@@ -798,7 +856,8 @@ def _sampling_ops() -> list[GenrtOp]:
 
 
 def _ops() -> dict[str, GenrtOp]:
-    return {op.name: op for op in [*_fused_ops(), *_mtp_ops(), *_sampling_ops()]}
+    ops = [*_fused_ops(), *_layer_ops(), *_mtp_ops(), *_sampling_ops()]
+    return {op.name: op for op in ops}
 
 
 #: Every ``onnx_genrt`` op by name.

@@ -7,7 +7,8 @@ op (say, SiluMul without ``split``) is never handed the others.
 
 They run on a plan's steps after constant folding, in ``session.plan``'s order (SiluMul, RMS
 norms, skip norms, the argmax head, the non-finite probe, gate/up projections, norms and
-SiluMul into projections, a projection's bias), each where the provider has the fused op.
+SiluMul into projections, a norm-fused gate/up projection and its down projection into one
+gated MLP, a projection's bias), each where the provider has the fused op.
 
 The fused ops of domain ``onnx_genrt`` are declared in ``core.genrt_ops``.
 
@@ -711,6 +712,59 @@ def fuse_silu_matmul(
             continue
         drop.add(i)
         replace[j] = step
+    return _rewrite(steps, replace, drop), len(replace)
+
+
+def fuse_gated_mlp(
+    steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
+    """A ``NormMatMul`` whose one reader is a ``SiluMulMatMul`` with split=1 (a gated MLP
+    after its norm: gate and up side by side, then the down projection) becomes
+    ``NormGatedMLP`` (domain ``onnx_genrt``) in the NormMatMul's place, where both weights
+    are constant 2-D ([K, 2F] and [F, N]), both projections have one opset and one provider
+    holds both steps and has the fused op. Its gate/up, activation and norm buffers stay
+    planned outputs for shapes the fused kernel does not take."""
+    keep = set(keep)
+    readers, producer = _index(steps)
+    drop: set[int] = set()
+    replace: dict[int, object] = {}
+    for j, down in enumerate(steps):
+        if (down.node.domain, down.node.op_type) != (GENRT_DOMAIN, "SiluMulMatMul"):
+            continue
+        if int(down.node.attrs.get("split", 0)) != 1 or any(down.inputs[1:2]):
+            continue
+        gate_up = down.inputs[0]
+        i = producer.get(gate_up)
+        if i is None or readers[gate_up] != 1 or gate_up in keep or i in replace:
+            continue
+        norm = steps[i]
+        if (norm.node.domain, norm.node.op_type) != (GENRT_DOMAIN, "NormMatMul"):
+            continue
+        if norm.provider is not down.provider or norm.outputs[0] != gate_up:
+            continue
+        w_gate_up, w_down = constants.get(norm.inputs[3]), constants.get(down.inputs[2])
+        if w_gate_up is None or w_down is None or w_gate_up.ndim != 2 or w_down.ndim != 2:
+            continue
+        if w_gate_up.shape[1] != 2 * w_down.shape[0]:
+            continue
+        opset = norm.node.attrs.get("projection_opset", 1)
+        if down.node.attrs.get("projection_opset", 1) != opset:
+            continue
+        total = norm.outputs[1] if len(norm.outputs) > 1 else ""
+        node = NodeInfo(
+            "NormGatedMLP",
+            f"{down.node.name or down.outputs[0]}/NormGatedMLP",
+            GENRT_DOMAIN,
+            1,
+            {"epsilon": float(norm.node.attrs.get("epsilon", 1e-5)), "projection_opset": opset},
+            (*norm.inputs[:3], norm.inputs[3], down.inputs[2]),
+            (down.outputs[0], total, gate_up, f"{gate_up}/act", f"{gate_up}/normed"),
+        )
+        step = step_for(norm, node, type_of)
+        if step is None:
+            continue
+        replace[i] = step
+        drop.add(j)
     return _rewrite(steps, replace, drop), len(replace)
 
 

@@ -26,6 +26,7 @@ from onnx_genrt.core.provider import ExecutionProvider
 from .fusion import (
     fuse_argmax_prob,
     fuse_gate_up,
+    fuse_gated_mlp,
     fuse_matmul_add,
     fuse_nonfinite,
     fuse_norm_matmul,
@@ -327,6 +328,8 @@ def build_plan(
     fused += normed
     steps, activated = fuse_silu_matmul(steps, constants, keep, type_of)
     fused += activated
+    steps, mlps = fuse_gated_mlp(steps, constants, keep, type_of)
+    fused += mlps
     steps, biased = fuse_matmul_add(steps, constants, keep, type_of)
     fused += biased
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)

@@ -207,17 +207,25 @@ def norm_projections(
 
 
 def silu_projection(
-    hidden: int = 32, inter: int = 64, rows: int = 3, seed: int = 0, down: str = "nbits"
+    hidden: int = 32,
+    inter: int = 64,
+    rows: int = 3,
+    seed: int = 0,
+    down: str = "nbits",
+    norm: bool = False,
+    dtype=np.float32,
 ):
     """A gated MLP as exporters write it: gate and up MatMuls, ``gate * Sigmoid(gate) * up``,
     then a 4-bit ``MatMulNBits`` down projection (block 32, no zero points), or a float
-    ``MatMul`` with ``down="matmul"``. Output ``y``."""
+    ``MatMul`` with ``down="matmul"``. Output ``y``. With ``norm``, the MLP reads
+    ``SkipSimplifiedLayerNormalization(x, r, gamma)`` and its residual sum is output ``h``.
+    ``dtype``: of the activations and float weights."""
     rng = np.random.default_rng(seed)
-    wg = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(np.float32)
-    wu = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(np.float32)
+    wg = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(dtype)
+    wu = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(dtype)
     q = rng.integers(0, 16, (hidden, inter // 32, 32))
     packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-    scales = rng.uniform(0.01, 0.05, (hidden, inter // 32)).astype(np.float32)
+    scales = rng.uniform(0.01, 0.05, (hidden, inter // 32)).astype(dtype)
     nodes = [
         helper.make_node("MatMul", ["x", "wg"], ["g"]),
         helper.make_node("MatMul", ["x", "wu"], ["u"]),
@@ -237,14 +245,33 @@ def silu_projection(
         if down == "nbits"
         else helper.make_node("MatMul", ["m", "wd"], ["y"]),
     ]
-    wd = (rng.standard_normal((inter, hidden)) / np.sqrt(inter)).astype(np.float32)
-    f = TensorProto.FLOAT
+    wd = (rng.standard_normal((inter, hidden)) / np.sqrt(inter)).astype(dtype)
+    f = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    inputs = [helper.make_tensor_value_info("x", f, [1, rows, hidden])]
+    outputs = [helper.make_tensor_value_info("y", f, [1, rows, hidden])]
+    extra = []
+    if norm:
+        for n in nodes[:2]:
+            n.input[0] = "n"
+        skip_norm = helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            ["x", "r", "gamma"],
+            ["n", "", "", "h"],
+            domain="com.microsoft",
+            epsilon=1e-6,
+        )
+        nodes.insert(0, skip_norm)
+        inputs.append(helper.make_tensor_value_info("r", f, [1, rows, hidden]))
+        outputs.append(helper.make_tensor_value_info("h", f, [1, rows, hidden]))
+        gamma = (1 + 0.1 * rng.standard_normal(hidden)).astype(dtype)
+        extra.append(numpy_helper.from_array(gamma, "gamma"))
     graph = helper.make_graph(
         nodes,
         "silu_projection",
-        [helper.make_tensor_value_info("x", f, [1, rows, hidden])],
-        [helper.make_tensor_value_info("y", f, [1, rows, hidden])],
+        inputs,
+        outputs,
         [
+            *extra,
             numpy_helper.from_array(wg, "wg"),
             numpy_helper.from_array(wu, "wu"),
             numpy_helper.from_array(packed, "B"),

@@ -22,6 +22,9 @@ from collections.abc import Sequence
 #: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the kernel may start before the
 #: previous kernel on its stream has finished; it waits for it in ``griddepcontrol.wait``.
 ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+#: ``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``: every block of the grid is resident at once (the launch
+#: fails otherwise), so blocks may wait on each other (a grid barrier).
+ATTR_COOPERATIVE = 2
 #: ``CUDA_ERROR_INVALID_VALUE``: what ``cuFuncGetParamInfo`` returns past the last parameter.
 _INVALID_VALUE = 1
 
@@ -49,12 +52,22 @@ class LaunchConfig(ctypes.Structure):
     ]
 
 
-def programmatic_attribute() -> LaunchAttribute:
-    """The attribute that allows a programmatic dependent launch (value: int 1)."""
+def _int_attribute(attr_id: int) -> LaunchAttribute:
+    """A launch attribute whose value is the int 1."""
     attr = LaunchAttribute()
-    attr.id = ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.id = attr_id
     ctypes.memmove(ctypes.addressof(attr) + LaunchAttribute.value.offset, (ctypes.c_int * 1)(1), 4)
     return attr
+
+
+def programmatic_attribute() -> LaunchAttribute:
+    """The attribute that allows a programmatic dependent launch (value: int 1)."""
+    return _int_attribute(ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+
+
+def cooperative_attribute() -> LaunchAttribute:
+    """The attribute of a cooperative launch (value: int 1)."""
+    return _int_attribute(ATTR_COOPERATIVE)
 
 
 class DriverError(RuntimeError):
@@ -90,6 +103,8 @@ class Driver:
         self._error_name.restype = ctypes.c_int
         self._attr = programmatic_attribute()  # read by the driver at each launch
         self._attr_pointer = ctypes.pointer(self._attr)
+        self._coop = cooperative_attribute()
+        self._coop_pointer = ctypes.pointer(self._coop)
 
     def error_name(self, code: int) -> str:
         """``CUDA_ERROR_...`` for a driver result code."""
@@ -119,15 +134,19 @@ class Driver:
         stream: int,
         params: ParamBlock,
         programmatic: bool = True,
+        cooperative: bool = False,
     ) -> None:
         """``cuLaunchKernelEx`` of ``function`` on ``stream`` with the parameters packed in
         ``params`` (hold ``params.lock`` from packing to here), the PDL attribute when
-        ``programmatic``."""
+        ``programmatic``, else the cooperative one when ``cooperative``."""
         c = params.config
         c.grid_x, c.grid_y, c.grid_z = grid
         c.block_x, c.block_y, c.block_z = block
         c.shared_bytes, c.stream = shared_bytes, stream
-        c.attrs, c.num_attrs = self._attr_pointer, int(programmatic)
+        if programmatic:
+            c.attrs, c.num_attrs = self._attr_pointer, 1
+        else:
+            c.attrs, c.num_attrs = self._coop_pointer, int(cooperative)
         r = self._launch(ctypes.byref(c), function, params.pointers, None)
         if r != 0:
             raise DriverError("cuLaunchKernelEx", r, self.error_name(r))

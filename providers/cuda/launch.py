@@ -71,6 +71,8 @@ class LaunchCounts:
     programmatic: int = 0
     ordinary: int = 0
     unready: int = 0
+    #: Cooperative launches (``Kernel.cooperative``): every block resident, never with PDL.
+    cooperative: int = 0
 
 
 _COUNTS = LaunchCounts()
@@ -78,12 +80,14 @@ _COUNTS = LaunchCounts()
 
 def launch_counts() -> LaunchCounts:
     """A copy of the launch counts since the process started (or the last reset)."""
-    return LaunchCounts(_COUNTS.programmatic, _COUNTS.ordinary, _COUNTS.unready)
+    return LaunchCounts(
+        _COUNTS.programmatic, _COUNTS.ordinary, _COUNTS.unready, _COUNTS.cooperative
+    )
 
 
 def reset_launch_counts() -> None:
     """Zero the launch counts."""
-    _COUNTS.programmatic = _COUNTS.ordinary = _COUNTS.unready = 0
+    _COUNTS.programmatic = _COUNTS.ordinary = _COUNTS.unready = _COUNTS.cooperative = 0
 
 
 def _address(arg: Any) -> int | None:
@@ -155,13 +159,40 @@ class Kernel:
             _COUNTS.ordinary += 1
         self.raw(grid, block, args, shared_mem=shared_mem)
 
+    def cooperative(
+        self,
+        grid: int | Sequence[int],
+        block: int | Sequence[int],
+        args: Sequence[Any],
+        *,
+        shared_mem: int = 0,
+    ) -> None:
+        """Launch with every block resident at once (cuLaunchKernelEx with the cooperative
+        attribute, never programmatically: a grid that waits on itself does not also start
+        early), for kernels with grid barriers. KernelError when the grid does not fit."""
+        stream = cupy.cuda.get_current_stream().ptr
+        self._driver_launch(grid, block, args, shared_mem, stream, cooperative=True)
+        _COUNTS.cooperative += 1
+
     def _programmatic(
         self, grid: Any, block: Any, args: Sequence[Any], shared_mem: int, stream: int
     ) -> None:
         """cuLaunchKernelEx with the PDL attribute; a driver error raises KernelError."""
+        self._driver_launch(grid, block, args, shared_mem, stream, cooperative=False)
+
+    def _driver_launch(
+        self,
+        grid: Any,
+        block: Any,
+        args: Sequence[Any],
+        shared_mem: int,
+        stream: int,
+        cooperative: bool,
+    ) -> None:
+        how = "cooperative launch" if cooperative else "programmatic dependent launch"
         drv = cuda_driver.load()
         if isinstance(drv, str):  # the provider checked this before allowing the stream
-            raise KernelError(f"kernel {self.name}: programmatic launch unavailable: {drv}")
+            raise KernelError(f"kernel {self.name}: {how} unavailable: {drv}")
         try:
             if self._params is None:
                 self._function = int(self.raw.kernel.ptr)
@@ -171,11 +202,13 @@ class Kernel:
             params = self._params
             with params.lock:
                 self._packer.pack_into(params.buffer, args)
-                drv.launch(
-                    self._function, _dims(grid), _dims(block), int(shared_mem), stream, params
-                )
+                where = (self._function, _dims(grid), _dims(block), int(shared_mem), stream)
+                if cooperative:
+                    drv.launch(*where, params, programmatic=False, cooperative=True)
+                else:
+                    drv.launch(*where, params)
         except cuda_driver.DriverError as exc:
             raise KernelError(
                 f"kernel {self.name}: {exc} (grid {grid}, block {block}, {shared_mem} bytes "
-                "of dynamic shared memory, programmatic dependent launch)"
+                f"of dynamic shared memory, {how})"
             ) from exc

@@ -47,6 +47,9 @@ from .staging import MEMCPY_DEVICE_TO_DEVICE, StagingRing
 #: ``genrt.SILU_FLOAT_GEMV_MAX_K``); figures in docs/performance.md.
 #: ``gemv_prologues=False`` or ONNX_GENRT_GEMV_PROLOGUES=0 keeps the norm and SiluMul
 #: launches.
+#: The MLP half of a decoder layer as one cooperative grid (``kernels/_gated_mlp.py``):
+#: ``fused_mlp`` (off until timed against the three kernels it replaces).
+FUSED_MLP_OP = (GENRT_DOMAIN, "NormGatedMLP")
 GEMV_PROLOGUE_OPS = frozenset(
     (GENRT_DOMAIN, op)
     for op in ("NormMatMul", "NormMatMulNBits", "SiluMulMatMul", "SiluMulMatMulNBits")
@@ -81,6 +84,14 @@ class CUDAProvider(ExecutionProvider):
             "let the plan fuse RMS norms and SiluMul into the GEMVs that read them "
             "(GEMV_PROLOGUE_OPS)",
             env="ONNX_GENRT_GEMV_PROLOGUES",
+        ),
+        ProviderOption(
+            "fused_mlp",
+            False,
+            "let the plan fuse a decoder layer's norm, gate/up projection, SiluMul and down "
+            "projection into one cooperative grid (NormGatedMLP; fp16 / bf16, up to 8 rows; "
+            "needs gemv_prologues)",
+            env="ONNX_GENRT_FUSED_MLP",
         ),
         ProviderOption(
             "prologue_max_rows",
@@ -218,6 +229,8 @@ class CUDAProvider(ExecutionProvider):
         super().__init__(**options)
         #: Whether the plan may fuse norms and SiluMul into GEMVs (``GEMV_PROLOGUE_OPS``).
         self.gemv_prologues = self.option("gemv_prologues")
+        #: Whether the plan may fuse a layer's MLP half into one grid (``FUSED_MLP_OP``).
+        self.fused_mlp = self.option("fused_mlp")
         self._index = int(device_id)
         self._device = Device("cuda", self._index)
         self._cuda_device = cupy.cuda.Device(self._index)
@@ -297,6 +310,8 @@ class CUDAProvider(ExecutionProvider):
 
     def get_kernel(self, domain: str, op_type: str, opset: int) -> KernelDef | None:
         if not self.gemv_prologues and (domain, op_type) in GEMV_PROLOGUE_OPS:
+            return None
+        if (domain, op_type) == FUSED_MLP_OP and not (self.gemv_prologues and self.fused_mlp):
             return None
         return super().get_kernel(domain, op_type, opset)
 

@@ -288,6 +288,48 @@ def test_silu_mul_matmul_bodies_equal_float64(proj, split, act):
         np.testing.assert_allclose(ort_out[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+MLP_OUTPUTS = {
+    "y": ["y"],
+    "y-sum": ["y", "sum"],
+    "all": ["y", "sum", "gate_up", "act", "normed"],
+    "y-act": ["y", "", "", "act"],
+}
+
+
+@pytest.mark.parametrize("outputs", list(MLP_OUTPUTS))
+@pytest.mark.parametrize("skip", [True, False], ids=["skip", "no-skip"])
+def test_norm_gated_mlp_body_equals_float64(skip, outputs):
+    outputs = MLP_OUTPUTS[outputs]
+    if "sum" in outputs and not skip:
+        return  # refused as NormMatMul's (the same norm; see that test)
+    rng = np.random.default_rng(len(outputs) + 5 * skip)
+    F = 40
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    r = rng.standard_normal((1, 3, K)).astype(np.float32)
+    gamma = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    w_gate_up = (rng.standard_normal((K, 2 * F)) / 8).astype(np.float32)
+    w_down = (rng.standard_normal((F, N)) / 8).astype(np.float32)
+    feeds = {"x": x, "skip": r} if skip else {"x": x}
+    weights = {"gamma": gamma, "W_gate_up": w_gate_up, "W_down": w_down}
+    inputs = ["x", "skip" if skip else "", *weights]
+    eps = 1e-6
+    model = _model(
+        "NormGatedMLP", feeds, weights, outputs, inputs=inputs, epsilon=eps, projection_opset=21
+    )
+    total = x.astype(np.float64) + (r if skip else 0)
+    normed = _rms64(total, gamma, eps)
+    gate_up = normed @ w_gate_up.astype(np.float64)
+    act = _silu64(gate_up[..., :F], gate_up[..., F:])
+    want = {"y": act @ w_down, "sum": total, "gate_up": gate_up, "act": act, "normed": normed}
+    body = _run_body(model, feeds)
+    assert set(body) == {o for o in outputs if o}
+    for name, value in body.items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-4, atol=1e-4, err_msg=name)
+    ort_out = _run_ort_body(model, feeds)
+    for name, value in body.items():
+        np.testing.assert_allclose(ort_out[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 # -- MTPAccept, MTPNextInputs -----------------------------------------------------------------
 
 
@@ -542,13 +584,13 @@ def test_the_nodes_fusions_make_fit_their_schemas():
     NormMatMul(NBits) with the residual sum, SiluMulMatMul(NBits)) fits its declaration,
     input element types included."""
     from tests.models import decomposed_head, norm_projections, silu_projection
-    from tests.session.test_norm_matmul_fusion import FusingCPU
+    from tests.session.test_norm_matmul_fusion import FusingCPU, MLPFusingCPU
 
     seen = set()
     models = [decomposed_head(), norm_projections(), silu_projection(down="nbits")]
-    models.append(silu_projection(down="matmul"))
+    models += [silu_projection(down="matmul"), silu_projection(down="matmul", norm=True)]
     for model in models:
-        for providers in (["cpu"], [FusingCPU()]):
+        for providers in (["cpu"], [FusingCPU()], [MLPFusingCPU()]):
             plan = InferenceSession(model, providers).plan
             for step in plan.steps:
                 if step.node.domain != GENRT_DOMAIN:
@@ -559,4 +601,4 @@ def test_the_nodes_fusions_make_fit_their_schemas():
                 seen.add((step.node.op_type, len(step.inputs), int(step.node.attr("split", 0))))
     ops = {s[0] for s in seen}
     assert {"ArgMaxProb", "SiluMul", "NormMatMul", "NormMatMulNBits"} <= ops, seen
-    assert {"SiluMulMatMul", "SiluMulMatMulNBits"} <= ops, seen
+    assert {"SiluMulMatMul", "SiluMulMatMulNBits", "NormGatedMLP"} <= ops, seen

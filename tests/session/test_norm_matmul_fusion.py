@@ -65,6 +65,14 @@ def _silu_matmul_nbits(ctx, g, u, b, scales, zp=None, g_idx=None, bias=None):
     return (np.array(y, copy=True), act)[: len(ctx.node.output_names)]
 
 
+def _norm_gated_mlp(ctx, x, skip, gamma, w_gate_up, w_down):
+    normed, total = _normalize(ctx, x, skip, gamma)
+    gate_up = (normed.astype(np.float64) @ w_gate_up.astype(np.float64)).astype(x.dtype)
+    act = _silu(ctx, gate_up, None)
+    y = (act.astype(np.float64) @ w_down.astype(np.float64)).astype(x.dtype)
+    return (y, total, gate_up, act, normed)[: len(ctx.node.output_names)]
+
+
 class FusingCPU(CPUProvider):
     """The CPU provider plus the fused projection kernels (numpy)."""
 
@@ -93,6 +101,18 @@ class FusingCPU(CPUProvider):
                 check=fused_matmul_nbits_unsupported,
             )
         )
+        return reg
+
+
+class MLPFusingCPU(FusingCPU):
+    """FusingCPU plus the whole gated MLP as one op (``NormGatedMLP``, numpy)."""
+
+    name = "mlp-fusing-cpu"
+
+    @functools.cached_property
+    def kernels(self) -> KernelRegistry:
+        reg = super().kernels
+        reg.add(KernelDef(GENRT_DOMAIN, "NormGatedMLP", 1, _norm_gated_mlp))
         return reg
 
 
@@ -148,6 +168,51 @@ def test_embedded_model_with_fused_norms_decodes_the_same_tokens():
     got = generate(fused, prompt, max_new_tokens=24, ignore_eos=True)
     assert got.tokens == want
     assert got.graph_stats["target"]["primary"]["replays"] > 0
+
+
+def test_embedded_model_with_fused_mlps_decodes_the_same_tokens():
+    """With NormGatedMLP on the provider every layer's norm, gate/up projection, SiluMul and
+    down projection become one step (the qkv projection keeps its NormMatMul), and greedy
+    decoding gives the CPU provider's tokens."""
+    from onnx_genrt.engine import Model, generate
+    from onnx_genrt.generate_cli import default_model_dir
+
+    fused = Model(default_model_dir(), [MLPFusingCPU()])
+    steps = fused.session.plan.steps
+    ops = [s.node.op_type for s in steps]
+    layers = fused.config.num_layers
+    assert ops.count("NormGatedMLP") == layers, ops
+    assert ops.count("NormMatMul") == layers and "SiluMulMatMul" not in ops, ops
+    first = next(s for s in steps if s.node.op_type == "NormGatedMLP")
+    assert first.outputs[1], "the MLP's norm still writes the residual sum the next layer reads"
+    plain = Model(default_model_dir(), ["cpu"])
+    prompt = "    def __init__(self"
+    want = generate(plain, prompt, max_new_tokens=24, ignore_eos=True).tokens
+    got = generate(fused, prompt, max_new_tokens=24, ignore_eos=True)
+    assert got.tokens == want
+    assert got.graph_stats["target"]["primary"]["replays"] > 0
+
+
+@pytest.mark.parametrize(
+    ("provider", "down", "want_ops"),
+    [
+        (MLPFusingCPU, "matmul", ["NormGatedMLP"]),
+        (MLPFusingCPU, "nbits", ["NormMatMul", "SiluMulMatMulNBits"]),  # 4-bit down: not yet
+        (FusingCPU, "matmul", ["NormMatMul", "SiluMulMatMul"]),  # no NormGatedMLP kernel
+    ],
+)
+def test_a_normed_gated_mlp_fuses_into_one_step_and_matches_onnxruntime(provider, down, want_ops):
+    from tests.models import silu_projection
+
+    model = silu_projection(down=down, norm=True)
+    sess = InferenceSession(model, providers=[provider()])
+    assert [s.node.op_type for s in sess.plan.steps] == want_ops
+    rng = np.random.default_rng(3)
+    x, r = (rng.standard_normal((1, 3, 32)).astype(np.float32) for _ in range(2))
+    got = sess.run(["y", "h"], {"x": x, "r": r})
+    want = ort.InferenceSession(model.SerializeToString()).run(["y", "h"], {"x": x, "r": r})
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
 
 
 def test_silu_mul_fuses_into_the_down_projection_and_matches_onnxruntime():

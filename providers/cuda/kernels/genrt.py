@@ -59,6 +59,7 @@ from ._common import (
     rows_cols,
     storage,
 )
+from ._gated_mlp import launch_gated_mlp, mlp_problem
 from ._registry import REGISTRY
 from .contrib_norm import skip_simplified_layer_norm
 from .contrib_quant import matmul_nbits
@@ -665,3 +666,68 @@ def silu_mul_matmul_nbits(
     fused, view, act = _prepare_silu(ctx, g, u)
     y = matmul_nbits(_projection_ctx(ctx), view, b, scales, zero_points, g_idx, bias, norm=fused)
     return (y, act)[: max(1, len(ctx.node.output_names))]
+
+
+# -- NormGatedMLP: a layer's MLP half as one cooperative grid (_gated_mlp) -------------------
+
+
+def _mlp_prepack(provider, node: NodeInfo, index: int, host: np.ndarray):
+    """Both projections' weights (inputs 3 and 4) prepacked as MatMul's input 1 is."""
+    return transpose_weight(provider, node, 1, host) if index in (3, 4) else None
+
+
+@REGISTRY.register("NormGatedMLP", since=1, domain=GENRT_DOMAIN, prepack=_mlp_prepack)
+def norm_gated_mlp(ctx: KernelContext, x, skip, gamma, wgu, wd):
+    """(y, x + skip, gate_up, act, normed): one cooperative grid where ``mlp_problem`` takes
+    the call (gate_up and normed then only planned), else NormMatMul and SiluMulMatMul."""
+    names = ctx.node.output_names
+    want_sum = len(names) > 1 and bool(names[1])
+    if want_sum and skip is None:
+        raise ValueError(f"{ctx.node.describe()}: a sum output needs a skip input")
+    eps = float(ctx.attr("epsilon", 1e-5))
+    if mlp_problem(x, skip, gamma, wgu, wd) is not None:
+        return _mlp_unfused(ctx, x, skip, gamma, wgu, wd, want_sum, eps)
+    lead, f = tuple(x.shape[:-1]), int(wd.shape[0])
+    y = out(ctx, 0, (*lead, int(wd.shape[1])), x.dtype)
+    total = out(ctx, 1, x.shape, x.dtype) if want_sum else None
+    gate_up = out(ctx, 2, (*lead, 2 * f), x.dtype)
+    act = out(ctx, 3, (*lead, f), x.dtype)
+    normed = out(ctx, 4, x.shape, x.dtype)
+    launch_gated_mlp(ctx, x, skip, gamma, wgu, wd, (y, total, act), eps)
+    return _mlp_outputs(names, y, total, gate_up, act, normed)
+
+
+def _mlp_outputs(names, y, total, gate_up, act, normed) -> tuple:
+    """The node's outputs, as many as it names (an unnamed sum gets y as a placeholder)."""
+    return (y, total if total is not None else y, gate_up, act, normed)[: max(1, len(names))]
+
+
+def _mlp_unfused(ctx: KernelContext, x, skip, gamma, wgu, wd, want_sum: bool, eps: float):
+    """NormMatMul into the planned gate/up buffer (output 2), then SiluMulMatMul into y, its
+    activations in the planned ``act`` buffer (output 3)."""
+    opset = ctx.attr("projection_opset", 1)
+    planned = list(ctx.planned) + [None] * (5 - len(ctx.planned))
+    norm_node = NodeInfo(
+        "NormMatMul",
+        f"{ctx.node.name}/NormMatMul",
+        GENRT_DOMAIN,
+        1,
+        {"epsilon": eps, "projection_opset": opset},
+        ("x", "skip", "gamma", "W"),
+        ("gate_up", "sum" if want_sum else "", "normed"),
+    )
+    norm_ctx = KernelContext(norm_node, ctx.provider, [planned[2], planned[1], planned[4]])
+    gate_up, total, normed = norm_matmul(norm_ctx, x, skip, gamma, wgu)
+    silu_node = NodeInfo(
+        "SiluMulMatMul",
+        f"{ctx.node.name}/SiluMulMatMul",
+        GENRT_DOMAIN,
+        1,
+        {"split": 1, "projection_opset": opset},
+        ("g", "", "W"),
+        ("y", "act"),
+    )
+    silu_ctx = KernelContext(silu_node, ctx.provider, [planned[0], planned[3]])
+    y, act = silu_mul_matmul(silu_ctx, gate_up, None, wd)
+    total = total if want_sum else None
+    return _mlp_outputs(ctx.node.output_names, y, total, gate_up, act, normed)

@@ -144,7 +144,15 @@ INSTANCES = {
     "genrt._SOURCE": ["mtp_accept<half_t, float>", "mtp_next_inputs"],
     "genrt._ARGMAX_PROB_SOURCE": ["argmax_prob_rows<half_t>"],
     "genrt._SAMPLE_SOURCE": ["sample_tokens_rows<half_t>", "sample_tokens_rows<float>"],
+    "_gated_mlp._SOURCE": [
+        "norm_gated_mlp<half_t, 1>",
+        "norm_gated_mlp<half_t, 4>",
+        "norm_gated_mlp<bf16_t, 8>",
+    ],
 }
+#: Sources whose kernels prefetch weights into L2 on sm_90 whether or not PDL is on (a
+#: phase's weights while the phase before it streams its own).
+L2_PREFETCHING = ("_gated_mlp._SOURCE",)
 #: Kernels that exist on sm_90 and newer only (their sources guard them).
 SM90_ONLY = ("gqa_attn_cluster", "gqa_decode_cluster")
 
@@ -250,5 +258,7 @@ def test_every_kernel_source_compiles(tmp_path, arch, defines):
                 name = entry.split("(", 1)[0]
                 assert ("griddepcontrol.wait" in entry) == pdl, (path.name, name)
             assert ("cp.async.bulk.prefetch" in ptx or "prefetch.global.L2" in ptx) == (
-                prefetch and any(k in key for k in ("matmul", "contrib_quant"))
+                prefetch
+                and any(k in key for k in ("matmul", "contrib_quant"))
+                or (key in L2_PREFETCHING and arch == "sm_90")
             ), path.name

@@ -291,12 +291,13 @@ stream.ptr = 0x5000
 class Drv:
     def __init__(self): self.calls, self.fail = [], False
     def param_table(self, fn): return ((0, 8), (8, 4), (16, 8))
-    def launch(self, fn, grid, block, shared, strm, params):
+    def launch(self, fn, grid, block, shared, strm, params, programmatic=True, cooperative=False):
         if self.fail:
             raise cuda_driver.DriverError("cuLaunchKernelEx", 701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
         base = cuda_driver.ctypes.addressof(params.buffer)
         offsets = [params.pointers[i] - base for i in range(3)]
-        self.calls.append([fn, list(grid), list(block), shared, strm, bytes(params.buffer).hex(), offsets])
+        how = [] if programmatic and not cooperative else [programmatic, cooperative]
+        self.calls.append([fn, list(grid), list(block), shared, strm, bytes(params.buffer).hex(), offsets, *how])
 drv = Drv()
 cuda_driver.load = lambda: drv
 
@@ -316,10 +317,12 @@ out["defines_off"] = list(launch.compile_defines())
 launch.allow_programmatic(stream, prefetch=False)
 out["defines_on"] = list(launch.compile_defines())
 k((2,), (64, 2), args, shared_mem=128)
-out["programmatic"] = [len(raw.calls), drv.calls, launch.launch_counts().__dict__]
+out["programmatic"] = [len(raw.calls), list(drv.calls), launch.launch_counts().__dict__]
 launch.Kernel(raw, "g<float>", ready=False)((1,), (32,), args)
 out["unready"] = [len(raw.calls), len(drv.calls), launch.launch_counts().__dict__]
 out["num_regs"] = k.num_regs
+k.cooperative((3,), (32, 8), args, shared_mem=64)  # on a PDL stream too: never programmatic
+out["cooperative"] = [len(raw.calls), drv.calls[-1], launch.launch_counts().__dict__]
 drv.fail = True
 try:
     k((1,), (32,), args)
@@ -383,15 +386,21 @@ def test_a_finalizer_that_forbids_a_stream_never_deadlocks():
 
 def test_kernel_routes_by_stream_and_readiness():
     got = run_with_cupy_stub(_ROUTING)
-    assert got["ordinary"] == [1, 0, {"programmatic": 0, "ordinary": 1, "unready": 0}]
+    zero = {"programmatic": 0, "ordinary": 0, "unready": 0, "cooperative": 0}
+    assert got["ordinary"] == [1, 0, {**zero, "ordinary": 1}]
     assert got["defines_off"] == [] and got["defines_forbidden"] == []
     assert got["defines_on"] == ["-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=0"]
     assert got["defines_prefetch"] == ["-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1"]
     raw_calls, calls, counts = got["programmatic"]
-    assert raw_calls == 1 and counts == {"programmatic": 1, "ordinary": 1, "unready": 0}
+    assert raw_calls == 1 and counts == {**zero, "programmatic": 1, "ordinary": 1}
     _, want = layout([(np.uint64, 0x1000), (np.int32, 3), (np.uint64, 0x2000)])
     assert calls == [[0x77, [2, 1, 1], [64, 2, 1], 128, 0x5000, want.hex(), [0, 8, 16]]]
-    assert got["unready"] == [2, 1, {"programmatic": 1, "ordinary": 1, "unready": 1}]
+    assert got["unready"] == [2, 1, {**zero, "programmatic": 1, "ordinary": 1, "unready": 1}]
+    raw_calls, call, counts = got["cooperative"]
+    assert (
+        raw_calls == 2 and call[1:4] == [[3, 1, 1], [32, 8, 1], 64] and call[-2:] == [False, True]
+    )
+    assert counts == {"programmatic": 1, "ordinary": 1, "unready": 1, "cooperative": 1}
     assert got["num_regs"] == 40  # the RawKernel's attributes show through
     assert got["error"].startswith("kernel f<float>: cuLaunchKernelEx failed: ")
     assert "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (701)" in got["error"]
