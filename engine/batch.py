@@ -118,9 +118,11 @@ class BatchGenerator:
     look_ahead: bool | None = None
     #: Draw the tokens of rows that sample by temperature and top-k on the device
     #: (``engine/device_sampler.py``: Philox noise keyed by the row's seed, one token read
-    #: back per row instead of its logits); False: the host sampler for every row. Off
-    #: until it is timed on a GPU; its draws differ from the host sampler's for a seed.
-    device_sampling: bool = False
+    #: back per row instead of its logits); False: the host sampler for every row; None
+    #: (the default): where reads are async (a GPU, where the host's draws cost 2.5x at one
+    #: row and 25x at 32: docs/performance.md). For a seed its draws differ from the host
+    #: sampler's (and so from the single-sequence ``Generator``'s).
+    device_sampling: bool | None = None
     #: Prompts as graphed chunks of padded rows (``DecoderRunner.prefill``): None where
     #: reads are async (a GPU), True or False to force it. Each row keeps one graph per
     #: chunk width.
@@ -445,7 +447,10 @@ class BatchGenerator:
     def _device_drawn(self, live: dict[int, _Row]) -> set[int]:
         """The live rows whose next token is drawn on the device: with ``device_sampling``,
         those sampling by temperature and top-k and free to end (past their min_length)."""
-        if not self.device_sampling:
+        wanted = self.device_sampling
+        if wanted is None:
+            wanted = self.runner.io.reads_async
+        if not wanted:
             return set()
         return {
             i

@@ -333,8 +333,8 @@ class Scheduler:
     :meth:`start`; :meth:`close` stops admitting and finishes (or cancels) what runs.
     ``spec`` (``"ngram"``, ``"mtp"`` or ``"auto"``, ``k`` drafts a row) verifies drafts of
     every row in each step (:meth:`BatchGenerator.speculate`). ``device_sampling`` draws
-    the tokens of requests that sample by temperature and top-k on the device
-    (:attr:`BatchGenerator.device_sampling`).
+    the tokens of requests that sample by temperature and top-k on the device (None:
+    where reads are async, a GPU; :attr:`BatchGenerator.device_sampling`).
     """
 
     def __init__(
@@ -347,11 +347,13 @@ class Scheduler:
         prefill_chunk: int | None = 256,
         spec: str | None = None,
         k: int | None = None,
-        device_sampling: bool = False,
+        device_sampling: bool | None = None,
     ) -> None:
         self.model = model
         check_batch_spec(spec, k)
-        self.device_sampling = check_bool(device_sampling, "device_sampling")
+        self.device_sampling = (
+            None if device_sampling is None else check_bool(device_sampling, "device_sampling")
+        )
         if spec is not None:  # a missing MTP head fails here, not in the model thread
             row_speculation(model, spec, k)
         self.spec, self.k = spec, k

@@ -125,14 +125,14 @@ def create_app(
     enable_graphs: bool = True,
     spec: str | None = None,
     k: int | None = None,
-    device_sampling: bool = False,
+    device_sampling: bool | None = None,
 ) -> Starlette:
     """Load the model in ``model_dir`` (default: the embedded one) on ``provider`` (a name
     or a priority list) and return the ASGI app serving it as ``model_name`` (default: the
     folder's name) with ``max_batch`` rows and at most ``max_queue`` waiting requests.
     ``spec`` (``"ngram"`` or ``"auto"``) verifies up to ``k`` prompt-lookup drafts per greedy
-    row in each decode step; ``device_sampling`` draws sampled tokens on the device
-    (:class:`~onnx_genrt.engine.scheduler.Scheduler`)."""
+    row in each decode step; ``device_sampling`` draws sampled tokens on the device (None:
+    on a GPU; :class:`~onnx_genrt.engine.scheduler.Scheduler`)."""
     from onnx_genrt.generate_cli import default_model_dir
 
     folder = Path(model_dir) if model_dir is not None else default_model_dir()

@@ -78,10 +78,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_drafts_argument(p)
     p.add_argument(
         "--device-sampling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="draw the tokens of requests that sample by temperature and top-k on the device "
         "(one token read back per row instead of its logits; a seed draws other tokens than "
-        "without it)",
+        "on the host); default: on where reads are asynchronous (a GPU), off on the CPU",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests at start")
     p.add_argument("--access-log", action="store_true", help="log every request (uvicorn)")

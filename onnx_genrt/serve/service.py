@@ -64,7 +64,7 @@ class Service:
         warmup: bool,
         spec: str | None = None,
         k: int | None = None,
-        device_sampling: bool = False,
+        device_sampling: bool | None = None,
     ) -> None:
         self.model = model
         self.model_name = model_name

@@ -108,3 +108,19 @@ def test_the_scheduler_draws_on_the_device_when_asked(model):
             other.result(timeout=60)
     assert prompt + got[True] == want
     assert got[False] != got[True]
+
+
+def test_by_default_rows_draw_on_the_device_only_where_reads_are_async(model, monkeypatch):
+    """``device_sampling`` None (the default): the host sampler on the CPU, whose reads are
+    synchronous; the device draws where they are asynchronous (a GPU: faster, see
+    docs/performance.md), here by telling the CPU's device io its reads are."""
+    from onnx_genrt.session.device_io import DeviceIO
+
+    assert BatchGenerator.device_sampling is None
+    rows = [(TEXTS[0], HOT)]
+    host = _run(model, rows, device=False)[1]
+    device = _run(model, rows, device=True)[1]
+    assert host != device  # one seed, two samplers
+    assert _run(model, rows, device=None)[1] == host
+    monkeypatch.setattr(DeviceIO, "reads_async", property(lambda self: True))
+    assert _run(model, rows, device=None)[1] == device
