@@ -245,6 +245,9 @@ class PendingStep:
 #: rows through its own cuBLAS handle (``cublas_in_graphs``), else up to 64. Each is below
 #: 1024: a batch's row runners number their graph variants 1024 apart.
 PREFILL_WIDTHS = (8, 16, 32, 64, 128, 256, 512)
+#: The name of a step's token drawn on the device (:meth:`DecoderRunner.draw_after`) in its
+#: ``StepOutput.extra``.
+DRAWN = "drawn"
 #: Longest prompt fed as graphed chunks; a longer one runs eagerly, in one step whose big
 #: matrix products and flash attention over every row at once lose little to dispatch.
 #: A first guess: measure it on the GPU (NOTES.md).
@@ -695,6 +698,16 @@ class DecoderRunner:
             read_hidden,
             read_sampled=sample is not None,
         )
+
+    def draw_after(self, sample: SampleInputs) -> Callable[[StepBuffers], dict[str, Any]]:
+        """An ``after=`` for :meth:`launch`: draws the one-token step's token on the device
+        (``sample``: its temperature, seed, offset and top_k, one row) and reads it back
+        with the step, as ``extra[DRAWN]``."""
+
+        def draw(bufs: StepBuffers) -> dict[str, Any]:
+            return {DRAWN: self._device_sampler().launch(bufs.logits, *sample)}
+
+        return draw
 
     def _device_sampler(self) -> DeviceSampler:
         """The sampler of this runner's steps (made on first use)."""

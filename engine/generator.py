@@ -13,7 +13,8 @@ from onnx_genrt.core.errors import InvalidInputError
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.locking import SingleUser
 
-from .decoder import HiddenState, PendingStep, StepOutput
+from .decoder import DRAWN, HiddenState, PendingStep, StepOutput
+from .device_sampler import SampleInputs, device_samplable
 from .model import GeneratorParams, Model
 from .sampling import choose, masked_logits, plain_greedy
 
@@ -51,6 +52,12 @@ class Generator:
     #: Prompts as graphed chunks of padded rows (True), eagerly (False), or where reads are
     #: asynchronous (None: a GPU). See ``DecoderRunner.prefill``.
     graph_prefill: bool | None = None
+    #: Draw a search's tokens that sample by temperature and top-k on the device, as
+    #: ``BatchGenerator.device_sampling`` does (the same rule, seed and offsets, so a seed
+    #: gives the same tokens here as in a batch or from the server): None (default) where
+    #: reads are asynchronous (a GPU), True or False to force it. The token after the prompt
+    #: and those before ``min_length`` (an end masked) are drawn on the host, as in a batch.
+    device_sampling: bool | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """``Generator(model, params)`` with ``batch_size > 1`` in the search options: a
@@ -77,6 +84,12 @@ class Generator:
         cfg = model.config
         self.runner = model.acquire_runner(self, self.search.max_length + spare)
         self.rng = np.random.default_rng(self.search.seed)
+        #: The seed of the draws made on the device (``device_sampling``), as a batch row's.
+        self.sample_seed = (
+            self.search.seed
+            if self.search.seed is not None
+            else int(self.rng.integers(0, 2**63 - 1))
+        )
         self.tokens: list[int] = []
         #: Tokens given by ``append_tokens`` up to its last call: the presence and frequency
         #: penalties count only what follows (the tokens generated since).
@@ -167,12 +180,19 @@ class Generator:
             raise InvalidInputError("append_tokens first: there is no prompt")
         if self._next is None:
             step, self._ahead = self._ahead, None  # queued last time, fed on the device
+            drawn = step is None and self._draws_on_device()
             if step is None:
-                step = self.runner.launch(self._take_pending(), DeviceGraphSlot.PRIMARY)
+                after = self.runner.draw_after(self._sample_inputs()) if drawn else None
+                step = self.runner.launch(
+                    self._take_pending(), DeviceGraphSlot.PRIMARY, after=after
+                )
             if self._may_look_ahead():
                 self._ahead = self.runner.launch([0], DeviceGraphSlot.PRIMARY, feed_argmax_of=step)
             self._next = step.wait()
             self._hidden_at = (self._next, step.n - 1)
+            if drawn:
+                self._append(int(np.asarray(self._next.extra[DRAWN]).reshape(-1)[0]))
+                return
         out = self._next
         if self._ahead is not None and self._masks_argmax(out):
             # The queued step overwrote this step's logits, which the masked pick reads:
@@ -181,11 +201,35 @@ class Generator:
             self.runner.rewind_to(self.runner.cache.length - 1)
             out = self._next = self.runner.forward(self._take_pending(), DeviceGraphSlot.PRIMARY)
         token = self._choose(out, -1, self.tokens)
+        self._append(token)
+        if self._ahead is not None and (token != int(out.tokens[-1]) or self.is_done()):
+            self._cancel_ahead()
+
+    def _append(self, token: int) -> None:
         self.tokens.append(token)
         self._next = None
         self._new = [token]
-        if self._ahead is not None and (token != int(out.tokens[-1]) or self.is_done()):
-            self._cancel_ahead()
+
+    def _draws_on_device(self) -> bool:
+        """Whether this step's token is drawn on the device (``device_sampling``): a search
+        that samples by temperature and top-k only, free to end (past ``min_length``)."""
+        wanted = self.device_sampling
+        if wanted is None:
+            wanted = self.runner.io.reads_async
+        if not wanted or not device_samplable(self.search):
+            return False
+        return not (self.eos and len(self.tokens) < self.search.min_length)
+
+    def _sample_inputs(self) -> SampleInputs:
+        """(temperature, seed, offset, top_k) of the one row: the token's index is
+        ``len(tokens)``, as for a batch row."""
+        search = self.search
+        return (
+            np.array([search.temperature], np.float32),
+            np.array([self.sample_seed], np.int64),
+            np.array([len(self.tokens)], np.int64),
+            np.array([search.top_k], np.int64),
+        )
 
     def _may_look_ahead(self) -> bool:
         """Whether to queue the next step (fed this step's device argmax) before reading

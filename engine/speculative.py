@@ -147,6 +147,10 @@ def _rate(steps: deque[tuple[int, float]]) -> float | None:
 class SpeculativeGenerator(Generator):
     """A Generator whose ``generate_next_token`` may add several tokens at once."""
 
+    #: Sampled verify steps accept or redraw on the host (``_accept``), so its plain steps
+    #: draw there too.
+    device_sampling = False
+
     def __init__(
         self,
         model: Model,

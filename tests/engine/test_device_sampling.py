@@ -124,3 +124,28 @@ def test_by_default_rows_draw_on_the_device_only_where_reads_are_async(model, mo
     assert _run(model, rows, device=None)[1] == host
     monkeypatch.setattr(DeviceIO, "reads_async", property(lambda self: True))
     assert _run(model, rows, device=None)[1] == device
+
+
+@pytest.mark.parametrize(
+    "search",
+    [HOT, {**HOT, "top_k": 5, "seed": 4}],
+    ids=["all", "top-k"],
+)
+def test_a_single_sequence_draws_what_a_batch_row_draws(model, monkeypatch, search):
+    """``Generator.device_sampling``: a seed gives the same tokens through ``generate`` as
+    through a batch (or the server) drawing on the device, the host drawing the token after
+    the prompt in both; and the host sampler's tokens when off (the default on the CPU)."""
+    from onnx_genrt.engine import generate
+    from onnx_genrt.engine.generator import Generator
+
+    rows = [(TEXTS[1], search)]
+    batch_device = _run(model, rows, device=True)[1][0]
+    batch_host = _run(model, rows, device=False)[1][0]
+    assert batch_device != batch_host
+
+    def alone() -> list[int]:
+        return generate(model, TEXTS[1], NEW + 1, ignore_eos=True, **search).tokens
+
+    assert alone() == batch_host
+    monkeypatch.setattr(Generator, "device_sampling", True)
+    assert alone() == batch_device
