@@ -27,7 +27,7 @@ from onnx_genrt.core.locking import SingleUser
 from .batch_speculation import RowSpeculation, row_speculation
 from .config import SearchOptions
 from .decoder import DecoderRunner, PendingRows, StepOutput
-from .device_sampler import SampleInputs, device_samplable
+from .device_sampler import SampleInputs, draws_on_device, sample_inputs
 from .logprobs import TokenLogprob, check_top_logprobs, token_logprob
 from .model import GeneratorParams, Model
 from .sampling import choose, plain_greedy
@@ -452,26 +452,15 @@ class BatchGenerator:
             wanted = self.runner.io.reads_async
         if not wanted:
             return set()
-        return {
-            i
-            for i, r in live.items()
-            if device_samplable(r.search) and not (r.eos and len(r.tokens) < r.search.min_length)
-        }
+        return {i for i, r in live.items() if draws_on_device(r.search, r.eos, len(r.tokens))}
 
     @staticmethod
     def _sample_inputs(live: dict[int, _Row], drawn: set[int], size: int) -> SampleInputs:
-        """(temperature, seed, offset, top_k) of a step's rows: a drawn row's temperature,
-        seed, the index its token will have in its sequence and top_k; temperature 0
-        elsewhere."""
-        temperature = np.zeros(size, np.float32)
-        seed, offset, top_k = (np.zeros(size, np.int64) for _ in range(3))
-        for i in drawn:
-            row = live[i]
-            temperature[i] = row.search.temperature
-            seed[i] = row.sample_seed
-            offset[i] = len(row.tokens)
-            top_k[i] = row.search.top_k
-        return temperature, seed, offset, top_k
+        """The drawn rows' sampling inputs: each with its seed at the index its token will
+        have in its sequence."""
+        return sample_inputs(
+            size, {i: (live[i].search, live[i].sample_seed, len(live[i].tokens)) for i in drawn}
+        )
 
     def _may_look_ahead(
         self, live: dict[int, _Row], size: int, lengths: np.ndarray, need_logits: bool

@@ -51,6 +51,25 @@ def device_samplable(search: SearchOptions) -> bool:
     )
 
 
+def draws_on_device(search: SearchOptions, eos: object, length: int) -> bool:
+    """Whether a sequence of ``length`` tokens draws its next one on the device (where its
+    generator draws there at all): it samples by temperature and top-k and is free to end
+    (no end token ``eos`` masked before ``min_length``)."""
+    return device_samplable(search) and not (eos and length < search.min_length)
+
+
+def sample_inputs(size: int, rows: dict[int, tuple[SearchOptions, int, int]]) -> SampleInputs:
+    """(temperature, seed, offset, top_k) of a step of ``size`` rows: row ``i`` of ``rows``
+    draws with its search's temperature and top_k, its seed, at ``offset`` (the index its
+    token will have in its sequence); the other rows get temperature 0 (the argmax)."""
+    temperature = np.zeros(size, np.float32)
+    seed, offset, top_k = (np.zeros(size, np.int64) for _ in range(3))
+    for i, (search, row_seed, at) in rows.items():
+        temperature[i], top_k[i] = search.temperature, search.top_k
+        seed[i], offset[i] = row_seed, at
+    return temperature, seed, offset, top_k
+
+
 def sampler_model(vocab: int, logits_dtype: Any):
     """The one-node model: logits [rows, 1, vocab], temperature / seed / offset / top_k
     [rows, 1] -> tokens [rows, 1]."""

@@ -14,7 +14,7 @@ from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from onnx_genrt.core.locking import SingleUser
 
 from .decoder import DRAWN, HiddenState, PendingStep, StepOutput
-from .device_sampler import SampleInputs, device_samplable
+from .device_sampler import SampleInputs, draws_on_device, sample_inputs
 from .model import GeneratorParams, Model
 from .sampling import choose, masked_logits, plain_greedy
 
@@ -216,20 +216,12 @@ class Generator:
         wanted = self.device_sampling
         if wanted is None:
             wanted = self.runner.io.reads_async
-        if not wanted or not device_samplable(self.search):
-            return False
-        return not (self.eos and len(self.tokens) < self.search.min_length)
+        return bool(wanted) and draws_on_device(self.search, self.eos, len(self.tokens))
 
     def _sample_inputs(self) -> SampleInputs:
-        """(temperature, seed, offset, top_k) of the one row: the token's index is
-        ``len(tokens)``, as for a batch row."""
-        search = self.search
-        return (
-            np.array([search.temperature], np.float32),
-            np.array([self.sample_seed], np.int64),
-            np.array([len(self.tokens)], np.int64),
-            np.array([search.top_k], np.int64),
-        )
+        """The one row's sampling inputs, as a batch row's: the token's index is
+        ``len(tokens)``."""
+        return sample_inputs(1, {0: (self.search, self.sample_seed, len(self.tokens))})
 
     def _may_look_ahead(self) -> bool:
         """Whether to queue the next step (fed this step's device argmax) before reading

@@ -182,12 +182,11 @@ __global__ void __launch_bounds__(256) norm_gated_mlp(
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         if (m < M) {
-          S* o = act + (long long)m * F + j;
-          st(o, 0, acc[0][m]);  // g and u rounded as the gate/up GEMV stores them
-          const float g = ld(o, 0);
-          st(o, 0, acc[1][m]);
-          const float u = ld(o, 0);
-          st(o, 0, (g * (1.f / (1.f + expf(-g)))) * u);
+          S gs, us;  // g and u rounded as the gate/up GEMV stores them (in registers)
+          st(&gs, 0, acc[0][m]);
+          st(&us, 0, acc[1][m]);
+          const float g = ld(&gs, 0), u = ld(&us, 0);
+          st(act, (long long)m * F + j, (g * (1.f / (1.f + expf(-g)))) * u);
         }
       }
     }
