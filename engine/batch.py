@@ -63,6 +63,11 @@ def buckets(max_batch: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> tuple[int, 
     return (*sizes, max_batch)
 
 
+#: A step queued ahead: its pending rows, and the decoding rows, bucket size and device-drawn
+#: rows it was queued for.
+_Ahead = tuple[PendingRows, frozenset[int], int, frozenset[int]]
+
+
 @dataclass
 class _Row:
     """One sequence: its tokens (the last one pending: chosen, not yet fed), options."""
@@ -109,12 +114,14 @@ class BatchGenerator:
     meanwhile gets ``ConcurrentUseError``. Its steps take turns with other users of the
     model's session.
 
-    Greedy steps look ahead where read-backs are asynchronous (a GPU): the next step is
-    queued, fed this step's device argmax, before this one is read back, so the device
-    never waits for the host's picking. ``look_ahead`` True or False forces it on or off.
+    Steps of greedy and device-drawn rows look ahead where read-backs are asynchronous (a
+    GPU): the next step is queued, fed the tokens this step chose on the device (argmax or
+    drawn), before this one is read back, so the device never waits for the host's
+    picking. ``look_ahead`` True or False forces it on or off.
     """
 
-    #: Queue the next greedy step before reading this one (None: where reads are async).
+    #: Queue the next step of greedy and device-drawn rows before reading this one (None:
+    #: where reads are async).
     look_ahead: bool | None = None
     #: Draw the tokens of rows that sample by temperature and top-k on the device
     #: (``engine/device_sampler.py``: Philox noise keyed by the row's seed, one token read
@@ -153,7 +160,7 @@ class BatchGenerator:
         self._user = SingleUser("this BatchGenerator")
         #: The step queued ahead (see the class docstring), valid for this set of decoding
         #: rows at this bucket size; and how many steps were taken from one so far.
-        self._ahead: tuple[PendingRows, frozenset[int], int] | None = None
+        self._ahead: _Ahead | None = None
         self.steps_ahead = 0
         #: Speculation per row (``speculate``); None: plain steps only.
         self.speculation: RowSpeculation | None = None
@@ -369,7 +376,7 @@ class BatchGenerator:
         self,
         live: dict[int, _Row],
         size: int,
-        ahead: tuple[PendingRows, frozenset[int], int] | None,
+        ahead: _Ahead | None,
     ) -> dict[int, list[int]]:
         """One token for every live row, in a step of ``size`` rows (slot PRIMARY)."""
         lengths = self._row_starts(live, size)
@@ -388,31 +395,34 @@ class BatchGenerator:
         sample = self._sample_inputs(live, drawn, size) if drawn else None
         spec = self.speculation
         need_hidden = spec is not None and spec.needs_hidden
+        key = (frozenset(live), size, frozenset(drawn))
         with self.model.session.exclusive():
-            if ahead is not None and ahead[1:] == (frozenset(live), size):
+            if ahead is not None and ahead[1:] == key:
                 pending = ahead[0]  # queued last step with these tokens, fed on the device
                 self.steps_ahead += 1
             else:
                 pending = self._launch(tokens, lengths, need_logits, need_hidden, sample)
             queued = None
-            if sample is None and self._may_look_ahead(live, size, lengths, need_logits):
+            if self._may_look_ahead(live, size, lengths, need_logits):
                 after = lengths.copy()
                 after[list(live)] += 1
                 fed_by = pending[0] if isinstance(pending, list) else pending  # one piece
+                next_sample = self._sample_inputs(live, drawn, size, 1) if drawn else None
                 queued = (
                     self.runner.launch_rows(
                         None,
                         after,
                         DeviceGraphSlot.PRIMARY,
-                        feed_argmax_of=fed_by,
+                        feed_token_of=fed_by,
                         read_hidden=need_hidden,
+                        sample=next_sample,
                     ),
-                    frozenset(live),
-                    size,
+                    *key,
                 )
             # on an error the queued step is dropped
             argmax, logits, hidden = self._finish(pending)
             sampled = self._sampled(pending) if sample is not None else None
+            fed = argmax if sampled is None else sampled  # what a queued step was fed
             if queued is not None and any(self._masks(r, int(argmax[i])) for i, r in live.items()):
                 # A masked pick reads this step's logits, which the queued step overwrote:
                 # drop it and run this step again (the same keys and values).
@@ -439,7 +449,7 @@ class BatchGenerator:
                     row.record(row.new, [logits[i]])
                 if hidden is not None:
                     row.hidden = np.array(hidden[i, 0])
-                if token != int(argmax[i]):  # the queued step was fed the argmax
+                if token != int(fed[i]):  # the queued step was fed another token
                     queued = None
             self._ahead = queued
         return new
@@ -455,17 +465,21 @@ class BatchGenerator:
         return {i for i, r in live.items() if draws_on_device(r.search, r.eos, len(r.tokens))}
 
     @staticmethod
-    def _sample_inputs(live: dict[int, _Row], drawn: set[int], size: int) -> SampleInputs:
-        """The drawn rows' sampling inputs: each with its seed at the index its token will
-        have in its sequence."""
-        return sample_inputs(
-            size, {i: (live[i].search, live[i].sample_seed, len(live[i].tokens)) for i in drawn}
-        )
+    def _sample_inputs(
+        live: dict[int, _Row], drawn: set[int], size: int, ahead: int = 0
+    ) -> SampleInputs:
+        """The drawn rows' sampling inputs for the step ``ahead`` steps from now: each with
+        its seed at the index its token will have in its sequence."""
+        rows = {
+            i: (live[i].search, live[i].sample_seed, len(live[i].tokens) + ahead) for i in drawn
+        }
+        return sample_inputs(size, rows)
 
     def _may_look_ahead(
         self, live: dict[int, _Row], size: int, lengths: np.ndarray, need_logits: bool
     ) -> bool:
-        """Whether to queue the next step now: every decoding row plain greedy, one graph
+        """Whether to queue the next step now: every decoding row plain greedy or drawn on
+        the device (its next token too: a row past its min_length stays so), one graph
         of rows, room in the cache, on a provider with asynchronous reads (unless forced),
         and, while the batch speculates, no verify step possible next (too many rows of
         tokens or too little room)."""

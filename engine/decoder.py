@@ -230,6 +230,8 @@ class PendingStep:
     ) -> None:
         self.runner, self.bufs, self.start, self.n, self.slot = runner, bufs, start, n, slot
         self.queued, self.fetch = queued, fetch
+        #: The device buffer of the token drawn after the step (``DRAWN``), if one was.
+        self.drawn: Any = None
         self._out: StepOutput | None = None
 
     def wait(self) -> StepOutput:
@@ -281,6 +283,9 @@ class PendingRows:
     #: ``sampled`` (``[rows]``).
     read_sampled: bool = False
     sampled: np.ndarray | None = None
+    #: The device buffer of those drawn tokens (``[rows, 1]``), which a step queued after
+    #: this one can be fed (``feed_token_of``).
+    drawn: Any = None
 
 
 class DecoderRunner:
@@ -471,14 +476,15 @@ class DecoderRunner:
         slot: DeviceGraphSlot | None,
         width: int | None = None,
         after: Callable[[StepBuffers], dict[str, Any]] | None = None,
-        feed_argmax_of: PendingStep | None = None,
+        feed_token_of: PendingStep | None = None,
         variant: int = 0,
     ) -> PendingStep:
         """Queue a step like :meth:`forward` and return before its results are back.
 
-        With ``feed_argmax_of``, the step's one token is that earlier step's last device
-        argmax, copied on the device: greedy decoding can queue step t+1 before the host
-        has read step t's token, so the GPU never waits for the host.
+        With ``feed_token_of``, the step's one token is the one that earlier step chose on
+        the device (its drawn token where ``after`` drew one, else its last argmax), copied
+        on the device: decoding can queue step t+1 before the host has read step t's token,
+        so the GPU never waits for the host.
 
         ``tokens=None`` runs a step of ``width`` whose inputs (ids, positions, mask) are
         already on the device, written by work queued before it (the MTP chain after a
@@ -498,21 +504,28 @@ class DecoderRunner:
             )
         last_row = slot is None and self.prefill_last_row and n == width and n > 1
         binding, bufs = self._binding(width, keep=slot is not None, last_row=last_row)
-        if feed_argmax_of is not None and (
-            n != 1 or width != 1 or feed_argmax_of.bufs.argmax is None
+        if feed_token_of is not None and (
+            n != 1
+            or width != 1
+            or (feed_token_of.bufs.argmax is None and feed_token_of.drawn is None)
         ):
-            raise InvalidInputError("a device-fed step takes one token from a device argmax")
+            raise InvalidInputError(
+                "a device-fed step takes one token from a device argmax or drawn token"
+            )
         host = np.zeros(bufs.inputs.shape, np.int64)
-        if feed_argmax_of is None:
+        if feed_token_of is None:
             host[:n] = tokens
         if bufs.pos is not None:
             host[width : 2 * width] = np.arange(start, start + width)
         if bufs.mask is not None:
             host[host.size - self.max_length :][: start + width] = 1
         self.io.write(bufs.inputs, host)
-        if feed_argmax_of is not None:  # after the upload, on the same stream
-            last = feed_argmax_of.n - 1
-            self.io.copy(feed_argmax_of.bufs.argmax[:, last : last + 1], bufs.ids)
+        if feed_token_of is not None:  # after the upload, on the same stream
+            last = feed_token_of.n - 1
+            chosen = feed_token_of.drawn
+            if chosen is None:
+                chosen = feed_token_of.bufs.argmax[:, last : last + 1]
+            self.io.copy(chosen.reshape(bufs.ids.shape), bufs.ids)
         if slot is None:
             self.session.run_eager_with_iobinding(
                 binding, last_row_of=self.names.logits if last_row else None
@@ -554,7 +567,9 @@ class DecoderRunner:
             fetch = self.io.read_later([bufs.nonfinite, bufs.argmax, *queued.values()])
         else:
             fetch = self.io.read_later(list(queued.values()))
-        return PendingStep(self, bufs, start, n, slot, list(queued), fetch)
+        step = PendingStep(self, bufs, start, n, slot, list(queued), fetch)
+        step.drawn = queued.get(DRAWN)
+        return step
 
     def _finish(self, step: PendingStep) -> StepOutput:
         """Raise on NaN or infinite logits; the step's output with what was read back.
@@ -617,21 +632,22 @@ class DecoderRunner:
         lengths: np.ndarray,
         slot: DeviceGraphSlot | None,
         read_logits: bool = False,
-        feed_argmax_of: PendingRows | None = None,
+        feed_token_of: PendingRows | None = None,
         read_hidden: bool = False,
         sample: SampleInputs | None = None,
     ) -> PendingRows:
         """Queue :meth:`step_rows`' step and its read-back; :meth:`finish_rows` waits for it.
 
-        With ``feed_argmax_of`` (an earlier one-token step of as many rows), ``tokens`` is
-        None and each row's token is that step's device argmax, copied on the device: the
-        next greedy step is queued before the host has read this one's. ``read_hidden``
+        With ``feed_token_of`` (an earlier one-token step of as many rows), ``tokens`` is
+        None and each row's token is the one that step chose on the device (its drawn
+        token where it drew, else its argmax), copied on the device: the next step is
+        queued before the host has read this one's. ``read_hidden``
         reads the hidden states back too, where the model outputs them. ``sample``
         (temperature, seed, offset and top_k per row; a one-token step) draws each row's
         token on the device after the step (``engine/device_sampler.py``; temperature 0:
         the argmax)."""
         rows = len(lengths)
-        if feed_argmax_of is None and (tokens is None or len(tokens) != rows):
+        if feed_token_of is None and (tokens is None or len(tokens) != rows):
             raise InvalidInputError(
                 f"{0 if tokens is None else len(tokens)} tokens for {rows} row lengths"
             )
@@ -646,16 +662,19 @@ class DecoderRunner:
                 f"{self.max_length}"
             )
         binding, bufs = self._binding(width, rows=rows)
-        if feed_argmax_of is not None and (
-            feed_argmax_of.rows != rows or feed_argmax_of.bufs.argmax is None or width != 1
+        fed_by = None if feed_token_of is None else feed_token_of.drawn
+        if feed_token_of is not None and fed_by is None:
+            fed_by = feed_token_of.bufs.argmax
+        if feed_token_of is not None and (
+            feed_token_of.rows != rows or fed_by is None or width != 1
         ):
             raise InvalidInputError(
-                f"a step of {rows} rows fed on the device needs the device argmax of a "
-                f"one-token step of {rows} rows"
+                f"a step of {rows} rows fed on the device needs the device argmax or drawn "
+                f"tokens of a one-token step of {rows} rows"
             )
         host = np.zeros(bufs.inputs.shape, np.int64)
         fed = rows * width
-        if feed_argmax_of is None:
+        if feed_token_of is None:
             host[:fed] = np.asarray(tokens).reshape(-1)
         offset = fed
         starts = np.asarray(lengths, np.int64)[:, None]
@@ -666,8 +685,8 @@ class DecoderRunner:
             mask = host[offset:].reshape(rows, self.max_length)
             mask[np.arange(self.max_length)[None, :] < starts + width] = 1
         self.io.write(bufs.inputs, host)
-        if feed_argmax_of is not None:  # after the upload, on the same stream
-            self.io.copy(feed_argmax_of.bufs.argmax, bufs.ids)
+        if fed_by is not None:  # after the upload, on the same stream
+            self.io.copy(fed_by.reshape(bufs.ids.shape), bufs.ids)
         # one graph per row count and width (a batch's verify steps beside its decode steps)
         variant = self.variant_base + rows + (width - 1) * (self.cache.rows + 1)
         if slot is None:  # eager, as ``launch`` runs a prefill
@@ -682,12 +701,14 @@ class DecoderRunner:
         read_hidden = read_hidden and bufs.hidden is not None
         if read_hidden:
             reads.append(bufs.hidden)
+        drawn = None
         if sample is not None:
             if width != 1:
                 raise InvalidInputError(
                     f"tokens are drawn on the device for one-token steps, not {width}"
                 )
-            reads.append(self._device_sampler().launch(bufs.logits, *sample))
+            drawn = self._device_sampler().launch(bufs.logits, *sample)
+            reads.append(drawn)
         return PendingRows(
             bufs,
             rows,
@@ -697,6 +718,7 @@ class DecoderRunner:
             width,
             read_hidden,
             read_sampled=sample is not None,
+            drawn=drawn,
         )
 
     def draw_after(self, sample: SampleInputs) -> Callable[[StepBuffers], dict[str, Any]]:

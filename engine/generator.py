@@ -46,8 +46,8 @@ class Generator:
     run in different threads: their steps take turns on the model's providers.
     """
 
-    #: Queue the next greedy step before this one is read back: None (default) where the
-    #: provider reads asynchronously (a GPU), True or False to force it.
+    #: Queue the next greedy or device-drawn step before this one is read back: None
+    #: (default) where the provider reads asynchronously (a GPU), True or False to force it.
     look_ahead: bool | None = None
     #: Prompts as graphed chunks of padded rows (True), eagerly (False), or where reads are
     #: asynchronous (None: a GPU). See ``DecoderRunner.prefill``.
@@ -101,7 +101,7 @@ class Generator:
         self._new: list[int] = []
         self.eos = set(cfg.eos_token_ids)
         self._closed = False
-        # The next greedy step, queued before this one was read back (see _may_look_ahead).
+        # The next step, queued before this one was read back (see _may_look_ahead).
         self._ahead: PendingStep | None = None
 
     @one_thread
@@ -180,18 +180,25 @@ class Generator:
             raise InvalidInputError("append_tokens first: there is no prompt")
         if self._next is None:
             step, self._ahead = self._ahead, None  # queued last time, fed on the device
-            drawn = step is None and self._draws_on_device()
             if step is None:
+                drawn = self._draws_on_device()
                 after = self.runner.draw_after(self._sample_inputs()) if drawn else None
                 step = self.runner.launch(
                     self._take_pending(), DeviceGraphSlot.PRIMARY, after=after
                 )
-            if self._may_look_ahead():
-                self._ahead = self.runner.launch([0], DeviceGraphSlot.PRIMARY, feed_argmax_of=step)
+            drawn = step.drawn is not None
+            if self._may_look_ahead(drawn):
+                # fed this step's token on the device, drawing the next one as this did
+                after = self.runner.draw_after(self._sample_inputs(1)) if drawn else None
+                self._ahead = self.runner.launch(
+                    [0], DeviceGraphSlot.PRIMARY, after=after, feed_token_of=step
+                )
             self._next = step.wait()
             self._hidden_at = (self._next, step.n - 1)
             if drawn:
                 self._append(int(np.asarray(self._next.extra[DRAWN]).reshape(-1)[0]))
+                if self._ahead is not None and self.is_done():
+                    self._cancel_ahead()
                 return
         out = self._next
         if self._ahead is not None and self._masks_argmax(out):
@@ -210,28 +217,37 @@ class Generator:
         self._next = None
         self._new = [token]
 
-    def _draws_on_device(self) -> bool:
-        """Whether this step's token is drawn on the device (``device_sampling``): a search
-        that samples by temperature and top-k only, free to end (past ``min_length``)."""
+    def _draws_on_device(self, ahead: int = 0) -> bool:
+        """Whether the step ``ahead`` steps from now draws its token on the device
+        (``device_sampling``): a search that samples by temperature and top-k only, free
+        to end (past ``min_length``)."""
         wanted = self.device_sampling
         if wanted is None:
             wanted = self.runner.io.reads_async
-        return bool(wanted) and draws_on_device(self.search, self.eos, len(self.tokens))
+        length = len(self.tokens) + ahead
+        return bool(wanted) and draws_on_device(self.search, self.eos, length)
 
-    def _sample_inputs(self) -> SampleInputs:
-        """The one row's sampling inputs, as a batch row's: the token's index is
-        ``len(tokens)``."""
-        return sample_inputs(1, {0: (self.search, self.sample_seed, len(self.tokens))})
+    def _sample_inputs(self, ahead: int = 0) -> SampleInputs:
+        """The one row's sampling inputs for the step ``ahead`` steps from now, as a batch
+        row's: the token's index is ``len(tokens) + ahead``."""
+        at = len(self.tokens) + ahead
+        return sample_inputs(1, {0: (self.search, self.sample_seed, at)})
 
-    def _may_look_ahead(self) -> bool:
-        """Whether to queue the next step (fed this step's device argmax) before reading
-        this one back: plain greedy on a provider whose reads are asynchronous, while
-        another token will follow. The queued step overwrites this step's buffers, which
-        is fine as only its argmax is read (see ``_masks_argmax`` for the exception)."""
+    def _may_look_ahead(self, drawn: bool) -> bool:
+        """Whether to queue the next step (fed the token this step chose on the device)
+        before reading this one back, on a provider whose reads are asynchronous, while
+        another token will follow: plain greedy (fed the device argmax), or a step that
+        drew its token on the device (``drawn``) followed by another that does. The queued
+        step overwrites this step's buffers, which is fine as only its argmax or drawn
+        token is read (see ``_masks_argmax`` for the exception)."""
         wanted = self.look_ahead
         if wanted is None:
             wanted = self.runner.io.reads_async
-        if not wanted or not self._plain_greedy or not self.runner.device_argmax:
+        if drawn:
+            chosen_on_device = self._draws_on_device(1)
+        else:
+            chosen_on_device = self._plain_greedy and self.runner.device_argmax
+        if not wanted or not chosen_on_device:
             return False
         room = len(self.tokens) + 2 <= self.search.max_length
         return room and self.runner.cache.length + 1 <= self.runner.max_length

@@ -183,7 +183,7 @@ def test_device_fed_steps_are_checked(model):
     first = runner.launch([5, 17, 99], None)
     first.wait()
     with pytest.raises(InvalidInputError, match="takes one token from a device argmax"):
-        runner.launch([1, 2], PRIMARY, width=2, feed_argmax_of=first)
+        runner.launch([1, 2], PRIMARY, width=2, feed_token_of=first)
     with pytest.raises(InvalidInputError, match="needs a graph slot and a width"):
         runner.launch(None, None, width=2)
     with pytest.raises(InvalidInputError, match="needs a graph slot and a width"):

@@ -30,9 +30,10 @@ def _params(model: Model, ids: list[int], **search) -> GeneratorParams:
     return params
 
 
-def _run(model: Model, rows: list[tuple[str, dict]], device: bool = True):
+def _run(model: Model, rows: list[tuple[str, dict]], device: bool = True, look_ahead: bool = False):
     batch = BatchGenerator(model, 4, 64)
     batch.device_sampling = device
+    batch.look_ahead = look_ahead
     index = []
     for text, search in rows:
         ids = model.tokenizer.encode(text)
@@ -81,6 +82,22 @@ def test_a_row_draws_the_same_tokens_in_any_batch(model):
     _, batched = _run(model, [(TEXTS[0], {**HOT, "seed": 5}), (TEXTS[1], HOT),
                               (TEXTS[2], dict(do_sample=False))])  # fmt: skip
     assert batched[1] == alone[0]
+
+
+def test_steps_queued_ahead_draw_the_same_tokens(model):
+    """Where reads are async (a GPU) a step of greedy and device-drawn rows is queued before
+    the last one is read back, fed the tokens the device chose and drawing at the next
+    offsets: the same tokens as step by step. A host-sampled row (top-p) keeps the batch
+    from looking ahead."""
+    rows = [(TEXTS[0], dict(do_sample=False)), (TEXTS[1], HOT),
+            (TEXTS[2], {**HOT, "top_k": 5, "seed": 4})]  # fmt: skip
+    plain = _run(model, rows)[1]
+    batch, ahead = _run(model, rows, look_ahead=True)
+    assert ahead == plain
+    assert batch.steps_ahead == NEW - 1  # every step but the first was queued ahead
+    host = (TEXTS[2], dict(do_sample=True, temperature=0.9, top_p=0.8, seed=3))
+    batch, ahead = _run(model, [*rows[:2], host], look_ahead=True)
+    assert batch.steps_ahead == 0 and ahead == _run(model, [*rows[:2], host])[1]
 
 
 def test_greedy_and_host_sampled_rows_beside_drawn_ones_are_unchanged(model):

@@ -336,11 +336,14 @@ def test_closed_generators_hand_their_cache_and_graphs_to_the_next(qwen2_dir):
         kept[0].generate_next_token()
 
 
-def _look_ahead_run(model, prompt, new, look_ahead, eos=(), min_length=0, edits=None):
+def _look_ahead_run(model, prompt, new, look_ahead, eos=(), min_length=0, edits=None, **search):
+    """The sequence after ``new`` tokens (greedy, or drawn on the device with ``search``),
+    the next step queued ahead or not."""
     params = GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new, min_length=min_length)
+    params.set_search_options(max_length=len(prompt) + new, min_length=min_length, **search)
     with Generator(model, params) as gen:
         gen.look_ahead = look_ahead
+        gen.device_sampling = True
         gen.eos = set(eos)
         gen.append_tokens(prompt)
         steps = queued = 0
@@ -386,3 +389,37 @@ def test_look_ahead_greedy_equals_plain_greedy(qwen2_dir, prompt):
     assert _look_ahead_run(model, prompt, 24, True, edits=dict(edits)) == _look_ahead_run(
         model, prompt, 24, False, edits=dict(edits)
     )
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_look_ahead_device_draws_equal_step_by_step_draws(qwen2_dir, top_k):
+    """Tokens drawn on the device (``device_sampling``) with the next step queued ahead, fed
+    the drawn token on the device and drawing at the next token's offset (a GPU's default),
+    are the tokens drawn step by step: through eos, eos masked before min_length (drawn on
+    the host meanwhile), max_length, rewind and appended text."""
+    model = Model(qwen2_dir)
+    prompt = [5, 17, 99]
+    search = dict(do_sample=True, temperature=1.5, top_k=top_k, seed=7)
+
+    def run(look_ahead, **kw):
+        return _look_ahead_run(model, prompt, 24, look_ahead, **kw, **search)
+
+    plain = run(False)
+    assert run(True) == plain
+    assert len(set(plain[len(prompt) :])) > 5  # it samples
+    eos = plain[len(prompt) + 6]
+    first = plain.index(eos, len(prompt))
+    stopped = run(True, eos=[eos])
+    assert stopped == plain[: first + 1] == run(False, eos=[eos])
+    masked = run(True, eos=[eos], min_length=first + 3)
+    assert masked == run(False, eos=[eos], min_length=first + 3)
+    assert len(masked) > len(stopped)
+
+    def rewind(gen):
+        gen.rewind_to(len(gen.tokens) - 3)
+
+    def append(gen):
+        gen.append_tokens([7, 8])
+
+    edits = {4: rewind, 9: append}
+    assert run(True, edits=dict(edits)) == run(False, edits=dict(edits))

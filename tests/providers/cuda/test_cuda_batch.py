@@ -173,3 +173,34 @@ def test_speculating_rows_equal_alone(cp, joins, kind):
     stats = batch.graph_stats()["verify"]
     assert stats["fallbacks"] == 0 and stats["invalidations"] == 0, stats
     assert stats["replays"] > 0
+
+
+def test_a_single_sequence_draws_on_the_device_by_default(cp):
+    """``Generator.device_sampling`` left at None on CUDA (reads are async) draws on the
+    device: ``generate`` with a seed gives a batch row's device-drawn tokens, not the host
+    sampler's."""
+    from onnx_genrt.engine import Model, generate
+    from onnx_genrt.engine.batch import BatchGenerator
+    from onnx_genrt.engine.generator import Generator
+    from onnx_genrt.engine.model import GeneratorParams
+    from onnx_genrt.generate_cli import default_model_dir
+
+    model = Model(default_model_dir(), provider="cuda")
+    search = dict(do_sample=True, temperature=1.5, top_k=5, seed=4)
+    ids = model.tokenizer.encode(TEXTS[1])
+
+    def batch_row(device: bool) -> list[int]:
+        batch = BatchGenerator(model, 2, 96)
+        batch.device_sampling = device
+        params = GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + 25, **search)
+        row = batch.add(ids, params, ignore_eos=True)
+        for _ in range(24):
+            batch.step()
+        return batch.sequence(row)
+
+    assert Generator.device_sampling is None
+    device, host = batch_row(True), batch_row(False)
+    assert device != host
+    alone = generate(model, TEXTS[1], 25, ignore_eos=True, **search).tokens
+    assert alone == device
