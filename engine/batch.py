@@ -272,14 +272,12 @@ class BatchGenerator:
         row = self.rows[index]
         part = row.tokens[row.prefilled : min(row.prompt_length, row.prefilled + chunk)]
         runner = self._row_runner(index)
-        graphed = self.graph_prefill
-        if graphed is None:
-            graphed = runner.io.reads_async
+        graphed = runner.io.auto(self.graph_prefill)
         if row.prompt_logprobs is not None:
             out, last = self._prefill_scored(row, runner, part)
         else:
             with self.model.session.exclusive():
-                out, last = runner.prefill(part, bool(graphed) and self.model.enable_graphs)
+                out, last = runner.prefill(part, graphed and self.model.enable_graphs)
         row.prefilled += len(part)
         if not row.prefilling:
             token = self._pick(row, out.tokens[-1], lambda: out.logits[-1])
@@ -457,10 +455,7 @@ class BatchGenerator:
     def _device_drawn(self, live: dict[int, _Row]) -> set[int]:
         """The live rows whose next token is drawn on the device: with ``device_sampling``,
         those sampling by temperature and top-k and free to end (past their min_length)."""
-        wanted = self.device_sampling
-        if wanted is None:
-            wanted = self.runner.io.reads_async
-        if not wanted:
+        if not self.runner.io.auto(self.device_sampling):
             return set()
         return {i for i, r in live.items() if draws_on_device(r.search, r.eos, len(r.tokens))}
 
@@ -483,9 +478,7 @@ class BatchGenerator:
         of rows, room in the cache, on a provider with asynchronous reads (unless forced),
         and, while the batch speculates, no verify step possible next (too many rows of
         tokens or too little room)."""
-        wanted = self.look_ahead
-        if wanted is None:
-            wanted = self.runner.io.reads_async
+        wanted = self.runner.io.auto(self.look_ahead)
         if not wanted or need_logits or size > self.max_graph_rows:
             return False
         spec = self.speculation

@@ -165,10 +165,7 @@ class Generator:
         """Whether prompts run as graphed chunks (``DecoderRunner.prefill``): where reads
         are asynchronous (a GPU, whose eager dispatch costs more than a replay of padded
         rows) unless ``graph_prefill`` says otherwise, and never with graphs off."""
-        wanted = self.graph_prefill
-        if wanted is None:
-            wanted = self.runner.io.reads_async
-        return bool(wanted) and self.model.enable_graphs
+        return self.runner.io.auto(self.graph_prefill) and self.model.enable_graphs
 
     # -- stepping ----------------------------------------------------------------
     @one_thread
@@ -221,11 +218,9 @@ class Generator:
         """Whether the step ``ahead`` steps from now draws its token on the device
         (``device_sampling``): a search that samples by temperature and top-k only, free
         to end (past ``min_length``)."""
-        wanted = self.device_sampling
-        if wanted is None:
-            wanted = self.runner.io.reads_async
         length = len(self.tokens) + ahead
-        return bool(wanted) and draws_on_device(self.search, self.eos, length)
+        wanted = self.runner.io.auto(self.device_sampling)
+        return wanted and draws_on_device(self.search, self.eos, length)
 
     def _sample_inputs(self, ahead: int = 0) -> SampleInputs:
         """The one row's sampling inputs for the step ``ahead`` steps from now, as a batch
@@ -240,9 +235,7 @@ class Generator:
         drew its token on the device (``drawn``) followed by another that does. The queued
         step overwrites this step's buffers, which is fine as only its argmax or drawn
         token is read (see ``_masks_argmax`` for the exception)."""
-        wanted = self.look_ahead
-        if wanted is None:
-            wanted = self.runner.io.reads_async
+        wanted = self.runner.io.auto(self.look_ahead)
         if drawn:
             chosen_on_device = self._draws_on_device(1)
         else:

@@ -310,7 +310,7 @@ class SpeculativeGenerator(Generator):
     @property
     def _pipelining(self) -> bool:
         """Whether this generator pipelines verify steps at all (see ``pipeline``)."""
-        return bool(self.runner.io.reads_async if self.pipeline is None else self.pipeline)
+        return self.runner.io.auto(self.pipeline)
 
     def _masks_a_row(self, out, n_drafts: int) -> bool:
         """Whether some row's pick may differ from its argmax (end-of-sequence masked before

@@ -56,6 +56,11 @@ class DeviceIO:
         step before reading this one pays."""
         return bool(self._provider.ASYNC_READS)
 
+    def auto(self, wanted: bool | None) -> bool:
+        """A setting that is on where reads are asynchronous unless forced: ``wanted``
+        when True or False, else (None) :attr:`reads_async`."""
+        return bool(self.reads_async if wanted is None else wanted)
+
     def memory_limit(self) -> int | None:
         """Bytes of memory this device offers (None when it does not say)."""
         return self._provider.memory_limit()
