@@ -57,6 +57,10 @@ MAX_GROUP = 8
 DECODE_BLOCKS_PER_SM = 2
 #: Lanes of a warp.
 LANES = 32
+#: Warp groups sharing a block's query heads where a launch has fewer blocks than SMs (one
+#: row's): ``head_groups``. Two make blocks of 256 threads, which keep the registers of up to
+#: 255 a thread that the largest groups take (four would cap them at 128 and spill).
+SPREAD_GROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,16 @@ def decode_splits(
     ``min_chunk``, and at most MAX_DECODE_SPLITS."""
     want = -(-(blocks_per_sm * sms) // max(1, rows))
     return max(1, min(MAX_DECODE_SPLITS, want, -(-keys // min_chunk)))
+
+
+def head_groups(group: int, blocks: int, sms: int, forced: int = 0) -> int:
+    """Warp groups that share a block's ``group`` query heads (the kernel's ``HG``: each
+    takes ``ceil(group / HG)`` heads over the tiles one group of ``DECODE_WARPS`` warps would
+    walk, so a head's bits do not depend on it): ``forced`` when positive; else one for a
+    launch of at least ``sms`` blocks, and SPREAD_GROUPS for a smaller one, whose blocks'
+    serial work is the step's latency. At most SPREAD_GROUPS and ``group``."""
+    wanted = forced if forced > 0 else (1 if blocks >= sms else SPREAD_GROUPS)
+    return max(1, min(wanted, group, SPREAD_GROUPS))
 
 
 def split_chunk(visible: int, splits: int, min_chunk: int) -> tuple[int, int]:

@@ -175,6 +175,14 @@ class CUDAProvider(ExecutionProvider):
             env="ONNX_GENRT_ATTENTION_DECODE_SPLITS",
         ),
         ProviderOption(
+            "attention_decode_head_groups",
+            0,
+            "warp groups sharing the query heads of a grouped decode block (1 or 2), the same "
+            "bits either way (0: two where the launch has fewer blocks than SMs, as at one "
+            "row, else one)",
+            env="ONNX_GENRT_ATTENTION_DECODE_HEAD_GROUPS",
+        ),
+        ProviderOption(
             "nbits_mma_min_rows",
             NBITS_MMA_MIN_ROWS,
             "rows (M) from which 4-bit MatMulNBits with fp16/bf16 activations runs on the "

@@ -53,6 +53,7 @@ from ..grouped_decode import (
     DecodeShape,
     decode_problem,
     decode_splits,
+    head_groups,
     most_keys,
 )
 from ._common import DEVICE_COMMON, function, scratch, sm_count
@@ -296,18 +297,25 @@ DEVI void decode_merge(const float* src, int n, bool final, float* dst, S* out, 
 // Lengths as in gqa_attn: total = seqlens[b] + 1, n_new = min(total, S), past = total - n_new,
 // row i at position past + i (cache row base + i: base = past, or a window-sized cache's kept
 // rows).
+// HG head groups (block 32 * W * HG threads): warp w + W * hg walks the tiles of logical warp
+// w for the group's heads [hg * GH, (hg + 1) * GH) only (GH = ceil(G / HG); padding heads past
+// G are computed from zero queries and dropped), so each head's arithmetic, tiles and merge
+// order are those of HG = 1: the same bits, with less serial work per warp where few blocks
+// run (one row).
 // CL (cluster launch, sm_90+): the splits (CL of them) of one (row, KV head) form a cluster;
 // each block leaves its partial in its own shared memory and block 0 merges the n_act of
 // them through distributed shared memory, in the order and with the arithmetic of a lone
 // merge group (so the same bits as the launch of CL splits without clusters); part, part2
 // and counters are unused.
-template <typename S, typename C, int D, int G, int W, int CL>
+template <typename S, typename C, int D, int G, int W, int HG, int CL>
 DEVI void decode_body(DECODE_PARAMS) {
   using SH = DecodeShape<S, D>;
-  constexpr int T = 32 * W, LK = SH::LK, TK = SH::TK, QP = SH::QP, V = SH::V, FS = SH::FS;
-  constexpr int PS = D + 4, QE = (G * D + T - 1) / T;
+  constexpr int WT = W * HG, T = 32 * WT;  // warps and threads of the block
+  constexpr int LK = SH::LK, TK = SH::TK, QP = SH::QP, V = SH::V, FS = SH::FS;
+  constexpr int PS = D + 4, QE = (G * D + T - 1) / T, GH = (G + HG - 1) / HG, GP = GH * HG;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int lw = warp % W, j0 = (warp / W) * GH;  // logical warp, first head of its group
   const int split = blockIdx.x, g = blockIdx.y, bi = blockIdx.z;
   const int b = bi / S_len, i = bi % S_len;
   const int total = seqlens[b] + 1;
@@ -368,11 +376,11 @@ DEVI void decode_body(DECODE_PARAMS) {
   const int k_begin = lo + split * chunk;
   const int k_end = min(k_begin + chunk, hi + 1);
 
-  // Shared memory: new K / V rows [S_len][D] and the query heads [G][LK][QP]; after the tiles
+  // Shared memory: new K / V rows [S_len][D] and the query heads [GP][LK][QP]; after the tiles
   // the warps' partials [W][G][PS] over them; then the merge weights and a flag; with CL, the
   // block's partial [G][PS] (16-byte aligned) after them.
   const int stage_b = 2 * S_len * D * (int)sizeof(S);
-  const int main_b = max(stage_b + G * LK * QP * 4, W * G * PS * 4);
+  const int main_b = max(stage_b + GP * LK * QP * 4, W * G * PS * 4);
   S* kn = reinterpret_cast<S*>(smem);
   S* vn = kn + (long long)S_len * D;
   float* q_sh = reinterpret_cast<float*>(smem + stage_b);
@@ -397,6 +405,9 @@ DEVI void decode_body(DECODE_PARAMS) {
       q_sh[(j * LK + d / (D / LK)) * QP + d % (D / LK)] = v * scale;
     }
   }
+  if constexpr (GP > G) {  // padding heads score zero queries (their results are dropped)
+    for (int e = tid; e < (GP - G) * LK * QP; e += T) q_sh[G * LK * QP + e] = 0.f;
+  }
   const int k_mid = max(k_begin, min(base, k_end));  // cache rows | new rows
   if (k_mid < k_end) {  // new rows j0..: rows base + j, positions past + j, into shared memory
     stage_new_rows(kn, vn, k_new, v_new, (long long)b * S_len, k_row, v_row, (long long)g * D,
@@ -407,23 +418,24 @@ DEVI void decode_body(DECODE_PARAMS) {
 
   const S* K = kc + ((long long)b * kvh + g) * cap * D;
   const S* Vc = vc + ((long long)b * kvh + g) * cap * D;
-  float m[G], l[G], acc[G][V];
+  float m[GH], l[GH], acc[GH][V];
 #pragma unroll
-  for (int j = 0; j < G; ++j) {
+  for (int j = 0; j < GH; ++j) {
     m[j] = neg_inf();
     l[j] = 0.f;
 #pragma unroll
     for (int v = 0; v < V; ++v) acc[j][v] = 0.f;
   }
-  for (int k0 = k_begin + warp * TK; k0 < k_end; k0 += W * TK) {
+  const float* qg = q_sh + j0 * LK * QP;  // this warp's heads
+  for (int k0 = k_begin + lw * TK; k0 < k_end; k0 += W * TK) {
     if (k0 + TK <= base)
-      decode_tile<S, D, G, false>(q_sh, K, Vc, kn, vn, base, k0, k_end, softcap, lane, m, l, acc);
+      decode_tile<S, D, GH, false>(qg, K, Vc, kn, vn, base, k0, k_end, softcap, lane, m, l, acc);
     else
-      decode_tile<S, D, G, true>(q_sh, K, Vc, kn, vn, base, k0, k_end, softcap, lane, m, l, acc);
+      decode_tile<S, D, GH, true>(qg, K, Vc, kn, vn, base, k0, k_end, softcap, lane, m, l, acc);
   }
   // The warp's partial: denominators over the lanes, value sums over the lanes of a feature.
 #pragma unroll
-  for (int j = 0; j < G; ++j) {
+  for (int j = 0; j < GH; ++j) {
     l[j] = warp_sum(l[j]);
 #pragma unroll
     for (int v = 0; v < V; ++v)
@@ -433,8 +445,9 @@ DEVI void decode_body(DECODE_PARAMS) {
   __syncthreads();  // every warp is done with the query heads and new rows: wp goes over them
   if (lane < FS) {
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      float* dst = wp + (warp * G + j) * PS + lane * V;
+    for (int j = 0; j < GH; ++j) {
+      if (j0 + j >= G) break;
+      float* dst = wp + (lw * G + j0 + j) * PS + lane * V;
 #pragma unroll
       for (int c = 0; c < V; c += 4)
         *reinterpret_cast<float4*>(dst + c) =
@@ -443,30 +456,31 @@ DEVI void decode_body(DECODE_PARAMS) {
   }
   if (lane == 0) {
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      wp[(warp * G + j) * PS + D] = m[j];
-      wp[(warp * G + j) * PS + D + 1] = l[j];
+    for (int j = 0; j < GH; ++j) {
+      if (j0 + j >= G) break;
+      wp[(lw * G + j0 + j) * PS + D] = m[j];
+      wp[(lw * G + j0 + j) * PS + D + 1] = l[j];
     }
   }
   __syncthreads();
   const int h0 = g * G;
   const long long pair = (long long)bi * kvh + g;
   if (n_act == 1) {
-    decode_merge<PART_SHARED, S, D, G, W>(wp, W, true, nullptr, out, orow, sinks, sink_mode, h0,
+    decode_merge<PART_SHARED, S, D, G, WT>(wp, W, true, nullptr, out, orow, sinks, sink_mode, h0,
                                           wsh, msh, lsh);
     return;
   }
   if constexpr (CL > 0) {
-    decode_merge<PART_SHARED, S, D, G, W>(wp, W, false, mine, out, orow, sinks, sink_mode, h0,
+    decode_merge<PART_SHARED, S, D, G, WT>(wp, W, false, mine, out, orow, sinks, sink_mode, h0,
                                           wsh, msh, lsh);
     cluster_sync();
     if (split == 0)
-      decode_merge<PART_CLUSTER, S, D, G, W>(mine, n_act, true, nullptr, out, orow, sinks,
+      decode_merge<PART_CLUSTER, S, D, G, WT>(mine, n_act, true, nullptr, out, orow, sinks,
                                              sink_mode, h0, wsh, msh, lsh);
     cluster_sync();  // every block's partial stays until block 0 has read it
     return;
   }
-  decode_merge<PART_SHARED, S, D, G, W>(wp, W, false, part + (pair * splits + split) * G * PS,
+  decode_merge<PART_SHARED, S, D, G, WT>(wp, W, false, part + (pair * splits + split) * G * PS,
                                         out, orow, sinks, sink_mode, h0, wsh, msh, lsh);
   __threadfence();
   __syncthreads();
@@ -484,12 +498,12 @@ DEVI void decode_body(DECODE_PARAMS) {
   __threadfence();
   const float* first = part + (pair * splits + grp * GD_MERGE_GROUP) * G * PS;
   if (n_groups == 1) {
-    decode_merge<PART_GLOBAL, S, D, G, W>(first, members, true, nullptr, out, orow, sinks,
+    decode_merge<PART_GLOBAL, S, D, G, WT>(first, members, true, nullptr, out, orow, sinks,
                                           sink_mode, h0, wsh, msh, lsh);
     return;
   }
   float* gpart = part2 + pair * groups_max * G * PS;
-  decode_merge<PART_GLOBAL, S, D, G, W>(first, members, false, gpart + (long long)grp * G * PS,
+  decode_merge<PART_GLOBAL, S, D, G, WT>(first, members, false, gpart + (long long)grp * G * PS,
                                         out, orow, sinks, sink_mode, h0, wsh, msh, lsh);
   __threadfence();
   __syncthreads();
@@ -502,44 +516,53 @@ DEVI void decode_body(DECODE_PARAMS) {
   __syncthreads();
   if (!*flag) return;
   __threadfence();
-  decode_merge<PART_GLOBAL, S, D, G, W>(gpart, n_groups, true, nullptr, out, orow, sinks,
+  decode_merge<PART_GLOBAL, S, D, G, WT>(gpart, n_groups, true, nullptr, out, orow, sinks,
                                         sink_mode, h0, wsh, msh, lsh);
 }
 
-template <typename S, typename C, int D, int G, int W, int MB>
-__global__ void __launch_bounds__(32 * W, MB) gqa_decode(DECODE_PARAMS) {
+template <typename S, typename C, int D, int G, int W, int HG, int MB>
+__global__ void __launch_bounds__(32 * W * HG, MB) gqa_decode(DECODE_PARAMS) {
   GRID_WAIT();
-  decode_body<S, C, D, G, W, 0>(DECODE_ARGS);
+  decode_body<S, C, D, G, W, HG, 0>(DECODE_ARGS);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // grid (GD_CLUSTER, kvh, B * S) in clusters of the splits of one (row, KV head).
-template <typename S, typename C, int D, int G, int W, int MB>
-__global__ void __cluster_dims__(GD_CLUSTER, 1, 1) __launch_bounds__(32 * W, MB)
+template <typename S, typename C, int D, int G, int W, int HG, int MB>
+__global__ void __cluster_dims__(GD_CLUSTER, 1, 1) __launch_bounds__(32 * W * HG, MB)
     gqa_decode_cluster(DECODE_PARAMS) {
   GRID_WAIT();
-  decode_body<S, C, D, G, W, GD_CLUSTER>(DECODE_ARGS);
+  decode_body<S, C, D, G, W, HG, GD_CLUSTER>(DECODE_ARGS);
 }
 #endif
 """
 )
 
 
-def decode_template_args(s_type: str, c_type: str, head_size: int, group: int) -> str:
+def decode_template_args(s_type: str, c_type: str, head_size: int, group: int, hg: int = 1) -> str:
     """The template arguments of the ``gqa_decode`` instance for the activation and rotary
-    cache storage types, a head size and a group size."""
-    return f"{s_type}, {c_type}, {head_size}, {group}, {DECODE_WARPS}, {DECODE_BLOCKS_PER_SM}"
+    cache storage types, a head size, a group size and its head groups ``hg`` (blocks of
+    more than one group ask for one block per SM: up to 128 registers a thread)."""
+    per_sm = DECODE_BLOCKS_PER_SM if hg == 1 else 1
+    return f"{s_type}, {c_type}, {head_size}, {group}, {DECODE_WARPS}, {hg}, {per_sm}"
 
 
 def decode_shared_bytes(
-    new: int, head_size: int, itemsize: int, group: int, cluster: bool = False
+    new: int,
+    head_size: int,
+    itemsize: int,
+    group: int,
+    cluster: bool = False,
+    hg: int = 1,
 ) -> int:
     """Dynamic shared memory of one block (the kernel's layout): the new rows and the query
-    heads, or the warps' partials over them; then the merge weights and the flag; in a
-    cluster launch, the block's partial after them (16-byte aligned)."""
+    heads (padded to a multiple of the head groups ``hg``), or the warps' partials over them; then
+    the merge weights and the flag; in a cluster launch, the block's partial after them
+    (16-byte aligned)."""
     shape = DecodeShape(head_size, itemsize)
     stage = 2 * new * head_size * itemsize
-    query = group * shape.lanes_per_key * (head_size // shape.lanes_per_key + 4) * 4
+    padded = -(-group // hg) * hg
+    query = padded * shape.lanes_per_key * (head_size // shape.lanes_per_key + 4) * 4
     warps = DECODE_WARPS * group * (head_size + 4) * 4
     size = max(stage + query, warps) + (group * 32 + 2 * group + 1) * 4
     if cluster:
@@ -586,12 +609,13 @@ def decode_attend(
         part, part2 = buf[: rows * splits * floats], buf[rows * splits * floats :]
         counters = zeroed_counters(ctx, rows * (groups_max + 1))
     name = "gqa_decode_cluster" if cluster else "gqa_decode"
-    kernel = function(
-        _SOURCE, f"{name}<{decode_template_args(call.s_type, call.c_type, d, group)}>"
-    )
+    forced = int(ctx.option("attention_decode_head_groups", 0))
+    hg = head_groups(group, splits * rows, sm_count(), forced)
+    args = decode_template_args(call.s_type, call.c_type, d, group, hg)
+    kernel = function(_SOURCE, f"{name}<{args}>")
     kernel(
         (splits, call.kv_heads, call.batch * call.new),
-        (32 * DECODE_WARPS,),
+        (32 * DECODE_WARPS * hg,),
         (
             call.query,
             np.int64(call.q_row),
@@ -627,5 +651,5 @@ def decode_attend(
             np.int32(call.wcache),
             np.int32(groups_max),
         ),
-        shared_mem=decode_shared_bytes(call.new, d, call.dtype.itemsize, group, cluster),
+        shared_mem=decode_shared_bytes(call.new, d, call.dtype.itemsize, group, cluster, hg),
     )

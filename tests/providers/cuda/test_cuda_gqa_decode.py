@@ -319,6 +319,40 @@ def test_the_cluster_launch_gives_the_bits_of_eight_splits(cp, rng, launched, b,
     close(runs["gqa_decode_cluster"][0], _want(inputs, c), dtype, what="output")
 
 
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "splits"])
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
+@pytest.mark.parametrize(
+    "b,s,h,cap", [(1, 1, 14, 1024), (2, 5, 12, 512), (1, 1, 8, 300)], ids=["g7", "g6-verify5", "g4"]
+)
+def test_two_head_groups_give_the_bits_of_one(cp, rng, launched, b, s, h, cap, dtype, cluster):
+    """``attention_decode_head_groups`` 2 (each group's heads shared by two sets of warps
+    walking the same tiles: the default for a launch of fewer blocks than SMs) gives the
+    output and cache bits of 1, on the cluster launch and the split one; groups of 7 (one
+    padding head), 6 and 4 query heads per KV head."""
+    if cluster and not _sm90():
+        pytest.skip("thread-block clusters need sm_90")
+    totals = [int(t) for t in rng.integers(s, cap + 1, b)]
+    totals[0] = cap
+    c = dict(b=b, s=s, h=h, kvh=2, d=64, cap=cap, totals=totals)
+    inputs, attrs = gqa_inputs(rng, c, dtype)
+    on = dict(attention_cluster_max_keys=4096, attention_grouped_cluster=True)
+    options = on if cluster else dict(attention_decode_splits=8)
+    runs = {}
+    for groups in (1, 2):
+        launched.clear()
+        fresh = [x.copy() if x is not None else None for x in inputs[:9]]
+        got, _, _ = _run(
+            cp, _provider(**options, attention_decode_head_groups=groups), c, fresh, attrs
+        )
+        (name,) = [n for n in launched if n.startswith("gqa_decode")]
+        assert name.split(", ")[-2] == str(groups), name  # the kernel's HG
+        runs[groups] = [np.asarray(g) for g in got]
+    bits = np.uint32 if dtype == np.float32 else np.uint16
+    for one, two in zip(runs[1], runs[2], strict=True):
+        np.testing.assert_array_equal(one.view(bits), two.view(bits))
+    close(runs[2][0], _want(inputs, c), dtype, what="output")
+
+
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 @pytest.mark.parametrize("s", [1, 5])
 def test_grouped_decode_one_graph_follows_the_device_length(cp, rng, launched, s, dtype):

@@ -341,11 +341,14 @@ def test_decode_problem():
 
 
 # Instances compiled by nvcc: each storage type, every head size it takes, the largest group
-# (the most registers) and the 0.5B model's group of 7; (storage, rotary cache, D, G).
+# (the most registers) and the 0.5B model's group of 7, in one head group and spread over two
+# (head_groups); (storage, rotary cache, D, G, head groups).
 _INSTANCES = [
-    ("half_t", "half_t", 64, 1), ("half_t", "half_t", 64, 7), ("half_t", "float", 64, 8),
-    ("half_t", "half_t", 128, 8), ("half_t", "half_t", 256, 8), ("bf16_t", "bf16_t", 64, 7),
-    ("bf16_t", "float", 128, 8), ("float", "float", 64, 8), ("float", "float", 128, 8),
+    ("half_t", "half_t", 64, 1, 1), ("half_t", "half_t", 64, 7, 1), ("half_t", "float", 64, 8, 1),
+    ("half_t", "half_t", 128, 8, 1), ("half_t", "half_t", 256, 8, 1),
+    ("bf16_t", "bf16_t", 64, 7, 1), ("bf16_t", "float", 128, 8, 1), ("float", "float", 64, 8, 1),
+    ("float", "float", 128, 8, 1), ("half_t", "half_t", 64, 7, 2), ("half_t", "half_t", 256, 8, 2),
+    ("bf16_t", "float", 128, 6, 2), ("bf16_t", "bf16_t", 64, 8, 2), ("float", "float", 128, 8, 2),
 ]  # fmt: skip
 
 _DECODE_DUMP = r"""
@@ -353,10 +356,10 @@ import json, sys
 from onnx_genrt.providers.cuda.grouped_decode import DecodeShape
 import onnx_genrt.providers.cuda.kernels._gqa_decode as gd
 instances = json.loads(sys.argv[2])
-names = [f"gqa_decode<{gd.decode_template_args(s, c, d, g)}>" for s, c, d, g in instances]
+names = [f"gqa_decode<{gd.decode_template_args(s, c, d, g, hg)}>" for s, c, d, g, hg in instances]
 body = "".join(f"  auto k{i} = &{n}; (void)k{i};\n" for i, n in enumerate(names))
 checks = ""
-for s, _, d, _ in instances:  # the C++ tile layout is the mirror's
+for s, _, d, _, _ in instances:  # the C++ tile layout is the mirror's
     py = DecodeShape(d, 4 if s == "float" else 2)
     for field, value in (("TK", py.tile_keys), ("KL", py.key_loads), ("LK", py.lanes_per_key),
                          ("FS", py.feature_lanes), ("KS", py.value_rows), ("VL", py.value_loads)):
@@ -406,11 +409,26 @@ import json
 from onnx_genrt.providers.cuda.grouped_decode import MAX_GROUP, decode_problem
 from onnx_genrt.providers.cuda.kernels._gqa_decode import decode_shared_bytes
 from onnx_genrt.providers.cuda.kernels.contrib_attention import FUSE_MAX_NEW
-sizes = [decode_shared_bytes(s, d, item, g) for item in (2, 4) for d in (8, 16, 32, 64, 128, 256)
-         for g in range(1, MAX_GROUP + 1) for s in (1, FUSE_MAX_NEW)
+sizes = [decode_shared_bytes(s, d, item, g, c, hg) for item in (2, 4)
+         for d in (8, 16, 32, 64, 128, 256) for g in range(1, MAX_GROUP + 1)
+         for s in (1, FUSE_MAX_NEW) for c in (False, True) for hg in (1, 2)
          if decode_problem(d, item, g) is None]
 print(json.dumps([len(sizes), max(sizes)]))
 """
     )
-    assert most[0] == 2 * (6 + 5) * MAX_GROUP
+    assert most[0] == 2 * (6 + 5) * MAX_GROUP * 2 * 2
     assert most[1] <= 48 << 10
+
+
+def test_head_groups_spread_a_launch_of_few_blocks():
+    """Two warp groups share the heads where the launch has fewer blocks than SMs (the 0.5B
+    shape's one row: 8 splits x 2 KV heads on 132 SMs), one where it fills them (32 rows);
+    forced values stay within the group and SPREAD_GROUPS."""
+    from onnx_genrt.providers.cuda.grouped_decode import SPREAD_GROUPS, head_groups
+
+    assert head_groups(7, 16, 132) == SPREAD_GROUPS == 2
+    assert head_groups(7, 8 * 2 * 32, 132) == 1
+    assert head_groups(1, 16, 132) == 1  # one head: nothing to share
+    assert head_groups(7, 16, 132, forced=1) == 1
+    assert head_groups(7, 512, 132, forced=2) == 2
+    assert head_groups(8, 16, 132, forced=8) == SPREAD_GROUPS
