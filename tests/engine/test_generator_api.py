@@ -363,50 +363,16 @@ def _look_ahead_run(model, prompt, new, look_ahead, eos=(), min_length=0, edits=
         return gen.get_sequence()
 
 
-@pytest.mark.parametrize("prompt", [[5, 17, 99], [1, 2, 3, 4, 1, 2], [300]])
-def test_look_ahead_greedy_equals_plain_greedy(qwen2_dir, prompt):
-    """The next step queued on the device argmax (a GPU's default) changes no token: through
-    eos, eos masked before min_length, max_length, rewind and appended text."""
-    model = Model(qwen2_dir)
-    plain = _look_ahead_run(model, prompt, 24, False)
-    assert _look_ahead_run(model, prompt, 24, True) == plain
-    eos = plain[len(prompt) + 6]
-    first = plain.index(eos, len(prompt))
-    stopped = _look_ahead_run(model, prompt, 24, True, eos=[eos])
-    assert stopped == plain[: first + 1]
-    assert stopped == _look_ahead_run(model, prompt, 24, False, eos=[eos])
-    masked = _look_ahead_run(model, prompt, 24, True, eos=[eos], min_length=first + 3)
-    assert masked == _look_ahead_run(model, prompt, 24, False, eos=[eos], min_length=first + 3)
-    assert len(masked) > len(stopped)
-
-    def rewind(gen):
-        gen.rewind_to(len(gen.tokens) - 3)
-
-    def append(gen):
-        gen.append_tokens([7, 8])
-
-    edits = {4: rewind, 9: append}
-    assert _look_ahead_run(model, prompt, 24, True, edits=dict(edits)) == _look_ahead_run(
-        model, prompt, 24, False, edits=dict(edits)
-    )
-
-
-@pytest.mark.parametrize("top_k", [0, 5])
-def test_look_ahead_device_draws_equal_step_by_step_draws(qwen2_dir, top_k):
-    """Tokens drawn on the device (``device_sampling``) with the next step queued ahead, fed
-    the drawn token on the device and drawing at the next token's offset (a GPU's default),
-    are the tokens drawn step by step: through eos, eos masked before min_length (drawn on
-    the host meanwhile), max_length, rewind and appended text."""
-    model = Model(qwen2_dir)
-    prompt = [5, 17, 99]
-    search = dict(do_sample=True, temperature=1.5, top_k=top_k, seed=7)
+def _check_look_ahead(model, prompt, **search) -> list[int]:
+    """The sequence with the next step queued ahead equals the one stepped one at a time:
+    plainly, through eos, eos masked before min_length, max_length, rewind and appended
+    text. Returns the plain sequence."""
 
     def run(look_ahead, **kw):
         return _look_ahead_run(model, prompt, 24, look_ahead, **kw, **search)
 
     plain = run(False)
     assert run(True) == plain
-    assert len(set(plain[len(prompt) :])) > 5  # it samples
     eos = plain[len(prompt) + 6]
     first = plain.index(eos, len(prompt))
     stopped = run(True, eos=[eos])
@@ -423,3 +389,21 @@ def test_look_ahead_device_draws_equal_step_by_step_draws(qwen2_dir, top_k):
 
     edits = {4: rewind, 9: append}
     assert run(True, edits=dict(edits)) == run(False, edits=dict(edits))
+    return plain
+
+
+@pytest.mark.parametrize("prompt", [[5, 17, 99], [1, 2, 3, 4, 1, 2], [300]])
+def test_look_ahead_greedy_equals_plain_greedy(qwen2_dir, prompt):
+    """The next step queued on the device argmax (a GPU's default) changes no token."""
+    _check_look_ahead(Model(qwen2_dir), prompt)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_look_ahead_device_draws_equal_step_by_step_draws(qwen2_dir, top_k):
+    """Tokens drawn on the device (``device_sampling``) with the next step queued ahead, fed
+    the drawn token on the device and drawing at the next token's offset (a GPU's default),
+    are the tokens drawn step by step (before min_length the host draws)."""
+    prompt = [5, 17, 99]
+    search = dict(do_sample=True, temperature=1.5, top_k=top_k, seed=7)
+    plain = _check_look_ahead(Model(qwen2_dir), prompt, **search)
+    assert len(set(plain[len(prompt) :])) > 5  # it samples

@@ -256,8 +256,11 @@ DEVI unsigned int select_key(float v) {
   return v == 0.f ? 0x80000000u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
 }
 
-// The key of the k-th largest value of row xr (0 < k < cols): a radix select, 8 bits a pass
-// from the top, each pass a histogram in shared memory of the values that share the prefix.
+// The key of the k-th largest value of row xr (0 < k < cols), or a lower key with the same
+// entries at or above it: a radix select, 8 bits a pass from the top, each pass a histogram in
+// shared memory of the values that share the prefix (the lanes of a warp with one bin add
+// once: most logits share their top bits), done once every value of the chosen bin is among
+// the k largest (the prefix then bounds them).
 template <typename S>
 DEVI unsigned int kth_key(const S* xr, long long cols, long long k, unsigned int* hist,
                           unsigned int* pick) {
@@ -266,9 +269,13 @@ DEVI unsigned int kth_key(const S* xr, long long cols, long long k, unsigned int
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0u;
     __syncthreads();
-    for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
-      const unsigned int key = select_key(ld(xr, c));
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+    for (long long c0 = 0; c0 < cols; c0 += blockDim.x) {  // whole warps: match_any
+      const long long c = c0 + threadIdx.x;
+      const unsigned int key = c < cols ? select_key(ld(xr, c)) : 0u;
+      const bool in = c < cols && (key & mask) == prefix;
+      const unsigned int bin = in ? (key >> shift) & 255u : 256u;
+      const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+      if (in && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -277,12 +284,15 @@ DEVI unsigned int kth_key(const S* xr, long long cols, long long k, unsigned int
       for (; b > 0 && above + hist[b] < left; --b) above += hist[b];
       pick[0] = (unsigned int)b;
       pick[1] = (unsigned int)(left - above);
+      pick[2] = hist[b];
     }
     __syncthreads();
     prefix |= pick[0] << shift;
     mask |= 255u << shift;
     left = pick[1];
+    const bool whole = pick[2] == pick[1];  // the bin's every value is kept
     __syncthreads();
+    if (whole) break;
   }
   return prefix;
 }
@@ -298,7 +308,7 @@ __global__ void sample_tokens_rows(const S* __restrict__ x, const float* __restr
                                    long long* __restrict__ tokens, long long cols) {
   __shared__ unsigned long long shk[32];
   __shared__ unsigned int hist[256];
-  __shared__ unsigned int pick[2];
+  __shared__ unsigned int pick[3];
   GRID_WAIT();
   GRID_LAUNCH_DEPENDENTS();
   const long long r = blockIdx.x;
