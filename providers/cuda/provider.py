@@ -25,6 +25,7 @@ from onnx_genrt.core.provider import ExecutionProvider, ProviderOption
 
 from . import driver as cuda_driver
 from .cublas import WORKSPACE_BYTES, CublasHandle
+from .grouped_decode import DECODE_HEAD_GROUPS
 from .host_shadow import HostShadow
 from .kernels import REGISTRY
 from .kernels._common import BF16, bf16_unsupported
@@ -176,10 +177,10 @@ class CUDAProvider(ExecutionProvider):
         ),
         ProviderOption(
             "attention_decode_head_groups",
-            0,
+            DECODE_HEAD_GROUPS,
             "warp groups sharing the query heads of a grouped decode block (1 or 2), the same "
-            "bits either way (0: two where the launch has fewer blocks than SMs, as at one "
-            "row, else one)",
+            "bits either way; 0: two where the launch has fewer blocks than SMs, as at one "
+            "row, else one (not yet the default: untested on a GPU)",
             env="ONNX_GENRT_ATTENTION_DECODE_HEAD_GROUPS",
         ),
         ProviderOption(

@@ -47,6 +47,7 @@ from onnx_genrt.core.kernels import KernelContext
 from ..grouped_decode import (
     CLUSTER_SPLITS,
     DECODE_BLOCKS_PER_SM,
+    DECODE_HEAD_GROUPS,
     DECODE_WARPS,
     MAX_DECODE_SPLITS,
     MERGE_GROUP,
@@ -609,7 +610,7 @@ def decode_attend(
         part, part2 = buf[: rows * splits * floats], buf[rows * splits * floats :]
         counters = zeroed_counters(ctx, rows * (groups_max + 1))
     name = "gqa_decode_cluster" if cluster else "gqa_decode"
-    forced = int(ctx.option("attention_decode_head_groups", 0))
+    forced = int(ctx.option("attention_decode_head_groups", DECODE_HEAD_GROUPS))
     hg = head_groups(group, splits * rows, sm_count(), forced)
     args = decode_template_args(call.s_type, call.c_type, d, group, hg)
     kernel = function(_SOURCE, f"{name}<{args}>")

@@ -424,7 +424,11 @@ def test_head_groups_spread_a_launch_of_few_blocks():
     """Two warp groups share the heads where the launch has fewer blocks than SMs (the 0.5B
     shape's one row: 8 splits x 2 KV heads on 132 SMs), one where it fills them (32 rows);
     forced values stay within the group and SPREAD_GROUPS."""
-    from onnx_genrt.providers.cuda.grouped_decode import SPREAD_GROUPS, head_groups
+    from onnx_genrt.providers.cuda.grouped_decode import (
+        DECODE_HEAD_GROUPS,
+        SPREAD_GROUPS,
+        head_groups,
+    )
 
     assert head_groups(7, 16, 132) == SPREAD_GROUPS == 2
     assert head_groups(7, 8 * 2 * 32, 132) == 1
@@ -432,3 +436,4 @@ def test_head_groups_spread_a_launch_of_few_blocks():
     assert head_groups(7, 16, 132, forced=1) == 1
     assert head_groups(7, 512, 132, forced=2) == 2
     assert head_groups(8, 16, 132, forced=8) == SPREAD_GROUPS
+    assert head_groups(7, 16, 132, forced=DECODE_HEAD_GROUPS) == 1  # the default until timed
