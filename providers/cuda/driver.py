@@ -98,6 +98,14 @@ class Driver:
             ctypes.POINTER(ctypes.c_size_t),
         ]
         self._param_info.restype = ctypes.c_int
+        self._occupancy = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
+        self._occupancy.argtypes = [
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_size_t,
+        ]
+        self._occupancy.restype = ctypes.c_int
         self._error_name = lib.cuGetErrorName
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self._error_name.restype = ctypes.c_int
@@ -112,6 +120,15 @@ class Driver:
         if self._error_name(code, ctypes.byref(name)) != 0 or not name.value:
             return f"CUresult {code}"
         return name.value.decode()
+
+    def blocks_per_sm(self, function: int, threads: int, shared_bytes: int) -> int:
+        """Blocks of ``function`` (a ``CUfunction``) of ``threads`` threads and
+        ``shared_bytes`` of dynamic shared memory that one SM holds at once."""
+        blocks = ctypes.c_int()
+        r = self._occupancy(ctypes.byref(blocks), function, threads, shared_bytes)
+        if r != 0:
+            raise DriverError("cuOccupancyMaxActiveBlocksPerMultiprocessor", r, self.error_name(r))
+        return blocks.value
 
     def param_table(self, function: int) -> tuple[tuple[int, int], ...]:
         """(offset, size) of each parameter of the kernel ``function`` (a ``CUfunction``)."""

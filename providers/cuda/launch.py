@@ -174,6 +174,17 @@ class Kernel:
         self._driver_launch(grid, block, args, shared_mem, stream, cooperative=True)
         _COUNTS.cooperative += 1
 
+    def blocks_per_sm(self, threads: int, shared_mem: int = 0) -> int:
+        """How many blocks of ``threads`` threads and ``shared_mem`` dynamic shared bytes one
+        SM holds at once (the driver's occupancy; for sizing a cooperative grid)."""
+        drv = cuda_driver.load()
+        if isinstance(drv, str):
+            raise KernelError(f"kernel {self.name}: occupancy unavailable: {drv}")
+        try:
+            return drv.blocks_per_sm(int(self.raw.kernel.ptr), int(threads), int(shared_mem))
+        except cuda_driver.DriverError as exc:
+            raise KernelError(f"kernel {self.name}: {exc}") from exc
+
     def _programmatic(
         self, grid: Any, block: Any, args: Sequence[Any], shared_mem: int, stream: int
     ) -> None:

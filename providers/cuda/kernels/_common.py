@@ -213,6 +213,23 @@ __device__ __forceinline__ void pdl_prefetch_bytes(const void*, unsigned int) {}
 #endif
 """
 
+#: Asynchronous copies from global into shared memory (sm_80+), for the sources that stream
+#: tiles or weights through shared memory (``_flash``, ``_gated_mlp``).
+CP_ASYNC = r"""
+DEVI unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+// 16 bytes from global memory into shared memory, asynchronously; zeros when !ok.
+DEVI void cp_async16(void* dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(ok ? 16 : 0)
+               : "memory");
+}
+DEVI void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most one committed group is still in flight.
+DEVI void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+// Waits until every committed group has landed (this thread's copies).
+DEVI void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+"""
+
 #: Device helpers shared by the RawKernel sources: fp16 <-> fp32, block reductions, and
 #: the programmatic-launch macros (GRID_DEPENDENCY).
 DEVICE_COMMON = (

@@ -32,7 +32,7 @@ from onnx_genrt.core.kernels import KernelContext
 
 from ..flash_tiling import BLOCK_K, HEAD_SIZES, WARP_TILES, WARPS, block_rows
 from ..launch import Kernel
-from ._common import BF16, DEVICE_COMMON, F16, function
+from ._common import BF16, CP_ASYNC, DEVICE_COMMON, F16, function
 from ._gqa_device import GQA_DEVICE
 from .matmul import MMA_TILES
 
@@ -47,6 +47,7 @@ _SHARED_DEFAULT = 48 << 10
 
 _SOURCE = (
     DEVICE_COMMON
+    + CP_ASYNC
     + GQA_DEVICE
     + MMA_TILES
     + f"""
@@ -57,16 +58,6 @@ _SOURCE = (
     + r"""
 #define FA_LOG2E 1.4426950408889634f
 
-DEVI unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-// 16 bytes from global memory into shared memory, asynchronously; zeros when !ok.
-DEVI void cp_async16(void* dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(ok ? 16 : 0)
-               : "memory");
-}
-DEVI void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most one committed group is still in flight.
-DEVI void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 // Four 8x8 matrices of 16-bit values from shared memory: lane l gives the address of row
 // l % 8 of matrix l / 8 and gets row l / 4, columns 2 (l % 4) and + 1 of each (trans: row
 // and column swapped, i.e. rows 2 (l % 4) and + 1 of column l / 4).

@@ -150,4 +150,6 @@ def test_builder_model_rows_with_the_fused_mlp_equal_alone(cp, monkeypatch):
         batch.step()
     assert batch.sequence(rows[2]) == alone  # the prompt and its 24 tokens
     stats = batch.graph_stats()["primary"]
-    assert stats["captures"] == 1 and stats["fallbacks"] == 0, stats
+    # one capture per bucket the batch ran (rows join while others still prefill)
+    assert stats["fallbacks"] == 0 and stats["invalidations"] == 0, stats
+    assert 1 <= stats["captures"] <= len(batch.buckets) and stats["replays"] > 20, stats

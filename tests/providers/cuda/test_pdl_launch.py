@@ -208,8 +208,15 @@ class FakeLib:
             name._obj.value = b"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES" if code == 701 else None
             return 0 if code == 701 else 500
 
+        def occupancy(blocks, function, threads, shared):
+            self.occupancy_asked.append((function, threads, shared))
+            blocks._obj.value = 3
+            return 0
+
+        self.occupancy_asked: list[tuple[int, int, int]] = []
         self.cuLaunchKernelEx, self.cuFuncGetParamInfo = launch, param_info
         self.cuGetErrorName = error_name
+        self.cuOccupancyMaxActiveBlocksPerMultiprocessor = occupancy
 
 
 def test_driver_reads_the_table_and_launches_with_the_attribute():
@@ -227,6 +234,22 @@ def test_driver_reads_the_table_and_launches_with_the_attribute():
     assert call["num_attrs"] == 1 and call["attr"][:4] == (6).to_bytes(4, "little")
     assert call["attr"][8:12] == (1).to_bytes(4, "little")
     assert b"".join(call["params"]) == b"".join(want[o : o + s] for o, s in table)
+
+
+def test_driver_launches_cooperatively_and_reads_the_occupancy():
+    table, _ = layout([(np.uint64, 0xABC0)])
+    lib = FakeLib(table)
+    drv = cuda_driver.Driver(lib)
+    params = cuda_driver.ParamBlock([o for o, _ in table], 8)
+    drv.launch(0x1234, (132, 1, 1), (32, 8, 1), 0, 0x5678, params, programmatic=False,
+               cooperative=True)  # fmt: skip
+    drv.launch(0x1234, (1, 1, 1), (32, 1, 1), 0, 0x5678, params, programmatic=False)
+    coop, plain = lib.launches
+    assert coop["num_attrs"] == 1 and coop["attr"][:4] == (2).to_bytes(4, "little")
+    assert coop["attr"][8:12] == (1).to_bytes(4, "little")
+    assert plain["num_attrs"] == 0
+    assert drv.blocks_per_sm(0x1234, 256, 90_000) == 3
+    assert lib.occupancy_asked == [(0x1234, 256, 90_000)]
 
 
 def test_driver_errors_carry_the_error_name():
@@ -523,7 +546,8 @@ from onnx_genrt.providers.cuda.provider import CUDAProvider
 cupy.cuda.Device.return_value.compute_capability = os.environ["CC"]
 from types import SimpleNamespace
 lib = SimpleNamespace(cuLaunchKernelEx=lambda *a: 0, cuFuncGetParamInfo=lambda *a: 1,
-                      cuGetErrorName=lambda *a: 0)
+                      cuGetErrorName=lambda *a: 0,
+                      cuOccupancyMaxActiveBlocksPerMultiprocessor=lambda *a: 0)
 cuda_driver.load = lambda: cuda_driver.Driver(lib)
 streams = iter(range(0x100, 0x200, 0x10))
 cupy.cuda.Stream.side_effect = lambda **kw: type("S", (), {"ptr": next(streams)})()
