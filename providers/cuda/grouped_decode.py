@@ -61,9 +61,10 @@ LANES = 32
 #: row's): ``head_groups``. Two make blocks of 256 threads, which keep the registers of up to
 #: 255 a thread that the largest groups take (four would cap them at 128 and spill).
 SPREAD_GROUPS = 2
-#: Default of the CUDA provider's ``attention_decode_head_groups`` (0: ``head_groups``' rule):
-#: one set of warps until a GPU run has checked that two give the same bits and timed them.
-DECODE_HEAD_GROUPS = 1
+#: Default of the CUDA provider's ``attention_decode_head_groups``: 0, ``head_groups``' rule
+#: (two sets of warps gave the bits of one on the H200, and one row's grouped cluster launch
+#: went from 9-11% slower than the per-head cluster kernel to 1.6% faster: docs/performance.md).
+DECODE_HEAD_GROUPS = 0
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ sync). The attention kernel has one block per (split, query head, batch x query 
   fixed order (deterministic).
 
 Decode / verify on sm_90+ over a cache of at most the provider's ``attention_cluster_max_keys``
-positions runs, with the provider's ``attention_grouped_cluster`` on (off by default until it
-is timed), the grouped decode kernel's cluster launch instead of ``gqa_attn_cluster`` (``_gqa_decode``: one 8-block cluster per KV head and
+positions runs, with the provider's ``attention_grouped_cluster`` on (the default), the
+grouped decode kernel's cluster launch instead of ``gqa_attn_cluster`` (``_gqa_decode``: one 8-block cluster per KV head and
 row, each key read once for the group's query heads; the same arithmetic at any batch size).
 Over a longer cache, or (with that option off) with more query rows (a batch's rows times new
 tokens) than its ``attention_cluster_max_rows``, decode / verify run the grouped decode
@@ -144,10 +144,11 @@ ATTENTION_CLUSTER_MAX_ROWS = 0
 #: Default of the CUDA provider's ``attention_grouped_cluster``: decode / verify on a short
 #: cache (sm_90+) run the grouped decode kernel as one 8-block cluster per (KV head, row)
 #: (``gqa_decode_cluster``: each key read once for the group's query heads, 7x fewer blocks than
-#: ``gqa_attn_cluster`` on the 0.5B shape), the same arithmetic at every batch size. Its GPU
-#: tests pass (H200, session 24); off until ``scripts/gpu_grouped_cluster.sh`` has timed it
-#: against the per-head cluster kernel at 1 and 32 rows.
-ATTENTION_GROUPED_CLUSTER = False
+#: ``gqa_attn_cluster`` on the 0.5B shape), the same arithmetic at every batch size. On the
+#: H200 (0.5B fp16, docs/performance.md, session 26), with two sets of warps sharing a group's
+#: heads at one row (``attention_decode_head_groups``), 1 stream 1221.6 against the per-head
+#: kernel's 1202.3 tok/s and 32 streams 19749.5 against 15085.8, the same tokens.
+ATTENTION_GROUPED_CLUSTER = True
 #: Decode / verify over a cache longer than ``attention_cluster_max_keys``: the grouped decode
 #: kernel (``_gqa_decode``) where it has an instance; False: the many-split ``gqa_attn`` (for
 #: measurement; the provider's ``attention_grouped_decode`` turns it off per provider).

@@ -65,12 +65,17 @@ _PROVIDERS: dict[tuple, object] = {}
 
 
 def _provider(**options):
-    """A CUDA provider with ``options`` (``attention_cluster_max_keys=1`` and
-    ``attention_grouped_decode=True`` unless given), one per option set for the module's
-    eager tests."""
+    """A CUDA provider with ``options`` (``attention_cluster_max_keys=1``,
+    ``attention_grouped_decode=True`` and ``attention_grouped_cluster=False`` unless given),
+    one per option set for the module's eager tests."""
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
-    options = {"attention_cluster_max_keys": 1, "attention_grouped_decode": True, **options}
+    options = {
+        "attention_cluster_max_keys": 1,
+        "attention_grouped_decode": True,
+        "attention_grouped_cluster": False,
+        **options,
+    }
     key = tuple(sorted(options.items()))
     if key not in _PROVIDERS:
         _PROVIDERS[key] = CUDAProvider(**options)

@@ -501,8 +501,8 @@ def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, monkeypatch, s,
 
     Qwen2.5-0.5B heads (14 q, 2 kv, 64 wide) on a 4096-position cache: one split with keys
     for short lengths, then more and more splits, merged through the thread-block cluster
-    (sm_90+: one cluster per query head, the provider's default, or with
-    ``attention_grouped_cluster`` the grouped kernel's cluster launch) or by the last split to
+    (sm_90+: one cluster per query head, or with ``attention_grouped_cluster``, the provider's
+    default, the grouped kernel's cluster launch) or by the last split to
     finish (a counter; the path of older GPUs, and of caches longer than the provider's
     ``attention_cluster_max_keys`` with ``attention_grouped_decode`` off: the grouped kernel
     has its own tests, test_cuda_gqa_decode.py)."""
@@ -514,6 +514,8 @@ def test_gqa_one_graph_follows_the_device_length(cp, fresh, rng, monkeypatch, s,
         prov = CUDAProvider(attention_cluster_max_keys=4095, attention_grouped_decode=False)
     elif cluster == "grouped":
         prov = CUDAProvider(attention_grouped_cluster=True)
+    elif cluster is True:  # the per-head cluster kernel
+        prov = CUDAProvider(attention_grouped_cluster=False)
     elif cluster is False:
         monkeypatch.setattr(contrib_attention, "CLUSTER", False)
     launched: list[str] = []

@@ -436,4 +436,4 @@ def test_head_groups_spread_a_launch_of_few_blocks():
     assert head_groups(7, 16, 132, forced=1) == 1
     assert head_groups(7, 512, 132, forced=2) == 2
     assert head_groups(8, 16, 132, forced=8) == SPREAD_GROUPS
-    assert head_groups(7, 16, 132, forced=DECODE_HEAD_GROUPS) == 1  # the default until timed
+    assert head_groups(7, 16, 132, forced=DECODE_HEAD_GROUPS) == 2  # the default: the rule
