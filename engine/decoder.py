@@ -234,6 +234,14 @@ class PendingStep:
         self.drawn: Any = None
         self._out: StepOutput | None = None
 
+    @property
+    def chosen(self) -> Any:
+        """The device buffer of the token this step chose on the device: its drawn token,
+        else its last argmax (None without either)."""
+        if self.drawn is not None or self.bufs.argmax is None:
+            return self.drawn
+        return self.bufs.argmax[:, self.n - 1 : self.n]
+
     def wait(self) -> StepOutput:
         if self._out is None:
             self._out = self.runner._finish(self)
@@ -286,6 +294,12 @@ class PendingRows:
     #: The device buffer of those drawn tokens (``[rows, 1]``), which a step queued after
     #: this one can be fed (``feed_token_of``).
     drawn: Any = None
+
+    @property
+    def chosen(self) -> Any:
+        """The device buffer of the tokens the rows chose on the device: the drawn ones,
+        else the argmax (None without either)."""
+        return self.drawn if self.drawn is not None else self.bufs.argmax
 
 
 class DecoderRunner:
@@ -504,11 +518,7 @@ class DecoderRunner:
             )
         last_row = slot is None and self.prefill_last_row and n == width and n > 1
         binding, bufs = self._binding(width, keep=slot is not None, last_row=last_row)
-        if feed_token_of is not None and (
-            n != 1
-            or width != 1
-            or (feed_token_of.bufs.argmax is None and feed_token_of.drawn is None)
-        ):
+        if feed_token_of is not None and (n != 1 or width != 1 or feed_token_of.chosen is None):
             raise InvalidInputError(
                 "a device-fed step takes one token from a device argmax or drawn token"
             )
@@ -521,11 +531,7 @@ class DecoderRunner:
             host[host.size - self.max_length :][: start + width] = 1
         self.io.write(bufs.inputs, host)
         if feed_token_of is not None:  # after the upload, on the same stream
-            last = feed_token_of.n - 1
-            chosen = feed_token_of.drawn
-            if chosen is None:
-                chosen = feed_token_of.bufs.argmax[:, last : last + 1]
-            self.io.copy(chosen.reshape(bufs.ids.shape), bufs.ids)
+            self.io.copy(feed_token_of.chosen.reshape(bufs.ids.shape), bufs.ids)
         if slot is None:
             self.session.run_eager_with_iobinding(
                 binding, last_row_of=self.names.logits if last_row else None
@@ -662,9 +668,7 @@ class DecoderRunner:
                 f"{self.max_length}"
             )
         binding, bufs = self._binding(width, rows=rows)
-        fed_by = None if feed_token_of is None else feed_token_of.drawn
-        if feed_token_of is not None and fed_by is None:
-            fed_by = feed_token_of.bufs.argmax
+        fed_by = None if feed_token_of is None else feed_token_of.chosen
         if feed_token_of is not None and (
             feed_token_of.rows != rows or fed_by is None or width != 1
         ):
