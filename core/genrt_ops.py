@@ -13,6 +13,8 @@ SiluMul                ``g * sigmoid(g) * u`` (``split=1``: g, u = halves of inp
 ArgMaxProb             ArgMax of the last axis and the max of its Softmax           fusion
 NormMatMul             ``MatMul(rms_norm(x [+ skip]) * gamma, W)``                   fusion
 NormMatMulNBits        the same with ``com.microsoft::MatMulNBits``                  fusion
+NormMatMulSiluMul      ``SiluMul(NormMatMul(x, skip, gamma, W); split=1)``           fusion
+NormMatMulNBitsSiluMul the same with ``com.microsoft::MatMulNBits``                  fusion
 SiluMulMatMul          ``MatMul(SiluMul(g, u), W)``                                  fusion
 SiluMulMatMulNBits     the same with ``com.microsoft::MatMulNBits``                  fusion
 MatMulAdd              ``MatMul(A, W) + bias`` (bias a row of N)                     fusion
@@ -392,6 +394,17 @@ def _norm_matmul_body(b: BodyBuilder, types) -> None:
     _projection(b, _norm(b, b.output(2, "normed")))
 
 
+def _norm_matmul_silu_mul_body(b: BodyBuilder, types) -> None:
+    """norm -> the projection into output 3 (gate and up side by side) -> SiluMul(split=1)
+    into output 0."""
+    proj = projection_node(b.node, _norm(b, b.output(2, "normed")))
+    gate_up = b.add(
+        proj.op_type, proj.input_names, [b.output(3, "gate_up")], proj.domain, **proj.attrs
+    )
+    b.body.node_opsets[b.body.nodes[-1].name] = proj.opset
+    _silu_mul(b, types, gate_up, "", b.output(0, "y"), split=1)
+
+
 def _silu_mul_matmul_body(b: BodyBuilder, types) -> None:
     node = b.node
     act = _silu_mul(b, types, node.input_names[0], _input(node, 1), b.output(1, "act"))
@@ -521,6 +534,17 @@ _NORM_OUTPUTS = (
         optional=True,
     ),
 )
+_GATED_OUTPUTS = (
+    Formal("y", "T", "SiluMul of the gate and up halves of the projection [..., F]"),
+    *_NORM_OUTPUTS[1:],
+    Formal(
+        "gate_up",
+        "T",
+        "the projection [..., 2F] where an implementation makes it (the body does); a fused "
+        "kernel may use it as scratch only, so nothing may read it",
+        optional=True,
+    ),
+)
 _SILU_INPUTS = (
     Formal("g", "T", "gate [..., K] (split=1: gate and up side by side, [..., 2K])"),
     Formal("u", "T", "up [..., K]; absent with split=1", optional=True),
@@ -642,6 +666,35 @@ def _fused_ops() -> list[GenrtOp]:
             _NBITS_TYPES,
             _silu_mul_matmul_body,
             projection=(MS_DOMAIN, "MatMulNBits", 2),
+        ),
+    ]
+
+
+def _gated_ops() -> list[GenrtOp]:
+    """A gated MLP's gate/up projection with the SiluMul of its halves."""
+    return [
+        GenrtOp(
+            "NormMatMulSiluMul",
+            "``y = SiluMul(MatMul(normed, W); split=1)`` with ``normed`` as in NormMatMul: a "
+            "gated MLP's gate/up projection (gate and up side by side in W [K, 2F]) and its "
+            "activation, y [..., F]; the projection is ai.onnx MatMul at ``projection_opset``.",
+            (*_NORM_INPUTS, Formal("W", "T", "gate and up weights side by side [K, 2F]")),
+            _GATED_OUTPUTS,
+            (_EPS, _PROJ_OPSET),
+            _T,
+            _norm_matmul_silu_mul_body,
+            projection=("", "MatMul", 3),
+        ),
+        GenrtOp(
+            "NormMatMulNBitsSiluMul",
+            "NormMatMulSiluMul with the projection a com.microsoft MatMulNBits of N = 2F "
+            "(its attributes K, N, bits, block_size, accuracy_level carried by this node).",
+            (*_NORM_INPUTS, *_NBITS_WEIGHTS),
+            _GATED_OUTPUTS,
+            (_EPS, _PROJ_OPSET),
+            _NBITS_TYPES,
+            _norm_matmul_silu_mul_body,
+            projection=(MS_DOMAIN, "MatMulNBits", 3),
         ),
     ]
 
@@ -856,7 +909,7 @@ def _sampling_ops() -> list[GenrtOp]:
 
 
 def _ops() -> dict[str, GenrtOp]:
-    ops = [*_fused_ops(), *_layer_ops(), *_mtp_ops(), *_sampling_ops()]
+    ops = [*_fused_ops(), *_gated_ops(), *_layer_ops(), *_mtp_ops(), *_sampling_ops()]
     return {op.name: op for op in ops}
 
 
@@ -864,18 +917,17 @@ def _ops() -> dict[str, GenrtOp]:
 GENRT_OPS: Mapping[str, GenrtOp] = _ops()
 
 
+def _by_projection(*names: str) -> Mapping[tuple[str, str], str]:
+    return {GENRT_OPS[name].projection[:2]: name for name in names}  # type: ignore[index]
+
+
 #: Projection (domain, op) -> the op that normalizes its activations first (NormMatMul...).
-NORM_PROJECTIONS: Mapping[tuple[str, str], str] = {
-    op.projection[:2]: name
-    for name, op in GENRT_OPS.items()
-    if op.projection and name.startswith("Norm")
-}
+NORM_PROJECTIONS = _by_projection("NormMatMul", "NormMatMulNBits")
 #: Projection (domain, op) -> the op that makes its SiluMul activations first.
-SILU_PROJECTIONS: Mapping[tuple[str, str], str] = {
-    op.projection[:2]: name
-    for name, op in GENRT_OPS.items()
-    if op.projection and name.startswith("SiluMul")
-}
+SILU_PROJECTIONS = _by_projection("SiluMulMatMul", "SiluMulMatMulNBits")
+#: Projection (domain, op) -> the op that normalizes its activations and applies SiluMul to
+#: its gate and up halves (NormMatMulSiluMul...).
+GATED_PROJECTIONS = _by_projection("NormMatMulSiluMul", "NormMatMulNBitsSiluMul")
 
 
 def check_node(node: NodeInfo, input_types: Sequence[TensorType | None] = ()) -> None:

@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnx_genrt.core.dtypes import is_float_dtype
-from onnx_genrt.core.genrt_ops import NORM_PROJECTIONS, SILU_PROJECTIONS
+from onnx_genrt.core.genrt_ops import (
+    GATED_PROJECTIONS,
+    NORM_PROJECTIONS,
+    SILU_PROJECTIONS,
+    projection_node,
+)
 from onnx_genrt.core.kernels import GENRT_DOMAIN, NodeInfo, TensorType
 
 if TYPE_CHECKING:  # plan.py imports this module
@@ -766,6 +771,58 @@ def fuse_gated_mlp(
         replace[i] = step
         drop.add(j)
     return _rewrite(steps, replace, drop), len(replace)
+
+
+#: A norm-fused projection (NormMatMul...) -> the same with SiluMul of its halves after it.
+_GATED = {NORM_PROJECTIONS[proj]: gated for proj, gated in GATED_PROJECTIONS.items()}
+
+
+def fuse_gated_projection(
+    steps: list[Step], keep: Iterable[str], type_of: TypeOf = no_types
+) -> tuple[list[Step], int]:
+    """A ``NormMatMul`` (or NBits) whose one reader is a ``SiluMulMatMul`` (or NBits) with
+    split=1 (a gated MLP's gate/up projection, then its activation and down projection): the
+    SiluMul moves out of the down projection's prologue into the gate/up projection, which
+    becomes ``NormMatMulSiluMul`` (or NBits; its GEMV writes the activations, each made once,
+    where the down GEMV's every block made all of them), and the down projection its plain
+    op reading the activations. Both steps on one provider, which has the gated op and the
+    plain projection."""
+    keep = set(keep)
+    readers, producer = _index(steps)
+    replace: dict[int, object] = {}
+    for j, down in enumerate(steps):
+        if down.node.domain != GENRT_DOMAIN or (
+            down.node.op_type not in ("SiluMulMatMul", "SiluMulMatMulNBits")
+        ):
+            continue
+        if int(down.node.attrs.get("split", 0)) != 1 or any(down.inputs[1:2]):
+            continue
+        gate_up = down.inputs[0]
+        i = producer.get(gate_up)
+        if i is None or readers[gate_up] != 1 or gate_up in keep or i in replace:
+            continue
+        norm = steps[i]
+        op = _GATED.get(norm.node.op_type) if norm.node.domain == GENRT_DOMAIN else None
+        if op is None or norm.provider is not down.provider or norm.outputs[0] != gate_up:
+            continue
+        outs = (*norm.outputs, "", "")
+        act = down.outputs[1] if len(down.outputs) > 1 and down.outputs[1] else f"{gate_up}/act"
+        normed = outs[2] or f"{gate_up}/normed"
+        node = NodeInfo(
+            op,
+            f"{norm.node.name}/{op}",
+            GENRT_DOMAIN,
+            1,
+            dict(norm.node.attrs),
+            tuple(norm.inputs),
+            (act, outs[1], normed, gate_up),
+        )
+        gated = step_for(norm, node, type_of)
+        plain = step_for(down, projection_node(down.node, act), type_of)
+        if gated is None or plain is None:
+            continue
+        replace[i], replace[j] = gated, plain
+    return _rewrite(steps, replace, set()), len(replace) // 2
 
 
 def fuse_matmul_add(

@@ -27,6 +27,7 @@ from .fusion import (
     fuse_argmax_prob,
     fuse_gate_up,
     fuse_gated_mlp,
+    fuse_gated_projection,
     fuse_matmul_add,
     fuse_nonfinite,
     fuse_norm_matmul,
@@ -330,6 +331,8 @@ def build_plan(
     fused += activated
     steps, mlps = fuse_gated_mlp(steps, constants, keep, type_of)
     fused += mlps
+    steps, gated = fuse_gated_projection(steps, keep, type_of)
+    fused += gated
     steps, biased = fuse_matmul_add(steps, constants, keep, type_of)
     fused += biased
     plan = GraphPlan(steps, constants, inputs, outputs, folded, fused=fused)

@@ -214,12 +214,15 @@ def silu_projection(
     down: str = "nbits",
     norm: bool = False,
     dtype=np.float32,
+    gate_up: str = "matmul",
 ):
     """A gated MLP as exporters write it: gate and up MatMuls, ``gate * Sigmoid(gate) * up``,
     then a 4-bit ``MatMulNBits`` down projection (block 32, no zero points), or a float
     ``MatMul`` with ``down="matmul"``. Output ``y``. With ``norm``, the MLP reads
     ``SkipSimplifiedLayerNormalization(x, r, gamma)`` and its residual sum is output ``h``.
-    ``dtype``: of the activations and float weights."""
+    ``dtype``: of the activations and float weights. ``gate_up="nbits"``: the gate and up
+    projections are 4-bit ``MatMulNBits`` too (weights ``Bg``/``sg`` and ``Bu``/``su``, the
+    zero point 8; see :func:`nbits_weight`)."""
     rng = np.random.default_rng(seed)
     wg = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(dtype)
     wu = (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(dtype)
@@ -265,6 +268,26 @@ def silu_projection(
         outputs.append(helper.make_tensor_value_info("h", f, [1, rows, hidden]))
         gamma = (1 + 0.1 * rng.standard_normal(hidden)).astype(dtype)
         extra.append(numpy_helper.from_array(gamma, "gamma"))
+    if gate_up == "nbits":
+        for i, name in enumerate("gu"):
+            q = rng.integers(0, 16, (inter, hidden // 32, 32))
+            w_scales = rng.uniform(0.01, 0.05, (inter, hidden // 32)).astype(dtype)
+            packed_w = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+            extra += [
+                numpy_helper.from_array(packed_w, f"B{name}"),
+                numpy_helper.from_array(w_scales, f"s{name}"),
+            ]
+            src = nodes[i + int(norm)].input[0]
+            nodes[i + int(norm)] = helper.make_node(
+                "MatMulNBits",
+                [src, f"B{name}", f"s{name}"],
+                [name],
+                domain="com.microsoft",
+                K=hidden,
+                N=inter,
+                bits=4,
+                block_size=32,
+            )
     graph = helper.make_graph(
         nodes,
         "silu_projection",
@@ -283,6 +306,15 @@ def silu_projection(
         graph,
         opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
     )
+
+
+def nbits_weight(model: onnx.ModelProto, packed: str, scales: str) -> np.ndarray:
+    """The [K, N] float64 weight of a 4-bit MatMulNBits initializer pair (block 32, zero
+    point 8) as :func:`silu_projection` writes them."""
+    init = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    b, s = init[packed], init[scales].astype(np.float64)
+    q = np.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], b.shape[1], 32)
+    return ((q - 8.0) * s[..., None]).reshape(b.shape[0], -1).T
 
 
 def mtp_chain_case(seed: int, k: int = 4):

@@ -88,7 +88,7 @@ def kernels(source: str) -> dict[str, KernelText]:
 
 
 def base_name(name: str) -> str:
-    """``gemv_nk`` of ``gemv_nk<half_t, 1, 1, 0>``."""
+    """``gemv_nk`` of ``gemv_nk<half_t, 1, 1, 0, 0>``."""
     return name.split("<", 1)[0].strip()
 
 

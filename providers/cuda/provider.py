@@ -51,6 +51,11 @@ from .staging import MEMCPY_DEVICE_TO_DEVICE, StagingRing
 #: The MLP half of a decoder layer as one cooperative grid (``kernels/_gated_mlp.py``):
 #: ``fused_mlp`` (off until timed against the three kernels it replaces).
 FUSED_MLP_OP = (GENRT_DOMAIN, "NormGatedMLP")
+#: A gated MLP's SiluMul in its gate/up GEMV's store (each activation made once) instead of
+#: the down projection's: ``gated_gemv`` (off until a GPU run checks its bits and times it).
+GATED_GEMV_OPS = frozenset(
+    (GENRT_DOMAIN, op) for op in ("NormMatMulSiluMul", "NormMatMulNBitsSiluMul")
+)
 GEMV_PROLOGUE_OPS = frozenset(
     (GENRT_DOMAIN, op)
     for op in ("NormMatMul", "NormMatMulNBits", "SiluMulMatMul", "SiluMulMatMulNBits")
@@ -93,6 +98,14 @@ class CUDAProvider(ExecutionProvider):
             "projection into one cooperative grid (NormGatedMLP; fp16 / bf16, up to 8 rows; "
             "needs gemv_prologues)",
             env="ONNX_GENRT_FUSED_MLP",
+        ),
+        ProviderOption(
+            "gated_gemv",
+            False,
+            "let the plan move a gated MLP's SiluMul from its down projection into its gate/up "
+            "projection (NormMatMulSiluMul, NormMatMulNBitsSiluMul: the gate/up GEMV writes the activations, each "
+            "made once; needs gemv_prologues)",
+            env="ONNX_GENRT_GATED_GEMV",
         ),
         ProviderOption(
             "prologue_max_rows",
@@ -321,6 +334,8 @@ class CUDAProvider(ExecutionProvider):
         if not self.gemv_prologues and (domain, op_type) in GEMV_PROLOGUE_OPS:
             return None
         if (domain, op_type) == FUSED_MLP_OP and not (self.gemv_prologues and self.fused_mlp):
+            return None
+        if (domain, op_type) in GATED_GEMV_OPS and not self.option("gated_gemv"):
             return None
         return super().get_kernel(domain, op_type, opset)
 

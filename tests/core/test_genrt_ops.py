@@ -288,6 +288,51 @@ def test_silu_mul_matmul_bodies_equal_float64(proj, split, act):
         np.testing.assert_allclose(ort_out[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+GATED_OUTPUTS = {
+    "y": ["y"],
+    "y-sum": ["y", "sum"],
+    "all": ["y", "sum", "normed", "gate_up"],
+    "y-gate_up": ["y", "", "", "gate_up"],
+}
+
+
+@pytest.mark.parametrize("outputs", list(GATED_OUTPUTS))
+@pytest.mark.parametrize("proj", ["MatMul", "NBits", "NBits-zp"])
+def test_norm_matmul_silu_mul_bodies_equal_float64(proj, outputs):
+    """NormMatMulSiluMul(NBits): the norm, the gate/up projection, SiluMul of its halves."""
+    outputs = GATED_OUTPUTS[outputs]
+    rng = np.random.default_rng(len(outputs) + 7 * len(proj))
+    F = 20
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    r = rng.standard_normal((1, 3, K)).astype(np.float32)
+    gamma = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    feeds = {"x": x, "skip": r}
+    if proj == "MatMul":
+        w = rng.standard_normal((K, 2 * F)).astype(np.float32) / 8
+        weights, w64, op = {"W": w}, w.astype(np.float64), "NormMatMulSiluMul"
+        attrs = {"projection_opset": 21}
+    else:
+        weights, w64 = _nbits_weight(rng, 2 * F, K, proj == "NBits-zp")
+        op, attrs = "NormMatMulNBitsSiluMul", _nbits_attrs(2 * F, K)
+    weights = {"gamma": gamma, **weights}
+    eps = 1e-6
+    model = _model(
+        op, feeds, weights, outputs, inputs=["x", "skip", *weights], epsilon=eps, **attrs
+    )
+    total = x.astype(np.float64) + r
+    normed = _rms64(total, gamma, eps)
+    gate_up = normed @ w64
+    act = _silu64(gate_up[..., :F], gate_up[..., F:])
+    want = {"y": act, "sum": total, "normed": normed, "gate_up": gate_up}
+    body = _run_body(model, feeds)
+    assert set(body) == {o for o in outputs if o}
+    for name, value in body.items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-4, atol=1e-4, err_msg=name)
+    ort_out = _run_ort_body(model, feeds)
+    for name, value in body.items():
+        np.testing.assert_allclose(ort_out[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 MLP_OUTPUTS = {
     "y": ["y"],
     "y-sum": ["y", "sum"],

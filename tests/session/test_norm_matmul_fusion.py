@@ -73,6 +73,14 @@ def _norm_gated_mlp(ctx, x, skip, gamma, w_gate_up, w_down):
     return (y, total, gate_up, act, normed)[: len(ctx.node.output_names)]
 
 
+def _norm_matmul_silu_mul(ctx, x, skip, gamma, *weights):
+    """NormMatMulSiluMul(NBits): the NormMatMul(NBits) kernel above, then SiluMul."""
+    node = ctx.node
+    project = _norm_matmul if node.op_type == "NormMatMulSiluMul" else _norm_matmul_nbits
+    gate_up, total, normed = project(ctx, x, skip, gamma, *weights)
+    return (_silu(ctx, gate_up, None), total, normed, gate_up)[: len(node.output_names)]
+
+
 class FusingCPU(CPUProvider):
     """The CPU provider plus the fused projection kernels (numpy)."""
 
@@ -98,6 +106,27 @@ class FusingCPU(CPUProvider):
                 "NormMatMulNBits",
                 1,
                 _norm_matmul_nbits,
+                check=fused_matmul_nbits_unsupported,
+            )
+        )
+        return reg
+
+
+class GatedFusingCPU(FusingCPU):
+    """FusingCPU plus SiluMul in the gate/up projection (``NormMatMulSiluMul``, numpy)."""
+
+    name = "gated-fusing-cpu"
+
+    @functools.cached_property
+    def kernels(self) -> KernelRegistry:
+        reg = super().kernels
+        reg.add(KernelDef(GENRT_DOMAIN, "NormMatMulSiluMul", 1, _norm_matmul_silu_mul))
+        reg.add(
+            KernelDef(
+                GENRT_DOMAIN,
+                "NormMatMulNBitsSiluMul",
+                1,
+                _norm_matmul_silu_mul,
                 check=fused_matmul_nbits_unsupported,
             )
         )
@@ -202,12 +231,18 @@ def test_embedded_model_with_fused_mlps_decodes_the_same_tokens():
         (MLPFusingCPU, "matmul", ["NormGatedMLP"]),
         (MLPFusingCPU, "nbits", ["NormMatMul", "SiluMulMatMulNBits"]),  # 4-bit down: not yet
         (FusingCPU, "matmul", ["NormMatMul", "SiluMulMatMul"]),  # no NormGatedMLP kernel
+        (GatedFusingCPU, "matmul", ["NormMatMulSiluMul", "MatMul"]),
+        (GatedFusingCPU, "nbits", ["NormMatMulSiluMul", "MatMulNBits"]),
+        (GatedFusingCPU, "nbits-gate-up", ["NormMatMulNBitsSiluMul", "MatMul"]),
     ],
 )
 def test_a_normed_gated_mlp_fuses_into_one_step_and_matches_onnxruntime(provider, down, want_ops):
     from tests.models import silu_projection
 
-    model = silu_projection(down=down, norm=True)
+    if down == "nbits-gate-up":
+        model = silu_projection(down="matmul", norm=True, gate_up="nbits")
+    else:
+        model = silu_projection(down=down, norm=True)
     sess = InferenceSession(model, providers=[provider()])
     assert [s.node.op_type for s in sess.plan.steps] == want_ops
     rng = np.random.default_rng(3)
@@ -216,6 +251,27 @@ def test_a_normed_gated_mlp_fuses_into_one_step_and_matches_onnxruntime(provider
     want = ort.InferenceSession(model.SerializeToString()).run(["y", "h"], {"x": x, "r": r})
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_embedded_model_with_gated_projections_decodes_the_same_tokens():
+    """With NormMatMulSiluMul on the provider every layer's gate/up projection applies the
+    SiluMul and the down projection is a plain MatMul; greedy decoding (graphed) gives the
+    CPU provider's tokens."""
+    from onnx_genrt.engine import Model
+    from onnx_genrt.generate_cli import default_model_dir
+
+    fused = Model(default_model_dir(), [GatedFusingCPU()])
+    steps = fused.session.plan.steps
+    ops = [s.node.op_type for s in steps]
+    layers = fused.config.num_layers
+    assert ops.count("NormMatMulSiluMul") == layers, ops
+    assert ops.count("NormMatMul") == layers and "SiluMulMatMul" not in ops, ops
+    for i, step in enumerate(steps):
+        if step.node.op_type == "NormMatMulSiluMul":
+            down = steps[i + 1]
+            assert (down.node.op_type, down.inputs[0]) == ("MatMul", step.outputs[0])
+            assert step.outputs[1], "the norm still writes the residual sum"
+    _decodes_the_cpu_tokens(fused)
 
 
 def test_silu_mul_fuses_into_the_down_projection_and_matches_onnxruntime():

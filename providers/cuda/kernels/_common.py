@@ -287,12 +287,12 @@ DEVI float warp_max(float v) {
   return v;
 }
 
-// Finishes a warp-per-column GEMV (block (32, 8)): sums each lane's acc[r][m] over the warp,
-// then over the wpc warps sharing the columns (red: the block's [8][NR][MT] shared floats);
-// lane 0 of share 0 writes C[m, n0 + r] (+ bias). Every thread of the block must call it.
-template <typename S, int NR, int MT>
-DEVI void gemv_store(float (&acc)[NR][MT], float (*red)[NR][MT], int wy, int wpc, int lane,
-                     long long n0, int N, int M, S* C, const S* bias, int has_bias) {
+// Sums each lane's acc[r][m] of a warp-per-column GEMV (block (32, 8)) over the warp, then
+// over the wpc warps sharing the columns (red: the block's [8][NR][MT] shared floats); true in
+// the thread that then holds the columns' sums (lane 0 of share 0). Every thread of the block
+// must call it.
+template <int NR, int MT>
+DEVI bool gemv_reduce(float (&acc)[NR][MT], float (*red)[NR][MT], int wy, int wpc, int lane) {
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -313,16 +313,43 @@ DEVI void gemv_store(float (&acc)[NR][MT], float (*red)[NR][MT], int wy, int wpc
           for (int m = 0; m < MT; ++m) acc[r][m] += red[wy + p][r][m];
     }
   }
-  if (wy % wpc == 0 && lane == 0) {
+  return wy % wpc == 0 && lane == 0;
+}
+
+// Finishes a warp-per-column GEMV (gemv_reduce): C[m, n0 + r] (+ bias).
+template <typename S, int NR, int MT>
+DEVI void gemv_store(float (&acc)[NR][MT], float (*red)[NR][MT], int wy, int wpc, int lane,
+                     long long n0, int N, int M, S* C, const S* bias, int has_bias) {
+  if (!gemv_reduce<NR, MT>(acc, red, wy, wpc, lane)) return;
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const long long n = n0 + r;
-      if (n < N) {
-        const float bv = has_bias ? ld(bias, n) : 0.f;
+  for (int r = 0; r < NR; ++r) {
+    const long long n = n0 + r;
+    if (n < N) {
+      const float bv = has_bias ? ld(bias, n) : 0.f;
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
-          if (m < M) st(C, (long long)m * N + n, acc[r][m] + bv);
-      }
+      for (int m = 0; m < MT; ++m)
+        if (m < M) st(C, (long long)m * N + n, acc[r][m] + bv);
+    }
+  }
+}
+
+// SiLU gating of a gate value g and an up value u, in float: g * sigmoid(g) * u.
+DEVI float silu_times(float g, float u) { return (g * (1.f / (1.f + expf(-g)))) * u; }
+
+// Finishes a gated warp-per-column GEMV (gemv_reduce) whose warp holds a gate column (r = 0)
+// and its up column (r = 1): C[m, j] = silu_times(gate, up) of [M, F] C, the two sums first
+// rounded to S as a gate/up GEMV stores them for a SiluMul kernel to read.
+template <typename S, int MT>
+DEVI void gemv_store_gated(float (&acc)[2][MT], float (*red)[2][MT], int wy, int wpc, int lane,
+                           long long j, int F, int M, S* C) {
+  if (!gemv_reduce<2, MT>(acc, red, wy, wpc, lane) || j >= F) return;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    if (m < M) {
+      S gs, us;
+      st(&gs, 0, acc[0][m]);
+      st(&us, 0, acc[1][m]);
+      st(C, (long long)m * F + j, silu_times(ld(&gs, 0), ld(&us, 0)));
     }
   }
 }
@@ -423,7 +450,7 @@ DEVI void stage_act(const S* __restrict__ A_in, const S* __restrict__ skip,
       ld16(A_in + m * pitch + i * V, g);
       ld16(split ? A_in + m * pitch + K + i * V : skip + (long long)m * K + i * V, u);
 #pragma unroll
-      for (int v = 0; v < V; ++v) g[v] = (g[v] * (1.f / (1.f + expf(-g[v])))) * u[v];
+      for (int v = 0; v < V; ++v) g[v] = silu_times(g[v], u[v]);
       st16(act + (long long)m * K + i * V, g);
     }
   }

@@ -201,8 +201,7 @@ __global__ void __launch_bounds__(256, MT <= 2 ? 2 : 1) norm_gated_mlp(
           S gs, us;  // g and u rounded as the gate/up GEMV stores them (in registers)
           st(&gs, 0, acc[0][m]);
           st(&us, 0, acc[1][m]);
-          const float g = ld(&gs, 0), u = ld(&us, 0);
-          st(act, (long long)m * F + j, (g * (1.f / (1.f + expf(-g)))) * u);
+          st(act, (long long)m * F + j, silu_times(ld(&gs, 0), ld(&us, 0)));
         }
       }
     }

@@ -477,29 +477,35 @@ DEVI void nbits4_chunk_any(const uint4* q, const float* s, const float* z, int z
 // scale each); a lane loads U chunks of each column, with scales and zeros, before any math.
 // NORM != 0 (both chunk16 kernels): the activations of a fused op, made by the block in
 // shared memory after its first weight loads are issued (stage_act; NORM = 1: an RMS norm,
-// 2: SiLU gating), as in matmul.gemv_nk.
+// 2: SiLU gating), as in matmul.gemv_nk. GATED = 1 (NR = 2, no bias): columns j and j + F of
+// the N = 2F are a gate and its up column, and C [M, F] gets silu_times(gate, up), as in
+// matmul.gemv_nk.
 #define NORM_PARAMS                                                                           \
   const S *__restrict__ skip, const S *__restrict__ gamma, S *__restrict__ sum_out, float eps, \
       int norm_flags
 
-template <typename S, typename W, int MT, int NR, int NORM>
+template <typename S, typename W, int MT, int NR, int NORM, int GATED>
 __global__ void __launch_bounds__(256) nbits4_gemv16(
     const S* __restrict__ A_in, const uint4* __restrict__ B, const W* __restrict__ scales,
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
     const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
     int row_chunks, int zrow, int zp_mode, int has_bias, int wpc, NORM_PARAMS) {
+  static_assert(!GATED || NR == 2, "a gated GEMV's warp holds one gate and one up column");
   constexpr int U = 2;
   __shared__ float red[8][NR][MT];
   const int lane = threadIdx.x, wy = threadIdx.y;
-  const long long n0 = ((long long)blockIdx.x * (8 / wpc) + wy / wpc) * NR;
+  const long long group = (long long)blockIdx.x * (8 / wpc) + wy / wpc;
+  // column r of the warp's group: n0 + r * cs (GATED: the gate column and its up column)
+  const long long n0 = GATED ? group : group * NR, cs = GATED ? N / 2 : 1;
+  const long long n_end = GATED ? N / 2 : N;  // n0 + r * cs < N exactly where n0 < n_end
   const int share = wy % wpc;
   const int chunks = K / 32, step = 32 * wpc;
   const int zint = zp_mode != 2;
   // The first round of the block's loads (each column's first U * step chunks, and the line
   // of its first scales) into L2 while the previous kernel finishes.
-  if (share == 0 && lane < NR && n0 + lane < N) {
-    pdl_prefetch_bytes(B + (n0 + lane) * row_chunks, min(chunks, U * step) * 16u);
-    pdl_prefetch(scales + (n0 + lane) * nb);
+  if (share == 0 && lane < NR && (GATED ? n0 < n_end : n0 + lane < N)) {
+    pdl_prefetch_bytes(B + (n0 + lane * cs) * row_chunks, min(chunks, U * step) * 16u);
+    pdl_prefetch(scales + (n0 + lane * cs) * nb);
   }
   GRID_WAIT();
   float acc[NR][MT];
@@ -518,8 +524,8 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
       const int blk = (c * 32) / block;
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        const long long n = n0 + r;
-        const bool ok = c < chunks && n < N;
+        const long long n = n0 + r * cs;
+        const bool ok = c < chunks && (GATED ? n0 < n_end : n < N);
         w.q[u][r] = ok ? __ldg(B + n * row_chunks + c) : make_uint4(0u, 0u, 0u, 0u);
         w.s[u][r] = ok ? ld(scales, n * nb + blk) : 0.f;
         w.z[u][r] = ok ? zero_at<W, 4>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk) : 0.f;
@@ -537,7 +543,10 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
   gemv_chunk_loop<NORM, MT, Chunks>(share * 32 + lane, chunks, U * step, load, math, A_in, skip,
                                      gamma, sum_out, eps, norm_flags, M, K);
   GRID_LAUNCH_DEPENDENTS();
-  gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, bias, has_bias);
+  if constexpr (GATED)
+    gemv_store_gated<S, MT>(acc, red, wy, wpc, lane, n0, N / 2, M, C);
+  else
+    gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, bias, has_bias);
 }
 
 // Rows of at most 64 chunks (K <= 2048; the split is gemv_split.nbits4_small_k_split): a warp
@@ -547,20 +556,28 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
 // reads LPC * 16 contiguous bytes of each column of the warp, and lanes of equal sub read the
 // same activations (one L1 broadcast). All of a lane's weights, scales and zeros are loaded
 // before the math; a column's sum then takes log2(LPC) shuffles. Block (32, 8), one column
-// group a warp, no shared memory.
-template <typename S, typename W, int MT, int LPC, int CPL, int NORM>
+// group a warp, no shared memory. GATED = 1 (no bias): of a warp's P = 16 / LPC pairs, slot
+// s < P holds gate column j = warp * P + s and slot s + P its up column j + F (N = 2F); the
+// up sums come down to the gate lanes by one shuffle, which store silu_times(gate, up) to C
+// [M, F].
+template <typename S, typename W, int MT, int LPC, int CPL, int NORM, int GATED>
 __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
     const S* __restrict__ A_in, const uint4* __restrict__ B, const W* __restrict__ scales,
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
     const S* __restrict__ bias, S* __restrict__ C, int M, int K, int N, int nb, int block,
     int row_chunks, int zrow, int zp_mode, int has_bias, NORM_PARAMS) {
   static_assert(LPC >= 1 && LPC <= 32 && (LPC & (LPC - 1)) == 0, "LPC: a power of 2 <= 32");
-  const int lane = threadIdx.x, sub = lane % LPC;
-  const long long n = ((long long)blockIdx.x * 8 + threadIdx.y) * (32 / LPC) + lane / LPC;
+  static_assert(!GATED || LPC <= 16, "a gated warp holds at least one pair of columns");
+  constexpr int P = 16 / LPC;  // GATED: pairs of columns a warp
+  const int lane = threadIdx.x, sub = lane % LPC, slot = lane / LPC;
+  const long long warp = (long long)blockIdx.x * 8 + threadIdx.y;
+  const long long j = warp * P + slot % P;  // GATED: the pair of this lane's column
+  const bool in_range = GATED ? j < N / 2 : warp * (32 / LPC) + slot < N;
+  const long long n = GATED ? j + (slot < P ? 0 : N / 2) : warp * (32 / LPC) + slot;
   const int chunks = K / 32;
   // The column's weights (at most 64 chunks) and the line of its first scales into L2 while
   // the previous kernel finishes.
-  if (sub == 0 && n < N) {
+  if (sub == 0 && in_range) {
     pdl_prefetch_bytes(B + n * row_chunks, chunks * 16u);
     pdl_prefetch(scales + n * nb);
   }
@@ -571,7 +588,7 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
   for (int u = 0; u < CPL; ++u) {
     const int c = sub + u * LPC;
     const int blk = (c * 32) / block;
-    const bool ok = c < chunks && n < N;
+    const bool ok = c < chunks && in_range;
     q[u][0] = ok ? __ldg(B + n * row_chunks + c) : make_uint4(0u, 0u, 0u, 0u);
     s[u][0] = ok ? ld(scales, n * nb + blk) : 0.f;
     z[u][0] = ok ? zero_at<W, 4>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk) : 0.f;
@@ -603,6 +620,19 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
   // Out-of-range columns (n >= N) summed zeros; they still shuffle, so the masks stay full.
 #pragma unroll
   for (int m = 0; m < MT; ++m) acc[0][m] = warp_sum<LPC>(acc[0][m]);
+  if constexpr (GATED) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const float up = __shfl_down_sync(0xffffffffu, acc[0][m], P * LPC);
+      if (sub == 0 && slot < P && in_range && m < M) {
+        S gs, us;  // rounded as the gate/up GEMV stores them for a SiluMul kernel
+        st(&gs, 0, acc[0][m]);
+        st(&us, 0, up);
+        st(C, (long long)m * (N / 2) + j, silu_times(ld(&gs, 0), ld(&us, 0)));
+      }
+    }
+    return;
+  }
   if (sub == 0 && n < N) {
     const float bv = has_bias ? ld(bias, n) : 0.f;
 #pragma unroll
@@ -905,9 +935,13 @@ def _gemv_args(call: _NbitsCall, a: Any, y: Any, m: int) -> tuple:
     )
 
 
-def _nbits_gemv(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) -> None:
-    """``m`` <= GEMV_MAX_M rows of ``a`` into ``y`` on the GEMV kernels."""
-    if _chunk16_fits(ctx, call.bits, call.block, call.k, call.nb * call.blob, call.b, a):
+def _nbits_gemv(
+    ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int, gated: bool = False
+) -> None:
+    """``m`` <= GEMV_MAX_M rows of ``a`` into ``y`` on the GEMV kernels; ``gated`` (the
+    chunk16 kernels only, no bias): ``y`` [m, N / 2] gets the SiLU gating of the product's
+    gate and up halves."""
+    if gated or _chunk16_fits(ctx, call.bits, call.block, call.k, call.nb * call.blob, call.b, a):
         args = _gemv_args(call, a, y, m)
         args += (
             np.int32(call.nb),
@@ -928,16 +962,18 @@ def _nbits_gemv(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) ->
             lpc, cpl = split
             mt = next(t for t in (1, 2, 4, 8) if t >= m)
             name = (
-                f"nbits4_gemv16_small_k<{call.s_type}, {call.w_type}, {mt}, {lpc}, {cpl}, {fused}>"
+                f"nbits4_gemv16_small_k<{call.s_type}, {call.w_type}, {mt}, {lpc}, {cpl}, {fused}, "
+                f"{int(gated)}>"
             )
             grid = (small_k_blocks(call.n, lpc),)
             function(_source(ctx), name)(grid, (32, 8), (*args, *norm_args), shared_mem=shared)
             return
+        # gated: the warps a column gets as ungated (a column's sums then the same bits)
         mt, nr, wpc = gemv_layout(m, call.k // 32, call.n, sm_count())
-        fn = function(
-            _source(ctx), f"nbits4_gemv16<{call.s_type}, {call.w_type}, {mt}, {nr}, {fused}>"
-        )
-        groups = -(-call.n // nr)
+        nr = 2 if gated else nr
+        name = f"nbits4_gemv16<{call.s_type}, {call.w_type}, {mt}, {nr}, {fused}, {int(gated)}>"
+        fn = function(_source(ctx), name)
+        groups = call.n // 2 if gated else -(-call.n // nr)
         grid = (-(-groups * wpc // 8),)
         fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=shared)
         return
@@ -967,19 +1003,47 @@ def _nbits_gemv(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) ->
 
 
 @REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
+def _gated_rows_fit(ctx: KernelContext, a, b, bias, dims, m: int) -> bool:
+    """Whether ``matmul_nbits(..., gated=True)`` takes these ``m`` rows: the rows the
+    ungated call runs on the 16-byte-chunk GEMVs (not the tensor cores), 4 bits, no bias,
+    an even N."""
+    least = nbits_mma_min_rows(ctx)
+    nb = -(-dims.k // dims.block)
+    return (
+        0 < m <= GEMV_MAX_M
+        and b.size > 0
+        and bias is None
+        and dims.n % 2 == 0
+        and not (least and least <= m and a.dtype in (F16, BF16))
+        and _chunk16_fits(ctx, dims.bits, dims.block, dims.k, nb * dims.block // 2, b, a)
+    )
+
+
 def matmul_nbits(
-    ctx: KernelContext, a, b, scales, zero_points=None, g_idx=None, bias=None, norm=None
+    ctx: KernelContext,
+    a,
+    b,
+    scales,
+    zero_points=None,
+    g_idx=None,
+    bias=None,
+    norm=None,
+    gated: bool = False,
 ):
     """Y = A @ dequant(B)^T (+ bias); float32 accumulation; fp32 or fp16 A and scales.
 
     ``norm`` (a ``genrt.FusedNorm``): A is normalized first, inside the 16-byte-chunk
-    GEMVs when they apply, else by the norm kernel before any other path."""
+    GEMVs when they apply, else by the norm kernel before any other path. ``gated``: Y
+    [..., N / 2] is the SiLU gating of the product's gate and up halves, made by the GEMV's
+    store where ``_gated_rows_fit``; None (before anything runs) for other calls."""
     desc = ctx.node.describe()
     dims = matmul_nbits_dims(ctx.node, a.shape[-1], g_idx is not None)
     k, n, bits, block = dims.k, dims.n, dims.bits, dims.block
+    if gated and not _gated_rows_fit(ctx, a, b, bias, dims, int(a.size // k) if k else 0):
+        return None
     s_type, w_type = storage(ctx, a.dtype), storage(ctx, scales.dtype)
-    y = out(ctx, 0, (*a.shape[:-1], n), a.dtype)
-    m = int(y.size // n) if n else 0
+    y = out(ctx, 0, (*a.shape[:-1], n // 2 if gated else n), a.dtype)
+    m = int(y.size // y.shape[-1]) if y.shape[-1] else 0
     nb = -(-k // block)
     blob = block * bits // 8
     if norm is not None:
@@ -1018,7 +1082,7 @@ def matmul_nbits(
         _nbits_mma(ctx, call, a, y, m)
         return y
     if m <= GEMV_MAX_M:
-        _nbits_gemv(ctx, call, a, y, m)
+        _nbits_gemv(ctx, call, a, y, m, gated)
         return y
     if m <= CHUNKED_GEMV_MAX_M:
         # Pieces of GEMV_MAX_M rows through the GEMV: capturable, so a batched decode

@@ -64,7 +64,7 @@ from ._registry import REGISTRY
 from .contrib_norm import skip_simplified_layer_norm
 from .contrib_quant import matmul_nbits
 from .elementwise import PREAMBLE, broadcast_shape
-from .matmul import matmul, transpose_weight
+from .matmul import TransposedWeight, gated_gemv, matmul, transpose_weight
 from .normalization import simplified_layer_norm
 
 _SOURCE = (
@@ -591,6 +591,58 @@ def norm_matmul_nbits(
     a, norm = _activations(ctx, x, fused)
     y = matmul_nbits(_projection_ctx(ctx), a, b, scales, zero_points, g_idx, bias, norm=norm)
     return _outputs(ctx, y, fused.sum_out, normed)
+
+
+def _gated_projection(ctx: KernelContext, x, skip, gamma, project: Callable) -> tuple:
+    """(y, x + skip, normed, gate_up) of NormMatMul(NBits)SiluMul. ``project(pctx, a, norm,
+    gated)`` runs the projection: gated, its GEMV writes the activations (None where it does
+    not take the rows; gate_up then unused); else the projection into the planned gate_up
+    buffer, then the SiluMul kernel."""
+    fused, normed = _prepare(ctx, x, skip, gamma)
+    a, norm = _activations(ctx, x, fused)
+    y = project(_projection_ctx(ctx), a, norm, True)
+    proj = KernelContext(fused_projection(ctx.node), ctx.provider, ctx.planned[3:4], ctx.state)
+    if y is not None:
+        names = ctx.node.output_names
+        wanted = len(names) > 3 and bool(names[3])
+        gate_up = out(proj, 0, (*y.shape[:-1], 2 * y.shape[-1]), y.dtype) if wanted else y
+    else:
+        gate_up = project(proj, a, norm, False)
+        node = NodeInfo(
+            "SiluMul", f"{ctx.node.name}/silu", GENRT_DOMAIN, 1, {"split": 1}, (), ("y",)
+        )
+        y = silu_mul(KernelContext(node, ctx.provider, ctx.planned[:1]), gate_up)
+    gated = (y, fused.sum_out if fused.sum_out is not None else y, normed, gate_up)
+    return gated[: max(1, len(ctx.node.output_names))]
+
+
+@REGISTRY.register("NormMatMulSiluMul", since=1, domain=GENRT_DOMAIN, prepack=_weight_prepack)
+def norm_matmul_silu_mul(ctx: KernelContext, x, skip, gamma, w):
+    """SiluMul(split=1) of NormMatMul: outputs (y, x + skip, normed, gate_up); gated on
+    ``gemv_nk`` (``gated_gemv``) where it takes the rows."""
+
+    def project(pctx: KernelContext, a, norm, gated: bool):
+        if not gated:
+            return matmul(pctx, a, w, norm=norm)
+        return gated_gemv(pctx, a, w, norm) if isinstance(w, TransposedWeight) else None
+
+    return _gated_projection(ctx, x, skip, gamma, project)
+
+
+@REGISTRY.register(
+    "NormMatMulNBitsSiluMul", since=1, domain=GENRT_DOMAIN, check=fused_matmul_nbits_unsupported
+)
+def norm_matmul_nbits_silu_mul(
+    ctx: KernelContext, x, skip, gamma, b, scales, zero_points=None, g_idx=None, bias=None
+):
+    """SiluMul(split=1) of NormMatMulNBits: outputs (y, x + skip, normed, gate_up); gated on
+    the 16-byte-chunk 4-bit GEMVs where they take the rows."""
+
+    def project(pctx: KernelContext, a, norm, gated: bool):
+        weights = (b, scales, zero_points, g_idx, bias)
+        return matmul_nbits(pctx, a, *weights, norm=norm, gated=gated)
+
+    return _gated_projection(ctx, x, skip, gamma, project)
 
 
 @dataclass

@@ -197,22 +197,28 @@ template <> struct Vec16<float> {
 // NORM != 0: the activations of a fused op (see stage_act; NORM = 1: an RMS norm, 2: SiLU
 // gating) are made by the block in shared memory (M * K of S, the launch's dynamic shared
 // memory) after its first weight loads are issued; the dot products then read them there.
-template <typename S, int MT, int NR, int NORM>
+// GATED = 1 (NR = 2): W holds gate and up columns side by side (N = 2F); warp group j owns
+// gate column j and up column j + F, and C is [M, F]: silu_times(gate, up) (gemv_store_gated).
+template <typename S, int MT, int NR, int NORM, int GATED>
 __global__ void __launch_bounds__(256) gemv_nk(
     const S* __restrict__ A_in, const S* __restrict__ W, S* __restrict__ C, int M, int K, int N,
     int wpc, const S* __restrict__ skip, const S* __restrict__ gamma, S* __restrict__ sum_out,
     float eps, int norm_flags) {
+  static_assert(!GATED || NR == 2, "a gated GEMV's warp holds one gate and one up column");
   constexpr int V = Vec16<S>::N;
   constexpr int U = 2;
   __shared__ float red[8][NR][MT];
   const int lane = threadIdx.x, wy = threadIdx.y;
-  const long long n0 = ((long long)blockIdx.x * (8 / wpc) + wy / wpc) * NR;
+  const long long group = (long long)blockIdx.x * (8 / wpc) + wy / wpc;
+  // column r of the warp's group: n0 + r * cs
+  const long long n0 = GATED ? group : group * NR, cs = GATED ? N / 2 : 1;
+  const long long n_end = GATED ? N / 2 : N;  // n0 + r * cs < N exactly where n0 < n_end
   const int share = wy % wpc;
   const int chunks = K / V, step = 32 * wpc;
   // The first round of the block's loads (each column's first U * step chunks) into L2 while
   // the previous kernel finishes: one bulk prefetch a column.
-  if (share == 0 && lane < NR && n0 + lane < N)
-    pdl_prefetch_bytes(W + (n0 + lane) * K, min(chunks, U * step) * 16u);
+  if (share == 0 && lane < NR && (GATED ? n0 < n_end : n0 + lane < N))
+    pdl_prefetch_bytes(W + (n0 + lane * cs) * K, min(chunks, U * step) * 16u);
   GRID_WAIT();
   float acc[NR][MT];
 #pragma unroll
@@ -225,8 +231,8 @@ __global__ void __launch_bounds__(256) gemv_nk(
       const int c = c0 + u * step;
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        if (c < chunks && n0 + r < N) {
-          Vec16<S>::load(W + (n0 + r) * K + (long long)c * V, w[u][r]);
+        if (c < chunks && (GATED ? n0 < n_end : n0 + r < N)) {
+          Vec16<S>::load(W + (n0 + r * cs) * K + (long long)c * V, w[u][r]);
         } else {
 #pragma unroll
           for (int v = 0; v < V; ++v) w[u][r][v] = 0.f;
@@ -256,7 +262,10 @@ __global__ void __launch_bounds__(256) gemv_nk(
   gemv_chunk_loop<NORM, MT, float[U][NR][V]>(share * 32 + lane, chunks, U * step, load_w, math,
                                                A_in, skip, gamma, sum_out, eps, norm_flags, M, K);
   GRID_LAUNCH_DEPENDENTS();
-  gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, C, 0);
+  if constexpr (GATED)
+    gemv_store_gated<S, MT>(acc, red, wy, wpc, lane, n0, N / 2, M, C);
+  else
+    gemv_store<S, NR, MT>(acc, red, wy, wpc, lane, n0, N, M, C, C, 0);
 }
 
 // C[i] = sum over splits of P; i runs over batch * M * N.
@@ -597,6 +606,61 @@ def gemv_layout(m: int, k_chunks: int, n: int, sms: int) -> tuple[int, int, int]
     return mt, nr, wpc
 
 
+def _launch_gemv(
+    ctx: KernelContext,
+    a: cupy.ndarray,
+    w: TransposedWeight,
+    c: cupy.ndarray,
+    m: int,
+    norm: Any,
+    gated: bool = False,
+) -> None:
+    """``gemv_nk`` of ``a`` [m, K] (M <= 16) and ``w`` into ``c``; ``norm``: the fused
+    prologue (None: ``a`` is read as it is); ``gated``: ``c`` is [m, N / 2], the SiLU gating
+    of the gate and up halves of the product."""
+    k, n = w.shape
+    v = 16 // a.dtype.itemsize
+    # gated: the warps a column gets as ungated (a column's sums then the same bits)
+    mt, nr, wpc = gemv_layout(m, k // v, n, sm_count())
+    nr = 2 if gated else nr
+    fused = norm.ON_THE_FLY if norm is not None else 0
+    name = f"gemv_nk<{storage(ctx, a.dtype)}, {mt}, {nr}, {fused}, {int(gated)}>"
+    groups = n // 2 if gated else -(-n // nr)
+    args = (a, w.t, c, np.int32(m), np.int32(k), np.int32(n), np.int32(wpc))
+    if norm is not None:
+        args += norm.kernel_args(a)
+    else:
+        args += (a, a, c, np.float32(0.0), np.int32(0))
+    shared = norm.stage_bytes(a) if norm is not None else 0
+    function(_SOURCE, name)((-(-groups * wpc // 8),), (32, 8), args, shared_mem=shared)
+
+
+def gated_gemv(
+    ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
+) -> cupy.ndarray | None:
+    """``silu(g) * u`` of the halves ``g, u`` of ``a @ w`` (``w`` [K, 2F]: gate and up side by
+    side) as output 0 [..., F], by ``gemv_nk``'s gated store: each activation made once,
+    rounded as a GEMV and a SiluMul kernel round it. Only where ``_gemv_transposed`` would
+    run ``gemv_nk`` itself (the same rows, so a row's bits do not change with the path);
+    None otherwise, before anything runs."""
+    k, n = w.shape
+    m = int(a.size // k) if k else 0
+    if n % 2 or not 0 < m <= SKINNY_MAX_M or a.dtype != w.dtype:
+        return None
+    least = mma_min_rows(ctx)
+    if least and least <= m and a.dtype in (F16, BF16):
+        return None  # the tensor cores take these rows
+    if norm is not None and not norm.fits_on_the_fly(a):
+        a, norm = norm.unfused(), None
+    if norm is None:
+        a = contiguous(ctx, a)
+    if a.data.ptr % 16:
+        return None
+    c = out(ctx, 0, (*matmul_shape(ctx, tuple(a.shape), (k, n))[:-1], n // 2), a.dtype)
+    _launch_gemv(ctx, a, w, c, m, norm, gated=True)
+    return c
+
+
 def _gemv_transposed(
     ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
 ) -> cupy.ndarray:
@@ -623,24 +687,9 @@ def _gemv_transposed(
             return c
     if norm is None:  # the prologue reads the fused inputs itself
         a = contiguous(ctx, a)
-
-    def gemv(a: cupy.ndarray, c: cupy.ndarray, m: int) -> None:
-        v = 16 // a.dtype.itemsize
-        mt, nr, wpc = gemv_layout(m, k // v, n, sm_count())
-        fused = norm.ON_THE_FLY if norm is not None else 0
-        fn = function(_SOURCE, f"gemv_nk<{storage(ctx, a.dtype)}, {mt}, {nr}, {fused}>")
-        groups = -(-n // nr)
-        args = (a, w.t, c, np.int32(m), np.int32(k), np.int32(n), np.int32(wpc))
-        if norm is not None:
-            args += norm.kernel_args(a)
-        else:
-            args += (a, a, c, np.float32(0.0), np.int32(0))
-        shared = norm.stage_bytes(a) if norm is not None else 0
-        fn((-(-groups * wpc // 8),), (32, 8), args, shared_mem=shared)
-
     aligned = a.data.ptr % 16 == 0
     if m <= SKINNY_MAX_M and aligned:
-        gemv(a, c, m)
+        _launch_gemv(ctx, a, w, c, m, norm)
         return c
     if m <= PIECES_MAX_M and aligned and (k * a.dtype.itemsize) % 16 == 0:
         # Pieces of SKINNY_MAX_M rows through the GEMV: capturable, so a batched decode
@@ -648,7 +697,7 @@ def _gemv_transposed(
         a2, c2 = a.reshape(m, k), c.reshape(m, n)
         for r0 in range(0, m, SKINNY_MAX_M):
             r1 = min(m, r0 + SKINNY_MAX_M)
-            gemv(a2[r0:r1], c2[r0:r1], r1 - r0)
+            _launch_gemv(ctx, a2[r0:r1], w, c2[r0:r1], r1 - r0, norm)
         return c
     blas = provider_cublas(ctx)
     if blas is not None:

@@ -67,7 +67,7 @@ def test_driver_parameter_table_of_a_real_kernel(cp):
     drv = cuda_driver.load()
     if isinstance(drv, str):
         pytest.skip(drv)
-    fn = function(matmul._SOURCE, "gemv_nk<half_t, 1, 1, 0>")
+    fn = function(matmul._SOURCE, "gemv_nk<half_t, 1, 1, 0, 0>")
     table = drv.param_table(int(fn.raw.kernel.ptr))
     sizes = [8, 8, 8, 4, 4, 4, 4, 8, 8, 8, 4, 4]
     offsets = [0, 8, 16, 24, 28, 32, 36, 40, 48, 56, 64, 68]

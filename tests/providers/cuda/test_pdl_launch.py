@@ -59,9 +59,9 @@ def test_pack_lays_out_a_gemv_call_as_the_c_parameters():
     args += [FakeArray(0x7F0000004000), None, FakeArray(0x7F0000005000)]
     args += [np.float32(1e-6), True + 2, np.uint8(5), -(1 << 40), 0.25]
     with pytest.raises(TypeError, match="parameter 12 .* a uint8 scalar is narrower"):
-        pack(table, args, "gemv_nk<half_t, 1, 1, 0>", address)
+        pack(table, args, "gemv_nk<half_t, 1, 1, 0, 0>", address)
     args[12] = 5
-    got = pack(table, args, "gemv_nk<half_t, 1, 1, 0>", address)
+    got = pack(table, args, "gemv_nk<half_t, 1, 1, 0, 0>", address)
     assert len(table) == 15 and table[13] == (80, 8)  # 4 bytes of padding after the int at 72
     assert bytes(got) == want
 
