@@ -20,7 +20,7 @@ three launches and two intermediate buffers fewer per layer.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -720,6 +720,30 @@ def fuse_silu_matmul(
     return _rewrite(steps, replace, drop), len(replace)
 
 
+def _gated_mlps(
+    steps: list[Step], keep: set[str], downs: Iterable[str], norms: Iterable[str]
+) -> Iterator[tuple[int, int]]:
+    """(i, j) of each gated MLP after its norm: step i a norm-fused projection (op in
+    ``norms``) whose output 0 (gate and up side by side) only step j reads, a SiLU-fused
+    projection (op in ``downs``, split=1, one input) on the same provider."""
+    readers, producer = _index(steps)
+    downs, norms = set(downs), set(norms)
+    for j, down in enumerate(steps):
+        if down.node.domain != GENRT_DOMAIN or down.node.op_type not in downs:
+            continue
+        if int(down.node.attrs.get("split", 0)) != 1 or any(down.inputs[1:2]):
+            continue
+        gate_up = down.inputs[0]
+        i = producer.get(gate_up)
+        if i is None or readers[gate_up] != 1 or gate_up in keep:
+            continue
+        norm = steps[i]
+        if norm.node.domain != GENRT_DOMAIN or norm.node.op_type not in norms:
+            continue
+        if norm.provider is down.provider and norm.outputs[0] == gate_up:
+            yield i, j
+
+
 def fuse_gated_mlp(
     steps: list[Step], constants: Constants, keep: Iterable[str], type_of: TypeOf = no_types
 ) -> tuple[list[Step], int]:
@@ -729,24 +753,10 @@ def fuse_gated_mlp(
     are constant 2-D ([K, 2F] and [F, N]), both projections have one opset and one provider
     holds both steps and has the fused op. Its gate/up, activation and norm buffers stay
     planned outputs for shapes the fused kernel does not take."""
-    keep = set(keep)
-    readers, producer = _index(steps)
     drop: set[int] = set()
     replace: dict[int, object] = {}
-    for j, down in enumerate(steps):
-        if (down.node.domain, down.node.op_type) != (GENRT_DOMAIN, "SiluMulMatMul"):
-            continue
-        if int(down.node.attrs.get("split", 0)) != 1 or any(down.inputs[1:2]):
-            continue
-        gate_up = down.inputs[0]
-        i = producer.get(gate_up)
-        if i is None or readers[gate_up] != 1 or gate_up in keep or i in replace:
-            continue
-        norm = steps[i]
-        if (norm.node.domain, norm.node.op_type) != (GENRT_DOMAIN, "NormMatMul"):
-            continue
-        if norm.provider is not down.provider or norm.outputs[0] != gate_up:
-            continue
+    for i, j in _gated_mlps(steps, set(keep), ["SiluMulMatMul"], ["NormMatMul"]):
+        norm, down, gate_up = steps[i], steps[j], steps[i].outputs[0]
         w_gate_up, w_down = constants.get(norm.inputs[3]), constants.get(down.inputs[2])
         if w_gate_up is None or w_down is None or w_gate_up.ndim != 2 or w_down.ndim != 2:
             continue
@@ -787,24 +797,10 @@ def fuse_gated_projection(
     where the down GEMV's every block made all of them), and the down projection its plain
     op reading the activations. Both steps on one provider, which has the gated op and the
     plain projection."""
-    keep = set(keep)
-    readers, producer = _index(steps)
     replace: dict[int, object] = {}
-    for j, down in enumerate(steps):
-        if down.node.domain != GENRT_DOMAIN or (
-            down.node.op_type not in ("SiluMulMatMul", "SiluMulMatMulNBits")
-        ):
-            continue
-        if int(down.node.attrs.get("split", 0)) != 1 or any(down.inputs[1:2]):
-            continue
-        gate_up = down.inputs[0]
-        i = producer.get(gate_up)
-        if i is None or readers[gate_up] != 1 or gate_up in keep or i in replace:
-            continue
-        norm = steps[i]
-        op = _GATED.get(norm.node.op_type) if norm.node.domain == GENRT_DOMAIN else None
-        if op is None or norm.provider is not down.provider or norm.outputs[0] != gate_up:
-            continue
+    for i, j in _gated_mlps(steps, set(keep), SILU_PROJECTIONS.values(), _GATED):
+        norm, down, gate_up = steps[i], steps[j], steps[i].outputs[0]
+        op = _GATED[norm.node.op_type]
         outs = (*norm.outputs, "", "")
         act = down.outputs[1] if len(down.outputs) > 1 and down.outputs[1] else f"{gate_up}/act"
         normed = outs[2] or f"{gate_up}/normed"

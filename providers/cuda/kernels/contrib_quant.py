@@ -1002,7 +1002,6 @@ def _nbits_gemv(
     fn((-(-groups * wpr // 8),), (32, 8), (*args, np.int32(wpr), np.int32(a_vec)))
 
 
-@REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
 def _gated_rows_fit(ctx: KernelContext, a, b, bias, dims, m: int) -> bool:
     """Whether ``matmul_nbits(..., gated=True)`` takes these ``m`` rows: the rows the
     ungated call runs on the 16-byte-chunk GEMVs (not the tensor cores), 4 bits, no bias,
@@ -1019,6 +1018,7 @@ def _gated_rows_fit(ctx: KernelContext, a, b, bias, dims, m: int) -> bool:
     )
 
 
+@REGISTRY.register("MatMulNBits", since=1, domain=MS_DOMAIN, check=_nbits_check)
 def matmul_nbits(
     ctx: KernelContext,
     a,
