@@ -726,8 +726,9 @@ struct Nibbles4 {
   }
 };
 
-// C = A @ dequant(B)^T (+ bias) on the tensor cores (see mma_tiles and Nibbles4).
-template <typename S, typename W, int MT>
+// C = A @ dequant(B)^T (+ bias) on the tensor cores (see mma_tiles and Nibbles4; GATED, no
+// bias: C [M, N / 2], the gating).
+template <typename S, typename W, int MT, int GATED>
 __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     const S* __restrict__ A, const unsigned char* __restrict__ B, const W* __restrict__ scales,
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
@@ -735,7 +736,8 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits) {
   if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
-    const long long n = blockIdx.x * 8 + threadIdx.x;
+    const int x = threadIdx.x, j0 = blockIdx.x * 4;
+    const long long n = GATED ? (x < 4 ? j0 + x : N / 2 + j0 + x - 4) : blockIdx.x * 8 + x;
     if (kb < ke) {  // value k of row n at byte (n * nb * block + k) / 2 (see Nibbles4)
       pdl_prefetch_bytes(B + (n * nb * block + kb) / 2,
                          (unsigned int)(min(ke, kb + 512) - kb) / 2u);
@@ -744,8 +746,8 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
   }
   GRID_WAIT();
   const Nibbles4<S, W> load{B, scales, zp_u8, zp_f, nb, block, zrow, zp_mode};
-  mma_tiles<S, MT>(A, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N, k_per_split,
-                   splits);
+  mma_tiles<S, MT, GATED>(A, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N,
+                          k_per_split, splits);
 }
 """
 )
@@ -904,19 +906,23 @@ def _mma4_fits(ctx: KernelContext, call: _NbitsCall, a: Any, m: int) -> bool:
     )
 
 
-def _nbits_mma(ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int) -> None:
-    """``y`` = the ``m`` rows of ``a`` times the 4-bit weight on the tensor cores."""
+def _nbits_mma(
+    ctx: KernelContext, call: _NbitsCall, a: Any, y: Any, m: int, gated: bool = False
+) -> None:
+    """``y`` = the ``m`` rows of ``a`` times the 4-bit weight on the tensor cores; ``gated``:
+    ``y`` [m, N / 2] gets the SiLU gating of the product's gate and up halves."""
     k, n = call.k, call.n
     mt, splits, k_per = mma_config(m, k, n, sm_count())
     partial = y if splits == 1 else scratch(ctx, splits * m * n * 4).view(np.float32)
-    fn = function(_MMA4_SOURCE, f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}>")
+    name = f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}, {int(gated)}>"
+    fn = function(_MMA4_SOURCE, name)
     args = (a, call.b, call.scales, call.zp_u8, call.zp_f, call.bias_arg)
     args += (np.int32(call.has_bias), y, partial, np.int32(m), np.int32(k), np.int32(n))
     args += (np.int32(call.nb), np.int32(call.block), np.int32(call.zrow))
     args += (np.int32(call.zp_mode), np.int32(k_per), np.int32(splits))
     fn((n // 8, splits), (256,), args)
     if splits > 1:
-        sum_splits(ctx, partial, y, splits)
+        sum_splits(ctx, partial, y, splits, gated)
 
 
 def _gemv_args(call: _NbitsCall, a: Any, y: Any, m: int) -> tuple:
@@ -1003,17 +1009,15 @@ def _nbits_gemv(
 
 
 def _gated_rows_fit(ctx: KernelContext, a, b, bias, dims, m: int) -> bool:
-    """Whether ``matmul_nbits(..., gated=True)`` takes these ``m`` rows: the rows the
-    ungated call runs on the 16-byte-chunk GEMVs (not the tensor cores), 4 bits, no bias,
-    an even N."""
-    least = nbits_mma_min_rows(ctx)
+    """Whether ``matmul_nbits(..., gated=True)`` takes these ``m`` rows: rows the ungated
+    call runs on the tensor cores or the 16-byte-chunk GEMVs (up to CHUNKED_GEMV_MAX_M), 4
+    bits, no bias, N a multiple of 8 (the tensor cores' gated tiles take 4 pairs)."""
     nb = -(-dims.k // dims.block)
     return (
-        0 < m <= GEMV_MAX_M
+        0 < m <= CHUNKED_GEMV_MAX_M
         and b.size > 0
         and bias is None
-        and dims.n % 2 == 0
-        and not (least and least <= m and a.dtype in (F16, BF16))
+        and dims.n % 8 == 0
         and _chunk16_fits(ctx, dims.bits, dims.block, dims.k, nb * dims.block // 2, b, a)
     )
 
@@ -1079,7 +1083,7 @@ def matmul_nbits(
         a, call.norm = contiguous(ctx, norm.unfused()), None
         mma = _mma4_fits(ctx, call, a, m)
     if mma:
-        _nbits_mma(ctx, call, a, y, m)
+        _nbits_mma(ctx, call, a, y, m, gated)
         return y
     if m <= GEMV_MAX_M:
         _nbits_gemv(ctx, call, a, y, m, gated)
@@ -1088,10 +1092,10 @@ def matmul_nbits(
         # Pieces of GEMV_MAX_M rows through the GEMV: capturable, so a batched decode
         # step of up to CHUNKED_GEMV_MAX_M rows replays one graph (and runs the kernels of
         # steps of at most GEMV_MAX_M rows); the weight is read once per piece.
-        a2, y2 = a.reshape(m, k), y.reshape(m, n)
+        a2, y2 = a.reshape(m, k), y.reshape(m, y.shape[-1])
         for r0 in range(0, m, GEMV_MAX_M):
             r1 = min(m, r0 + GEMV_MAX_M)
-            _nbits_gemv(ctx, call, a2[r0:r1], y2[r0:r1], r1 - r0)
+            _nbits_gemv(ctx, call, a2[r0:r1], y2[r0:r1], r1 - r0, gated)
         return y
     blas = provider_cublas(ctx)
     if blas is None and capturing(ctx):

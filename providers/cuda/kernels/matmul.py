@@ -282,6 +282,28 @@ __global__ void splitk_sum(const float* __restrict__ P, S* __restrict__ C, long 
   for (int t = 0; t < splits; ++t) s += p[t * mn];
   st(C, i, s);
 }
+
+// C[m, j] = silu_times(gate, up) of P's split sums of columns j and j + F of [M, 2F], each
+// rounded to S first (as splitk_sum stores them); i runs over M * F.
+template <typename S>
+__global__ void splitk_sum_gated(const float* __restrict__ P, S* __restrict__ C, int M, int F,
+                                 int splits) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)M * F) return;
+  const long long m = i / F, j = i - m * F, mn = 2LL * M * F;
+  const float* p = P + m * 2 * F + j;
+  float gs = 0.f, us = 0.f;
+  for (int t = 0; t < splits; ++t) {
+    gs += p[t * mn];
+    us += p[t * mn + F];
+  }
+  S gq, uq;
+  st(&gq, 0, gs);
+  st(&uq, 0, us);
+  st(C, i, silu_times(ld(&gq, 0), ld(&uq, 0)));
+}
 """
 )
 
@@ -346,14 +368,19 @@ DEVI void ld32(const void* p, bool ok, unsigned (&w)[8]) {
 // the same for A and W, so each weight byte is read once in whole lines. The 8 warps' sums
 // meet in shared memory; with splits > 1 the block writes fp32 partials P[y][m][n] (summed by
 // splitk_sum; the bias goes into split 0's), else C.
-template <typename S, int MT, typename Load>
+// GATED = 1 (no bias): W holds gate and up columns side by side (N = 2F); the block's 8
+// columns are gate columns j0 .. j0 + 3 (j0 = 4 * blockIdx.x) and their up columns j0 + F ..,
+// and C [M, F] gets silu_times(gate, up) of the sums rounded to S (with splits > 1 the
+// partials keep W's column numbers and splitk_sum_gated gates them).
+template <typename S, int MT, int GATED, typename Load>
 DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restrict__ bias,
                     S* __restrict__ C, float* __restrict__ P, int M, int K, int N,
                     int k_per_split, int splits) {
   __shared__ float red[8][MT][32][4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * 8;
+  const int n0 = blockIdx.x * 8, j0 = blockIdx.x * 4, F = N / 2;
+  const int col_g = GATED ? (g < 4 ? j0 + g : F + j0 + g - 4) : n0 + g;  // W's row of lane g
   const int kb = blockIdx.y * k_per_split;
   const int ke = min(K, kb + k_per_split);
   float acc[MT][4];
@@ -364,7 +391,7 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
   const S* arow = A + (long long)g * K + 16 * t;
   for (int k = kb + warp * 64; k < ke; k += 8 * 64) {
     unsigned b[8];
-    load(n0 + g, k + 16 * t, b);
+    load(col_g, k + 16 * t, b);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int r0 = mt * 16 + g;
@@ -383,6 +410,34 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[warp][mt][lane][e] = acc[mt][e];
   __syncthreads();
+  if constexpr (GATED) {
+    // row r of a tile and column slot c sit at lane (r % 8) * 4 + c / 2, element c % 2 +
+    // 2 * (r / 8); gate slot c (< 4) pairs with up slot c + 4, two lanes on
+    for (int i = threadIdx.x; i < MT * 64; i += 256) {
+      const int mt = i >> 6, r = (i >> 2) & 15, c = i & 3;
+      const int ln = (r & 7) * 4 + (c >> 1), e = (c & 1) + 2 * (r >> 3);
+      float gs = 0.f, us = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        gs += red[w][mt][ln][e];
+        us += red[w][mt][ln + 2][e];
+      }
+      const int row = mt * 16 + r, j = j0 + c;
+      if (row < M) {
+        if (splits > 1) {
+          float* p = P + (long long)blockIdx.y * M * N + (long long)row * N;
+          p[j] = gs;
+          p[F + j] = us;
+        } else {
+          S gq, uq;  // rounded as the ungated GEMM stores them for a SiluMul kernel
+          st(&gq, 0, gs);
+          st(&uq, 0, us);
+          st(C, (long long)row * F + j, silu_times(ld(&gq, 0), ld(&uq, 0)));
+        }
+      }
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < MT * 128; i += 256) {
     const int mt = i >> 7, ln = (i >> 2) & 31, e = i & 3;
     float s = 0.f;
@@ -416,20 +471,22 @@ struct FloatRows {
   }
 };
 
-// C = A @ W^T on the tensor cores (see mma_tiles).
-template <typename S, int MT>
+// C = A @ W^T on the tensor cores (see mma_tiles; GATED: C [M, N / 2], the gating).
+template <typename S, int MT, int GATED>
 __global__ void __launch_bounds__(256) gemm_mma(
     const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, float* __restrict__ P,
     int M, int K, int N, int k_per_split, int splits) {
   if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
+    const int x = threadIdx.x, j0 = blockIdx.x * 4;
+    const long long n = GATED ? (x < 4 ? j0 + x : N / 2 + j0 + x - 4) : blockIdx.x * 8 + x;
     if (kb < ke)
-      pdl_prefetch_bytes(W + (long long)(blockIdx.x * 8 + threadIdx.x) * K + kb,
+      pdl_prefetch_bytes(W + n * K + kb,
                          (unsigned int)(min(ke, kb + 512) - kb) * (unsigned int)sizeof(S));
   }
   GRID_WAIT();
-  mma_tiles<S, MT>(A, FloatRows<S>{W, K}, (const S*)nullptr, C, P, M, K, N, k_per_split,
-                   splits);
+  mma_tiles<S, MT, GATED>(A, FloatRows<S>{W, K}, (const S*)nullptr, C, P, M, K, N,
+                          k_per_split, splits);
 }
 """
 )
@@ -459,26 +516,40 @@ def mma_config(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
     return mt, -(-chunks // per), per * 64
 
 
-def gemm_mma(ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, c: cupy.ndarray) -> None:
-    """c = a @ w on the tensor cores (``mma_fits`` must hold; ``a`` contiguous)."""
+def gemm_mma(
+    ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, c: cupy.ndarray, gated: bool = False
+) -> None:
+    """c = a @ w on the tensor cores (``mma_fits`` must hold; ``a`` contiguous); ``gated``: c
+    [m, N / 2] gets the SiLU gating of the product's gate and up halves."""
     k, n = w.shape
-    m = int(c.size // n)
+    m = int(c.size // c.shape[-1])
     mt, splits, k_per = mma_config(m, k, n, sm_count())
     s_type = storage(ctx, a.dtype)
     partial = c
     if splits > 1:
         partial = scratch(ctx, splits * m * n * 4).view(np.float32)
-    fn = function(_MMA_SOURCE, f"gemm_mma<{s_type}, {mt}>")
+    fn = function(_MMA_SOURCE, f"gemm_mma<{s_type}, {mt}, {int(gated)}>")
     args = (a, w.t, c, partial, np.int32(m), np.int32(k), np.int32(n), np.int32(k_per))
     fn((n // 8, splits), (256,), (*args, np.int32(splits)))
     if splits > 1:
-        sum_splits(ctx, partial, c, splits)
+        sum_splits(ctx, partial, c, splits, gated)
 
 
-def sum_splits(ctx: KernelContext, partial: cupy.ndarray, c: cupy.ndarray, splits: int) -> None:
-    """c = the sum of the ``splits`` fp32 partials [splits, c.size] (``splitk_sum``)."""
+def sum_splits(
+    ctx: KernelContext, partial: cupy.ndarray, c: cupy.ndarray, splits: int, gated: bool = False
+) -> None:
+    """c = the sum of the ``splits`` fp32 partials [splits, c.size] (``splitk_sum``); gated:
+    c [M, F] gets the SiLU gating of the sums of the partials' [M, 2F] gate and up halves
+    (``splitk_sum_gated``)."""
     total = int(c.size)
-    reduce = function(_SOURCE, f"splitk_sum<{storage(ctx, c.dtype)}>")
+    s_type = storage(ctx, c.dtype)
+    if gated:
+        f = int(c.shape[-1])
+        reduce = function(_SOURCE, f"splitk_sum_gated<{s_type}>")
+        args = (partial, c, np.int32(total // f), np.int32(f), np.int32(splits))
+        reduce((-(-total // 256),), (256,), args)
+        return
+    reduce = function(_SOURCE, f"splitk_sum<{s_type}>")
     reduce(
         (-(-total // 256),),
         (256,),
@@ -639,40 +710,36 @@ def gated_gemv(
     ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
 ) -> cupy.ndarray | None:
     """``silu(g) * u`` of the halves ``g, u`` of ``a @ w`` (``w`` [K, 2F]: gate and up side by
-    side) as output 0 [..., F], by ``gemv_nk``'s gated store: each activation made once,
-    rounded as a GEMV and a SiluMul kernel round it. Only where ``_gemv_transposed`` would
-    run ``gemv_nk`` itself (the same rows, so a row's bits do not change with the path);
-    None otherwise, before anything runs."""
+    side) as output 0 [..., F], made by the store of the kernel that multiplies (``gemv_nk``
+    or ``gemm_mma`` with GATED = 1), each activation once and rounded as the ungated kernel
+    and a SiluMul kernel round it: the rows ``_gemv_transposed`` runs on its own kernels (up
+    to PIECES_MAX_M), the same kernel for the same rows. None otherwise, before anything
+    runs."""
     k, n = w.shape
     m = int(a.size // k) if k else 0
-    if n % 2 or not 0 < m <= SKINNY_MAX_M or a.dtype != w.dtype:
+    if n % 2 or not 0 < m <= PIECES_MAX_M or a.dtype != w.dtype:
         return None
-    least = mma_min_rows(ctx)
-    if least and least <= m and a.dtype in (F16, BF16):
-        return None  # the tensor cores take these rows
-    if norm is not None and not norm.fits_on_the_fly(a):
-        a, norm = norm.unfused(), None
-    if norm is None:
-        a = contiguous(ctx, a)
-    if a.data.ptr % 16:
-        return None
-    c = out(ctx, 0, (*matmul_shape(ctx, tuple(a.shape), (k, n))[:-1], n // 2), a.dtype)
-    _launch_gemv(ctx, a, w, c, m, norm, gated=True)
-    return c
+    return _gemv_transposed(ctx, a, w, norm, gated=True)
 
 
 def _gemv_transposed(
-    ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, norm: Any = None
-) -> cupy.ndarray:
+    ctx: KernelContext,
+    a: cupy.ndarray,
+    w: TransposedWeight,
+    norm: Any = None,
+    gated: bool = False,
+) -> cupy.ndarray | None:
     """``a @ w`` on the tensor cores (``gemm_mma``) for fp16/bf16 from ``mma_min_rows`` rows
     up to MMA_MAX_M, else on ``gemv_nk`` for M <= 16 (in pieces up to PIECES_MAX_M), else
     cuBLAS (``provider_cublas``; CuPy's, eager only, without it). ``norm`` (a
     ``genrt.FusedNorm`` or ``FusedSilu``): the GEMV's blocks make the activations in
-    shared memory, or the unfused kernel makes them first for shapes that do not fit."""
+    shared memory, or the unfused kernel makes them first for shapes that do not fit.
+    ``gated`` (see ``gated_gemv``): c [..., N / 2] gets the SiLU gating of its halves."""
     k, n = w.shape
     shape = matmul_shape(ctx, tuple(a.shape), (k, n))
-    c = out(ctx, 0, shape, a.dtype)
-    m = int(c.size // n) if n else 0
+    width = n // 2 if gated else n
+    c = out(ctx, 0, (*shape[:-1], width), a.dtype)
+    m = int(c.size // width) if width else 0
     if norm is not None and not (m <= SKINNY_MAX_M and c.size and norm.fits_on_the_fly(a)):
         a, norm = norm.unfused(), None
     if c.size == 0:
@@ -683,22 +750,24 @@ def _gemv_transposed(
             a, norm = norm.unfused(), None
         a = contiguous(ctx, a)
         if mma_fits(a, w, m):
-            gemm_mma(ctx, a, w, c)
+            gemm_mma(ctx, a, w, c, gated)
             return c
     if norm is None:  # the prologue reads the fused inputs itself
         a = contiguous(ctx, a)
     aligned = a.data.ptr % 16 == 0
     if m <= SKINNY_MAX_M and aligned:
-        _launch_gemv(ctx, a, w, c, m, norm)
+        _launch_gemv(ctx, a, w, c, m, norm, gated)
         return c
     if m <= PIECES_MAX_M and aligned and (k * a.dtype.itemsize) % 16 == 0:
         # Pieces of SKINNY_MAX_M rows through the GEMV: capturable, so a batched decode
         # step of up to PIECES_MAX_M rows replays one graph; the weight is read per piece.
-        a2, c2 = a.reshape(m, k), c.reshape(m, n)
+        a2, c2 = a.reshape(m, k), c.reshape(m, width)
         for r0 in range(0, m, SKINNY_MAX_M):
             r1 = min(m, r0 + SKINNY_MAX_M)
-            _launch_gemv(ctx, a2[r0:r1], w, c2[r0:r1], r1 - r0, norm)
+            _launch_gemv(ctx, a2[r0:r1], w, c2[r0:r1], r1 - r0, norm, gated)
         return c
+    if gated:
+        return None  # cuBLAS has no gated store: the caller runs the projection, then SiluMul
     blas = provider_cublas(ctx)
     if blas is not None:
         blas.gemm(a, w, c, GemmShape(m, k, n, transposed=True), where=ctx.node.describe())

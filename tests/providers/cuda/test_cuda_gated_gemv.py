@@ -19,7 +19,8 @@ from tests.models import nbits_weight, silu_projection
 pytestmark = pytest.mark.gpu
 
 BF16 = ml_dtypes.bfloat16
-SHAPES = {"small": (64, 40), "0.5B": (896, 4864)}
+#: (hidden, intermediate): split-k's gate/up GEMM on the tensor cores sums K in 4 splits
+SHAPES = {"small": (64, 40), "split-k": (1024, 40), "0.5B": (896, 4864)}
 DTYPES = [np.float16, BF16, np.float32]
 DTYPE_IDS = ["fp16", "bf16", "fp32"]
 
@@ -67,13 +68,13 @@ PLANS = {
 @pytest.mark.parametrize("gate_up", list(PLANS))
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 12])
+@pytest.mark.parametrize("rows", [1, 2, 5, 32])
 def test_gated_gemv_matches_float64_and_the_unfused_bits(cp, rows, dtype, shape, gate_up):
     """Float and 4-bit gate/up weights: 1-2 rows stage the norm in the gated GEMV, more rows
-    run the norm kernel first, fp16/bf16 from 3 rows the tensor cores and the SiluMul
-    kernel: close to float64 and the same bits as NormMatMul(NBits) + SiluMulMatMul
-    (``gated_gemv`` off), eager and replayed (outputs poisoned before each replay), 0
-    fallbacks."""
+    run the norm kernel first; fp16/bf16 from 3 rows gate on the tensor cores (split-k
+    through the gated split sum), fp32's 32 rows in gated GEMV pieces: close to float64 and
+    the same bits as NormMatMul(NBits) + SiluMulMatMul (``gated_gemv`` off), eager and
+    replayed (outputs poisoned before each replay), 0 fallbacks."""
     hidden, inter = SHAPES[shape]
     model = silu_projection(
         hidden, inter, rows, seed=5, down="matmul", norm=True, dtype=dtype, gate_up=gate_up

@@ -97,8 +97,13 @@ INSTANCES = {
         "gemv_nk<float, 8, 2, 1, 1>",
         "splitk_sum<half_t>",
         "splitk_sum<float>",
+        "splitk_sum_gated<bf16_t>",
     ],
-    "matmul._MMA_SOURCE": ["gemm_mma<half_t, 1>", "gemm_mma<bf16_t, 4>"],
+    "matmul._MMA_SOURCE": [
+        "gemm_mma<half_t, 1, 0>",
+        "gemm_mma<bf16_t, 4, 0>",
+        "gemm_mma<half_t, 2, 1>",
+    ],
     "contrib_quant._BODY": [
         "nbits_gemv<half_t, half_t, 1, 4, 1>",
         "nbits_gemv<float, float, 2, 8, 2>",
@@ -119,8 +124,9 @@ INSTANCES = {
         "gather_block_quant<long long, float, 4>",
     ],
     "contrib_quant._MMA4_SOURCE": [
-        "gemm_mma_nbits4<half_t, half_t, 1>",
-        "gemm_mma_nbits4<bf16_t, bf16_t, 4>",
+        "gemm_mma_nbits4<half_t, half_t, 1, 0>",
+        "gemm_mma_nbits4<bf16_t, bf16_t, 4, 0>",
+        "gemm_mma_nbits4<half_t, half_t, 2, 1>",
     ],
     "reduce._SOURCE": [
         "reduce_sum_split<float, float, 4>",
