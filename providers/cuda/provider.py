@@ -109,6 +109,14 @@ class CUDAProvider(ExecutionProvider):
             env="ONNX_GENRT_GATED_GEMV",
         ),
         ProviderOption(
+            "gated_mma",
+            False,
+            "with gated_gemv, gate on the tensor cores (gemm_mma, gemm_mma_nbits4) and in GEMV "
+            f"pieces too, up to {PIECES_MAX_M} rows (off until a GPU run checks it: those rows "
+            "then run the projection and the SiluMul kernel)",
+            env="ONNX_GENRT_GATED_MMA",
+        ),
+        ProviderOption(
             "prologue_max_rows",
             PROLOGUE_MAX_ROWS,
             "rows (M) up to which a GEMV makes its fused norm or SiluMul itself; more rows "

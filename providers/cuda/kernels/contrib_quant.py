@@ -59,7 +59,15 @@ from ._common import (
     storage,
 )
 from ._registry import REGISTRY
-from .matmul import MMA_MAX_M, MMA_TILES, gemv_layout, mma_config, provider_cublas, sum_splits
+from .matmul import (
+    MMA_MAX_M,
+    MMA_TILES,
+    gated_mma,
+    gemv_layout,
+    mma_config,
+    provider_cublas,
+    sum_splits,
+)
 
 #: The constant weights each kernel prefetches into L2 before its GRID_WAIT() (the packed
 #: weights and their scales; see matmul.PDL_WEIGHTS).
@@ -1010,14 +1018,19 @@ def _nbits_gemv(
 
 def _gated_rows_fit(ctx: KernelContext, a, b, bias, dims, m: int) -> bool:
     """Whether ``matmul_nbits(..., gated=True)`` takes these ``m`` rows: rows the ungated
-    call runs on the tensor cores or the 16-byte-chunk GEMVs (up to CHUNKED_GEMV_MAX_M), 4
-    bits, no bias, N a multiple of 8 (the tensor cores' gated tiles take 4 pairs)."""
+    call runs on the 16-byte-chunk GEMVs whole (up to GEMV_MAX_M rows) or, with
+    ``gated_mma``, also on the tensor cores and in GEMV pieces (up to CHUNKED_GEMV_MAX_M;
+    N a multiple of 8: a gated tile takes 4 pairs); 4 bits, no bias, an even N."""
     nb = -(-dims.k // dims.block)
+    if not gated_mma(ctx):  # only the rows the GEMV takes whole
+        least = nbits_mma_min_rows(ctx)
+        if m > GEMV_MAX_M or (least and least <= m and a.dtype in (F16, BF16)):
+            return False
     return (
         0 < m <= CHUNKED_GEMV_MAX_M
         and b.size > 0
         and bias is None
-        and dims.n % 8 == 0
+        and dims.n % (8 if gated_mma(ctx) else 2) == 0
         and _chunk16_fits(ctx, dims.bits, dims.block, dims.k, nb * dims.block // 2, b, a)
     )
 

@@ -719,7 +719,17 @@ def gated_gemv(
     m = int(a.size // k) if k else 0
     if n % 2 or not 0 < m <= PIECES_MAX_M or a.dtype != w.dtype:
         return None
+    if not gated_mma(ctx):  # only the rows gemv_nk takes whole
+        least = mma_min_rows(ctx)
+        if m > SKINNY_MAX_M or (least and least <= m and a.dtype in (F16, BF16)):
+            return None
     return _gemv_transposed(ctx, a, w, norm, gated=True)
+
+
+def gated_mma(ctx: KernelContext) -> bool:
+    """Whether gated projections also gate on the tensor cores and in GEMV pieces (the CUDA
+    provider's ``gated_mma``); else those rows run the projection, then SiluMul."""
+    return bool(ctx.option("gated_mma", False))
 
 
 def _gemv_transposed(

@@ -29,7 +29,7 @@ def _session(model, gated: bool):
     from onnx_genrt.providers.cuda.provider import CUDAProvider
     from onnx_genrt.session import InferenceSession
 
-    return InferenceSession(model, providers=[CUDAProvider(gated_gemv=gated)])
+    return InferenceSession(model, providers=[CUDAProvider(gated_gemv=gated, gated_mma=gated)])
 
 
 def _reference(model, x: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
