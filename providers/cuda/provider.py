@@ -110,10 +110,10 @@ class CUDAProvider(ExecutionProvider):
         ),
         ProviderOption(
             "gated_mma",
-            False,
+            True,
             "with gated_gemv, gate on the tensor cores (gemm_mma, gemm_mma_nbits4) and in GEMV "
-            f"pieces too, up to {PIECES_MAX_M} rows (off until a GPU run checks it: those rows "
-            "then run the projection and the SiluMul kernel)",
+            f"pieces too, up to {PIECES_MAX_M} rows (off: those rows run the projection, then "
+            "the SiluMul kernel)",
             env="ONNX_GENRT_GATED_MMA",
         ),
         ProviderOption(

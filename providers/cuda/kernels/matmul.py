@@ -729,7 +729,7 @@ def gated_gemv(
 def gated_mma(ctx: KernelContext) -> bool:
     """Whether gated projections also gate on the tensor cores and in GEMV pieces (the CUDA
     provider's ``gated_mma``); else those rows run the projection, then SiluMul."""
-    return bool(ctx.option("gated_mma", False))
+    return bool(ctx.option("gated_mma", True))
 
 
 def _gemv_transposed(
