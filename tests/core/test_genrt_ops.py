@@ -288,6 +288,18 @@ def test_silu_mul_matmul_bodies_equal_float64(proj, split, act):
         np.testing.assert_allclose(ort_out[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+def _check_body(model, feeds, outputs, want) -> None:
+    """The body's named outputs: exactly ``outputs``, close to ``want`` (float64) and to
+    onnxruntime's run of the same body."""
+    body = _run_body(model, feeds)
+    assert set(body) == {o for o in outputs if o}
+    for name, value in body.items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-4, atol=1e-4, err_msg=name)
+    ort_out = _run_ort_body(model, feeds)
+    for name, value in body.items():
+        np.testing.assert_allclose(ort_out[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 GATED_OUTPUTS = {
     "y": ["y"],
     "y-sum": ["y", "sum"],
@@ -324,13 +336,7 @@ def test_norm_matmul_silu_mul_bodies_equal_float64(proj, outputs):
     gate_up = normed @ w64
     act = _silu64(gate_up[..., :F], gate_up[..., F:])
     want = {"y": act, "sum": total, "normed": normed, "gate_up": gate_up}
-    body = _run_body(model, feeds)
-    assert set(body) == {o for o in outputs if o}
-    for name, value in body.items():
-        np.testing.assert_allclose(value, want[name], rtol=1e-4, atol=1e-4, err_msg=name)
-    ort_out = _run_ort_body(model, feeds)
-    for name, value in body.items():
-        np.testing.assert_allclose(ort_out[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
+    _check_body(model, feeds, outputs, want)
 
 
 MLP_OUTPUTS = {
@@ -366,13 +372,7 @@ def test_norm_gated_mlp_body_equals_float64(skip, outputs):
     gate_up = normed @ w_gate_up.astype(np.float64)
     act = _silu64(gate_up[..., :F], gate_up[..., F:])
     want = {"y": act @ w_down, "sum": total, "gate_up": gate_up, "act": act, "normed": normed}
-    body = _run_body(model, feeds)
-    assert set(body) == {o for o in outputs if o}
-    for name, value in body.items():
-        np.testing.assert_allclose(value, want[name], rtol=1e-4, atol=1e-4, err_msg=name)
-    ort_out = _run_ort_body(model, feeds)
-    for name, value in body.items():
-        np.testing.assert_allclose(ort_out[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
+    _check_body(model, feeds, outputs, want)
 
 
 # -- MTPAccept, MTPNextInputs -----------------------------------------------------------------

@@ -11,10 +11,11 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from onnx import numpy_helper
 
 from onnx_genrt.core.graph_slots import DeviceGraphSlot
 from tests.models import silu_projection
+
+from .test_cuda_gated_gemv import _check, _reference
 
 pytestmark = pytest.mark.gpu
 
@@ -27,24 +28,6 @@ def _session(model, fused: bool):
     from onnx_genrt.session import InferenceSession
 
     return InferenceSession(model, providers=[CUDAProvider(gemv_prologues=True, fused_mlp=fused)])
-
-
-def _reference(model, x: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(y, h) in float64 from the model's own weights."""
-    w = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
-    h = x.astype(np.float64) + r.astype(np.float64)
-    n = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-6) * w["gamma"]
-    g, u = n @ w["wg"], n @ w["wu"]
-    return (g / (1 + np.exp(-g)) * u) @ w["wd"], h
-
-
-def _check(got, want, dtype) -> None:
-    tol = 2e-2 if dtype == np.float16 else 5e-2
-    for g, w in zip(got, want, strict=True):
-        g = np.asarray(g, np.float64)
-        assert np.isfinite(g).all()
-        scale = max(1.0, float(np.abs(w).max()))
-        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
