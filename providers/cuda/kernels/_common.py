@@ -336,21 +336,25 @@ DEVI void gemv_store(float (&acc)[NR][MT], float (*red)[NR][MT], int wy, int wpc
 // SiLU gating of a gate value g and an up value u, in float: g * sigmoid(g) * u.
 DEVI float silu_times(float g, float u) { return (g * (1.f / (1.f + expf(-g)))) * u; }
 
+// silu_times of a gate sum and an up sum, each first rounded to S as a gate/up projection
+// stores them for a SiluMul kernel to read (a gated store then gives the unfused path's bits).
+template <typename S>
+DEVI float silu_times_stored(float g, float u) {
+  S gs, us;
+  st(&gs, 0, g);
+  st(&us, 0, u);
+  return silu_times(ld(&gs, 0), ld(&us, 0));
+}
+
 // Finishes a gated warp-per-column GEMV (gemv_reduce) whose warp holds a gate column (r = 0)
-// and its up column (r = 1): C[m, j] = silu_times(gate, up) of [M, F] C, the two sums first
-// rounded to S as a gate/up GEMV stores them for a SiluMul kernel to read.
+// and its up column (r = 1): C[m, j] = silu_times_stored(gate, up) of [M, F] C.
 template <typename S, int MT>
 DEVI void gemv_store_gated(float (&acc)[2][MT], float (*red)[2][MT], int wy, int wpc, int lane,
                            long long j, int F, int M, S* C) {
   if (!gemv_reduce<2, MT>(acc, red, wy, wpc, lane) || j >= F) return;
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
-    if (m < M) {
-      S gs, us;
-      st(&gs, 0, acc[0][m]);
-      st(&us, 0, acc[1][m]);
-      st(C, (long long)m * F + j, silu_times(ld(&gs, 0), ld(&us, 0)));
-    }
+    if (m < M) st(C, (long long)m * F + j, silu_times_stored<S>(acc[0][m], acc[1][m]));
   }
 }
 

@@ -197,12 +197,7 @@ __global__ void __launch_bounds__(256, MT <= 2 ? 2 : 1) norm_gated_mlp(
     if (lane == 0) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        if (m < M) {
-          S gs, us;  // g and u rounded as the gate/up GEMV stores them (in registers)
-          st(&gs, 0, acc[0][m]);
-          st(&us, 0, acc[1][m]);
-          st(act, (long long)m * F + j, silu_times(ld(&gs, 0), ld(&us, 0)));
-        }
+        if (m < M) st(act, (long long)m * F + j, silu_times_stored<S>(acc[0][m], acc[1][m]));
       }
     }
   });

@@ -62,7 +62,7 @@ from ._registry import REGISTRY
 from .matmul import (
     MMA_MAX_M,
     MMA_TILES,
-    gated_mma,
+    gated_rows,
     gemv_layout,
     mma_config,
     provider_cublas,
@@ -632,12 +632,8 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       const float up = __shfl_down_sync(0xffffffffu, acc[0][m], P * LPC);
-      if (sub == 0 && slot < P && in_range && m < M) {
-        S gs, us;  // rounded as the gate/up GEMV stores them for a SiluMul kernel
-        st(&gs, 0, acc[0][m]);
-        st(&us, 0, up);
-        st(C, (long long)m * (N / 2) + j, silu_times(ld(&gs, 0), ld(&us, 0)));
-      }
+      if (sub == 0 && slot < P && in_range && m < M)
+        st(C, (long long)m * (N / 2) + j, silu_times_stored<S>(acc[0][m], up));
     }
     return;
   }
@@ -1018,19 +1014,16 @@ def _nbits_gemv(
 
 def _gated_rows_fit(ctx: KernelContext, a, b, bias, dims, m: int) -> bool:
     """Whether ``matmul_nbits(..., gated=True)`` takes these ``m`` rows: rows the ungated
-    call runs on the 16-byte-chunk GEMVs whole (up to GEMV_MAX_M rows) or, with
-    ``gated_mma``, also on the tensor cores and in GEMV pieces (up to CHUNKED_GEMV_MAX_M;
-    N a multiple of 8: a gated tile takes 4 pairs); 4 bits, no bias, an even N."""
+    call runs on the 16-byte-chunk GEMVs or the tensor cores (up to CHUNKED_GEMV_MAX_M, as
+    ``gated_rows`` allows), 4 bits, no bias, an even N (the tensor cores, whose gated tile
+    takes 4 pairs, need N a multiple of 8 ungated too: ``_mma4_fits``)."""
     nb = -(-dims.k // dims.block)
-    if not gated_mma(ctx):  # only the rows the GEMV takes whole
-        least = nbits_mma_min_rows(ctx)
-        if m > GEMV_MAX_M or (least and least <= m and a.dtype in (F16, BF16)):
-            return False
     return (
         0 < m <= CHUNKED_GEMV_MAX_M
+        and gated_rows(ctx, m, a.dtype, nbits_mma_min_rows(ctx), GEMV_MAX_M)
         and b.size > 0
         and bias is None
-        and dims.n % (8 if gated_mma(ctx) else 2) == 0
+        and dims.n % 2 == 0
         and _chunk16_fits(ctx, dims.bits, dims.block, dims.k, nb * dims.block // 2, b, a)
     )
 

@@ -299,10 +299,7 @@ __global__ void splitk_sum_gated(const float* __restrict__ P, S* __restrict__ C,
     gs += p[t * mn];
     us += p[t * mn + F];
   }
-  S gq, uq;
-  st(&gq, 0, gs);
-  st(&uq, 0, us);
-  st(C, i, silu_times(ld(&gq, 0), ld(&uq, 0)));
+  st(C, i, silu_times_stored<S>(gs, us));
 }
 """
 )
@@ -429,10 +426,7 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
           p[j] = gs;
           p[F + j] = us;
         } else {
-          S gq, uq;  // rounded as the ungated GEMM stores them for a SiluMul kernel
-          st(&gq, 0, gs);
-          st(&uq, 0, us);
-          st(C, (long long)row * F + j, silu_times(ld(&gq, 0), ld(&uq, 0)));
+          st(C, (long long)row * F + j, silu_times_stored<S>(gs, us));
         }
       }
     }
@@ -713,23 +707,25 @@ def gated_gemv(
     side) as output 0 [..., F], made by the store of the kernel that multiplies (``gemv_nk``
     or ``gemm_mma`` with GATED = 1), each activation once and rounded as the ungated kernel
     and a SiluMul kernel round it: the rows ``_gemv_transposed`` runs on its own kernels (up
-    to PIECES_MAX_M), the same kernel for the same rows. None otherwise, before anything
-    runs."""
+    to PIECES_MAX_M), the same kernel for the same rows. None otherwise (before any kernel,
+    but for a misaligned ``a``, after at most the norm kernel)."""
     k, n = w.shape
     m = int(a.size // k) if k else 0
     if n % 2 or not 0 < m <= PIECES_MAX_M or a.dtype != w.dtype:
         return None
-    if not gated_mma(ctx):  # only the rows gemv_nk takes whole
-        least = mma_min_rows(ctx)
-        if m > SKINNY_MAX_M or (least and least <= m and a.dtype in (F16, BF16)):
-            return None
+    if not gated_rows(ctx, m, a.dtype, mma_min_rows(ctx), SKINNY_MAX_M):
+        return None
     return _gemv_transposed(ctx, a, w, norm, gated=True)
 
 
-def gated_mma(ctx: KernelContext) -> bool:
-    """Whether gated projections also gate on the tensor cores and in GEMV pieces (the CUDA
-    provider's ``gated_mma``); else those rows run the projection, then SiluMul."""
-    return bool(ctx.option("gated_mma", True))
+def gated_rows(ctx: KernelContext, m: int, dtype: np.dtype, least: int, whole: int) -> bool:
+    """Whether a gated projection's kernels take ``m`` rows by the CUDA provider's
+    ``gated_mma``: on, every row count its GEMV pieces and tensor cores take; off, only the
+    rows a GEMV takes whole (at most ``whole``, below ``least``, the tensor cores' first row
+    count for fp16/bf16); the other rows run the projection, then SiluMul."""
+    if ctx.option("gated_mma", True):
+        return True
+    return m <= whole and not (least and least <= m and dtype in (F16, BF16))
 
 
 def _gemv_transposed(
