@@ -6,6 +6,10 @@ Times ``PendingStep.wait`` (the host blocked on the device's results) during a t
 generation after warm-up runs. A step whose wait is a large share of its time is bound by the
 device (fewer or cheaper kernels help); a small share means the host is the bottleneck.
 ``--cprofile N`` also prints the top N functions of one more generation by own time.
+
+``--rows N`` times a batched greedy generation of N rows instead (``generate_batch``, random
+prompts of 32 tokens), with the batch's look-ahead on and off: per step, the time in
+``DecoderRunner.finish_rows`` (mostly waiting on the device) and in ``launch_rows``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,55 @@ from onnx_genrt.engine import decoder as decoder_module
 from onnx_genrt.generate_cli import default_model_dir
 
 
+def _batch(model: Model, rows: int, tokens: int, cprofile: int) -> None:
+    """The ``--rows`` report (see the module docstring)."""
+    import numpy as np
+
+    from onnx_genrt.engine import generate_batch
+    from onnx_genrt.engine.batch import BatchGenerator
+    from onnx_genrt.engine.decoder import DecoderRunner
+
+    spent: dict[str, list[float]] = {"finish_rows": [0.0, 0], "launch_rows": [0.0, 0]}
+    for name, tally in spent.items():
+        original = getattr(DecoderRunner, name)
+
+        def timed(*args, _original=original, _tally=tally, **kwargs):
+            t = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _tally[0] += time.perf_counter() - t
+                _tally[1] += 1
+
+        setattr(DecoderRunner, name, timed)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(1, vocab, 32).tolist() for _ in range(rows)]
+    kwargs = {"min_length": 32 + tokens}
+    for ahead in (None, False):
+        BatchGenerator.look_ahead = ahead
+        generate_batch(model, prompts, tokens, **kwargs)
+        for tally in spent.values():
+            tally[:] = [0.0, 0]
+        res = generate_batch(model, prompts, tokens, **kwargs)[0]
+        steps = tokens - 1
+        parts = ", ".join(
+            f"{name} {t / steps * 1e3:.3f} ms ({n} calls)" for name, (t, n) in spent.items()
+        )
+        print(
+            f"{rows} rows, look-ahead {'auto' if ahead is None else 'off'}: "
+            f"{rows * steps / res.decode_seconds:.1f} tok/s, "
+            f"{res.decode_seconds / steps * 1e3:.3f} ms a step; per step: {parts}"
+        )
+    BatchGenerator.look_ahead = None
+    if cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        generate_batch(model, prompts, tokens, **kwargs)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(cprofile)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
@@ -28,8 +81,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--prompt", default="    def __init__(self")
     p.add_argument("--cprofile", type=int, default=0, metavar="N")
+    p.add_argument("--rows", type=int, default=0, help="a batched generation of N rows")
     a = p.parse_args(argv)
     model = Model(a.model or default_model_dir(), a.provider)
+    if a.rows:
+        _batch(model, a.rows, a.tokens, a.cprofile)
+        return
     waited = [0.0, 0]
     original = decoder_module.PendingStep.wait
 

@@ -28,19 +28,40 @@ from onnx_genrt.core.errors import KernelError
 from . import driver as cuda_driver
 from .kernel_args import Packer
 
+
+@dataclass(frozen=True)
+class Programmatic:
+    """How a stream's kernels are compiled for programmatic launch: ``prefetch``, with their
+    L2 weight prefetches before GRID_WAIT() (``pdl_prefetch``); ``early``
+    (``pdl_early_launch``), which kernels let the next one be scheduled right after their
+    wait, so its blocks prefetch their weights while they run: 0 none, 1 the decode
+    attention kernels (``GRID_EARLY_LAUNCH()``: few blocks, little memory), 2 every kernel."""
+
+    prefetch: bool = True
+    early: int = 0
+
+    def defines(self) -> tuple[str, ...]:
+        """The NVRTC options of ``kernels/_common.GRID_DEPENDENCY`` for these settings."""
+        return (
+            "-DGENRT_PDL=1",
+            f"-DGENRT_PDL_PREFETCH={int(self.prefetch)}",
+            f"-DGENRT_PDL_EARLY={int(self.early)}",
+        )
+
+
 #: Streams (by handle) whose kernels go through cuLaunchKernelEx with the PDL attribute, and
-#: whether their kernels prefetch weights into L2 before they wait (``pdl_prefetch``).
-_PROGRAMMATIC: dict[int, bool] = {}
+#: how their kernels are compiled for it.
+_PROGRAMMATIC: dict[int, Programmatic] = {}
 #: Reentrant: ``forbid_programmatic`` runs from a provider's finalizer, which the garbage
 #: collector may call on a thread that holds the lock (it deadlocked a GPU test run when the
 #: lock was plain and ``stream.ptr`` was read under it); nothing that allocates runs under it.
 _LOCK = threading.RLock()
 
 
-def allow_programmatic(stream: Any, prefetch: bool = True) -> None:
-    """Launch PDL-ready kernels on ``stream`` (a CuPy stream) programmatically; ``prefetch``:
-    compile them with their L2 weight prefetches before GRID_WAIT()."""
-    key, value = int(stream.ptr), bool(prefetch)
+def allow_programmatic(stream: Any, prefetch: bool = True, early: int = 0) -> None:
+    """Launch PDL-ready kernels on ``stream`` (a CuPy stream) programmatically; ``prefetch``
+    and ``early``: see :class:`Programmatic`."""
+    key, value = int(stream.ptr), Programmatic(bool(prefetch), int(early))
     with _LOCK:
         _PROGRAMMATIC[key] = value
 
@@ -54,12 +75,10 @@ def forbid_programmatic(stream_ptr: int) -> None:
 
 def compile_defines() -> tuple[str, ...]:
     """NVRTC options for kernels about to run on the current stream: ``GENRT_PDL`` (the PDL
-    macros of ``kernels/_common.GRID_DEPENDENCY`` in force) and ``GENRT_PDL_PREFETCH`` on a
-    stream that allows programmatic launch; none elsewhere."""
-    prefetch = _PROGRAMMATIC.get(cupy.cuda.get_current_stream().ptr)
-    if prefetch is None:
-        return ()
-    return ("-DGENRT_PDL=1", f"-DGENRT_PDL_PREFETCH={int(prefetch)}")
+    macros of ``kernels/_common.GRID_DEPENDENCY`` in force), ``GENRT_PDL_PREFETCH`` and
+    ``GENRT_PDL_EARLY`` on a stream that allows programmatic launch; none elsewhere."""
+    settings = _PROGRAMMATIC.get(cupy.cuda.get_current_stream().ptr)
+    return () if settings is None else settings.defines()
 
 
 @dataclass

@@ -187,14 +187,30 @@ def scratch(ctx: KernelContext, nbytes: int) -> cupy.ndarray:
 #: value a load returns (the L2 is where every SM's writes meet); compiled in only with
 #: ``GENRT_PDL_PREFETCH`` (the provider's ``pdl_prefetch``). ``GRID_LAUNCH_DEPENDENTS()``
 #: lets the next kernel be scheduled once every block of this one has called it or exited.
+#: ``GENRT_PDL_EARLY`` (the provider's ``pdl_early_launch``) calls it as soon as the wait
+#: returns, so the next kernel's blocks are resident and prefetch their weights while this
+#: one runs: at 1 in the kernels that say ``GRID_EARLY_LAUNCH()`` after their wait (decode
+#: attention: few blocks, little memory), at 2 in every GRID_WAIT(). At most two kernels
+#: overlap: the next one's own trigger comes after its wait, which this kernel's end releases.
 #: tests/providers/cuda/test_cuda_kernel_sources.py checks every kernel against these rules.
 GRID_DEPENDENCY = r"""
 #if defined(GENRT_PDL) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(GENRT_PDL_EARLY) && GENRT_PDL_EARLY >= 2
+#define GRID_WAIT() \
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
 #define GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#endif
 #define GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;")
+#if defined(GENRT_PDL_EARLY) && GENRT_PDL_EARLY == 1
+#define GRID_EARLY_LAUNCH() GRID_LAUNCH_DEPENDENTS()
+#else
+#define GRID_EARLY_LAUNCH() ((void)0)
+#endif
 #else
 #define GRID_WAIT() ((void)0)
 #define GRID_LAUNCH_DEPENDENTS() ((void)0)
+#define GRID_EARLY_LAUNCH() ((void)0)
 #endif
 #if defined(GENRT_PDL) && GENRT_PDL_PREFETCH && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The line holding p, into L2.

@@ -77,6 +77,9 @@ _SOURCE = (
 #ifndef GRID_WAIT
 #define GRID_WAIT() ((void)0)
 #endif
+#ifndef GRID_EARLY_LAUNCH
+#define GRID_EARLY_LAUNCH() ((void)0)
+#endif
 
 // How a warp lays out a tile (grouped_decode.DecodeShape): V elements per 16-byte load; LK
 // lanes score one key (KL loads each), TK keys a tile; FS lanes load one value row, KS rows
@@ -524,6 +527,7 @@ DEVI void decode_body(DECODE_PARAMS) {
 template <typename S, typename C, int D, int G, int W, int HG, int MB>
 __global__ void __launch_bounds__(32 * W * HG, MB) gqa_decode(DECODE_PARAMS) {
   GRID_WAIT();
+  GRID_EARLY_LAUNCH();
   decode_body<S, C, D, G, W, HG, 0>(DECODE_ARGS);
 }
 
@@ -533,6 +537,7 @@ template <typename S, typename C, int D, int G, int W, int HG, int MB>
 __global__ void __cluster_dims__(GD_CLUSTER, 1, 1) __launch_bounds__(32 * W * HG, MB)
     gqa_decode_cluster(DECODE_PARAMS) {
   GRID_WAIT();
+  GRID_EARLY_LAUNCH();
   decode_body<S, C, D, G, W, HG, GD_CLUSTER>(DECODE_ARGS);
 }
 #endif

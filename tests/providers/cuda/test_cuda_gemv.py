@@ -206,9 +206,9 @@ def mma4_calls(monkeypatch):
     calls = []
     real = contrib_quant._nbits_mma
 
-    def spy(ctx, call, a, y, m):
+    def spy(ctx, call, a, y, m, *args, **kwargs):
         calls.append(m)
-        return real(ctx, call, a, y, m)
+        return real(ctx, call, a, y, m, *args, **kwargs)
 
     monkeypatch.setattr(contrib_quant, "_nbits_mma", spy)
     return calls

@@ -221,29 +221,40 @@ KNOWN_SPILLS = {
         "13nbits4_gemv16IttLi1ELi1ELi0E",
     ),
 }
-#: The three ways the provider compiles a source (``launch.compile_defines``).
-PDL = ("-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1")
-PDL_NO_PREFETCH = ("-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=0")
+#: The ways the provider compiles a source (``launch.compile_defines``).
+PDL = ("-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1", "-DGENRT_PDL_EARLY=1")
+PDL_NO_PREFETCH = ("-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=0", "-DGENRT_PDL_EARLY=0")
+PDL_EARLY = ("-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1", "-DGENRT_PDL_EARLY=2")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "defines"),
-    [("sm_90", PDL), ("sm_90", PDL_NO_PREFETCH), ("sm_90", ()), ("sm_80", PDL)],
-    ids=["sm90-pdl", "sm90-pdl-no-prefetch", "sm90-plain", "sm80-pdl"],
+    [
+        ("sm_90", PDL),
+        ("sm_90", PDL_NO_PREFETCH),
+        ("sm_90", PDL_EARLY),
+        ("sm_90", ()),
+        ("sm_80", PDL),
+    ],
+    ids=["sm90-pdl", "sm90-pdl-no-prefetch", "sm90-pdl-early", "sm90-plain", "sm80-pdl"],
 )
 def test_every_kernel_source_compiles(tmp_path, arch, defines):
     """Every source the provider compiles, through nvcc (where installed) as NVRTC builds it
     at run time (C++17, one architecture, the PDL defines of a programmatic stream or none):
     it compiles, no kernel spills that does not spill on main, and the PTX has
     griddepcontrol.wait in every kernel and the L2 prefetches exactly where they are asked
-    for (sm_90 with GENRT_PDL; GENRT_PDL_PREFETCH), nothing of PDL elsewhere."""
+    for (sm_90 with GENRT_PDL; GENRT_PDL_PREFETCH), the next grid's launch right after the
+    wait (GENRT_PDL_EARLY: 1 in the decode attention kernels, 2 in every kernel), nothing of
+    PDL elsewhere."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed")
     got = run_with_cupy_stub(_DUMP_SOURCES, json.dumps(INSTANCES))
     pdl = arch == "sm_90" and bool(defines)
     prefetch = pdl and "-DGENRT_PDL_PREFETCH=1" in defines
+    early = pdl and "-DGENRT_PDL_EARLY=2" in defines
+    attention_early = pdl and "-DGENRT_PDL_EARLY=1" in defines
     for key, names in INSTANCES.items():
         variants = [got["sources"][key]]
         if key == "contrib_quant._BODY":  # contrib_quant._source: NBITS_HALF2 on and off
@@ -273,6 +284,12 @@ def test_every_kernel_source_compiles(tmp_path, arch, defines):
             for entry in entries:
                 name = entry.split("(", 1)[0]
                 assert ("griddepcontrol.wait" in entry) == pdl, (path.name, name)
+                if attention_early and "gqa_decode" in name:  # GRID_EARLY_LAUNCH()
+                    assert "griddepcontrol.launch_dependents" in entry, (path.name, name)
+                if early:  # the trigger right after the wait, in the same asm statement
+                    assert re.search(
+                        r"griddepcontrol\.wait;\s*griddepcontrol\.launch_dependents;", entry
+                    ), (path.name, name)
             assert ("cp.async.bulk.prefetch" in ptx or "prefetch.global.L2" in ptx) == (
                 prefetch
                 and any(k in key for k in ("matmul", "contrib_quant"))

@@ -41,7 +41,8 @@ def test_the_provider_says_whether_programmatic_launch_is_on(cp, monkeypatch):
     from onnx_genrt.providers.cuda import driver as cuda_driver
     from onnx_genrt.providers.cuda.provider import CUDAProvider
 
-    monkeypatch.delenv("ONNX_GENRT_PROGRAMMATIC_LAUNCH", raising=False)
+    for var in ("PROGRAMMATIC_LAUNCH", "PDL_PREFETCH", "PDL_EARLY_LAUNCH"):
+        monkeypatch.delenv(f"ONNX_GENRT_{var}", raising=False)
     cc = int(cp.cuda.Device(0).compute_capability)
     drv = cuda_driver.load()
     supported = cc >= 90 and not isinstance(drv, str)
@@ -50,7 +51,7 @@ def test_the_provider_says_whether_programmatic_launch_is_on(cp, monkeypatch):
     assert prov.programmatic_launch == supported
     (note,) = prov.status_notes()
     if prov.programmatic_launch:
-        assert note == "programmatic launch: on (with L2 weight prefetch)"
+        assert note == "programmatic launch: on (with L2 weight prefetch, early launch 1)"
     else:
         assert note == f"programmatic launch: {prov.programmatic_launch_problem}"
     off = CUDAProvider(programmatic_launch=False)

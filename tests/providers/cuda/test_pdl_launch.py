@@ -353,6 +353,8 @@ except KernelError as exc:
     out["error"] = str(exc)
 launch.allow_programmatic(stream, prefetch=True)
 out["defines_prefetch"] = list(launch.compile_defines())
+launch.allow_programmatic(stream, prefetch=True, early=2)
+out["defines_early"] = list(launch.compile_defines())
 launch.forbid_programmatic(0x5000)
 out["defines_forbidden"] = list(launch.compile_defines())
 
@@ -412,8 +414,10 @@ def test_kernel_routes_by_stream_and_readiness():
     zero = {"programmatic": 0, "ordinary": 0, "unready": 0, "cooperative": 0}
     assert got["ordinary"] == [1, 0, {**zero, "ordinary": 1}]
     assert got["defines_off"] == [] and got["defines_forbidden"] == []
-    assert got["defines_on"] == ["-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=0"]
-    assert got["defines_prefetch"] == ["-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1"]
+    pdl = "-DGENRT_PDL=1"
+    assert got["defines_on"] == [pdl, "-DGENRT_PDL_PREFETCH=0", "-DGENRT_PDL_EARLY=0"]
+    assert got["defines_prefetch"] == [pdl, "-DGENRT_PDL_PREFETCH=1", "-DGENRT_PDL_EARLY=0"]
+    assert got["defines_early"] == [pdl, "-DGENRT_PDL_PREFETCH=1", "-DGENRT_PDL_EARLY=2"]
     raw_calls, calls, counts = got["programmatic"]
     assert raw_calls == 1 and counts == {**zero, "programmatic": 1, "ordinary": 1}
     _, want = layout([(np.uint64, 0x1000), (np.int32, 3), (np.uint64, 0x2000)])
@@ -430,8 +434,8 @@ def test_kernel_routes_by_stream_and_readiness():
     made, plain_ready, pdl_ready, cached, unready = got["function"]
     assert made == [
         ["-std=c++17"],
-        ["-std=c++17", "-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1"],
-        ["-std=c++17", "-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1"],
+        ["-std=c++17", "-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1", "-DGENRT_PDL_EARLY=0"],
+        ["-std=c++17", "-DGENRT_PDL=1", "-DGENRT_PDL_PREFETCH=1", "-DGENRT_PDL_EARLY=0"],
     ]
     assert (plain_ready, pdl_ready, cached, unready) == (False, True, True, False)
 
@@ -553,12 +557,18 @@ streams = iter(range(0x100, 0x200, 0x10))
 cupy.cuda.Stream.side_effect = lambda **kw: type("S", (), {"ptr": next(streams)})()
 out = []
 on = {"programmatic_launch": True}
-for kw in (on, {"programmatic_launch": False}, {**on, "pdl_prefetch": False}, {}):
+allowed = lambda: {k: [v.prefetch, v.early] for k, v in launch._PROGRAMMATIC.items()}
+for kw in (on, {"programmatic_launch": False}, {**on, "pdl_prefetch": False}, {},
+           {**on, "pdl_early_launch": 0}):
     p = CUDAProvider(**kw)
-    out.append([p.programmatic_launch, list(p.status_notes()), dict(launch._PROGRAMMATIC)])
+    out.append([p.programmatic_launch, list(p.status_notes()), allowed()])
     del p
     gc.collect()
-out.append(dict(launch._PROGRAMMATIC))  # every provider gone: no stream left allowed
+out.append(allowed())  # every provider gone: no stream left allowed
+try:
+    CUDAProvider(pdl_early_launch=3)
+except Exception as exc:
+    out.append(str(exc))
 print(json.dumps(out))
 """
 
@@ -567,17 +577,25 @@ def test_provider_allows_its_stream_only_where_it_can(monkeypatch):
     monkeypatch.delenv("ONNX_GENRT_PROGRAMMATIC_LAUNCH", raising=False)
     monkeypatch.delenv("ONNX_GENRT_PDL_PREFETCH", raising=False)
     monkeypatch.setenv("CC", "90")
-    on, off, no_prefetch, default, after = run_with_cupy_stub(_PROVIDER)
-    assert on == [True, ["programmatic launch: on (with L2 weight prefetch)"], {"256": True}]
-    assert default == [True, ["programmatic launch: on (with L2 weight prefetch)"], {"304": True}]
+    monkeypatch.delenv("ONNX_GENRT_PDL_EARLY_LAUNCH", raising=False)
+    on, off, no_prefetch, default, early, after, bad = run_with_cupy_stub(_PROVIDER)
+    notes = ["programmatic launch: on (with L2 weight prefetch, early launch 1)"]
+    assert on == [True, notes, {"256": [True, 1]}]
+    assert default == [True, notes, {"304": [True, 1]}]
+    assert early == [
+        True,
+        ["programmatic launch: on (with L2 weight prefetch)"],
+        {"320": [True, 0]},
+    ]
+    assert bad == "provider 'cuda' option 'pdl_early_launch' must be 0, 1 or 2, got 3"
     assert off[0] is False and off[2] == {}
     assert off[1] == [
         "programmatic launch: off (programmatic_launch=False or ONNX_GENRT_PROGRAMMATIC_LAUNCH=0)"
     ]
     assert no_prefetch == [
         True,
-        ["programmatic launch: on (without L2 weight prefetch)"],
-        {"288": False},
+        ["programmatic launch: on (without L2 weight prefetch, early launch 1)"],
+        {"288": [False, 1]},
     ]
     assert after == {}
     monkeypatch.setenv("CC", "80")
