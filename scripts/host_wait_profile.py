@@ -10,6 +10,9 @@ device (fewer or cheaper kernels help); a small share means the host is the bott
 ``--rows N`` times a batched greedy generation of N rows instead (``generate_batch``, random
 prompts of 32 tokens), with the batch's look-ahead on and off: per step, the time in
 ``DecoderRunner.finish_rows`` (mostly waiting on the device) and in ``launch_rows``.
+``--events`` (CUDA) also times, on the device, what each step queues on the stream: the
+input upload, the token copy, the graph, the read-back, and the time between one step's
+read-back and the next step's upload (the device idle, or other work).
 """
 
 from __future__ import annotations
@@ -24,7 +27,59 @@ from onnx_genrt.engine import decoder as decoder_module
 from onnx_genrt.generate_cli import default_model_dir
 
 
-def _batch(model: Model, rows: int, tokens: int, cprofile: int) -> None:
+class _StreamEvents:
+    """CUDA events recorded on the session's stream around the engine's per-step calls
+    (``DeviceIO.write`` / ``copy`` / ``read_later`` and the graph run), outside captures."""
+
+    LABELS = ("upload", "token copy", "graph", "read-back", "between steps")
+
+    def __init__(self, model: Model) -> None:
+        import cupy
+
+        from onnx_genrt.session import InferenceSession
+        from onnx_genrt.session.device_io import DeviceIO
+
+        self.cupy, self.provider = cupy, model.session.main_provider
+        self.marks: list[tuple[str, object]] = []
+        self.on = False
+        for cls, name, label in (
+            (DeviceIO, "write", "upload"),
+            (DeviceIO, "copy", "token copy"),
+            (InferenceSession, "run_with_iobinding", "graph"),
+            (DeviceIO, "read_later", "read-back"),
+        ):
+            self._wrap(cls, name, label)
+
+    def _mark(self, label: str) -> None:
+        if self.on and self.provider.capturing is None:
+            event = self.cupy.cuda.Event()
+            event.record(self.provider.stream)
+            self.marks.append((label, event))
+
+    def _wrap(self, cls: type, name: str, label: str) -> None:
+        original = getattr(cls, name)
+
+        def wrapped(*args, **kwargs):
+            if label == "upload":
+                self._mark("start")
+            result = original(*args, **kwargs)
+            self._mark(label)
+            return result
+
+        setattr(cls, name, wrapped)
+
+    def report(self, steps: int) -> str:
+        """Device ms per step in each part (events paired in stream order)."""
+        self.provider.synchronize()
+        spent = dict.fromkeys(self.LABELS, 0.0)
+        for (_, a), (label, b) in zip(self.marks, self.marks[1:], strict=False):
+            key = "between steps" if label == "start" else label
+            spent[key] += self.cupy.cuda.get_elapsed_time(a, b)
+        self.marks.clear()
+        return ", ".join(f"{k} {v / steps:.3f}" for k, v in spent.items())
+
+
+def _batch(model: Model, rows: int, tokens: int, cprofile: int, events: bool = False) -> None:
     """The ``--rows`` report (see the module docstring)."""
     import numpy as np
 
@@ -45,6 +100,7 @@ def _batch(model: Model, rows: int, tokens: int, cprofile: int) -> None:
                 _tally[1] += 1
 
         setattr(DecoderRunner, name, timed)
+    marks = _StreamEvents(model) if events else None
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(1, vocab, 32).tolist() for _ in range(rows)]
@@ -54,7 +110,11 @@ def _batch(model: Model, rows: int, tokens: int, cprofile: int) -> None:
         generate_batch(model, prompts, tokens, **kwargs)
         for tally in spent.values():
             tally[:] = [0.0, 0]
+        if marks is not None:
+            marks.on = True
         res = generate_batch(model, prompts, tokens, **kwargs)[0]
+        if marks is not None:
+            marks.on = False
         steps = tokens - 1
         parts = ", ".join(
             f"{name} {t / steps * 1e3:.3f} ms ({n} calls)" for name, (t, n) in spent.items()
@@ -64,6 +124,8 @@ def _batch(model: Model, rows: int, tokens: int, cprofile: int) -> None:
             f"{rows * steps / res.decode_seconds:.1f} tok/s, "
             f"{res.decode_seconds / steps * 1e3:.3f} ms a step; per step: {parts}"
         )
+        if marks is not None:
+            print(f"  on the device, ms a step (prompts included): {marks.report(steps)}")
     BatchGenerator.look_ahead = None
     if cprofile:
         profiler = cProfile.Profile()
@@ -82,10 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", default="    def __init__(self")
     p.add_argument("--cprofile", type=int, default=0, metavar="N")
     p.add_argument("--rows", type=int, default=0, help="a batched generation of N rows")
+    p.add_argument("--events", action="store_true", help="with --rows: device time per part")
     a = p.parse_args(argv)
     model = Model(a.model or default_model_dir(), a.provider)
     if a.rows:
-        _batch(model, a.rows, a.tokens, a.cprofile)
+        _batch(model, a.rows, a.tokens, a.cprofile, a.events)
         return
     waited = [0.0, 0]
     original = decoder_module.PendingStep.wait
