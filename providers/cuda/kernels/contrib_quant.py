@@ -740,8 +740,7 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits) {
   if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
-    const int x = threadIdx.x, j0 = blockIdx.x * 4;
-    const long long n = GATED ? (x < 4 ? j0 + x : N / 2 + j0 + x - 4) : blockIdx.x * 8 + x;
+    const long long n = mma_w_row<GATED>(threadIdx.x, N);
     if (kb < ke) {  // value k of row n at byte (n * nb * block + k) / 2 (see Nibbles4)
       pdl_prefetch_bytes(B + (n * nb * block + kb) / 2,
                          (unsigned int)(min(ke, kb + 512) - kb) / 2u);

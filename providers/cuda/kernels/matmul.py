@@ -369,6 +369,15 @@ DEVI void ld32(const void* p, bool ok, unsigned (&w)[8]) {
 // columns are gate columns j0 .. j0 + 3 (j0 = 4 * blockIdx.x) and their up columns j0 + F ..,
 // and C [M, F] gets silu_times(gate, up) of the sums rounded to S (with splits > 1 the
 // partials keep W's column numbers and splitk_sum_gated gates them).
+// W's row (a column of C = A W^T) that slot x (0..7) of this block's 8 columns reads: row
+// 8 * blockIdx.x + x, or with GATED gate row 4 * blockIdx.x + x (x < 4) and its up row N / 2
+// further (x >= 4). mma_tiles' lanes and the kernels' L2 prefetches both use it.
+template <int GATED>
+DEVI int mma_w_row(int x, int N) {
+  const int j0 = blockIdx.x * 4;
+  return GATED ? (x < 4 ? j0 + x : N / 2 + j0 + x - 4) : blockIdx.x * 8 + x;
+}
+
 template <typename S, int MT, int GATED, typename Load>
 DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restrict__ bias,
                     S* __restrict__ C, float* __restrict__ P, int M, int K, int N,
@@ -377,7 +386,7 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * 8, j0 = blockIdx.x * 4, F = N / 2;
-  const int col_g = GATED ? (g < 4 ? j0 + g : F + j0 + g - 4) : n0 + g;  // W's row of lane g
+  const int w_row = mma_w_row<GATED>(g, N);  // the W row lane g loads
   const int kb = blockIdx.y * k_per_split;
   const int ke = min(K, kb + k_per_split);
   float acc[MT][4];
@@ -388,7 +397,7 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
   const S* arow = A + (long long)g * K + 16 * t;
   for (int k = kb + warp * 64; k < ke; k += 8 * 64) {
     unsigned b[8];
-    load(col_g, k + 16 * t, b);
+    load(w_row, k + 16 * t, b);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int r0 = mt * 16 + g;
@@ -472,8 +481,7 @@ __global__ void __launch_bounds__(256) gemm_mma(
     int M, int K, int N, int k_per_split, int splits) {
   if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
-    const int x = threadIdx.x, j0 = blockIdx.x * 4;
-    const long long n = GATED ? (x < 4 ? j0 + x : N / 2 + j0 + x - 4) : blockIdx.x * 8 + x;
+    const long long n = mma_w_row<GATED>(threadIdx.x, N);
     if (kb < ke)
       pdl_prefetch_bytes(W + n * K + kb,
                          (unsigned int)(min(ke, kb + 512) - kb) * (unsigned int)sizeof(S));
