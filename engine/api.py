@@ -507,13 +507,15 @@ def _decode_batch(
         reasons.append(None)
     t1 = time.perf_counter()
     live = set(range(len(rows)))
+    # Text is decoded token by token in the step loop where stop strings need it, or where
+    # the batch queues steps ahead (the device computes meanwhile); else a row's text is
+    # decoded once, when it ends (the same stream decoder over the same tokens).
+    stream = bool(stops) or batch.queues_ahead
     while True:
         for i in list(live):
             row = rows[i]
-            # Without stop strings a row's text is decoded once, when it ends (the same
-            # stream decoder over the same tokens), not token by token in the step loop.
             new = batch.last_tokens(row)
-            kept, hit = scanners[i].feed(new)[1:] if stops else (new, None)
+            kept, hit = scanners[i].feed(new)[1:] if stream else (new, None)
             if hit is not None:
                 reasons[i] = f"stop string {hit!r}"
             elif batch.ended_by_eos(row):
@@ -528,7 +530,7 @@ def _decode_batch(
                 probs = batch.all_logprobs(row)
                 if probs is not None:
                     kept_logprobs[i] = probs[: len(sequences[i]) - len(ids[i])]
-                if not stops:
+                if not stream:
                     scanners[i].feed(sequences[i][len(ids[i]) :])
                 batch.remove(row)  # later steps skip the row
         if not live:

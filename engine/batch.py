@@ -470,6 +470,13 @@ class BatchGenerator:
         }
         return sample_inputs(size, rows)
 
+    @property
+    def queues_ahead(self) -> bool:
+        """Whether steps are queued one ahead where they can be (``look_ahead``, by default
+        on a provider with asynchronous reads): the host's work between steps then runs
+        while the device computes, rather than adding to each step."""
+        return self.runner.io.auto(self.look_ahead)
+
     def _may_look_ahead(
         self, live: dict[int, _Row], size: int, lengths: np.ndarray, need_logits: bool
     ) -> bool:
@@ -478,8 +485,7 @@ class BatchGenerator:
         of rows, room in the cache, on a provider with asynchronous reads (unless forced),
         and, while the batch speculates, no verify step possible next (too many rows of
         tokens or too little room)."""
-        wanted = self.runner.io.auto(self.look_ahead)
-        if not wanted or need_logits or size > self.max_graph_rows:
+        if not self.queues_ahead or need_logits or size > self.max_graph_rows:
             return False
         spec = self.speculation
         if spec is not None and self._may_verify(spec, live, size):

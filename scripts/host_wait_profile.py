@@ -10,15 +10,17 @@ device (fewer or cheaper kernels help); a small share means the host is the bott
 ``--rows N`` times a batched greedy generation of N rows instead (``generate_batch``, random
 prompts of 32 tokens), with the batch's look-ahead on and off: per step, the time in
 ``DecoderRunner.finish_rows`` (mostly waiting on the device) and in ``launch_rows``.
-``--events`` (CUDA) also times, on the device, what each step queues on the stream: the
-input upload, the token copy, the graph, the read-back, and the time between one step's
-read-back and the next step's upload (the device idle, or other work).
+``--events`` (CUDA) also times, on the device, what each decode step queues on the stream
+(medians over the steps): the input upload, the token copy, the wait for the graph's launch,
+the graph, the read-back, and the time between one step's read-back and the next step's
+upload (the device idle, or other work); then the same graph replayed alone, back to back.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import time
 
@@ -29,32 +31,47 @@ from onnx_genrt.generate_cli import default_model_dir
 
 class _StreamEvents:
     """CUDA events recorded on the session's stream around the engine's per-step calls
-    (``DeviceIO.write`` / ``copy`` / ``read_later`` and the graph run), outside captures."""
+    (``DeviceIO.write`` / ``copy`` / ``read_later`` and the provider's graph replay), outside
+    captures; each upload starts a step's record."""
 
-    LABELS = ("upload", "token copy", "graph", "read-back", "between steps")
+    LABELS = ("upload", "token copy", "before graph", "graph", "read-back", "between steps")
 
     def __init__(self, model: Model) -> None:
         import cupy
 
-        from onnx_genrt.session import InferenceSession
         from onnx_genrt.session.device_io import DeviceIO
 
         self.cupy, self.provider = cupy, model.session.main_provider
-        self.marks: list[tuple[str, object]] = []
+        self.steps: list[list[tuple[str, object]]] = []
+        self.parts: list[tuple] = []
         self.on = False
         for cls, name, label in (
             (DeviceIO, "write", "upload"),
             (DeviceIO, "copy", "token copy"),
-            (InferenceSession, "run_with_iobinding", "graph"),
             (DeviceIO, "read_later", "read-back"),
         ):
             self._wrap(cls, name, label)
+        replay = self.provider.graph_replay
+
+        def graph_replay(slot, part):
+            self._mark("before graph")
+            if self.on and self.steps:
+                self.parts[-1] = (slot, part)
+            replay(slot, part)
+            self._mark("graph")
+
+        self.provider.graph_replay = graph_replay
 
     def _mark(self, label: str) -> None:
-        if self.on and self.provider.capturing is None:
+        if not self.on or self.provider.capturing is not None:
+            return
+        if label == "start":
+            self.steps.append([])
+            self.parts.append(None)
+        if self.steps:
             event = self.cupy.cuda.Event()
             event.record(self.provider.stream)
-            self.marks.append((label, event))
+            self.steps[-1].append((label, event))
 
     def _wrap(self, cls: type, name: str, label: str) -> None:
         original = getattr(cls, name)
@@ -68,15 +85,45 @@ class _StreamEvents:
 
         setattr(cls, name, wrapped)
 
-    def report(self, steps: int) -> str:
-        """Device ms per step in each part (events paired in stream order)."""
+    def report(self) -> str:
+        """Median device ms of each part over the steps that replayed the most common
+        graph (the decode step: prompts left out), and that graph replayed alone."""
+        import statistics
+
         self.provider.synchronize()
-        spent = dict.fromkeys(self.LABELS, 0.0)
-        for (_, a), (label, b) in zip(self.marks, self.marks[1:], strict=False):
-            key = "between steps" if label == "start" else label
-            spent[key] += self.cupy.cuda.get_elapsed_time(a, b)
-        self.marks.clear()
-        return ", ".join(f"{k} {v / steps:.3f}" for k, v in spent.items())
+        common = max(set(self.parts) - {None}, key=self.parts.count)
+        spent: dict[str, list[float]] = {k: [] for k in self.LABELS}
+        whole = []
+        for i, (marks, part) in enumerate(zip(self.steps, self.parts, strict=True)):
+            if part != common or i + 1 >= len(self.steps):
+                continue
+            nxt = self.steps[i + 1][0][1]
+            for (_, a), (label, b) in zip(marks, marks[1:], strict=False):
+                spent[label].append(self.cupy.cuda.get_elapsed_time(a, b))
+            spent["between steps"].append(self.cupy.cuda.get_elapsed_time(marks[-1][1], nxt))
+            whole.append(self.cupy.cuda.get_elapsed_time(marks[0][1], nxt))
+        n = len(whole)
+        self.steps.clear()
+        self.parts.clear()
+        alone = self._replay_alone(*common)
+        parts = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in spent.items() if v)
+        return (
+            f"{n} steps, median ms: whole {statistics.median(whole):.3f} (mean "
+            f"{statistics.mean(whole):.3f}, max {max(whole):.3f}); {parts}; "
+            f"the graph replayed alone {alone:.3f}"
+        )
+
+    def _replay_alone(self, slot, part, times: int = 50) -> float:
+        """Mean device ms of ``times`` back-to-back replays of one graph."""
+        stream = self.provider.stream
+        self.provider.synchronize()
+        a, b = self.cupy.cuda.Event(), self.cupy.cuda.Event()
+        a.record(stream)
+        for _ in range(times):
+            self.provider.graph_replay(slot, part)
+        b.record(stream)
+        b.synchronize()
+        return self.cupy.cuda.get_elapsed_time(a, b) / times
 
 
 def _batch(model: Model, rows: int, tokens: int, cprofile: int, events: bool = False) -> None:
@@ -88,18 +135,33 @@ def _batch(model: Model, rows: int, tokens: int, cprofile: int, events: bool = F
     from onnx_genrt.engine.decoder import DecoderRunner
 
     spent: dict[str, list[float]] = {"finish_rows": [0.0, 0], "launch_rows": [0.0, 0]}
+    finished: list[float] = []  # when each finish_rows returned
     for name, tally in spent.items():
         original = getattr(DecoderRunner, name)
 
-        def timed(*args, _original=original, _tally=tally, **kwargs):
+        def timed(*args, _original=original, _tally=tally, _name=name, **kwargs):
             t = time.perf_counter()
             try:
                 return _original(*args, **kwargs)
             finally:
-                _tally[0] += time.perf_counter() - t
+                done = time.perf_counter()
+                _tally[0] += done - t
                 _tally[1] += 1
+                if _name == "finish_rows":
+                    finished.append(done)
 
         setattr(DecoderRunner, name, timed)
+    collected: list[list[float]] = [[0.0, 0] for _ in range(3)]  # per generation: s, count
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            collected[info["generation"]][0] += time.perf_counter() - began[0]
+            collected[info["generation"]][1] += 1
+
+    gc.callbacks.append(on_gc)
     marks = _StreamEvents(model) if events else None
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
@@ -110,6 +172,9 @@ def _batch(model: Model, rows: int, tokens: int, cprofile: int, events: bool = F
         generate_batch(model, prompts, tokens, **kwargs)
         for tally in spent.values():
             tally[:] = [0.0, 0]
+        for tally in collected:
+            tally[:] = [0.0, 0]
+        finished.clear()
         if marks is not None:
             marks.on = True
         res = generate_batch(model, prompts, tokens, **kwargs)[0]
@@ -124,9 +189,18 @@ def _batch(model: Model, rows: int, tokens: int, cprofile: int, events: bool = F
             f"{rows * steps / res.decode_seconds:.1f} tok/s, "
             f"{res.decode_seconds / steps * 1e3:.3f} ms a step; per step: {parts}"
         )
+        gaps = np.diff(finished) * 1e3
+        print(
+            f"  between finish_rows returns, ms: median {np.median(gaps):.3f}, mean "
+            f"{gaps.mean():.3f}, max {gaps.max():.3f}; first to last {np.sum(gaps):.1f} of "
+            f"{res.decode_seconds * 1e3:.1f} ms decoding; garbage collections (generation: "
+            "count, ms): "
+            + ", ".join(f"{g}: {n}, {t * 1e3:.1f}" for g, (t, n) in enumerate(collected))
+        )
         if marks is not None:
-            print(f"  on the device, ms a step (prompts included): {marks.report(steps)}")
+            print(f"  on the device: {marks.report()}")
     BatchGenerator.look_ahead = None
+    gc.callbacks.remove(on_gc)
     if cprofile:
         profiler = cProfile.Profile()
         profiler.enable()

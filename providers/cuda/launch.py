@@ -35,7 +35,7 @@ class Programmatic:
     L2 weight prefetches before GRID_WAIT() (``pdl_prefetch``); ``early``
     (``pdl_early_launch``), which kernels let the next one be scheduled right after their
     wait, so its blocks prefetch their weights while they run: 0 none, 1 the decode
-    attention kernels (``GRID_EARLY_LAUNCH()``: few blocks, little memory), 2 every kernel."""
+    attention kernels and the 4-bit GEMVs (``GRID_EARLY_LAUNCH()``), 2 every kernel."""
 
     prefetch: bool = True
     early: int = 0

@@ -35,6 +35,7 @@ from .kernels.contrib_attention import (
     ATTENTION_FLASH_MIN_ROWS,
     ATTENTION_GEMM_MIN_ROWS,
     ATTENTION_GROUPED_CLUSTER,
+    ATTENTION_GROUPED_CLUSTER_MAX_ROWS,
 )
 from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
@@ -183,6 +184,15 @@ class CUDAProvider(ExecutionProvider):
             env="ONNX_GENRT_ATTENTION_GROUPED_CLUSTER",
         ),
         ProviderOption(
+            "attention_grouped_cluster_max_rows",
+            ATTENTION_GROUPED_CLUSTER_MAX_ROWS,
+            "query rows (batch rows x new tokens) up to which that cluster launch is used; "
+            "more rows run the grouped kernel's plain launch over the fewest splits that cut "
+            "the keys as the cluster's 8 do: the same bits, without the idle blocks of a "
+            "short cache (0: the cluster for any number of rows)",
+            env="ONNX_GENRT_ATTENTION_GROUPED_CLUSTER_MAX_ROWS",
+        ),
+        ProviderOption(
             "attention_grouped_decode",
             True,  # H200, 0.5B fp16, cache 32768: 644 -> 739 tok/s after 30000 tokens
             "decode and verify attention over a cache longer than attention_cluster_max_keys "
@@ -257,13 +267,14 @@ class CUDAProvider(ExecutionProvider):
         ProviderOption(
             # 1 by default since session 28 (H100, 0.5B, one stream, in one call: fp16
             # 1222.0 -> 1251.4 tok/s, int4 1436.4 -> 1466.1; 32 streams unchanged; 2: fp16
-            # 1193.8, int4 1511.4).
+            # 1193.8, int4 1511.4); the 4-bit GEMVs joined level 1 in session 29 (H100, int4
+            # one stream 1447-1450 -> 1487-1496 tok/s, 32 streams even).
             "pdl_early_launch",
             1,
             "with programmatic launch, which kernels let the next one be scheduled as soon "
             "as their own wait returns, so its blocks prefetch their weights into L2 while "
-            "they run (else once their blocks end): 0 none, 1 the decode attention kernels, "
-            "2 every kernel",
+            "they run (else once their blocks end): 0 none, 1 the decode attention kernels "
+            "and the 4-bit one-row GEMVs, 2 every kernel",
             env="ONNX_GENRT_PDL_EARLY_LAUNCH",
         ),
     )

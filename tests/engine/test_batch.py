@@ -241,9 +241,11 @@ def _empty_past(model: Model) -> dict[str, np.ndarray]:
     return feeds
 
 
-def test_generate_with_a_list_of_prompts(model):
+def test_generate_with_a_list_of_prompts(model, monkeypatch):
     """generate(model, [prompts]) decodes them as one batch; each result equals the prompt
-    generated alone (text, tokens, stop reason), stop strings and end of sequence per row."""
+    generated alone (text, tokens, stop reason), stop strings and end of sequence per row;
+    without stop strings the text is the same whether it is decoded when a row ends or, with
+    steps queued ahead (a GPU), token by token between steps."""
     texts = ["def fib(n):", "import os\n", "class Foo:"]
     results = generate(model, texts, 60, stop=("return",))
     assert isinstance(results, list) and len(results) == len(texts)
@@ -257,9 +259,12 @@ def test_generate_with_a_list_of_prompts(model):
     assert any("stop string" in r.stop_reason for r in results)
     # Without stop strings each row's text is decoded when the row ends: the same text.
     plain = generate(model, texts, 24)
-    for text, result in zip(texts, plain, strict=True):
+    monkeypatch.setattr(BatchGenerator, "look_ahead", True)
+    ahead = generate(model, texts, 24)
+    for text, result, queued in zip(texts, plain, ahead, strict=True):
         alone = generate(model, text, 24)
         assert (result.text, result.tokens) == (alone.text, alone.tokens), text
+        assert (queued.text, queued.tokens) == (alone.text, alone.tokens), text
         assert result.text == model.tokenizer.decode(result.tokens[-result.new_tokens :])
     with pytest.raises(
         InvalidInputError, match="a batch speculates by prompt lookup or an MTP head"

@@ -595,6 +595,17 @@ def decode_split_count(call: _GqaCall, fixed: int = 0) -> int:
     return decode_splits(rows, keys, sm_count(), shape.min_chunk)
 
 
+def same_cut_splits(call: _GqaCall, splits: int) -> int:
+    """The fewest splits that cut the keys of every length up to the cache's as ``splits``
+    do: a split takes ``max(ceil(visible / splits), min_chunk)`` keys, so ``s`` splits cut
+    like ``splits`` wherever neither exceeds ``min_chunk`` at the longest length; the same
+    tiles and merge order, so the same bits."""
+    min_chunk = DecodeShape(call.head_size, call.dtype.itemsize).min_chunk
+    keys = most_keys(call.cap, call.new, call.window, bool(call.causal), bool(call.wcache))
+    fewest = -(-keys // min_chunk)
+    return splits if -(-keys // splits) > min_chunk else max(1, min(splits, fewest))
+
+
 def decode_attend(
     ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, splits: int, cluster: bool = False
 ) -> None:

@@ -92,7 +92,7 @@ from ._common import (
     storage,
 )
 from ._flash import flash_attend, flash_attention_problem
-from ._gqa_decode import decode_attend, decode_call_problem, decode_split_count
+from ._gqa_decode import decode_attend, decode_call_problem, decode_split_count, same_cut_splits
 from ._gqa_device import GQA_DEVICE
 from ._registry import REGISTRY
 from .reduce import zeroed_counters
@@ -149,6 +149,12 @@ ATTENTION_CLUSTER_MAX_ROWS = 0
 #: heads at one row (``attention_decode_head_groups``), 1 stream 1221.6 against the per-head
 #: kernel's 1202.3 tok/s and 32 streams 19749.5 against 15085.8, the same tokens.
 ATTENTION_GROUPED_CLUSTER = True
+#: Default of the CUDA provider's ``attention_grouped_cluster_max_rows``: query rows up to
+#: which that cluster launch is used (0: any). Above, ``gqa_decode`` runs over the fewest
+#: splits that cut every length's keys as the cluster's 8 splits do (``same_cut_splits``):
+#: the same bits with fewer blocks (a short cache leaves most of a cluster's 8 blocks idle,
+#: holding their SM slots until the cluster's merge).
+ATTENTION_GROUPED_CLUSTER_MAX_ROWS = 0
 #: Decode / verify over a cache longer than ``attention_cluster_max_keys``: the grouped decode
 #: kernel (``_gqa_decode``) where it has an instance; False: the many-split ``gqa_attn`` (for
 #: measurement; the provider's ``attention_grouped_decode`` turns it off per provider).
@@ -1176,7 +1182,13 @@ def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool)
     the last split to finish; decode / verify over a long cache: the grouped decode kernel,
     and on a short one its cluster launch (``attention_grouped_cluster``)."""
     if fuse and _grouped_cluster_fits(ctx, call, fuse):
-        decode_attend(ctx, call, y, CLUSTER_SPLITS, cluster=True)
+        most = int(
+            ctx.option("attention_grouped_cluster_max_rows", ATTENTION_GROUPED_CLUSTER_MAX_ROWS)
+        )
+        if most > 0 and call.batch * call.new > most:
+            decode_attend(ctx, call, y, same_cut_splits(call, CLUSTER_SPLITS))
+        else:
+            decode_attend(ctx, call, y, CLUSTER_SPLITS, cluster=True)
         return
     if fuse and _grouped_decode_fits(ctx, call):
         fixed = int(ctx.option("attention_decode_splits", 0))

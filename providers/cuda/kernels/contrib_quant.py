@@ -516,6 +516,7 @@ __global__ void __launch_bounds__(256) nbits4_gemv16(
     pdl_prefetch(scales + (n0 + lane * cs) * nb);
   }
   GRID_WAIT();
+  GRID_EARLY_LAUNCH();  // pdl_early_launch 1: the next kernel prefetches meanwhile
   float acc[NR][MT];
 #pragma unroll
   for (int r = 0; r < NR; ++r)
@@ -590,6 +591,7 @@ __global__ void __launch_bounds__(256) nbits4_gemv16_small_k(
     pdl_prefetch(scales + n * nb);
   }
   GRID_WAIT();
+  GRID_EARLY_LAUNCH();  // pdl_early_launch 1: the next kernel prefetches meanwhile
   uint4 q[CPL][1];
   float s[CPL][1], z[CPL][1];
 #pragma unroll

@@ -41,17 +41,21 @@ def _with_joins(batch, texts: list[str], new: int) -> dict[str, list[int]]:
     return finished
 
 
-@pytest.mark.parametrize("grouped", [1, 0], ids=["grouped-cluster", "cluster-per-head"])
-def test_embedded_model_rows_equal_alone_with_joins(cp, monkeypatch, grouped):
+@pytest.mark.parametrize(
+    "grouped,most", [(1, 0), (0, 0), (1, 1)], ids=["grouped-cluster", "cluster-per-head", "plain"]
+)
+def test_embedded_model_rows_equal_alone_with_joins(cp, monkeypatch, grouped, most):
     """Six prompts through four rows on CUDA: rows join and leave between steps, every
     sequence equals the prompt generated alone on CUDA (and on the CPU), and the decode
     steps replay one graph per bucket with no fallback or invalidation; with decode
-    attention as one cluster per KV head and row (the default) and per query head."""
+    attention as one cluster per KV head and row (the default), per query head, and, above
+    one row (``attention_grouped_cluster_max_rows``), the grouped kernel's plain launch."""
     from onnx_genrt.engine import Model, generate
     from onnx_genrt.engine.batch import BatchGenerator
     from onnx_genrt.generate_cli import default_model_dir
 
     monkeypatch.setenv("ONNX_GENRT_ATTENTION_GROUPED_CLUSTER", str(grouped))
+    monkeypatch.setenv("ONNX_GENRT_ATTENTION_GROUPED_CLUSTER_MAX_ROWS", str(most))
     cuda = Model(default_model_dir(), provider="cuda")
     assert cuda.session.main_provider.option("attention_grouped_cluster") == bool(grouped)
     cpu = Model(default_model_dir())

@@ -324,6 +324,51 @@ def test_the_cluster_launch_gives_the_bits_of_eight_splits(cp, rng, launched, b,
     close(runs["gqa_decode_cluster"][0], _want(inputs, c), dtype, what="output")
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+@pytest.mark.parametrize(
+    "b,s,cap,splits",
+    [(16, 1, 256, 2), (32, 1, 160, 2), (4, 5, 512, 4), (3, 1, 1024, 8), (2, 1, 2048, 8)],
+    ids=["16-rows", "32-rows", "4-verify5", "3-rows-1024", "2-rows-2048"],
+)
+def test_many_rows_take_the_plain_launch_with_the_cluster_bits(
+    cp, rng, launched, monkeypatch, b, s, cap, splits, dtype
+):
+    """Above ``attention_grouped_cluster_max_rows`` query rows, decode / verify on a short
+    cache run ``gqa_decode`` over the fewest splits that cut the keys as the cluster's 8 do
+    (``min_chunk`` = 128 keys here, so ceil(cap / 128) up to 8): the cluster launch's output
+    and cache bits. Lengths spread over the cache."""
+    if not _sm90():
+        pytest.skip("thread-block clusters need sm_90")
+    from onnx_genrt.providers.cuda.kernels import contrib_attention
+
+    asked: list[int] = []
+    attend = contrib_attention.decode_attend
+
+    def recording(ctx, call, y, n, cluster=False):
+        asked.append(n if not cluster else -n)
+        return attend(ctx, call, y, n, cluster)
+
+    monkeypatch.setattr(contrib_attention, "decode_attend", recording)
+    totals = [int(t) for t in rng.integers(s, cap + 1, b)]
+    totals[0] = cap
+    c = dict(b=b, s=s, h=14, kvh=2, d=64, cap=cap, totals=totals)
+    inputs, attrs = gqa_inputs(rng, c, dtype)
+    runs = {}
+    short = dict(attention_cluster_max_keys=4096, attention_grouped_cluster=True)
+    for name, most in (("gqa_decode_cluster", 0), ("gqa_decode", b * s - 1)):
+        launched.clear()
+        asked.clear()
+        fresh = [x.copy() if x is not None else None for x in inputs[:9]]
+        options = dict(short, attention_grouped_cluster_max_rows=most)
+        got, _, _ = _run(cp, _provider(**options), c, fresh, attrs)
+        assert _attention(launched) == {name}, launched
+        assert asked == [-8 if most == 0 else splits], asked
+        runs[name] = [np.asarray(g) for g in got]
+    for a, b_ in zip(runs["gqa_decode_cluster"], runs["gqa_decode"], strict=True):
+        np.testing.assert_array_equal(a.view(np.uint16), b_.view(np.uint16))
+    close(runs["gqa_decode"][0], _want(inputs, c), dtype, what="output")
+
+
 @pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "splits"])
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
 @pytest.mark.parametrize(

@@ -245,7 +245,8 @@ def test_every_kernel_source_compiles(tmp_path, arch, defines):
     it compiles, no kernel spills that does not spill on main, and the PTX has
     griddepcontrol.wait in every kernel and the L2 prefetches exactly where they are asked
     for (sm_90 with GENRT_PDL; GENRT_PDL_PREFETCH), the next grid's launch right after the
-    wait (GENRT_PDL_EARLY: 1 in the decode attention kernels, 2 in every kernel), nothing of
+    wait (GENRT_PDL_EARLY: 1 in the decode attention kernels and the 4-bit GEMVs, 2 in every
+    kernel), nothing of
     PDL elsewhere."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -284,7 +285,7 @@ def test_every_kernel_source_compiles(tmp_path, arch, defines):
             for entry in entries:
                 name = entry.split("(", 1)[0]
                 assert ("griddepcontrol.wait" in entry) == pdl, (path.name, name)
-                if attention_early and "gqa_decode" in name:  # GRID_EARLY_LAUNCH()
+                if attention_early and ("gqa_decode" in name or "nbits4_gemv16" in name):
                     assert "griddepcontrol.launch_dependents" in entry, (path.name, name)
                 if early:  # the trigger right after the wait, in the same asm statement
                     assert re.search(
