@@ -153,8 +153,11 @@ ATTENTION_GROUPED_CLUSTER = True
 #: which that cluster launch is used (0: any). Above, ``gqa_decode`` runs over the fewest
 #: splits that cut every length's keys as the cluster's 8 splits do (``same_cut_splits``):
 #: the same bits with fewer blocks (a short cache leaves most of a cluster's 8 blocks idle,
-#: holding their SM slots until the cluster's merge).
-ATTENTION_GROUPED_CLUSTER_MAX_ROWS = 0
+#: holding their SM slots until the cluster's merge; at 32 rows its attention grew from 15
+#: to 33 us a layer between 32 and 160 cached positions). H100, 0.5B, 128 tokens, one call
+#: (docs/performance.md, session 29): 32 streams int4 23093.5 -> 26292.1 tok/s, fp16
+#: 20886.2 -> 24395.8; 1 and 4 streams even (2 gave 4 streams no gain).
+ATTENTION_GROUPED_CLUSTER_MAX_ROWS = 8
 #: Decode / verify over a cache longer than ``attention_cluster_max_keys``: the grouped decode
 #: kernel (``_gqa_decode``) where it has an instance; False: the many-split ``gqa_attn`` (for
 #: measurement; the provider's ``attention_grouped_decode`` turns it off per provider).
