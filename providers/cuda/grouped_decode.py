@@ -163,6 +163,16 @@ def split_chunk(visible: int, splits: int, min_chunk: int) -> tuple[int, int]:
     return chunk, -(-visible // chunk)
 
 
+def same_cut_splits(keys: int, splits: int, min_chunk: int) -> int:
+    """The fewest splits that cut every length up to ``keys`` as ``splits`` do
+    (``split_chunk``): ``splits`` itself where a split of the longest length takes more than
+    ``min_chunk`` keys, else the splits of ``min_chunk`` keys that the longest length needs.
+    The same chunks, so the same tiles and merge order: the same bits."""
+    if -(-keys // splits) > min_chunk:
+        return splits
+    return max(1, min(splits, -(-keys // min_chunk)))
+
+
 def merge_groups(active: int) -> list[range]:
     """The first-level merge groups of ``active`` splits (MERGE_GROUP splits each, the last
     one shorter): one group merges straight into the output."""

@@ -56,6 +56,7 @@ from ..grouped_decode import (
     decode_splits,
     head_groups,
     most_keys,
+    same_cut_splits,
 )
 from ._common import DEVICE_COMMON, function, scratch, sm_count
 from ._gqa_device import GQA_DEVICE
@@ -595,15 +596,12 @@ def decode_split_count(call: _GqaCall, fixed: int = 0) -> int:
     return decode_splits(rows, keys, sm_count(), shape.min_chunk)
 
 
-def same_cut_splits(call: _GqaCall, splits: int) -> int:
-    """The fewest splits that cut the keys of every length up to the cache's as ``splits``
-    do: a split takes ``max(ceil(visible / splits), min_chunk)`` keys, so ``s`` splits cut
-    like ``splits`` wherever neither exceeds ``min_chunk`` at the longest length; the same
-    tiles and merge order, so the same bits."""
+def call_same_cut_splits(call: _GqaCall, splits: int) -> int:
+    """``same_cut_splits`` for a decode / verify call: the fewest splits of its launch that
+    give every length the chunks of ``splits`` splits (the same bits)."""
     min_chunk = DecodeShape(call.head_size, call.dtype.itemsize).min_chunk
     keys = most_keys(call.cap, call.new, call.window, bool(call.causal), bool(call.wcache))
-    fewest = -(-keys // min_chunk)
-    return splits if -(-keys // splits) > min_chunk else max(1, min(splits, fewest))
+    return same_cut_splits(keys, splits, min_chunk)
 
 
 def decode_attend(

@@ -92,7 +92,12 @@ from ._common import (
     storage,
 )
 from ._flash import flash_attend, flash_attention_problem
-from ._gqa_decode import decode_attend, decode_call_problem, decode_split_count, same_cut_splits
+from ._gqa_decode import (
+    call_same_cut_splits,
+    decode_attend,
+    decode_call_problem,
+    decode_split_count,
+)
 from ._gqa_device import GQA_DEVICE
 from ._registry import REGISTRY
 from .reduce import zeroed_counters
@@ -1189,7 +1194,7 @@ def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool)
             ctx.option("attention_grouped_cluster_max_rows", ATTENTION_GROUPED_CLUSTER_MAX_ROWS)
         )
         if most > 0 and call.batch * call.new > most:
-            decode_attend(ctx, call, y, same_cut_splits(call, CLUSTER_SPLITS))
+            decode_attend(ctx, call, y, call_same_cut_splits(call, CLUSTER_SPLITS))
         else:
             decode_attend(ctx, call, y, CLUSTER_SPLITS, cluster=True)
         return

@@ -24,6 +24,7 @@ from onnx_genrt.providers.cuda.grouped_decode import (
     grouped_decode,
     merge_groups,
     most_keys,
+    same_cut_splits,
     split_chunk,
 )
 
@@ -292,6 +293,23 @@ def test_merge_groups_and_split_chunks():
         for splits in (1, 2, 17, 132, 512):
             chunk, active = split_chunk(visible, splits, 128)
             assert active <= splits and (active - 1) * chunk < visible <= active * chunk
+
+
+@pytest.mark.parametrize("min_chunk", [32, 128])
+@pytest.mark.parametrize("keys", [1, 100, 128, 160, 256, 511, 1024, 1025, 2048, 4096])
+def test_same_cut_splits_give_every_length_the_chunks_of_eight(keys, min_chunk):
+    """The fewest splits that cut every length up to ``keys`` as 8 splits do: each length's
+    (chunk, active splits) is the same, checked length by length; one split fewer would cut
+    some length otherwise (unless one is already the least, or it is 8 itself)."""
+    splits = same_cut_splits(keys, 8, min_chunk)
+    assert 1 <= splits <= 8
+    for visible in range(keys + 1):
+        assert split_chunk(visible, splits, min_chunk) == split_chunk(visible, 8, min_chunk)
+    if 1 < splits < 8:
+        assert any(
+            split_chunk(v, splits - 1, min_chunk) != split_chunk(v, 8, min_chunk)
+            for v in range(keys + 1)
+        )
 
 
 def test_split_count_fills_the_gpu_from_the_capacity():
