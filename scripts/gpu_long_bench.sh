@@ -8,6 +8,7 @@
 # (sdpa) on the same weights.
 #   bash scripts/gpu_long_bench.sh            (GPU_LONG_PROMPTS="256 8192 30000" by default)
 #   GPU_LONG_SETTINGS="default VAR=1,VAR2=0"  (the provider settings each prompt runs with)
+#   GPU_LONG_BUILD_ONLY=1                     (build the 32768-position model, when absent, and stop)
 # Needs the onnxruntime-genai wheel in .whl/ for the builder. Logs go to $OUT when set.
 set -uo pipefail
 PY="${PYTHON:-python3}"
@@ -37,6 +38,7 @@ if [ ! -f "$dst/genai_config.json" ]; then
     -p fp16 -e cuda -c "$WORK/cache-32k" >"$LOGDIR/builder-32k.log" 2>&1 \
     || { echo "builder failed"; tail -n 20 "$LOGDIR/builder-32k.log"; exit 1; }
 fi
+[ "${GPU_LONG_BUILD_ONLY:-0}" = 1 ] && exit 0
 for p in $PROMPTS; do
   for setting in $SETTINGS; do
     echo "== $p prompt tokens, $TOKENS new, $setting" | tee -a "$LOGDIR/long.txt"

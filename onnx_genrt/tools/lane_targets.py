@@ -3,8 +3,9 @@ lane measured, whether it is met, and the anchor the issue compares it with.
 
 Reads the logs ``scripts/gpu_lane.sh bench`` and ``scripts/gpu_long_bench.sh`` leave in one
 folder (``bench-fp16.txt``, ``step-int4.txt``, ``hf_bench.txt``, ``long.txt``, ...); a target
-whose log is missing says "not measured". Unmet targets name the per-op step profile the
-lane wrote beside them (``profile-*.txt``), which shows where the time goes.
+whose log is missing says "not measured". Each target has a per-op step profile the lane
+writes beside them (``profile-*.txt``: ``onnx-genrt profile`` of the step the target times),
+which shows where the time goes; an unmet target names it, or says the lane left none.
 
     onnx-genrt lane-targets LOGDIR
 """
@@ -54,6 +55,7 @@ class Target:
     unit: str = ""
     anchor: str = ""
     profile: str = ""  # the step profile that shows where the time goes
+    profiled: bool = False  # whether the lane wrote it
 
     @property
     def met(self) -> bool | None:
@@ -67,7 +69,11 @@ class Target:
         met = {None: "-", True: "yes", False: "NO"}[self.met]
         notes = [self.anchor] if self.anchor else []
         if self.met is False and self.profile:
-            notes.append(f"where the time goes: {self.profile}")
+            notes.append(
+                f"where the time goes: {self.profile}"
+                if self.profiled
+                else f"no step profile ({self.profile} not written)"
+            )
         return f"{self.name:<40}{fig:>14}  {bound:<10}{met:>4}  {self.issue:>5}  {'; '.join(notes)}"
 
 
@@ -166,14 +172,16 @@ def targets(folder: Path) -> list[Target]:
                 profile=f"profile-verify-{prec}.txt",
             )  # fmt: skip
         )
-        out.append(Target(f"0.5B {prec} verify + MTP chain / decode", 19, chain, 1.6, False, "x"))
+        out.append(Target(f"0.5B {prec} verify + MTP chain / decode", 19, chain, 1.6, False, "x",
+                          profile=f"profile-chain-{prec}.txt"))  # fmt: skip
         draft = _read(folder, f"step-{prec}-draft.txt")
         if draft:  # the same chain drafting over the first ids only (gpu_llm_bench.sh)
             ids = _DRAFT_IDS.search(draft)
             label = (
                 f"0.5B {prec} verify + MTP chain, {ids[1] if ids else 'a'}-id draft vocab / decode"
             )
-            out.append(Target(label, 19, step_ratios(draft)[1], 1.6, False, "x"))
+            out.append(Target(label, 19, step_ratios(draft)[1], 1.6, False, "x",
+                              profile=f"profile-chain-{prec}.txt"))  # fmt: skip
         one, many = rows.get("onnx-genrt[cuda,1 streams]"), rows.get("onnx-genrt[cuda,32 streams]")
         batch = hf_batch(_read(folder, "hf_batch.txt")) if prec == "fp16" else {}
         hf_scale = _ratio(batch.get(32), batch.get(1))
@@ -188,16 +196,18 @@ def targets(folder: Path) -> list[Target]:
                 anchor=f"HF static cache {hf_scale:.1f}x ({batch[32]:.1f} tok/s at 32)"
                 if hf_scale
                 else "",
+                profile=f"profile-rows32-{prec}.txt",
             )  # fmt: skip
         )
         if prec == "fp16":
             prompt = graphed[0] if graphed else None
             ttft = f"HF TTFT {hf[2]:.2f} ms" if hf else ""
             out.append(Target("0.5B fp16 prefill 32 tokens, ms", 19, prompt, 3.0, False,
-                              anchor=ttft))  # fmt: skip
+                              anchor=ttft, profile="profile-prefill-32-fp16.txt"))  # fmt: skip
             long_prompt = bench_rows(_read(folder, "prompts-512-fp16.txt")).get("onnx-genrt[cuda]")
             out.append(Target("0.5B fp16 prefill 512 tokens, ms", 19,
-                              long_prompt and long_prompt[0], 8.0, False))  # fmt: skip
+                              long_prompt and long_prompt[0], 8.0, False,
+                              profile="profile-prefill-512-fp16.txt"))  # fmt: skip
     out += _long_targets(_read(folder, "long.txt"))
     default = bench_rows(_read(folder, "bench-default.txt"))
     greedy, mtp = default.get("onnx-genrt[cuda]"), default.get("onnx-genrt[cuda,mtp]")
@@ -212,6 +222,8 @@ def targets(folder: Path) -> list[Target]:
             profile="profile-default.txt",
         )  # fmt: skip
     )
+    for target in out:
+        target.profiled = bool(target.profile) and (folder / target.profile).is_file()
     return out
 
 
@@ -227,12 +239,13 @@ def _long_targets(text: str) -> list[Target]:
         row = default(p)
         share = _ratio(row and row[1], base and base[1])
         out.append(Target(f"decode after {p} tokens / after 256", 19,
-                          None if share is None else 100 * share, 70.0, True, "%"))  # fmt: skip
+                          None if share is None else 100 * share, 70.0, True, "%",
+                          profile=f"profile-long-{p}.txt"))  # fmt: skip
     for p, bound in ((8192, 25.0), (30000, 130.0)):
         row = default(p)
         anchor = f"HF TTFT {hf[p]:.2f} ms" if p in hf else ""
         out.append(Target(f"prefill {p} tokens, ms", 19, row and row[0], bound, False,
-                          anchor=anchor))  # fmt: skip
+                          anchor=anchor, profile=f"profile-prefill-{p}.txt"))  # fmt: skip
     return out
 
 

@@ -5,7 +5,9 @@ real logs of an H200 lane run (tests/tools/data/lane_logs)."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,60 @@ def test_a_draft_vocab_step_cost_adds_its_own_chain_row(tmp_path):
     row = _by_name(folder)["0.5B fp16 verify + MTP chain, 32768-id draft vocab / decode"]
     assert (row.figure, row.met) == (1.55, True)
     assert _by_name(folder)["0.5B fp16 verify + MTP chain / decode"].figure == 2.16  # unchanged
+
+
+def test_an_unmet_target_names_its_profile_or_says_none_was_written(tmp_path):
+    folder = tmp_path / "logs"
+    shutil.copytree(LOGS, folder)
+    (folder / "profile-long-30000.txt").write_text("step 2.9 ms | graph replay alone 2.8 ms\n")
+    got = _by_name(folder)
+    assert "where the time goes: profile-long-30000.txt" in got[
+        "decode after 30000 tokens / after 256"].line()  # fmt: skip
+    assert "no step profile (profile-prefill-30000.txt not written)" in got[
+        "prefill 30000 tokens, ms"].line()  # fmt: skip
+    assert "profile" not in got["0.5B fp16 prefill 512 tokens, ms"].line()  # met: no pointer
+
+
+STUB = """#!/usr/bin/env bash
+echo "$*" >>"$STUB_LOG"
+case "$*" in *"onnx_genrt profile"*) echo "step 1.000 ms | graph replay alone 0.900 ms";; esac
+exit 0
+"""
+
+
+def test_the_lane_scripts_write_every_profile_the_table_names(tmp_path):
+    """Run ``scripts/gpu_llm_bench.sh`` and ``scripts/gpu_profiles.sh`` with a stand-in for
+    Python (every command succeeds; ``onnx-genrt profile`` prints a line): between them they
+    write each step profile that a target of the table names, under that name, and every
+    profile the new script writes ran ``onnx-genrt profile`` on CUDA."""
+    root = Path(__file__).resolve().parents[2]
+    work = tmp_path / "repo"
+    shutil.copytree(root / "scripts", work / "scripts")
+    (work / ".whl").mkdir()
+    (work / ".whl" / "onnxruntime_genai-0.0.0-py3-none-any.whl").write_bytes(b"")
+    stub = tmp_path / "python"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "PYTHON": str(stub),
+        "OUT": str(out),
+        "GPU_BENCH_DIR": str(tmp_path / "bench"),
+        "STUB_LOG": str(tmp_path / "calls.txt"),
+        "HF_BENCH_TIMEOUT": "5",
+    }
+    for script in ("gpu_llm_bench.sh", "gpu_profiles.sh"):
+        done = subprocess.run(["bash", f"scripts/{script}"], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    wanted = {t.profile for t in lane_targets.targets(LOGS) if t.profile}
+    wanted |= {"profile-chain-int4.txt"}  # the draft-vocab chain row shares the chain's profile
+    written = {p.name for p in out.glob("profile-*.txt")}
+    assert wanted <= written, sorted(wanted - written)
+    profiles = [c for c in (tmp_path / "calls.txt").read_text().splitlines()
+                if c.startswith("-m onnx_genrt profile --model")]  # fmt: skip
+    for flags in ("--rows 32 --context 96", "--width 5 --mtp", "--width 30000 --context 1",
+                  "--context 8192 --steps 10"):  # fmt: skip
+        assert any(flags in c and "--provider cuda" in c for c in profiles), flags
+    assert "profile failed" not in "".join(p.read_text() for p in out.glob("profile-*.txt"))
