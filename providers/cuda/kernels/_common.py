@@ -191,8 +191,8 @@ def scratch(ctx: KernelContext, nbytes: int) -> cupy.ndarray:
 #: returns, so the next kernel's blocks are resident and prefetch their weights while this
 #: one runs: at 1 in the kernels that say ``GRID_EARLY_LAUNCH()`` after their wait (decode
 #: attention: few blocks, little memory; the 4-bit one-row GEMVs ``nbits4_gemv16*``), at 2
-#: in every GRID_WAIT(). At most two kernels
-#: overlap: the next one's own trigger comes after its wait, which this kernel's end releases.
+#: in every GRID_WAIT(). At most two kernels overlap: the next one's own trigger comes after
+#: its wait, which this kernel's end releases.
 #: tests/providers/cuda/test_cuda_kernel_sources.py checks every kernel against these rules.
 GRID_DEPENDENCY = r"""
 #if defined(GENRT_PDL) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -1188,7 +1188,9 @@ def _grouped_decode_fits(ctx: KernelContext, call: _GqaCall) -> bool:
 def _gqa_attend(ctx: KernelContext, call: _GqaCall, y: cupy.ndarray, fuse: bool) -> None:
     """The attention launch: splits of each query row's keys, merged in a cluster or by
     the last split to finish; decode / verify over a long cache: the grouped decode kernel,
-    and on a short one its cluster launch (``attention_grouped_cluster``)."""
+    and on a short one its cluster launch (``attention_grouped_cluster``), or above
+    ``attention_grouped_cluster_max_rows`` query rows its plain launch cut as the cluster's
+    splits are (the same bits)."""
     if fuse and _grouped_cluster_fits(ctx, call, fuse):
         most = int(
             ctx.option("attention_grouped_cluster_max_rows", ATTENTION_GROUPED_CLUSTER_MAX_ROWS)
