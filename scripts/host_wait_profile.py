@@ -42,8 +42,8 @@ class _StreamEvents:
         from onnx_genrt.session.device_io import DeviceIO
 
         self.cupy, self.provider = cupy, model.session.main_provider
-        self.steps: list[list[tuple[str, object]]] = []
-        self.parts: list[tuple] = []
+        #: per step: the (slot, part) of the graph it replayed, and its (label, event) marks
+        self.steps: list[tuple[list, list[tuple[str, object]]]] = []
         self.on = False
         for cls, name, label in (
             (DeviceIO, "write", "upload"),
@@ -56,7 +56,7 @@ class _StreamEvents:
         def graph_replay(slot, part):
             self._mark("before graph")
             if self.on and self.steps:
-                self.parts[-1] = (slot, part)
+                self.steps[-1][0][:] = [slot, part]
             replay(slot, part)
             self._mark("graph")
 
@@ -66,12 +66,11 @@ class _StreamEvents:
         if not self.on or self.provider.capturing is not None:
             return
         if label == "start":
-            self.steps.append([])
-            self.parts.append(None)
+            self.steps.append(([], []))
         if self.steps:
             event = self.cupy.cuda.Event()
             event.record(self.provider.stream)
-            self.steps[-1].append((label, event))
+            self.steps[-1][1].append((label, event))
 
     def _wrap(self, cls: type, name: str, label: str) -> None:
         original = getattr(cls, name)
@@ -91,20 +90,20 @@ class _StreamEvents:
         import statistics
 
         self.provider.synchronize()
-        common = max(set(self.parts) - {None}, key=self.parts.count)
+        replayed = [tuple(part) for part, _ in self.steps if part]
+        common = max(set(replayed), key=replayed.count)
         spent: dict[str, list[float]] = {k: [] for k in self.LABELS}
         whole = []
-        for i, (marks, part) in enumerate(zip(self.steps, self.parts, strict=True)):
-            if part != common or i + 1 >= len(self.steps):
+        for i, (part, marks) in enumerate(self.steps):
+            if tuple(part) != common or i + 1 >= len(self.steps):
                 continue
-            nxt = self.steps[i + 1][0][1]
+            nxt = self.steps[i + 1][1][0][1]
             for (_, a), (label, b) in zip(marks, marks[1:], strict=False):
                 spent[label].append(self.cupy.cuda.get_elapsed_time(a, b))
             spent["between steps"].append(self.cupy.cuda.get_elapsed_time(marks[-1][1], nxt))
             whole.append(self.cupy.cuda.get_elapsed_time(marks[0][1], nxt))
         n = len(whole)
         self.steps.clear()
-        self.parts.clear()
         alone = self._replay_alone(*common)
         parts = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in spent.items() if v)
         return (

@@ -178,7 +178,6 @@ def test_the_lane_scripts_write_every_profile_the_table_names(tmp_path):
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     wanted = {t.profile for t in lane_targets.targets(LOGS) if t.profile}
-    wanted |= {"profile-chain-int4.txt"}  # the draft-vocab chain row shares the chain's profile
     written = {p.name for p in out.glob("profile-*.txt")}
     assert wanted <= written, sorted(wanted - written)
     profiles = [c for c in (tmp_path / "calls.txt").read_text().splitlines()
