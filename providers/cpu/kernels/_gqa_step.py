@@ -680,6 +680,6 @@ def native_step(plan: StepPlan, finish: Callable[[int], None]) -> Callable[[], N
                 worker_pool().settle(status, plan.keep, "GroupQueryAttention step")
             finish(int(w[_N_STEPPED]))
 
-        return NativeCall(_step_native_runner(), w, on_code, (*plan.keep, ctrl))
+        return NativeCall(_step_native_runner(), w, on_code, (*plan.keep, ctrl), _N_STATUS)
 
     return make

@@ -532,6 +532,6 @@ def vnni_native(x: np.ndarray, w: Int4Tiles, out: np.ndarray, call: Callable[[],
             else:
                 call()
 
-        return NativeCall(_vnni_native_runner(), words_, on_code, (*arrays, ctrl))
+        return NativeCall(_vnni_native_runner(), words_, on_code, (*arrays, ctrl), _N_STATUS)
 
     return make

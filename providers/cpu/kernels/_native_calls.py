@@ -12,7 +12,9 @@ A native call returns 0 when it did all its work. Any other code hands control b
 Python, which calls the call's ``on_code(code)``, then goes on with the next call: the
 Python form is run again (each native call must leave nothing that running its Python form
 after it would get wrong: the kernels here write the same outputs from the same inputs),
-or, for a pooled kernel whose late worker may still read its arrays, the pool keeps them.
+or, for a pooled kernel whose late worker may still read its arrays, the pool keeps them
+(:attr:`NativeCall.status_word` tells that hand-over apart: on a loaded machine, where a
+worker is often descheduled mid-chunk, it is the common one).
 
 Native forms read buffer addresses fixed when they are made, so the recorded graph makes
 them again when the worker pool changes (:func:`~._worker_pool.pool_epoch`).
@@ -49,6 +51,11 @@ class NativeCall:
     on_code: Callable[[int], None]
     #: Arrays the words point to, kept alive with the call.
     keep: tuple[Any, ...] = ()
+    #: For a kernel split over the worker pool: the word its runner leaves ``run_job``'s
+    #: status in when it returns 1 (bits 0-1 nonzero: a worker was late, which a loaded
+    #: machine makes common, or failed; ``on_code`` settles it); None for a call that
+    #: never uses the pool.
+    status_word: int | None = None
 
 
 #: ``fn(words_address, a, b) -> int64`` compiled as a ``numba.cfunc`` on first use (cached

@@ -397,7 +397,7 @@ def skinny_call(
             else:
                 call()
 
-        return NativeCall(_skinny_native_runner(), w, on_code, (x, tiles, b, out, ctrl))
+        return NativeCall(_skinny_native_runner(), w, on_code, (x, tiles, b, out, ctrl), _STATUS)
 
     call.native = native  # type: ignore[attr-defined]
     return call

@@ -5,6 +5,8 @@ checks that the calls did run natively (else the Python path was tested twice)."
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -206,9 +208,13 @@ def test_embedded_model_greedy_is_the_same_with_and_without_native_replay(thread
 
 def test_a_pooled_attention_step_stays_native(restore_threads):
     """At two threads the GroupQueryAttention steps that split over the worker pool return
-    to Python only when a row did not step or a worker was late (a descheduled worker:
-    frequent only on a loaded machine, so those are bounded loosely), not after every
-    pooled step: the decode loop stays in one native run."""
+    to Python only when a row did not step or a worker was late, not after every pooled
+    step: the decode loop stays in one native run. A late worker (one descheduled
+    mid-chunk) hands any pooled call over, the float32 MatMuls as well as the steps (the
+    pool keeps its arrays; ``NativeCall.status_word`` tells that hand-over apart). On a
+    loaded machine that is common (the 2-core CI machine: 22 MatMul hand-overs in 96 steps,
+    counted with the others, failed this test), so those are bounded loosely and per call:
+    a call that said a worker was late after most steps would have a broken status."""
     model = Model(default_model_path(), [("cpu", {"threads": 2})])
     params = GeneratorParams(model)
     params.set_search_options(max_length=200, min_length=200)
@@ -218,27 +224,33 @@ def test_a_pooled_attention_step_stays_native(restore_threads):
         gen.generate_next_token()
     graph = model.session.main_provider.recorded_graph(PRIMARY)
     step_runner = _gqa_step._step_native_runner()
-    late: list[int] = []  # a worker was late or failed (status bits 0-1)
-    other: list[int] = []  # every worker on time: a row did not step, or another kernel
+    late: Counter[int] = Counter()  # per pooled call: a worker was late or failed
+    other: list[int] = []  # every worker on time: a row did not step, or a call failed
 
-    def watched(call):
+    def watched(i, call):
         def on_code(code, on_code=call.on_code):
-            was_late = call.address == step_runner and int(call.words[_gqa_step._N_STATUS]) & 3
-            (late if was_late else other).append(code)
+            status = 0 if call.status_word is None else int(call.words[call.status_word])
+            if code == 1 and status & 3:  # run_job's status bits 0-1
+                late[i] += 1
+            else:
+                other.append(code)
             on_code(code)
 
         return on_code
 
-    for run in graph._program:
-        if isinstance(run, NativeRun):
-            for call in run.calls:
-                call.on_code = watched(call)
+    calls = [call for run in graph._program if isinstance(run, NativeRun) for call in run.calls]
+    assert any(call.address == step_runner for call in calls)
+    for i, call in enumerate(calls):
+        call.on_code = watched(i, call)
     steps = 0
     while not gen.is_done():
         gen.generate_next_token()
         steps += 1
     assert _worker_pool.worker_pool().stats()["jobs"] > 0
-    counts = f"{len(other)} hand-overs to Python and {len(late)} for late workers in {steps} steps"
+    counts = (
+        f"{len(other)} hand-overs to Python and {late.total()} for late workers (at most "
+        f"{max(late.values(), default=0)} by one call) in {steps} steps"
+    )
     assert len(other) <= steps // 8, counts
-    assert len(late) <= steps // 2, counts
+    assert max(late.values(), default=0) <= steps // 2, counts
     gen.close()
