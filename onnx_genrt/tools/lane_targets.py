@@ -35,6 +35,9 @@ _LONG_HEADER = re.compile(r"^== (?P<p>\d+) prompt tokens, \d+ new, (?P<setting>\
 _LONG_HF_HEADER = re.compile(r"^== HF transformers.*?, (?P<p>\d+) prompt tokens")
 #: ``onnx-genrt bench --provider cuda``'s roofline line: MB a token, the bandwidth floor.
 _ROOFLINE = re.compile(r"^roofline: (?P<mb>[\d.]+) MB .* ceiling is (?P<floor>\d+) tok/s")
+#: ``onnx-genrt profile``'s first line, and its rows by op: op, nodes, ms, share.
+_PROFILE_HEAD = re.compile(r"^step (?P<step>[\d.]+) ms \| graph replay alone (?P<replay>[\d.]+) ms")
+_PROFILE_OP = re.compile(r"^(?P<op>[A-Za-z][\w.:]*)\s+(?P<nodes>\d+)\s+[\d.]+\s+(?P<share>[\d.]+)%")
 #: ``scripts/gpu_scale_bench.sh``'s logs: ``bench-<shape>-<precision>.txt``.
 _SCALE_LOG = re.compile(r"^bench-(?P<shape>[\d.]+b)-(?P<prec>\w+)\.txt$")
 
@@ -56,6 +59,7 @@ class Target:
     anchor: str = ""
     profile: str = ""  # the step profile that shows where the time goes
     profiled: bool = False  # whether the lane wrote it
+    profile_summary: str = ""  # its step and replay times and largest ops, once read
 
     @property
     def met(self) -> bool | None:
@@ -69,12 +73,25 @@ class Target:
         met = {None: "-", True: "yes", False: "NO"}[self.met]
         notes = [self.anchor] if self.anchor else []
         if self.met is False and self.profile:
-            notes.append(
-                f"where the time goes: {self.profile}"
-                if self.profiled
-                else f"no step profile ({self.profile} not written)"
-            )
+            if not self.profiled:
+                notes.append(f"no step profile ({self.profile} not written)")
+            else:
+                summary = f" ({self.profile_summary})" if self.profile_summary else ""
+                notes.append(f"where the time goes: {self.profile}{summary}")
         return f"{self.name:<40}{fig:>14}  {bound:<10}{met:>4}  {self.issue:>5}  {'; '.join(notes)}"
+
+
+def profile_summary(text: str, ops: int = 3) -> str:
+    """One line of an ``onnx-genrt profile`` log: the step and its graph replay, and the
+    ops with the largest share of the nodes' time (or why the profile has none)."""
+    lines = text.splitlines()
+    head = next(filter(None, map(_PROFILE_HEAD.match, lines)), None)
+    if head is None:
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "empty")
+        return f"no profile in it: {last[:120]}"
+    shares = [m for m in map(_PROFILE_OP.match, lines) if m][:ops]
+    top = ", ".join(f"{m['op']} {m['share']}% ({m['nodes']} nodes)" for m in shares)
+    return f"step {head['step']} ms, replay {head['replay']} ms" + (f"; {top}" if top else "")
 
 
 def bench_rows(text: str) -> dict[str, tuple[float | None, float]]:
@@ -223,7 +240,10 @@ def targets(folder: Path) -> list[Target]:
         )  # fmt: skip
     )
     for target in out:
-        target.profiled = bool(target.profile) and (folder / target.profile).is_file()
+        path = folder / target.profile
+        target.profiled = bool(target.profile) and path.is_file()
+        if target.profiled:
+            target.profile_summary = profile_summary(path.read_text(errors="replace"))
     return out
 
 

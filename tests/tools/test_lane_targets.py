@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from onnx_genrt.cli import main
-from onnx_genrt.tools import lane_targets, step_cost
+from onnx_genrt.tools import lane_targets, step_cost, step_profile
 from onnx_genrt.tools.llm_bench import BenchRow, format_rows
+from onnx_genrt.tools.step_profile import NodeTime
 
 LOGS = Path(__file__).parent / "data" / "lane_logs"
 
@@ -132,16 +133,45 @@ def test_a_draft_vocab_step_cost_adds_its_own_chain_row(tmp_path):
     assert _by_name(folder)["0.5B fp16 verify + MTP chain / decode"].figure == 2.16  # unchanged
 
 
+#: The head of an ``onnx-genrt profile`` log (its format: onnx_genrt/tools/step_profile.py).
+PROFILE = """step 2.900 ms | graph replay alone 2.800 ms | sum of 123 nodes timed alone 3.100 ms
+op                                 nodes       ms  share  us/node
+GroupQueryAttention                   24    1.891  61.0%     78.8
+NormMatMul                            48    0.636  20.5%     13.2
+MatMul                                24    0.279   9.0%     11.6
+SiluMulMatMul                         24    0.200   6.5%      8.3
+top 3 nodes:
+  100.0 us  GroupQueryAttention          layer.0.attn
+"""
+
+
 def test_an_unmet_target_names_its_profile_or_says_none_was_written(tmp_path):
     folder = tmp_path / "logs"
     shutil.copytree(LOGS, folder)
-    (folder / "profile-long-30000.txt").write_text("step 2.9 ms | graph replay alone 2.8 ms\n")
+    (folder / "profile-long-30000.txt").write_text(PROFILE)
+    (folder / "profile-long-8192.txt").write_text(
+        "Traceback ...\nprofile failed or timed out (exit 124)\n"
+    )
     got = _by_name(folder)
-    assert "where the time goes: profile-long-30000.txt" in got[
-        "decode after 30000 tokens / after 256"].line()  # fmt: skip
+    assert (
+        "where the time goes: profile-long-30000.txt (step 2.900 ms, replay 2.800 ms; "
+        "GroupQueryAttention 61.0% (24 nodes), NormMatMul 20.5% (48 nodes), MatMul 9.0% (24 nodes))"
+    ) in got["decode after 30000 tokens / after 256"].line()
+    assert "profile-long-8192.txt (no profile in it: profile failed or timed out (exit 124))" in got[
+        "decode after 8192 tokens / after 256"].line()  # fmt: skip
     assert "no step profile (profile-prefill-30000.txt not written)" in got[
         "prefill 30000 tokens, ms"].line()  # fmt: skip
     assert "profile" not in got["0.5B fp16 prefill 512 tokens, ms"].line()  # met: no pointer
+
+
+def test_the_profile_summary_reads_what_profile_prints():
+    """``profile_summary`` against ``onnx-genrt profile``'s own report of known node times."""
+    nodes = [NodeTime("MatMul", f"m{i}", 0.5) for i in range(4)]
+    nodes += [NodeTime("GroupQueryAttention", "a0", 1.0), NodeTime("Add", "x", 0.25)]
+    text = step_profile.report({"step_ms": 3.5, "replay_ms": 3.25, "nodes": nodes}, top=2)
+    assert lane_targets.profile_summary(text, ops=2) == (
+        "step 3.500 ms, replay 3.250 ms; MatMul 61.5% (4 nodes), GroupQueryAttention 30.8% (1 nodes)"
+    )
 
 
 STUB = """#!/usr/bin/env bash
