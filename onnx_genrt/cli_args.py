@@ -9,19 +9,20 @@ import math
 from collections.abc import Callable
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An integer flag of at least ``minimum``."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An integer flag of at least ``minimum`` (and, given, at most ``maximum``)."""
+    bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = f"integer {bound}"
     return parse
 
 

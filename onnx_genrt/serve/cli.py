@@ -19,7 +19,8 @@ from onnx_genrt.core.errors import InvalidInputError
 
 from . import DEFAULT_GRACE_PERIOD
 
-PORT = int_at_least(0)
+#: A TCP port (0: any free one); the socket layer would wrap a larger number around.
+PORT = int_at_least(0, 65535)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -42,6 +42,8 @@ def test_a_missing_model_folder_is_a_model_error(tmp_path):
 def test_bad_flags_are_usage_errors():
     one_line(serve("--max-batch", "0"), 2, "--max-batch", ">= 1")
     one_line(serve("--port", "-1"), 2, "--port")
+    # past 65535 the socket layer would listen on the port modulo 65536, elsewhere than asked
+    one_line(serve("--port", "99999"), 2, "--port", "from 0 to 65535", "99999")
 
 
 def test_the_flags_default_to_the_engines_limits():
