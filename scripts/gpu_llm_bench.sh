@@ -22,6 +22,9 @@ DRAFT_VOCAB="${GPU_BENCH_DRAFT_VOCAB:-32768}"
 # GPU_BENCH_PRECISIONS: the 0.5B builds benched (default "fp16 int4").
 # GPU_BENCH_BUILD_ONLY=1: build the 0.5B fp16 and int4 models (when absent) and stop there.
 BUILD_ONLY="${GPU_BENCH_BUILD_ONLY:-0}"
+# GPU_BENCH_EMBEDDED=0: skip the embedded model's rows (speculation, its step cost), for a
+# shorter call that keeps the 0.5B and HF rows.
+EMBEDDED="${GPU_BENCH_EMBEDDED:-1}"
 mkdir -p "$WORK" "$LOGDIR"
 whl=$(ls .whl/onnxruntime_genai-*.whl 2>/dev/null | head -n 1)
 if [ -z "$whl" ]; then
@@ -96,19 +99,21 @@ done
 
 [ "$BUILD_ONLY" = 1 ] && exit 0
 
-echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens, a Python prompt; mtp = the model's k=3); 1 / 4 / 16 streams plain and speculating per row (ngram)"
-# the 0.5B rows' comparisons, less --compare-eager (whole words only)
-DEFAULT_COMPARE=$(for w in $COMPARE; do [ "$w" = --compare-eager ] || printf '%s ' "$w"; done)
-# shellcheck disable=SC2086
-"$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec mtp:4 --spec draft --spec ngram --streams 1,4,16 $DEFAULT_COMPARE --no-reference \
-  --tokens 256 --prompt "    def __init__(self" --repeats 3 2>"$LOGDIR/bench-default.err" | tee "$LOGDIR/bench-default.txt" \
-  || { echo "default-model bench failed"; tail -n 30 "$LOGDIR/bench-default.err"; }
+if [ "$EMBEDDED" != 0 ]; then
+  echo "== embedded trained model on CUDA: greedy vs speculative (256 tokens, a Python prompt; mtp = the model's k=3); 1 / 4 / 16 streams plain and speculating per row (ngram)"
+  # the 0.5B rows' comparisons, less --compare-eager (whole words only)
+  DEFAULT_COMPARE=$(for w in $COMPARE; do [ "$w" = --compare-eager ] || printf '%s ' "$w"; done)
+  # shellcheck disable=SC2086
+  "$PY" -m onnx_genrt bench --provider cuda --spec mtp --spec mtp:4 --spec draft --spec ngram --streams 1,4,16 $DEFAULT_COMPARE --no-reference \
+    --tokens 256 --prompt "    def __init__(self" --repeats 3 2>"$LOGDIR/bench-default.err" | tee "$LOGDIR/bench-default.txt" \
+    || { echo "default-model bench failed"; tail -n 30 "$LOGDIR/bench-default.err"; }
 
-echo "== embedded model: verify + MTP chain step, per op (k=4)"
-"$PY" -m onnx_genrt step-cost --provider cuda -k 4 | tee "$LOGDIR/step-default.txt" || echo "step cost failed"
-if [ "$PROFILE" != 0 ]; then
-  "$PY" -m onnx_genrt profile --provider cuda --width 5 --mtp --top 8 | tee "$LOGDIR/profile-default.txt" \
-    || echo "step profile (mtp) failed"
+  echo "== embedded model: verify + MTP chain step, per op (k=4)"
+  "$PY" -m onnx_genrt step-cost --provider cuda -k 4 | tee "$LOGDIR/step-default.txt" || echo "step cost failed"
+  if [ "$PROFILE" != 0 ]; then
+    "$PY" -m onnx_genrt profile --provider cuda --width 5 --mtp --top 8 | tee "$LOGDIR/profile-default.txt" \
+      || echo "step profile (mtp) failed"
+  fi
 fi
 
 echo "== HF transformers on the same fp16 weights ($TOKENS tokens)"
