@@ -58,8 +58,7 @@ class Target:
     unit: str = ""
     anchor: str = ""
     profile: str = ""  # the step profile that shows where the time goes
-    profiled: bool = False  # whether the lane wrote it
-    profile_summary: str = ""  # its step and replay times and largest ops, once read
+    profile_summary: str = ""  # its step, replay and largest ops, read where the lane wrote it
 
     @property
     def met(self) -> bool | None:
@@ -73,11 +72,11 @@ class Target:
         met = {None: "-", True: "yes", False: "NO"}[self.met]
         notes = [self.anchor] if self.anchor else []
         if self.met is False and self.profile:
-            if not self.profiled:
-                notes.append(f"no step profile ({self.profile} not written)")
-            else:
-                summary = f" ({self.profile_summary})" if self.profile_summary else ""
-                notes.append(f"where the time goes: {self.profile}{summary}")
+            notes.append(
+                f"where the time goes: {self.profile} ({self.profile_summary})"
+                if self.profile_summary
+                else f"no step profile ({self.profile} not written)"
+            )
         return f"{self.name:<40}{fig:>14}  {bound:<10}{met:>4}  {self.issue:>5}  {'; '.join(notes)}"
 
 
@@ -240,9 +239,7 @@ def targets(folder: Path) -> list[Target]:
         )  # fmt: skip
     )
     for target in out:
-        path = folder / target.profile
-        target.profiled = bool(target.profile) and path.is_file()
-        if target.profiled:
+        if target.profile and (path := folder / target.profile).is_file():
             target.profile_summary = profile_summary(path.read_text(errors="replace"))
     return out
 
