@@ -128,8 +128,18 @@ class CUDAProvider(ExecutionProvider):
             "mma_min_rows",
             MMA_MIN_ROWS,
             "rows (M) from which MatMul on a transposed fp16/bf16 weight runs on the tensor "
-            f"cores, up to {MMA_MAX_M} rows (0: never; gemv_nk up to 16 rows, then cuBLAS)",
+            f"cores, up to {MMA_MAX_M} rows (0: never; gemv_nk up to 16 rows, then cuBLAS). "
+            "1 keeps a row's bits the same alone, in a batch and in a verify step; more runs "
+            "fewer rows faster on gemv_nk, and batched or speculative rows may then part from "
+            "greedy alone at near ties",
             env="ONNX_GENRT_MMA_MIN_ROWS",
+        ),
+        ProviderOption(
+            "mma_split_sum",
+            False,
+            "a tensor-core GEMM that splits K over blocks sums the parts in its last block "
+            "(a counter per column tile) instead of a second kernel; the same bits",
+            env="ONNX_GENRT_MMA_SPLIT_SUM",
         ),
         ProviderOption(
             "cublas_in_graphs",
@@ -219,7 +229,8 @@ class CUDAProvider(ExecutionProvider):
             "nbits_mma_min_rows",
             NBITS_MMA_MIN_ROWS,
             "rows (M) from which 4-bit MatMulNBits with fp16/bf16 activations runs on the "
-            f"tensor cores, up to {MMA_MAX_M} rows (0: never; the GEMVs instead)",
+            f"tensor cores, up to {MMA_MAX_M} rows (0: never; the GEMVs instead); 1 keeps a "
+            "row's bits independent of its batch, as mma_min_rows",
             env="ONNX_GENRT_NBITS_MMA_MIN_ROWS",
         ),
         ProviderOption(

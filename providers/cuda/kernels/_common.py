@@ -398,21 +398,24 @@ DEVI void st16(S* p, const float* v) {
   *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// The fused GEMVs (NORM = 1 / 2, block (32, 8)): the block makes the activations of its M
-// rows once, into shared memory act[M][K] as S (what the unfused norm or SiluMul kernel
-// writes), then syncs. Callers issue their first weight loads before, so the weights are in
-// flight while the block stages. K is a multiple of 16 bytes of S; pointers 16-byte aligned.
+// The fused GEMVs (NORM = 1 / 2, block (32, 8)) and tensor-core GEMMs (NORM = 1, FLAT):
+// the block makes the activations of its M rows once, into shared memory act[M][K] as S
+// (what the unfused norm or SiluMul kernel writes), then syncs. The GEMVs issue their first
+// weight loads before, so the weights are in flight while the block stages. K is a multiple of 16 bytes of S; pointers 16-byte aligned.
 // NORM = 1: RMS norm of h = A_in (+ skip when flags & 1) times gamma; block 0 writes h to
 //   sum_out (flags & 2).
 // NORM = 2: silu(g) * u with g = A_in and u = skip, or the second half of A_in's rows of 2K
 //   (flags & 4).
-template <int NORM, int MT, typename S>
+// FLAT: a block of (256) threads (the tensor-core GEMMs) rather than (32, 8).
+template <int NORM, int MT, bool FLAT = false, typename S>
 DEVI void stage_act(const S* __restrict__ A_in, const S* __restrict__ skip,
                     const S* __restrict__ gamma, S* __restrict__ sum_out, float eps, int flags,
                     int M, int K, S* act) {
   constexpr int V = 16 / sizeof(S);
   const int tid = threadIdx.y * 32 + threadIdx.x, kv = K / V;
   if constexpr (NORM == 1) {
+    const int lane = FLAT ? threadIdx.x & 31 : threadIdx.x;
+    const int warp = FLAT ? threadIdx.x >> 5 : threadIdx.y;
     __shared__ float part[8][MT];
     float ss[MT];
 #pragma unroll
@@ -433,7 +436,7 @@ DEVI void stage_act(const S* __restrict__ A_in, const S* __restrict__ skip,
         }
       }
       ss[m] = warp_sum(ss[m]);
-      if (threadIdx.x == 0) part[threadIdx.y][m] = ss[m];
+      if (lane == 0) part[warp][m] = ss[m];
     }
     __syncthreads();
 #pragma unroll

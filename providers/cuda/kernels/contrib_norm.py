@@ -15,7 +15,7 @@ from onnx_genrt.core.kernels import MS_DOMAIN, KernelContext
 
 from ._common import DEVICE_COMMON, F32, contiguous, function, out, row_threads, storage
 from ._registry import REGISTRY
-from .normalization import _stash_check, simplified_layer_norm
+from .normalization import _stash_check, simplified_layer_norm, staged_rms
 
 REGISTRY.register("SimplifiedLayerNormalization", since=1, domain=MS_DOMAIN, check=_stash_check)(
     simplified_layer_norm
@@ -153,6 +153,10 @@ def _skip_norm(ctx: KernelContext, x, skip, gamma, beta, bias, rms: bool):
         g = contiguous(ctx, gamma)
         bt = contiguous(ctx, beta) if beta is not None else g
         bs = contiguous(ctx, bias) if bias is not None else g
+        eps = float(ctx.attr("epsilon", 1e-12))
+        plain = rms and beta is None and bias is None and not (_wants(ctx, 1) or _wants(ctx, 2))
+        if plain and staged_rms(ctx, x, skip, gamma, y, total if _wants(ctx, 3) else None, eps):
+            return y if n_out == 1 else (y, mean, inv, total)[:n_out]
         threads = row_threads(cols)
         if rms and beta is None and cols <= 4 * threads:
             fn = function(_SOURCE, f"skip_rms_rows_reg<{s_x}, {s_w}>")

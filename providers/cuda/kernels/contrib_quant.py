@@ -1,5 +1,9 @@
 """CUDA kernels: com.microsoft MatMulNBits and GatherBlockQuantized.
 
+MatMulNBits with fp16/bf16 activations, 1..64 rows (by default; ``nbits_mma_min_rows``):
+the tensor-core GEMM ``gemm_mma_nbits4``, whose per-row sums do not depend on M (see
+``matmul.MMA_MIN_ROWS``). Other activations, or rows below ``nbits_mma_min_rows``:
+
 MatMulNBits, M <= 16 (decode and verify steps; capturable): a GEMV that dequantizes the
 packed ``[N, blocks, blob]`` weight on the fly. A warp owns one output column n (two when
 N is large, or a 1/wpr share of K when there are few columns); its lanes read consecutive
@@ -65,7 +69,10 @@ from .matmul import (
     gated_rows,
     gemv_layout,
     mma_config,
+    mma_norm_rows,
+    norm_args,
     provider_cublas,
+    split_sum_args,
     sum_splits,
 )
 
@@ -83,8 +90,10 @@ GEMV_MAX_M = 16
 #: Rows up to which MatMulNBits runs the GEMV in pieces of GEMV_MAX_M rows (capturable).
 CHUNKED_GEMV_MAX_M = 64
 #: Default of the CUDA provider's ``nbits_mma_min_rows``: rows from which 4-bit weights with
-#: fp16/bf16 activations run on the tensor cores (``gemm_mma_nbits4``), up to MMA_MAX_M.
-NBITS_MMA_MIN_ROWS = 3
+#: fp16/bf16 activations run on the tensor cores (``gemm_mma_nbits4``), up to MMA_MAX_M. From
+#: one row, for the reason of ``matmul.MMA_MIN_ROWS`` (3: one row 28% faster on the 0.5B int4
+#: shape, rows that part from alone at near ties).
+NBITS_MMA_MIN_ROWS = 1
 # Kernel variants, each a CUDA provider option (``CUDAProvider.OPTIONS``; the environment
 # variable in brackets is its default):
 # - packed rows of at most STREAM_MAX_WORDS 32-bit words (K <= 1024 at 4 bits) run on the
@@ -733,13 +742,15 @@ struct Nibbles4 {
 };
 
 // C = A @ dequant(B)^T (+ bias) on the tensor cores (see mma_tiles and Nibbles4; GATED, no
-// bias: C [M, N / 2], the gating).
-template <typename S, typename W, int MT, int GATED>
+// bias: C [M, N / 2], the gating; R > 0: A's prologue NORM made first, see mma_act).
+template <typename S, typename W, int MT, int GATED, int NORM, int R>
 __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     const S* __restrict__ A, const unsigned char* __restrict__ B, const W* __restrict__ scales,
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
     const S* __restrict__ bias, int has_bias, S* __restrict__ C, float* __restrict__ P, int M,
-    int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits) {
+    int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits,
+    const S* __restrict__ skip, const S* __restrict__ gamma, S* __restrict__ sum_out, float eps,
+    int norm_flags, int* __restrict__ counters, int sum_here) {
   if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
     const long long n = mma_w_row<GATED>(threadIdx.x, N);
@@ -750,9 +761,10 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     }
   }
   GRID_WAIT();
+  const S* act = mma_act<NORM, R>(A, skip, gamma, sum_out, eps, norm_flags, M, K);
   const Nibbles4<S, W> load{B, scales, zp_u8, zp_f, nb, block, zrow, zp_mode};
-  mma_tiles<S, MT, GATED>(A, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N,
-                          k_per_split, splits);
+  mma_tiles<S, MT, GATED>(act, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N,
+                          k_per_split, splits, sum_here ? counters : nullptr);
 }
 """
 )
@@ -918,15 +930,19 @@ def _nbits_mma(
     ``y`` [m, N / 2] gets the SiLU gating of the product's gate and up halves."""
     k, n = call.k, call.n
     mt, splits, k_per = mma_config(m, k, n, sm_count())
+    rows = mma_norm_rows(call.norm, a, m)  # the caller unfused a norm that does not fit
     partial = y if splits == 1 else scratch(ctx, splits * m * n * 4).view(np.float32)
-    name = f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}, {int(gated)}>"
+    fused = call.norm.ON_THE_FLY if rows else 0
+    name = f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}, {int(gated)}, {fused}, {rows}>"
     fn = function(_MMA4_SOURCE, name)
     args = (a, call.b, call.scales, call.zp_u8, call.zp_f, call.bias_arg)
     args += (np.int32(call.has_bias), y, partial, np.int32(m), np.int32(k), np.int32(n))
     args += (np.int32(call.nb), np.int32(call.block), np.int32(call.zrow))
     args += (np.int32(call.zp_mode), np.int32(k_per), np.int32(splits))
-    fn((n // 8, splits), (256,), args)
-    if splits > 1:
+    extra, shared = norm_args(call.norm, a, y)
+    counters, sum_here = split_sum_args(ctx, splits, n, partial)
+    fn((n // 8, splits), (256,), (*args, *extra, counters, sum_here), shared_mem=shared)
+    if splits > 1 and not sum_here:
         sum_splits(ctx, partial, y, splits, gated)
 
 
@@ -962,10 +978,7 @@ def _nbits_gemv(
         )
         args += (np.int32(call.zp_mode), np.int32(call.has_bias))
         fused = call.norm.ON_THE_FLY if call.norm is not None else 0
-        if call.norm is not None:
-            norm_args, shared = call.norm.kernel_args(a), call.norm.stage_bytes(a)
-        else:
-            norm_args, shared = (a, a, y, np.float32(0.0), np.int32(0)), 0
+        extra, shared = norm_args(call.norm, a, y)
         split = None
         if ctx.option("nbits_small_k", True) and m <= SMALL_K_MAX_M:
             split = nbits4_small_k_split(call.k // 32, call.n, sm_count())
@@ -977,7 +990,7 @@ def _nbits_gemv(
                 f"{int(gated)}>"
             )
             grid = (small_k_blocks(call.n, lpc),)
-            function(_source(ctx), name)(grid, (32, 8), (*args, *norm_args), shared_mem=shared)
+            function(_source(ctx), name)(grid, (32, 8), (*args, *extra), shared_mem=shared)
             return
         # gated: the warps a column gets as ungated (a column's sums then the same bits)
         mt, nr, wpc = gemv_layout(m, call.k // 32, call.n, sm_count())
@@ -986,7 +999,7 @@ def _nbits_gemv(
         fn = function(_source(ctx), name)
         groups = call.n // 2 if gated else -(-call.n // nr)
         grid = (-(-groups * wpc // 8),)
-        fn(grid, (32, 8), (*args, np.int32(wpc), *norm_args), shared_mem=shared)
+        fn(grid, (32, 8), (*args, np.int32(wpc), *extra), shared_mem=shared)
         return
     if call.b.data.ptr % 4:
         refuse_in_capture(ctx, "copying a misaligned packed weight")
@@ -1086,8 +1099,8 @@ def matmul_nbits(
         zrow, zp_mode, norm, s_type, w_type,
     )  # fmt: skip
     mma = _mma4_fits(ctx, call, a, m)
-    if mma and norm is not None:  # tensor-core rows: the prologue runs as its own kernel
-        a, call.norm = contiguous(ctx, norm.unfused()), None
+    if mma and norm is not None and not mma_norm_rows(norm, a, m):
+        a, call.norm = contiguous(ctx, norm.unfused()), None  # the prologue as its own kernel
         mma = _mma4_fits(ctx, call, a, m)
     if mma:
         _nbits_mma(ctx, call, a, y, m, gated)

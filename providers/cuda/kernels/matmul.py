@@ -11,8 +11,10 @@ split across blocks and a second kernel adds the parts.
 A constant 2-D weight is prepacked once, when the session is built, as its transpose
 [N, K] (:class:`TransposedWeight`). Then each output column is one contiguous row: a warp
 (or a few, for long rows) reads it with 16-byte loads and reduces with shuffles, in one
-launch with no split-K pass; fp16/bf16 from ``mma_min_rows`` rows up to MMA_MAX_M run on the
-tensor cores (``gemm_mma``).
+launch with no split-K pass; fp16/bf16 from ``mma_min_rows`` rows (one, by default) up to
+MMA_MAX_M run on the tensor cores (``gemm_mma``), whose sums over K do not depend on M, with
+a fused RMS norm or SiLU gating made in each block as ``gemv_nk`` and the norm kernel make it:
+a row's bits are the same alone, in a batch and in a verify step (``MMA_MIN_ROWS``).
 
 Everything else (more rows, broadcast batches, misaligned operands) runs cuBLAS on the
 provider's own handle (``providers/cuda/cublas.py``, provider option ``cublas_in_graphs``),
@@ -50,6 +52,7 @@ from ._common import (
     storage,
 )
 from ._registry import REGISTRY
+from .reduce import zeroed_counters
 
 #: The constant weights each kernel prefetches into L2 before its GRID_WAIT() (only these:
 #: an activation is not ready then; tests/providers/cuda/test_pdl_launch.py checks it).
@@ -310,8 +313,17 @@ MMA_MAX_M = 64
 #: Rows up to which a prepacked MatMul runs ``gemv_nk`` in pieces of SKINNY_MAX_M rows.
 PIECES_MAX_M = 64
 #: Default of the CUDA provider's ``mma_min_rows``: rows from which a transposed fp16/bf16
-#: weight runs on the tensor cores (``gemm_mma``) rather than ``gemv_nk``.
-MMA_MIN_ROWS = 3
+#: weight runs on the tensor cores (``gemm_mma``) rather than ``gemv_nk``. From one row, so
+#: every decode-width step (one row, a batch, a verify step) sums each row the same way and a
+#: row's logits never depend on what it shares a step with: batched and speculative greedy
+#: give the tokens of greedy alone. 3 runs one and two rows on ``gemv_nk``, 13% faster at one
+#: row on the 0.5B fp16 shape, but a row then parts from alone at near ties
+#: (docs/performance.md, session 31).
+MMA_MIN_ROWS = 1
+#: Rows up to which a tensor-core GEMM stages a fused RMS norm itself (``mma_act``).
+MMA_STAGE_MAX_ROWS = 16
+#: Shared memory of ``mma_tiles``' reduction buffer per 16-row tile (red[8][MT][32][4]).
+MMA_REDUCE_BYTES = 8 * 32 * 4 * 4
 
 #: Device code of the tensor-core GEMMs (``gemm_mma`` here, ``gemm_mma_nbits4`` for 4-bit
 #: weights): the mma.m16n8k16 wrapper and the tile loop, generic in how a lane gets its eight
@@ -378,10 +390,71 @@ DEVI int mma_w_row(int x, int N) {
   return GATED ? (x < 4 ? j0 + x : N / 2 + j0 + x - 4) : blockIdx.x * 8 + x;
 }
 
+// The activations a tensor-core GEMM reads: A itself (R = 0), or, with a prologue fused
+// (NORM = 1: an RMS norm, 2: SiLU gating; R >= M rows, a power of two up to 16), the block's
+// rows made in the launch's dynamic shared memory by stage_act, as the GEMVs and the norm
+// kernel make them (the same bits). After GRID_WAIT: A is the previous kernel's output.
+template <int NORM, int R, typename S>
+DEVI const S* mma_act(const S* __restrict__ A, const S* __restrict__ skip,
+                      const S* __restrict__ gamma, S* __restrict__ sum_out, float eps,
+                      int flags, int M, int K) {
+  if constexpr (R == 0) {
+    return A;
+  } else {
+    extern __shared__ __align__(16) unsigned char stage_bytes[];
+    S* act = reinterpret_cast<S*>(stage_bytes);
+    stage_act<NORM, R, true>(A, skip, gamma, sum_out, eps, flags, M, K, act);
+    return act;
+  }
+}
+
+// The last of a column tile's split blocks to finish (counters[blockIdx.x], set back to
+// zero) sums the tile's fp32 partials over the splits in order, as splitk_sum and
+// splitk_sum_gated do (the same bits), and stores C; the others return. Called by every
+// thread of every block after its partials are written.
+template <typename S, int GATED>
+DEVI void mma_sum_tile(S* __restrict__ C, const float* __restrict__ P, int* __restrict__ counters,
+                       int M, int N, int splits) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
+    if (last) counters[blockIdx.x] = 0;  // every split has counted: ready for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const long long mn = (long long)M * N;
+  if constexpr (GATED) {
+    const int F = N / 2, j0 = blockIdx.x * 4;
+    for (int i = threadIdx.x; i < M * 4; i += blockDim.x) {
+      const int row = i >> 2, j = j0 + (i & 3);
+      const float* p = P + (long long)row * N + j;
+      float gs = 0.f, us = 0.f;
+      for (int t = 0; t < splits; ++t) {
+        gs += __ldcg(p + t * mn);
+        us += __ldcg(p + t * mn + F);
+      }
+      st(C, (long long)row * F + j, silu_times_stored<S>(gs, us));
+    }
+  } else {
+    const int n0 = blockIdx.x * 8;
+    for (int i = threadIdx.x; i < M * 8; i += blockDim.x) {
+      const long long at = (long long)(i >> 3) * N + n0 + (i & 7);
+      float s = 0.f;
+      for (int t = 0; t < splits; ++t) s += __ldcg(P + at + t * mn);
+      st(C, at, s);
+    }
+  }
+}
+
+// counters (splits > 1): null, the partials are left for splitk_sum; else one zeroed counter
+// per column tile (blockIdx.x), and the tile's last split block sums them (mma_sum_tile).
 template <typename S, int MT, int GATED, typename Load>
 DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restrict__ bias,
                     S* __restrict__ C, float* __restrict__ P, int M, int K, int N,
-                    int k_per_split, int splits) {
+                    int k_per_split, int splits, int* __restrict__ counters) {
   __shared__ float red[8][MT][32][4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -439,8 +512,7 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
         }
       }
     }
-    return;
-  }
+  } else {
   for (int i = threadIdx.x; i < MT * 128; i += 256) {
     const int mt = i >> 7, ln = (i >> 2) & 31, e = i & 3;
     float s = 0.f;
@@ -457,6 +529,8 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
       }
     }
   }
+  }
+  if (splits > 1 && counters != nullptr) mma_sum_tile<S, GATED>(C, P, counters, M, N, splits);
 }
 """
 
@@ -474,11 +548,14 @@ struct FloatRows {
   }
 };
 
-// C = A @ W^T on the tensor cores (see mma_tiles; GATED: C [M, N / 2], the gating).
-template <typename S, int MT, int GATED>
+// C = A @ W^T on the tensor cores (see mma_tiles; GATED: C [M, N / 2], the gating; R > 0:
+// A's prologue NORM made first, see mma_act).
+template <typename S, int MT, int GATED, int NORM, int R>
 __global__ void __launch_bounds__(256) gemm_mma(
     const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, float* __restrict__ P,
-    int M, int K, int N, int k_per_split, int splits) {
+    int M, int K, int N, int k_per_split, int splits, const S* __restrict__ skip,
+    const S* __restrict__ gamma, S* __restrict__ sum_out, float eps, int norm_flags,
+    int* __restrict__ counters, int sum_here) {
   if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
     const long long n = mma_w_row<GATED>(threadIdx.x, N);
@@ -487,8 +564,9 @@ __global__ void __launch_bounds__(256) gemm_mma(
                          (unsigned int)(min(ke, kb + 512) - kb) * (unsigned int)sizeof(S));
   }
   GRID_WAIT();
-  mma_tiles<S, MT, GATED>(A, FloatRows<S>{W, K}, (const S*)nullptr, C, P, M, K, N,
-                          k_per_split, splits);
+  const S* act = mma_act<NORM, R>(A, skip, gamma, sum_out, eps, norm_flags, M, K);
+  mma_tiles<S, MT, GATED>(act, FloatRows<S>{W, K}, (const S*)nullptr, C, P, M, K, N,
+                          k_per_split, splits, sum_here ? counters : nullptr);
 }
 """
 )
@@ -518,22 +596,66 @@ def mma_config(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
     return mt, -(-chunks // per), per * 64
 
 
+def mma_norm_rows(norm: Any, a: cupy.ndarray, m: int) -> int:
+    """The tensor-core GEMMs' staged rows (their ``R``) for ``norm`` (a fused norm or SiLU
+    gating) in ``m`` rows of ``a``: the power of two at least ``m`` (at most 16), when the
+    staged rows and the kernel's own reduction buffer fit a block's 48 KiB; 0 when unfused
+    (``norm`` None) or when they do not fit (the caller runs ``norm.unfused()`` first)."""
+    if norm is None or m > MMA_STAGE_MAX_ROWS:
+        return 0
+    mt = -(-m // 16)
+    if norm.stage_bytes(a) + MMA_REDUCE_BYTES * mt > 48 << 10:
+        return 0
+    return next(r for r in (1, 2, 4, 8, 16) if r >= m)
+
+
+def norm_args(norm: Any, a: cupy.ndarray, c: cupy.ndarray) -> tuple[tuple, int]:
+    """The trailing (skip, gamma, sum_out, eps, flags) arguments of the kernels that may
+    stage a fused norm, and their dynamic shared memory: ``norm``'s, or placeholders."""
+    if norm is None:
+        return (a, a, c, np.float32(0.0), np.int32(0)), 0
+    return norm.kernel_args(a), norm.stage_bytes(a)
+
+
+def split_sum_args(ctx: KernelContext, splits: int, n: int, partial: cupy.ndarray) -> tuple:
+    """The (counters, sum_here) arguments of the tensor-core GEMMs: with K split and the
+    provider's ``mma_split_sum`` on, a zeroed counter per column tile (``zeroed_counters``)
+    and 1, so each tile's last split block sums the parts itself; else (placeholder, 0), and
+    the caller runs ``sum_splits`` after a split launch."""
+    if splits > 1 and ctx.option("mma_split_sum", False):
+        return zeroed_counters(ctx, n // 8), np.int32(1)
+    return partial, np.int32(0)
+
+
 def gemm_mma(
-    ctx: KernelContext, a: cupy.ndarray, w: TransposedWeight, c: cupy.ndarray, gated: bool = False
+    ctx: KernelContext,
+    a: cupy.ndarray,
+    w: TransposedWeight,
+    c: cupy.ndarray,
+    gated: bool = False,
+    norm: Any = None,
 ) -> None:
     """c = a @ w on the tensor cores (``mma_fits`` must hold; ``a`` contiguous); ``gated``: c
-    [m, N / 2] gets the SiLU gating of the product's gate and up halves."""
+    [m, N / 2] gets the SiLU gating of the product's gate and up halves; ``norm`` (a
+    ``genrt.FusedNorm`` or ``FusedSilu`` that fits ``mma_norm_rows``): each block makes the
+    activations from ``a`` first."""
     k, n = w.shape
     m = int(c.size // c.shape[-1])
     mt, splits, k_per = mma_config(m, k, n, sm_count())
+    rows = mma_norm_rows(norm, a, m)
+    assert norm is None or rows, "gemm_mma: the fused norm does not fit (see mma_norm_rows)"
     s_type = storage(ctx, a.dtype)
     partial = c
     if splits > 1:
         partial = scratch(ctx, splits * m * n * 4).view(np.float32)
-    fn = function(_MMA_SOURCE, f"gemm_mma<{s_type}, {mt}, {int(gated)}>")
+    fused = norm.ON_THE_FLY if rows else 0
+    fn = function(_MMA_SOURCE, f"gemm_mma<{s_type}, {mt}, {int(gated)}, {fused}, {rows}>")
     args = (a, w.t, c, partial, np.int32(m), np.int32(k), np.int32(n), np.int32(k_per))
-    fn((n // 8, splits), (256,), (*args, np.int32(splits)))
-    if splits > 1:
+    extra, shared = norm_args(norm, a, c)
+    counters, sum_here = split_sum_args(ctx, splits, n, partial)
+    args += (np.int32(splits), *extra, counters, sum_here)
+    fn((n // 8, splits), (256,), args, shared_mem=shared)
+    if splits > 1 and not sum_here:
         sum_splits(ctx, partial, c, splits, gated)
 
 
@@ -700,12 +822,8 @@ def _launch_gemv(
     name = f"gemv_nk<{storage(ctx, a.dtype)}, {mt}, {nr}, {fused}, {int(gated)}>"
     groups = n // 2 if gated else -(-n // nr)
     args = (a, w.t, c, np.int32(m), np.int32(k), np.int32(n), np.int32(wpc))
-    if norm is not None:
-        args += norm.kernel_args(a)
-    else:
-        args += (a, a, c, np.float32(0.0), np.int32(0))
-    shared = norm.stage_bytes(a) if norm is not None else 0
-    function(_SOURCE, name)((-(-groups * wpc // 8),), (32, 8), args, shared_mem=shared)
+    extra, shared = norm_args(norm, a, c)
+    function(_SOURCE, name)((-(-groups * wpc // 8),), (32, 8), (*args, *extra), shared_mem=shared)
 
 
 def gated_gemv(
@@ -760,11 +878,12 @@ def _gemv_transposed(
         return c
     least = mma_min_rows(ctx)
     if least and least <= m <= MMA_MAX_M and a.dtype in (F16, BF16):
-        if norm is not None:  # tensor-core rows: the prologue runs as its own kernel
-            a, norm = norm.unfused(), None
-        a = contiguous(ctx, a)
+        if norm is not None and not mma_norm_rows(norm, a, m):
+            a, norm = norm.unfused(), None  # the prologue runs as its own kernel
+        if norm is None:
+            a = contiguous(ctx, a)
         if mma_fits(a, w, m):
-            gemm_mma(ctx, a, w, c, gated)
+            gemm_mma(ctx, a, w, c, gated, norm)
             return c
     if norm is None:  # the prologue reads the fused inputs itself
         a = contiguous(ctx, a)

@@ -1,7 +1,9 @@
 """CUDA kernels: RMSNormalization, SimplifiedLayerNormalization and LayerNormalization.
 
 One block per normalized row; statistics in float32 (the default stash_type); the
-output is rounded once, after the scale (and bias) are applied.
+output is rounded once, after the scale (and bias) are applied. RMS norms of whole 16-byte
+rows in one dtype run ``rms_rows_staged``: the arithmetic of a norm fused into a GEMM
+(``stage_act``), so fusing a norm never changes a row's bits.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from onnx_genrt.core.kernels import KernelContext, NodeInfo
 from onnx_genrt.core.op_rules import normalize_axis
 
 from ._common import (
+    BF16,
     DEVICE_COMMON,
+    F16,
     F32,
     contiguous,
     function,
@@ -71,8 +75,58 @@ __global__ void layer_norm_rows(const S* __restrict__ x, const W* __restrict__ s
     if (want_inv) inv_out[blockIdx.x] = inv;
   }
 }
+
+// RMS norm rows of K values (16-byte chunks) exactly as the GEMMs that fuse a norm make them
+// (stage_act, NORM = 1, one row a block): y = (x + skip) * inv * gamma and sum_out = x + skip
+// (flags & 1: skip, flags & 2: sum_out), so a row's bits do not depend on whether its norm
+// ran fused or here. Grid (1, rows), block (32, 8).
+template <typename S>
+__global__ void __launch_bounds__(256) rms_rows_staged(
+    const S* __restrict__ x, const S* __restrict__ skip, const S* __restrict__ gamma,
+    S* __restrict__ y, S* __restrict__ sum_out, float eps, int flags, int K) {
+  GRID_WAIT();
+  GRID_LAUNCH_DEPENDENTS();
+  const long long at = (long long)blockIdx.y * K;
+  stage_act<1, 1>(x + at, skip + at, gamma, sum_out + at, eps, flags, 1, K, y + at);
+}
 """
 )
+
+#: Most rows ``rms_rows_staged`` takes (its grid's y dimension).
+STAGED_MAX_ROWS = 65535
+
+
+def staged_rms(
+    ctx: KernelContext,
+    x: cupy.ndarray,
+    skip: cupy.ndarray | None,
+    gamma: cupy.ndarray,
+    y: cupy.ndarray,
+    total: cupy.ndarray | None,
+    eps: float,
+) -> bool:
+    """Run the RMS norm of the last axis of ``x`` (+ ``skip``, the sum into ``total``) as
+    ``rms_rows_staged``, the arithmetic of a norm fused into a GEMM, when its shapes allow
+    (one dtype, whole 16-byte rows, aligned, at most STAGED_MAX_ROWS rows); False (nothing
+    run) otherwise."""
+    cols = int(x.shape[-1]) if x.ndim else 0
+    rows = int(x.size // cols) if cols else 0
+    arrays = [a for a in (x, skip, gamma, y, total) if a is not None]
+    if not (
+        x.dtype in (F32, F16, BF16)
+        and all(a.dtype == x.dtype and a.flags.c_contiguous for a in arrays)
+        and all(a.data.ptr % 16 == 0 for a in arrays)
+        and 0 < rows <= STAGED_MAX_ROWS
+        and (cols * x.dtype.itemsize) % 16 == 0
+        and gamma.size == cols
+        and (skip is None or skip.size == x.size)
+    ):
+        return False
+    flags = (skip is not None) | (2 * (total is not None))
+    fn = function(_SOURCE, f"rms_rows_staged<{storage(ctx, x.dtype)}>")
+    args = (x, skip if skip is not None else x, gamma, y, total if total is not None else y)
+    fn((1, rows), (32, 8), (*args, np.float32(eps), np.int32(flags), np.int32(cols)))
+    return True
 
 
 def _stash_check(node: NodeInfo, input_types) -> str | None:
@@ -129,6 +183,8 @@ def _rms(ctx: KernelContext, x: cupy.ndarray, scale: cupy.ndarray, stats: bool):
     y = out(ctx, 0, x.shape, scale.dtype)
     inv = out(ctx, 1, _stat_shape(x, axis), F32) if stats else y
     if rows and cols:
+        if not stats and axis == x.ndim - 1 and staged_rms(ctx, x, None, scale, y, None, eps):
+            return y
         s_x, s_w = storage(ctx, x.dtype), storage(ctx, scale.dtype)
         fn = function(_SOURCE, f"rms_norm_rows<{s_x}, {s_w}>")
         args = (contiguous(ctx, x), contiguous(ctx, scale), y, inv, np.int64(cols))

@@ -208,3 +208,27 @@ def test_a_single_sequence_draws_on_the_device_by_default(cp):
     assert device != host
     alone = generate(model, TEXTS[1], 25, ignore_eos=True, **search).tokens
     assert alone == device
+
+
+def test_half_precision_rows_and_verify_steps_keep_one_rows_bits(cp):
+    """On a bf16 model (tensor-core and GEMV kernels), each row of a batched decode step
+    and each position of a verify step gets the logits of the one-row decode step bit for
+    bit: the chosen tokens' log-probabilities equal those of each prompt alone exactly,
+    in a batch of 8 plain rows and in one that verifies prompt-lookup drafts."""
+    from onnx_genrt.engine import Model, generate, generate_batch
+
+    model = Model(_fixture("qwen2-bf16"), provider="cuda")
+    rng = np.random.default_rng(5)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(1, vocab, n).tolist() for n in (3, 8, 17, 32)]
+    prompts += [p * 4 for p in prompts]  # repeats: prompt lookup proposes drafts
+
+    def bits(result):
+        return result.tokens, [t.logprob for t in result.logprobs]
+
+    alone = [bits(generate(model, p, 24, ignore_eos=True, logprobs=1)) for p in prompts]
+    plain = generate_batch(model, prompts, 24, ignore_eos=True, logprobs=1)
+    assert [bits(r) for r in plain] == alone
+    spec = generate_batch(model, prompts, 24, ignore_eos=True, logprobs=1, spec="ngram", k=3)
+    assert spec[0].speculation["verify_steps"] > 0 and spec[0].speculation["proposed"] > 0
+    assert [bits(r) for r in spec] == alone

@@ -247,3 +247,53 @@ def test_nbits_tensor_core_bias_and_split_k(cp, rng, mma4_calls, dtype):
             (got,) = sess.run(["y"], {"x": x})
             _check(np.asarray(got), x.astype(np.float64) @ w64 + b64, dtype, k)
     assert mma4_calls == [7, 7]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("weights", ["float", "nbits"])
+def test_tensor_core_split_sum_in_the_kernel_keeps_the_bits(cp, rng, monkeypatch, dtype, weights):
+    """``mma_split_sum``: a tensor-core GEMM that splits K (few columns) sums the parts in the
+    tile's last block, with the bits of the separate sum kernel, eagerly and in replayed
+    graphs (its counters back at zero after each launch), at 1, 5 and 32 rows; the 4-bit
+    weight with a bias (added once, in split 0)."""
+    from onnx_genrt.providers.cuda.kernels import contrib_quant, matmul
+    from onnx_genrt.session import InferenceSession
+
+    sums = []
+    for module in (matmul, contrib_quant):
+        real = module.sum_splits
+        monkeypatch.setattr(
+            module, "sum_splits", lambda *a, real=real, **kw: sums.append(1) or real(*a, **kw)
+        )
+    for k, n in ((4864, 896), (896, 1152)):
+        assert matmul.mma_config(1, k, n, matmul.sm_count())[1] > 1  # K is split
+        if weights == "float":
+            w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+            model = _matmul_model(w, dtype)
+        else:
+            model, _ = _nbits_model(k, n, 32, dtype, rng, True, bias=rng.standard_normal(n))
+        outs = {}
+        for fused in (False, True):
+            sess = InferenceSession(model, providers=[("cuda", {"mma_split_sum": fused})])
+            prov = sess.main_provider
+            sums.clear()
+            got = []
+            for slot, m in ((PRIMARY, 1), (VERIFY, 5), (DeviceGraphSlot.DRAFT, 32)):
+                binding = sess.io_binding()
+                with prov.stream:
+                    x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
+                y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
+                for i in range(4):
+                    host = np.random.default_rng(i + m).standard_normal((1, m, k)).astype(dtype)
+                    x.set(host, stream=prov.stream)
+                    with prov.stream:
+                        y.fill(np.nan)
+                    sess.run_with_iobinding(binding, slot)
+                    got.append(prov.to_numpy(y).view(np.uint16))
+                stats = sess.graph_stats(slot)
+                assert stats.captures == 1 and stats.replays >= 2, (slot, stats)
+                assert stats.fallbacks == 0, dict(stats.fallback_reasons)
+            assert bool(sums) != fused  # the separate sum kernel ran only without the option
+            outs[fused] = got
+        for unfused, fused in zip(outs[False], outs[True], strict=True):
+            np.testing.assert_array_equal(fused, unfused)

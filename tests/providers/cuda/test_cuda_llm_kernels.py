@@ -670,9 +670,12 @@ def test_matmul_nbits_other_bits_and_many_words(cp, prov, rng, bits, block, k, n
     ],
 )
 def test_matmul_nbits_small_k(cp, prov, rng, monkeypatch, k, n, block, lanes, m, zp_kind, dtype):
-    """``nbits4_gemv16_small_k`` (a few lanes a column) against float64, bias at M=3."""
+    """``nbits4_gemv16_small_k`` (a few lanes a column) against float64, bias at M=3 (the
+    GEMVs' rows: ``nbits_mma_min_rows`` 0, as fp16/bf16 rows run on the tensor cores from
+    one row by default)."""
     from onnx_genrt.providers.cuda.kernels import contrib_quant as cq
 
+    monkeypatch.setattr(prov, "_options", {**prov._options, "nbits_mma_min_rows": 0})
     chunks = k // 32
     if lanes is None:
         assert prov.option("nbits_small_k")

@@ -136,3 +136,51 @@ def test_fused_silu_down_projection_matches_cpu(cp, rows, inter, down):
         np.testing.assert_allclose(prov.to_numpy(y), want, rtol=1e-4, atol=1e-4)
     stats = sess.graph_stats(slot)
     assert stats.captures == 1 and stats.replays >= 2 and stats.fallbacks == 0, stats
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_tensor_core_rows_stage_the_norm_with_the_norm_kernels_bits(cp, monkeypatch, dtype, rows):
+    """With the tensor cores from one row (``mma_min_rows`` and ``nbits_mma_min_rows`` 1),
+    NormMatMul and NormMatMulNBits rows that stage their norm in the GEMM's blocks
+    (``prologue_max_rows`` 16) give the bits of the norm kernel followed by the same GEMM
+    (``prologue_max_rows`` 0): a row's bits do not depend on where its norm was made."""
+    from onnx_genrt.providers.cuda.kernels import contrib_quant, matmul
+    from onnx_genrt.providers.cuda.provider import CUDAProvider
+    from onnx_genrt.session import InferenceSession
+
+    staged = []
+    real_mma, real_mma4 = matmul.gemm_mma, contrib_quant._nbits_mma
+    monkeypatch.setattr(
+        matmul,
+        "gemm_mma",
+        lambda ctx, a, w, c, gated=False, norm=None: (
+            staged.append(("mma", norm is not None)),
+            real_mma(ctx, a, w, c, gated, norm),
+        )[1],
+    )
+    monkeypatch.setattr(
+        contrib_quant,
+        "_nbits_mma",
+        lambda ctx, call, a, y, m, gated=False: (
+            staged.append(("mma4", call.norm is not None)),
+            real_mma4(ctx, call, a, y, m, gated),
+        )[1],
+    )
+    model = norm_projections(hidden=896, rows=rows, n=256, dtype=dtype, seed=7)
+    rng = np.random.default_rng(rows)
+    feeds = {k: rng.standard_normal((1, rows, 896)).astype(dtype) for k in "ab"}
+
+    def run(most: int) -> tuple[list[np.ndarray], list[tuple[str, bool]]]:
+        options = dict(mma_min_rows=1, nbits_mma_min_rows=1, prologue_max_rows=most)
+        sess = InferenceSession(model, providers=[CUDAProvider(gemv_prologues=True, **options)])
+        staged.clear()
+        got = [np.asarray(x).view(np.uint16) for x in sess.run(["y", "z"], feeds)]
+        return got, sorted(set(staged))
+
+    fused, kernels = run(16)
+    assert kernels == [("mma", True), ("mma4", True)]
+    unfused, kernels = run(0)
+    assert kernels == [("mma", False), ("mma4", False)]
+    for f, u in zip(fused, unfused, strict=True):
+        np.testing.assert_array_equal(f, u)
