@@ -35,6 +35,10 @@ class ProviderUnavailableError(OnnxGenrtError):
     """A provider was requested that is not installed or cannot run here."""
 
 
+class UnknownProviderError(ProviderUnavailableError, InvalidInputError):
+    """No provider of the requested name is installed: the name is wrong (a usage error)."""
+
+
 class NonFiniteError(OnnxGenrtError, FloatingPointError):
     """A tensor that must be finite (for example logits) holds NaN or infinity."""
 

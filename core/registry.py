@@ -23,7 +23,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .errors import OnnxGenrtError, ProviderUnavailableError
+from .errors import OnnxGenrtError, ProviderUnavailableError, UnknownProviderError
 from .provider import PROVIDER_API_VERSION, ExecutionProvider
 
 #: The distribution whose entry points are the built-in providers; their names are reserved.
@@ -332,7 +332,7 @@ class ProviderRegistry:
                 f"provider {name!r} from {refused.plugin} is not used: {refused.error}"
             )
         known = ", ".join(self.names()) or "none"
-        raise ProviderUnavailableError(f"no provider named {name!r} is installed (known: {known})")
+        raise UnknownProviderError(f"no provider named {name!r} is installed (known: {known})")
 
     def spec(self, name: str) -> ProviderSpec:
         """The spec registered as ``name``; raises naming the known ones, or why it was refused."""

@@ -87,8 +87,9 @@ EXIT_INTERRUPTED = 130  # Ctrl-C
 
 EPILOG = f"""exit codes:
   {EXIT_OK}    success
-  {EXIT_USAGE}    usage: a bad flag or option value
-  {EXIT_MODEL}    model: the model folder or file cannot be used (missing, malformed, unsupported op)
+  {EXIT_USAGE}    usage: a bad flag or option value (an unknown provider name too)
+  {EXIT_MODEL}    model: the model folder or file cannot be used (missing, malformed, unsupported op),
+       or an installed provider cannot run here (no GPU, a plugin refused)
   {EXIT_RUNTIME}    runtime: running the model failed (a kernel, non-finite logits, out of memory)
   {EXIT_INTERNAL}    internal error (a bug: please report it with the --debug traceback)
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)

@@ -733,11 +733,12 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     try:
         resolve_providers(providers)  # fail fast; each case builds its own instance
     except (OnnxGenrtError, KeyError, ValueError) as exc:
-        print(
-            f"onnx-genrt conformance: error: provider {','.join(providers)!r}: {_one_line(exc)}",
-            file=sys.stderr,
-        )
-        return 3  # the CLI's code for a model or provider that cannot be used (cli.EXIT_MODEL)
+        from onnx_genrt.cli import exit_code
+
+        why = " ".join(str(exc).split()) if isinstance(exc, OnnxGenrtError) else _one_line(exc)
+        print(f"onnx-genrt conformance: error: provider {','.join(providers)!r}: {why}",
+              file=sys.stderr)  # fmt: skip
+        return exit_code(exc)  # the CLI's codes: 2 for an unknown name, 3 for one that cannot run
     timeout = getattr(ns, "timeout", None) or DEFAULT_TIMEOUT
     report = run_conformance(
         providers if len(providers) > 1 else providers[0],

@@ -1,5 +1,6 @@
 """The GPU lane's target table: each speed target of issues 17 and 19 beside the figure the
-lane measured, whether it is met, and the anchor the issue compares it with.
+lane measured, whether it is met, and the anchor the issue compares it with; and issue 17's
+batched rows that did not give the single sequence's tokens (none may).
 
 Reads the logs ``scripts/gpu_lane.sh bench`` and ``scripts/gpu_long_bench.sh`` leave in one
 folder (``bench-fp16.txt``, ``step-int4.txt``, ``hf_bench.txt``, ``long.txt``, ...); a target
@@ -21,6 +22,10 @@ from onnx_genrt.core.errors import InvalidInputError
 
 #: A bench table row: label, prefill ms, decode tok/s (``onnx-genrt bench``'s format).
 _BENCH_ROW = re.compile(r"^(?P<label>\S.*?\])\s+(?P<prefill>[\d.]+|-)\s+(?P<tok>[\d.]+)\s+[\d.]+%")
+#: A bench row's "same tokens" column, after the spread, vs genai and vs ort loop columns.
+_SAME_TOKENS = re.compile(r"%\s+\S+\s+\S+\s+(?P<same>yes|NO)\b")
+#: The label of a batched row of ``onnx-genrt bench --streams`` (without --compare-serial's).
+_STREAMS_LABEL = re.compile(r"^onnx-genrt\[[^\]]*,\d+ streams\]$")
 #: ``onnx-genrt step-cost``: the verify / decode ratio, and the verify + MTP chain's.
 _STEP_RATIO = re.compile(r"verify/decode (?P<x>[\d.]+)x")
 #: The draft vocabulary a ``step-{prec}-draft.txt`` was measured with (its first line).
@@ -104,6 +109,19 @@ def bench_rows(text: str) -> dict[str, tuple[float | None, float]]:
     return rows
 
 
+def stream_rows_parting(text: str) -> tuple[int, int] | None:
+    """Among the bench's batched rows (``N streams``): how many said ``same tokens: NO``
+    (a row whose tokens are not the single sequence's), and how many there are; None
+    without any."""
+    parting = total = 0
+    for line in text.splitlines():
+        row, same = _BENCH_ROW.match(line), _SAME_TOKENS.search(line)
+        if row and same and _STREAMS_LABEL.match(row["label"]):
+            total += 1
+            parting += same["same"] == "NO"
+    return (parting, total) if total else None
+
+
 def step_ratios(text: str) -> tuple[float | None, float | None]:
     """``onnx-genrt step-cost``'s verify / decode and verify + MTP chain / decode."""
     verify, chain = _STEP_RATIO.search(text), _CHAIN_RATIO.search(text)
@@ -161,7 +179,8 @@ def targets(folder: Path) -> list[Target]:
     hf = hf_best(_read(folder, "hf_bench.txt"))
     hf_note = f"HF {hf[0]} {hf[1]:.1f} tok/s, TTFT {hf[2]:.2f} ms (same run)" if hf else ""
     for prec, bound in (("fp16", 2200.0), ("int4", 3000.0)):
-        rows = bench_rows(_read(folder, f"bench-{prec}.txt"))
+        bench = _read(folder, f"bench-{prec}.txt")
+        rows = bench_rows(bench)
         graphed = rows.get("onnx-genrt[cuda]")
         anchor = hf_note + (f"; {MEGAKERNEL_0_5B_FP16}" if prec == "fp16" else "")
         profile = f"profile-{prec}.txt"
@@ -213,6 +232,17 @@ def targets(folder: Path) -> list[Target]:
                 if hf_scale
                 else "",
                 profile=f"profile-rows32-{prec}.txt",
+            )  # fmt: skip
+        )
+        parting = stream_rows_parting(bench)
+        out.append(
+            Target(
+                f"0.5B {prec} stream rows unlike alone",
+                17,
+                parting and parting[0],
+                0,
+                False,
+                anchor=f"of {parting[1]} batched rows (same tokens: NO)" if parting else "",
             )  # fmt: skip
         )
         if prec == "fp16":

@@ -23,6 +23,8 @@ from onnx_genrt.core.errors import (
     KernelError,
     ModelLoadError,
     NonFiniteError,
+    ProviderUnavailableError,
+    UnknownProviderError,
     UnsupportedOpError,
 )
 from onnx_genrt.generate_cli import default_model_dir
@@ -141,6 +143,8 @@ def test_a_successful_run_exits_zero():
         (InvalidInputError("x"), EXIT_USAGE),
         (ModelLoadError("x"), EXIT_MODEL),
         (UnsupportedOpError("x"), EXIT_MODEL),
+        (UnknownProviderError("x"), EXIT_USAGE),  # a wrong name, as a bad flag value
+        (ProviderUnavailableError("x"), EXIT_MODEL),  # installed but cannot run here
         (FileNotFoundError(2, "No such file", "m.onnx"), EXIT_MODEL),
         (KernelError("x"), EXIT_RUNTIME),
         (NonFiniteError("x"), EXIT_RUNTIME),
@@ -157,3 +161,21 @@ def test_a_prompt_that_is_not_utf8_is_a_usage_error():
     argv = [sys.executable.encode(), b"-m", b"onnx_genrt", b"generate", b"--prompt", b"ab\xff"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     _one_line_error(proc, EXIT_USAGE, "lone surrogate '\\udcff' at index 2")
+
+
+def test_an_unknown_provider_is_a_usage_error_in_every_command(capsys):
+    """``--provider nosuch`` exits 2 with one line naming the installed providers, in
+    ``generate`` and ``conformance`` alike (``check-provider`` says 2 too); a provider that is
+    installed but cannot run stays 3."""
+    from onnx_genrt import conformance
+    from onnx_genrt.cli import main as cli_main
+
+    assert cli_main(["generate", "--provider", "nosuch", "--prompt", "x"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("onnx-genrt generate: error: no provider named 'nosuch' is installed")
+    assert "(known: " in err and "\n" not in err
+    assert conformance.main(["--provider", "nosuch"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("onnx-genrt conformance: error: provider 'nosuch': no provider named")
+    assert "Error" not in err  # the message, not the exception's class
+    assert cli_main(["check-provider", "nosuch"]) == EXIT_USAGE

@@ -216,3 +216,27 @@ def test_the_lane_scripts_write_every_profile_the_table_names(tmp_path):
                   "--context 8192 --steps 10"):  # fmt: skip
         assert any(flags in c and "--provider cuda" in c for c in profiles), flags
     assert "profile failed" not in "".join(p.read_text() for p in out.glob("profile-*.txt"))
+
+
+def test_stream_rows_unlike_alone_count_the_batched_rows_that_say_no(tmp_path):
+    """Issue 17's batched rows must give the single sequence's tokens: the target counts the
+    ``N streams`` rows whose "same tokens" column says NO (not --compare-serial's rows)."""
+    old = _by_name(LOGS)["0.5B fp16 stream rows unlike alone"]  # a run whose rows all parted
+    assert (old.figure, old.met) == (4, False) and "of 4 batched rows" in old.anchor
+    same, other = [5, 6, 7], [5, 6, 8]  # the bench compares each row's tokens with row 0's
+    rows = [
+        BenchRow("onnx-genrt[cuda]", 1.48, 1098.0, same),
+        BenchRow("onnx-genrt[cuda,1 streams]", 3.2, 1093.9, same),
+        BenchRow("onnx-genrt[cuda,4 streams]", 12.07, 4305.5, same),
+        BenchRow("onnx-genrt[cuda,32 streams]", 86.39, 25649.0, other),
+        BenchRow("onnx-genrt[cuda,32 streams,serial]", 86.0, 20000.0, other),
+    ]
+    (tmp_path / "bench-int4.txt").write_text(format_rows(rows))
+    assert lane_targets.stream_rows_parting(format_rows(rows)) == (1, 3)
+    got = _by_name(tmp_path)
+    int4 = got["0.5B int4 stream rows unlike alone"]
+    assert (int4.figure, int4.met) == (1, False)
+    assert got["0.5B fp16 stream rows unlike alone"].figure is None  # no bench log
+    rows[3] = BenchRow("onnx-genrt[cuda,32 streams]", 86.39, 25649.0, same)
+    (tmp_path / "bench-int4.txt").write_text(format_rows(rows))
+    assert _by_name(tmp_path)["0.5B int4 stream rows unlike alone"].met is True
