@@ -513,22 +513,22 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
       }
     }
   } else {
-  for (int i = threadIdx.x; i < MT * 128; i += 256) {
-    const int mt = i >> 7, ln = (i >> 2) & 31, e = i & 3;
-    float s = 0.f;
+    for (int i = threadIdx.x; i < MT * 128; i += 256) {
+      const int mt = i >> 7, ln = (i >> 2) & 31, e = i & 3;
+      float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) s += red[w][mt][ln][e];
-    const int row = mt * 16 + (ln >> 2) + (e >= 2 ? 8 : 0);
-    const long long col = n0 + 2 * (ln & 3) + (e & 1);
-    if (bias != nullptr && blockIdx.y == 0) s += ld(bias, col);
-    if (row < M) {
-      if (splits > 1) {
-        P[(long long)blockIdx.y * M * N + (long long)row * N + col] = s;
-      } else {
-        st(C, (long long)row * N + col, s);
+      for (int w = 0; w < 8; ++w) s += red[w][mt][ln][e];
+      const int row = mt * 16 + (ln >> 2) + (e >= 2 ? 8 : 0);
+      const long long col = n0 + 2 * (ln & 3) + (e & 1);
+      if (bias != nullptr && blockIdx.y == 0) s += ld(bias, col);
+      if (row < M) {
+        if (splits > 1) {
+          P[(long long)blockIdx.y * M * N + (long long)row * N + col] = s;
+        } else {
+          st(C, (long long)row * N + col, s);
+        }
       }
     }
-  }
   }
   if (splits > 1 && counters != nullptr) mma_sum_tile<S, GATED>(C, P, counters, M, N, splits);
 }
