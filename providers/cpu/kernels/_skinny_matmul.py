@@ -7,16 +7,13 @@ docs/performance.md). Here a constant weight is kept in tiles of ``TILE`` (32) o
 columns, ``tiles[t, k, c] = W[k, 32 t + c]`` (:func:`pack_weight`; the last tile padded with
 zeros): each tile is one contiguous run of memory, read once for all M rows.
 
-A tile's 32 sums per row of X live in two 16-wide vector registers (``stack_float32``
-accumulators, which LLVM keeps in registers), fed by a broadcast of x[i, k] and the tile's
-row k: no horizontal sums. One row sums four k per step in a tree, so the FMA latency of
-its two accumulators does not bound it; more rows (``_rows``) go four at a time (eight
-accumulators, each tile row loaded once for the four), then a last group of three, two or
-one. ``_gemv`` (M=1) may reorder its sums (``reassoc``); ``_rows`` may not (with it LLVM
-vectorizes the k loop with gathers instead of the 32 columns). Either stays
-within fp32 rounding of a float64 reference (see the tests), and every output column is
-computed by the same code whatever the thread split, so a pooled call equals a serial one
-bit for bit.
+A tile's 32 sums per row of X live in two 16-lane vector registers, fed by a broadcast of
+x[i, k] and the tile's row k: no horizontal sums. ``_fma_rows.fma_rows`` runs ``GROUP`` rows
+at a time (8 with AVX-512), each tile row loaded once for them. Every column adds its
+products in the order of k by fused multiply-adds, whatever M, the row's place among them or
+the thread split: a row's outputs are the same bits alone, in a batch or in a verify step,
+and a pooled call equals a serial one. The sums stay within fp32 rounding of a float64
+reference (see the tests).
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from ._fma_rows import GROUP, fma_rows
 from ._intrinsics import address_as_pointer, stack_float32
 from ._native_calls import NativeCall, address_of, native_runner, word_view, words
 from ._nn_common import writable
@@ -48,9 +46,6 @@ from ._worker_pool import (
 )
 
 _F32 = np.float32
-# One row: sums may be reordered. More rows: multiply-adds may fuse, sums keep their order.
-_FM = {"reassoc", "contract"}
-_FM_ROWS = {"contract"}
 #: Rows of X up to which a prepacked weight runs the skinny kernel; more rows use BLAS.
 SKINNY_MAX_M = 16
 # Multiply-adds (M * N * K) below which a call stays on the calling thread, and about the
@@ -116,143 +111,34 @@ def pack_weight(
 
 
 @numba.njit(cache=True, inline="always")
-def _store(out, i, c0, width, bias, acc, a0):
-    """out[i, c0:c0+width] = acc[a0:a0+width] (+ bias[c0:c0+width]). ``acc`` is read at
-    constant indices only (a partial tile through a copy), so it can stay in registers."""
+def _store(out, i, c0, width, bias, sums, a0):
+    """out[i, c0:c0+width] = sums[a0:a0+width] (+ bias[c0:c0+width])."""
     o = out[i]
-    has_bias = bias.shape[0] != 0
-    if width == 32:
-        if has_bias:
-            for j in range(32):
-                o[c0 + j] = acc[a0 + j] + bias[c0 + j]
-        else:
-            for j in range(32):
-                o[c0 + j] = acc[a0 + j]
-        return
-    part = stack_float32(32)
-    for j in range(32):
-        part[j] = acc[a0 + j]
-    for j in range(width):
-        o[c0 + j] = part[j] + bias[c0 + j] if has_bias else part[j]
+    if bias.shape[0] != 0:
+        for j in range(width):
+            o[c0 + j] = sums[a0 + j] + bias[c0 + j]
+    else:
+        for j in range(width):
+            o[c0 + j] = sums[a0 + j]
 
 
-@numba.njit(cache=True, inline="always")
-def _row1(xi, w, bias, out, i, c0, width):
-    """Row ``xi`` of x against tile ``w``: four k per step, summed in a tree."""
-    k = xi.shape[0]
-    acc = stack_float32(32)
-    for j in range(32):
-        acc[j] = 0
-    kk = 0
-    while kk + 4 <= k:
-        x0 = xi[kk]
-        x1 = xi[kk + 1]
-        x2 = xi[kk + 2]
-        x3 = xi[kk + 3]
-        w0 = w[kk]
-        w1 = w[kk + 1]
-        w2 = w[kk + 2]
-        w3 = w[kk + 3]
-        for j in range(32):
-            acc[j] += (x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j])
-        kk += 4
-    while kk < k:
-        x0 = xi[kk]
-        w0 = w[kk]
-        for j in range(32):
-            acc[j] += x0 * w0[j]
-        kk += 1
-    _store(out, i, c0, width, bias, acc, 0)
-
-
-@numba.njit(cache=True, inline="always")
-def _rows2(x0r, x1r, w, bias, out, i, c0, width):
-    """Two rows of x against tile ``w``: four accumulators, each tile row loaded once."""
-    k = x0r.shape[0]
-    acc = stack_float32(64)
-    for j in range(64):
-        acc[j] = 0
-    for kk in range(k):
-        wr = w[kk]
-        a = x0r[kk]
-        b = x1r[kk]
-        for j in range(32):
-            v = wr[j]
-            acc[j] += a * v
-            acc[32 + j] += b * v
-    _store(out, i, c0, width, bias, acc, 0)
-    _store(out, i + 1, c0, width, bias, acc, 32)
-
-
-@numba.njit(cache=True, inline="always")
-def _rows4(x0r, x1r, x2r, x3r, w, bias, out, i, fourth, c0, width):
-    """Four rows of x against tile ``w`` (eight accumulators, each tile row loaded once);
-    stores the fourth only when ``fourth``."""
-    k = x0r.shape[0]
-    acc = stack_float32(128)
-    for j in range(128):
-        acc[j] = 0
-    for kk in range(k):
-        wr = w[kk]
-        a = x0r[kk]
-        b = x1r[kk]
-        c = x2r[kk]
-        d = x3r[kk]
-        for j in range(32):
-            v = wr[j]
-            acc[j] += a * v
-            acc[32 + j] += b * v
-            acc[64 + j] += c * v
-            acc[96 + j] += d * v
-    _store(out, i, c0, width, bias, acc, 0)
-    _store(out, i + 1, c0, width, bias, acc, 32)
-    _store(out, i + 2, c0, width, bias, acc, 64)
-    if fourth:
-        _store(out, i + 3, c0, width, bias, acc, 96)
-
-
-@numba.njit(cache=True, fastmath=_FM)
-def _gemv(x, tiles, bias, out, t0, t1):
-    """Tiles [t0, t1) for the one row of x."""
-    n = out.shape[1]
-    for t in range(t0, t1):
-        _row1(x[0], tiles[t], bias, out, 0, t * 32, min(32, n - t * 32))
-
-
-@numba.njit(cache=True, fastmath=_FM_ROWS)
-def _rows(x, tiles, bias, out, t0, t1):
-    """Tiles [t0, t1) for two or more rows of x: four at a time (a last group of three
-    repeats its last row), then a last two or one. Each kernel is inlined at one call site:
-    Numba's first run compiles each once (the four-row kernel takes seconds)."""
+@numba.njit(cache=True)
+def _tiles(x, tiles, bias, out, t0, t1):
+    """Output columns of tiles [t0, t1) for every row of x, ``GROUP`` rows at a time."""
     m = x.shape[0]
     n = out.shape[1]
+    sums = stack_float32(256)  # TILE * the largest GROUP
     for t in range(t0, t1):
         w = tiles[t]
         c0 = t * 32
         width = min(32, n - c0)
         i = 0
         while i < m:
-            left = m - i
-            if left >= 3:
-                last = min(i + 3, m - 1)
-                _rows4(x[i], x[i + 1], x[i + 2], x[last], w, bias, out, i, left >= 4, c0,
-                       width)  # fmt: skip
-                i += 4
-            elif left == 2:
-                _rows2(x[i], x[i + 1], w, bias, out, i, c0, width)
-                i += 2
-            else:
-                _row1(x[i], w, bias, out, i, c0, width)
-                i += 1
-
-
-@numba.njit(cache=True)
-def _tiles(x, tiles, bias, out, t0, t1):
-    """Output columns of tiles [t0, t1) for every row of x."""
-    if x.shape[0] == 1:
-        _gemv(x, tiles, bias, out, t0, t1)
-    else:
-        _rows(x, tiles, bias, out, t0, t1)
+            rows = min(GROUP, m - i)
+            fma_rows(x, i, rows, w, sums)
+            for r in range(rows):
+                _store(out, i + r, c0, width, bias, sums, 32 * r)
+            i += rows
 
 
 @numba.njit(cache=True)

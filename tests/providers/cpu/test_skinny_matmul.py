@@ -47,6 +47,32 @@ def test_kernel_matches_float64_for_every_m(k, n, with_bias):
         _check(y, x, w, bias)
 
 
+def test_a_rows_outputs_are_the_same_bits_at_every_row_count():
+    """Each column adds its products in the order of k whatever M (``GROUP`` rows a call,
+    then the rest): a row alone, among any number of rows or at any place among them gives
+    the same bits, so batched rows and verify steps equal greedy alone. A strided X (a view)
+    gives its copy's bits."""
+    rng = np.random.default_rng(7)
+    k, n = 300, 32 * 3 + 5
+    w = rng.standard_normal((k, n), dtype=F32)
+    bias = rng.standard_normal(n, dtype=F32)
+    packed = sk.pack_weight(w)
+    x = rng.standard_normal((sk.SKINNY_MAX_M, k), dtype=F32)
+    full = np.full((len(x), n), np.nan, F32)
+    sk.skinny_matmul(x, packed, full, bias)
+    _check(full, x, w, bias)
+    for m in range(1, len(x)):
+        for first in (0, len(x) - m):
+            y = np.full((m, n), np.nan, F32)
+            sk.skinny_matmul(x[first : first + m], packed, y, bias)
+            np.testing.assert_array_equal(y, full[first : first + m], err_msg=f"rows {first}+{m}")
+    wide = np.zeros((len(x), 2 * k), F32)
+    wide[:, ::2] = x
+    strided = np.full_like(full, np.nan)
+    sk._skinny_serial(wide[:, ::2], packed.tiles, bias, strided)
+    np.testing.assert_array_equal(strided, full)
+
+
 @pytest.mark.parametrize("chunks", [2, 3, 11])
 def test_column_chunks_over_the_worker_pool_cover_every_column(two_threads, chunks):
     """The pooled kernel splits the weight's tiles of 32 columns into chunks; the last tile
