@@ -135,13 +135,6 @@ class CUDAProvider(ExecutionProvider):
             env="ONNX_GENRT_MMA_MIN_ROWS",
         ),
         ProviderOption(
-            "mma_split_sum",
-            False,
-            "a tensor-core GEMM that splits K over blocks sums the parts in its last block "
-            "(a counter per column tile) instead of a second kernel; the same bits",
-            env="ONNX_GENRT_MMA_SPLIT_SUM",
-        ),
-        ProviderOption(
             "cublas_in_graphs",
             True,
             "MatMul above the own kernels' rows (and 4-bit MatMulNBits above "

@@ -72,7 +72,6 @@ from .matmul import (
     mma_norm_rows,
     norm_args,
     provider_cublas,
-    split_sum_args,
     sum_splits,
 )
 
@@ -750,7 +749,7 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     const S* __restrict__ bias, int has_bias, S* __restrict__ C, float* __restrict__ P, int M,
     int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits,
     const S* __restrict__ skip, const S* __restrict__ gamma, S* __restrict__ sum_out, float eps,
-    int norm_flags, int* __restrict__ counters, int sum_here) {
+    int norm_flags) {
   if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
     const long long n = mma_w_row<GATED>(threadIdx.x, N);
@@ -764,7 +763,7 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
   const S* act = mma_act<NORM, R>(A, skip, gamma, sum_out, eps, norm_flags, M, K);
   const Nibbles4<S, W> load{B, scales, zp_u8, zp_f, nb, block, zrow, zp_mode};
   mma_tiles<S, MT, GATED>(act, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N,
-                          k_per_split, splits, sum_here ? counters : nullptr);
+                          k_per_split, splits);
 }
 """
 )
@@ -940,9 +939,8 @@ def _nbits_mma(
     args += (np.int32(call.nb), np.int32(call.block), np.int32(call.zrow))
     args += (np.int32(call.zp_mode), np.int32(k_per), np.int32(splits))
     extra, shared = norm_args(call.norm, a, y)
-    counters, sum_here = split_sum_args(ctx, splits, n, partial)
-    fn((n // 8, splits), (256,), (*args, *extra, counters, sum_here), shared_mem=shared)
-    if splits > 1 and not sum_here:
+    fn((n // 8, splits), (256,), (*args, *extra), shared_mem=shared)
+    if splits > 1:
         sum_splits(ctx, partial, y, splits, gated)
 
 

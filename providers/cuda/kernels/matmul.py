@@ -52,7 +52,6 @@ from ._common import (
     storage,
 )
 from ._registry import REGISTRY
-from .reduce import zeroed_counters
 
 #: The constant weights each kernel prefetches into L2 before its GRID_WAIT() (only these:
 #: an activation is not ready then; tests/providers/cuda/test_pdl_launch.py checks it).
@@ -408,53 +407,10 @@ DEVI const S* mma_act(const S* __restrict__ A, const S* __restrict__ skip,
   }
 }
 
-// The last of a column tile's split blocks to finish (counters[blockIdx.x], set back to
-// zero) sums the tile's fp32 partials over the splits in order, as splitk_sum and
-// splitk_sum_gated do (the same bits), and stores C; the others return. Called by every
-// thread of every block after its partials are written.
-template <typename S, int GATED>
-DEVI void mma_sum_tile(S* __restrict__ C, const float* __restrict__ P, int* __restrict__ counters,
-                       int M, int N, int splits) {
-  __shared__ int last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
-    if (last) counters[blockIdx.x] = 0;  // every split has counted: ready for the next launch
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const long long mn = (long long)M * N;
-  if constexpr (GATED) {
-    const int F = N / 2, j0 = blockIdx.x * 4;
-    for (int i = threadIdx.x; i < M * 4; i += blockDim.x) {
-      const int row = i >> 2, j = j0 + (i & 3);
-      const float* p = P + (long long)row * N + j;
-      float gs = 0.f, us = 0.f;
-      for (int t = 0; t < splits; ++t) {
-        gs += __ldcg(p + t * mn);
-        us += __ldcg(p + t * mn + F);
-      }
-      st(C, (long long)row * F + j, silu_times_stored<S>(gs, us));
-    }
-  } else {
-    const int n0 = blockIdx.x * 8;
-    for (int i = threadIdx.x; i < M * 8; i += blockDim.x) {
-      const long long at = (long long)(i >> 3) * N + n0 + (i & 7);
-      float s = 0.f;
-      for (int t = 0; t < splits; ++t) s += __ldcg(P + at + t * mn);
-      st(C, at, s);
-    }
-  }
-}
-
-// counters (splits > 1): null, the partials are left for splitk_sum; else one zeroed counter
-// per column tile (blockIdx.x), and the tile's last split block sums them (mma_sum_tile).
 template <typename S, int MT, int GATED, typename Load>
 DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restrict__ bias,
                     S* __restrict__ C, float* __restrict__ P, int M, int K, int N,
-                    int k_per_split, int splits, int* __restrict__ counters) {
+                    int k_per_split, int splits) {
   __shared__ float red[8][MT][32][4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -530,7 +486,6 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
       }
     }
   }
-  if (splits > 1 && counters != nullptr) mma_sum_tile<S, GATED>(C, P, counters, M, N, splits);
 }
 """
 
@@ -554,8 +509,7 @@ template <typename S, int MT, int GATED, int NORM, int R>
 __global__ void __launch_bounds__(256) gemm_mma(
     const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, float* __restrict__ P,
     int M, int K, int N, int k_per_split, int splits, const S* __restrict__ skip,
-    const S* __restrict__ gamma, S* __restrict__ sum_out, float eps, int norm_flags,
-    int* __restrict__ counters, int sum_here) {
+    const S* __restrict__ gamma, S* __restrict__ sum_out, float eps, int norm_flags) {
   if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
     const long long n = mma_w_row<GATED>(threadIdx.x, N);
@@ -566,7 +520,7 @@ __global__ void __launch_bounds__(256) gemm_mma(
   GRID_WAIT();
   const S* act = mma_act<NORM, R>(A, skip, gamma, sum_out, eps, norm_flags, M, K);
   mma_tiles<S, MT, GATED>(act, FloatRows<S>{W, K}, (const S*)nullptr, C, P, M, K, N,
-                          k_per_split, splits, sum_here ? counters : nullptr);
+                          k_per_split, splits);
 }
 """
 )
@@ -617,16 +571,6 @@ def norm_args(norm: Any, a: cupy.ndarray, c: cupy.ndarray) -> tuple[tuple, int]:
     return norm.kernel_args(a), norm.stage_bytes(a)
 
 
-def split_sum_args(ctx: KernelContext, splits: int, n: int, partial: cupy.ndarray) -> tuple:
-    """The (counters, sum_here) arguments of the tensor-core GEMMs: with K split and the
-    provider's ``mma_split_sum`` on, a zeroed counter per column tile (``zeroed_counters``)
-    and 1, so each tile's last split block sums the parts itself; else (placeholder, 0), and
-    the caller runs ``sum_splits`` after a split launch."""
-    if splits > 1 and ctx.option("mma_split_sum", False):
-        return zeroed_counters(ctx, n // 8), np.int32(1)
-    return partial, np.int32(0)
-
-
 def gemm_mma(
     ctx: KernelContext,
     a: cupy.ndarray,
@@ -652,10 +596,9 @@ def gemm_mma(
     fn = function(_MMA_SOURCE, f"gemm_mma<{s_type}, {mt}, {int(gated)}, {fused}, {rows}>")
     args = (a, w.t, c, partial, np.int32(m), np.int32(k), np.int32(n), np.int32(k_per))
     extra, shared = norm_args(norm, a, c)
-    counters, sum_here = split_sum_args(ctx, splits, n, partial)
-    args += (np.int32(splits), *extra, counters, sum_here)
+    args += (np.int32(splits), *extra)
     fn((n // 8, splits), (256,), args, shared_mem=shared)
-    if splits > 1 and not sum_here:
+    if splits > 1:
         sum_splits(ctx, partial, c, splits, gated)
 
 

@@ -179,7 +179,11 @@ def test_grouped_decode_matches_float64(cp, rng, launched, case, dtype, splits):
     if splits == "cluster":
         if not _sm90():
             pytest.skip("thread-block clusters need sm_90")
-        prov = _provider(attention_cluster_max_keys=0, attention_grouped_cluster=True)
+        prov = _provider(
+            attention_cluster_max_keys=0,
+            attention_grouped_cluster=True,
+            attention_grouped_cluster_max_rows=0,  # the cluster launch at any row count
+        )
         kernels = ("gqa_decode_cluster", "gqa_attn_cluster")
     else:
         prov = _provider(attention_decode_splits=splits)
@@ -310,7 +314,11 @@ def test_the_cluster_launch_gives_the_bits_of_eight_splits(cp, rng, launched, b,
     for name, options in (
         (
             "gqa_decode_cluster",
-            dict(attention_cluster_max_keys=4096, attention_grouped_cluster=True),
+            dict(
+                attention_cluster_max_keys=4096,
+                attention_grouped_cluster=True,
+                attention_grouped_cluster_max_rows=0,
+            ),
         ),
         ("gqa_decode", dict(attention_decode_splits=8)),
     ):
