@@ -39,7 +39,7 @@ from .kernels.contrib_attention import (
 )
 from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
-from .kernels.matmul import MMA_MAX_M, MMA_MIN_ROWS, PIECES_MAX_M
+from .kernels.matmul import MMA_MAX_M, MMA_MAX_SPLITS, MMA_MIN_ROWS, PIECES_MAX_M
 from .launch import allow_programmatic, forbid_programmatic
 from .staging import MEMCPY_DEVICE_TO_DEVICE, StagingRing
 
@@ -133,6 +133,14 @@ class CUDAProvider(ExecutionProvider):
             "fewer rows faster on gemv_nk, and batched or speculative rows may then part from "
             "greedy alone at near ties",
             env="ONNX_GENRT_MMA_MIN_ROWS",
+        ),
+        ProviderOption(
+            "mma_max_splits",
+            MMA_MAX_SPLITS,
+            "the most blocks a tensor-core GEMM splits K over (their parts summed by a second "
+            "kernel); 1 never splits. The split depends on K and N only, so a row's bits stay "
+            "the same at every row count",
+            env="ONNX_GENRT_MMA_MAX_SPLITS",
         ),
         ProviderOption(
             "cublas_in_graphs",

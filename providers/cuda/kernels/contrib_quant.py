@@ -69,6 +69,7 @@ from .matmul import (
     gated_rows,
     gemv_layout,
     mma_config,
+    mma_max_splits,
     mma_norm_rows,
     norm_args,
     provider_cublas,
@@ -928,7 +929,7 @@ def _nbits_mma(
     """``y`` = the ``m`` rows of ``a`` times the 4-bit weight on the tensor cores; ``gated``:
     ``y`` [m, N / 2] gets the SiLU gating of the product's gate and up halves."""
     k, n = call.k, call.n
-    mt, splits, k_per = mma_config(m, k, n, sm_count())
+    mt, splits, k_per = mma_config(m, k, n, sm_count(), mma_max_splits(ctx))
     rows = mma_norm_rows(call.norm, a, m)  # the caller unfused a norm that does not fit
     partial = y if splits == 1 else scratch(ctx, splits * m * n * 4).view(np.float32)
     fused = call.norm.ON_THE_FLY if rows else 0

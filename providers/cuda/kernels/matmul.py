@@ -319,6 +319,9 @@ PIECES_MAX_M = 64
 #: row on the 0.5B fp16 shape, but a row then parts from alone at near ties
 #: (docs/performance.md, session 31).
 MMA_MIN_ROWS = 1
+#: Default of the CUDA provider's ``mma_max_splits``: the most blocks a tensor-core GEMM
+#: splits K over (their fp32 parts summed by ``splitk_sum``, a second launch); 1 never splits.
+MMA_MAX_SPLITS = 16
 #: Rows up to which a tensor-core GEMM stages a fused RMS norm itself (``mma_act``).
 MMA_STAGE_MAX_ROWS = 16
 #: Shared memory of ``mma_tiles``' reduction buffer per 16-row tile (red[8][MT][32][4]).
@@ -407,6 +410,23 @@ DEVI const S* mma_act(const S* __restrict__ A, const S* __restrict__ skip,
   }
 }
 
+// One 64-wide chunk at k of the MT row tiles against a lane's weight words b (mma_tiles).
+template <typename S, int MT>
+DEVI void mma_chunk(float (&acc)[MT][4], const S* arow, int k, int K, int M, int g,
+                    const unsigned (&b)[8]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r0 = mt * 16 + g;
+    unsigned lo[8], hi[8];
+    ld32(arow + (long long)(mt * 16) * K + k, r0 < M, lo);
+    ld32(arow + (long long)(mt * 16 + 8) * K + k, r0 + 8 < M, hi);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      Mma<S>::run(acc[mt], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1], b[2 * j],
+                  b[2 * j + 1]);
+  }
+}
+
 template <typename S, int MT, int GATED, typename Load>
 DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restrict__ bias,
                     S* __restrict__ C, float* __restrict__ P, int M, int K, int N,
@@ -424,20 +444,21 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[mt][e] = 0.f;
   const S* arow = A + (long long)g * K + 16 * t;
-  for (int k = kb + warp * 64; k < ke; k += 8 * 64) {
-    unsigned b[8];
-    load(w_row, k + 16 * t, b);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int r0 = mt * 16 + g;
-      unsigned lo[8], hi[8];
-      ld32(arow + (long long)(mt * 16) * K + k, r0 < M, lo);
-      ld32(arow + (long long)(mt * 16 + 8) * K + k, r0 + 8 < M, hi);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        Mma<S>::run(acc[mt], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1], b[2 * j],
-                    b[2 * j + 1]);
-    }
+  // The warp's chunks two a round, both chunks' weights loaded before either's mma (as
+  // gemv_nk's U = 2), so a warp with two chunks waits for memory once; the sums run in the
+  // order of one chunk a round.
+  int k = kb + warp * 64;
+  for (; k + 8 * 64 < ke; k += 2 * 8 * 64) {
+    unsigned b0[8], b1[8];
+    load(w_row, k + 16 * t, b0);
+    load(w_row, k + 8 * 64 + 16 * t, b1);
+    mma_chunk<S, MT>(acc, arow, k, K, M, g, b0);
+    mma_chunk<S, MT>(acc, arow, k + 8 * 64, K, M, g, b1);
+  }
+  if (k < ke) {
+    unsigned b0[8];
+    load(w_row, k + 16 * t, b0);
+    mma_chunk<S, MT>(acc, arow, k, K, M, g, b0);
   }
   GRID_LAUNCH_DEPENDENTS();
 #pragma unroll
@@ -540,12 +561,15 @@ def mma_fits(a: cupy.ndarray, w: TransposedWeight, m: int) -> bool:
     )
 
 
-def mma_config(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
+def mma_config(
+    m: int, k: int, n: int, sms: int, most: int = MMA_MAX_SPLITS
+) -> tuple[int, int, int]:
     """(MT, splits, k_per_split) for ``gemm_mma``: 16-row tiles, and K split across blocks
-    toward two blocks per SM while each split keeps at least four 64-wide chunks."""
+    toward two blocks per SM while each split keeps at least four 64-wide chunks, in at most
+    ``most`` splits. Nothing here depends on M, so a row's sums are the same at every M."""
     mt = -(-m // 16)
     chunks, blocks = k // 64, n // 8
-    splits = max(1, min(-(-2 * sms // blocks), chunks // 4, 16))
+    splits = max(1, min(-(-2 * sms // blocks), chunks // 4, most))
     per = -(-chunks // splits)
     return mt, -(-chunks // per), per * 64
 
@@ -585,7 +609,7 @@ def gemm_mma(
     activations from ``a`` first."""
     k, n = w.shape
     m = int(c.size // c.shape[-1])
-    mt, splits, k_per = mma_config(m, k, n, sm_count())
+    mt, splits, k_per = mma_config(m, k, n, sm_count(), mma_max_splits(ctx))
     rows = mma_norm_rows(norm, a, m)
     assert norm is None or rows, "gemm_mma: the fused norm does not fit (see mma_norm_rows)"
     s_type = storage(ctx, a.dtype)
@@ -622,6 +646,12 @@ def sum_splits(
         (256,),
         (partial, c, np.int64(total), np.int32(splits), np.int64(total)),
     )
+
+
+def mma_max_splits(ctx: KernelContext) -> int:
+    """The most blocks a tensor-core GEMM splits K over (the CUDA provider's
+    ``mma_max_splits``, at least 1)."""
+    return max(1, int(ctx.option("mma_max_splits", MMA_MAX_SPLITS)))
 
 
 def mma_min_rows(ctx: KernelContext) -> int:

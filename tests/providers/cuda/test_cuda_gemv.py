@@ -247,3 +247,55 @@ def test_nbits_tensor_core_bias_and_split_k(cp, rng, mma4_calls, dtype):
             (got,) = sess.run(["y"], {"x": x})
             _check(np.asarray(got), x.astype(np.float64) @ w64 + b64, dtype, k)
     assert mma4_calls == [7, 7]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("weights", ["float", "nbits"])
+def test_tensor_core_gemm_with_k_unsplit(cp, rng, monkeypatch, dtype, weights):
+    """``mma_max_splits`` 1: a tensor-core GEMM whose K the default splits (few columns) runs
+    in one block per column tile, without the sum kernel, eagerly and replayed, against
+    float64; a row's bits are the same at 1, 5 and 32 rows (row 0 of each call); the 4-bit
+    weight with a bias."""
+    from onnx_genrt.providers.cuda.kernels import contrib_quant, matmul
+    from onnx_genrt.session import InferenceSession
+
+    sums = []
+    for module in (matmul, contrib_quant):
+        real = module.sum_splits
+        monkeypatch.setattr(
+            module, "sum_splits", lambda *a, real=real, **kw: sums.append(1) or real(*a, **kw)
+        )
+    for k, n in ((4864, 896), (896, 1152)):
+        assert matmul.mma_config(1, k, n, matmul.sm_count())[1] > 1  # the default splits K
+        bias = rng.standard_normal(n)
+        if weights == "float":
+            w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+            model, w64, b64 = _matmul_model(w, dtype), w.astype(np.float64), 0.0
+        else:
+            model, w64 = _nbits_model(k, n, 32, dtype, rng, True, bias=bias)
+            b64 = bias.astype(dtype).astype(np.float64)
+        sess = InferenceSession(model, providers=[("cuda", {"mma_max_splits": 1})])
+        prov = sess.main_provider
+        first = rng.standard_normal((1, 1, k)).astype(dtype)
+        rows0 = []
+        for slot, m in ((PRIMARY, 1), (VERIFY, 5), (DeviceGraphSlot.DRAFT, 32)):
+            binding = sess.io_binding()
+            with prov.stream:
+                x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
+            y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
+            for _ in range(3):
+                host = rng.standard_normal((1, m, k)).astype(dtype)
+                host[:, :1] = first
+                x.set(host, stream=prov.stream)
+                with prov.stream:
+                    y.fill(np.nan)
+                sess.run_with_iobinding(binding, slot)
+                got = prov.to_numpy(y)
+                _check(got, host.astype(np.float64) @ w64 + b64, dtype, k)
+                rows0.append(got[0, 0].view(np.uint16))
+            stats = sess.graph_stats(slot)
+            assert stats.captures == 1 and stats.replays >= 1, (slot, stats)
+            assert stats.fallbacks == 0, dict(stats.fallback_reasons)
+        assert not sums  # no sum kernel ran
+        for row in rows0[1:]:
+            np.testing.assert_array_equal(row, rows0[0])

@@ -217,18 +217,23 @@ def _instantiating(source: str, names: list[str]) -> str:
 #: Instances that spill to local memory without PDL too (mangled-name pieces), per
 #: architecture: the attention kernels (their launch bounds cap them at 64 registers), a bf16
 #: SiluMul-fused GEMV and, on sm_90 with NBITS_HALF2 0, a norm-fused small-K GEMV of two rows;
-#: on sm_80 the unfused fp16 chunk16 GEMV of one row.
+#: on sm_80 the unfused fp16 chunk16 GEMV of one row. The one-tile fp16 tensor-core GEMMs
+#: that stage a norm of one row (sm_90) or a SiLU gating of two (sm_80) spill 4-20 bytes
+#: since their warps load two chunks' weights ahead (``mma_tiles``): ptxas keeps them near
+#: 40 registers (``__launch_bounds__(256, 1)`` would take 60 there, and 206 at four tiles).
 KNOWN_SPILLS = {
     "sm_90": (
         "8gqa_attnI",
         "16gqa_attn_clusterI",
         "13nbits4_gemv16I6bf16_tS0_Li1ELi1ELi2E",
         "21nbits4_gemv16_small_kIttLi2ELi8ELi2ELi1E",
+        "8gemm_mmaItLi1ELi0ELi1ELi1E",
     ),
     "sm_80": (
         "8gqa_attnI",
         "13nbits4_gemv16I6bf16_tS0_Li1ELi1ELi2E",
         "13nbits4_gemv16IttLi1ELi1ELi0E",
+        "8gemm_mmaItLi1ELi0ELi2ELi2E",
     ),
 }
 #: The ways the provider compiles a source (``launch.compile_defines``).
