@@ -40,25 +40,34 @@ def _check(got, want, dtype, k):
     assert np.isfinite(got).all()
 
 
-def _replay_against_float64(cp, rng, sess, slot, m: int, w64: np.ndarray, dtype) -> None:
+def _replay_against_float64(
+    cp, rng, sess, slot, m: int, w64: np.ndarray, dtype, b64=0.0, first=None
+) -> list[np.ndarray]:
     """Bind x [1, m, K] and y, run four times in ``slot`` (eager, capture, replays) with new
-    inputs each time against x @ w in float64; one capture, replays, no fallback."""
+    inputs each time (row 0 ``first`` [1, 1, K] where given) against x @ w (+ ``b64``) in
+    float64; one capture, replays, no fallback. Returns each run's output row 0 as bits."""
     prov = sess.main_provider
     k, n = w64.shape
     binding = sess.io_binding()
     with prov.stream:
         x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
     y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
+    rows0 = []
     for _ in range(4):
         host = rng.standard_normal((1, m, k)).astype(dtype)
+        if first is not None:
+            host[:, :1] = first
         x.set(host, stream=prov.stream)
         with prov.stream:
             y.fill(np.nan)
         sess.run_with_iobinding(binding, slot)
-        _check(prov.to_numpy(y), host.astype(np.float64) @ w64, dtype, k)
+        got = prov.to_numpy(y)
+        _check(got, host.astype(np.float64) @ w64 + b64, dtype, k)
+        rows0.append(got[0, 0].view(np.uint16))
     stats = sess.graph_stats(slot)
     assert stats.captures == 1 and stats.replays >= 2, (slot, stats)
     assert stats.fallbacks == 0, dict(stats.fallback_reasons)
+    return rows0
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -275,27 +284,10 @@ def test_tensor_core_gemm_with_k_unsplit(cp, rng, monkeypatch, dtype, weights):
             model, w64 = _nbits_model(k, n, 32, dtype, rng, True, bias=bias)
             b64 = bias.astype(dtype).astype(np.float64)
         sess = InferenceSession(model, providers=[("cuda", {"mma_max_splits": 1})])
-        prov = sess.main_provider
         first = rng.standard_normal((1, 1, k)).astype(dtype)
         rows0 = []
         for slot, m in ((PRIMARY, 1), (VERIFY, 5), (DeviceGraphSlot.DRAFT, 32)):
-            binding = sess.io_binding()
-            with prov.stream:
-                x = binding.bind_input("x", cp.zeros((1, m, k), dtype))
-            y = binding.bind_output("y", shape=(1, m, n), dtype=dtype)
-            for _ in range(3):
-                host = rng.standard_normal((1, m, k)).astype(dtype)
-                host[:, :1] = first
-                x.set(host, stream=prov.stream)
-                with prov.stream:
-                    y.fill(np.nan)
-                sess.run_with_iobinding(binding, slot)
-                got = prov.to_numpy(y)
-                _check(got, host.astype(np.float64) @ w64 + b64, dtype, k)
-                rows0.append(got[0, 0].view(np.uint16))
-            stats = sess.graph_stats(slot)
-            assert stats.captures == 1 and stats.replays >= 1, (slot, stats)
-            assert stats.fallbacks == 0, dict(stats.fallback_reasons)
+            rows0 += _replay_against_float64(cp, rng, sess, slot, m, w64, dtype, b64, first)
         assert not sums  # no sum kernel ran
         for row in rows0[1:]:
             np.testing.assert_array_equal(row, rows0[0])
