@@ -114,7 +114,8 @@ def fma_rows(typingctx, x, i0, rows, tile, sums):
     products of a column added in the order of k by fused multiply-adds.
 
     ``x`` (M, K) is float32 of any strides, ``tile`` (K, 32) C-contiguous float32 and
-    ``sums`` a C-contiguous float32 array of at least ``TILE * rows`` elements. The IR holds one loop per row count, chosen at run time.
+    ``sums`` a C-contiguous float32 array of at least ``TILE * rows`` elements. The IR
+    holds one loop per row count, chosen at run time.
     """
     _check_array(x, 2, "x", contiguous=False)
     _check_array(tile, 2, "tile")
