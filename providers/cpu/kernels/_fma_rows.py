@@ -14,10 +14,11 @@ among others.
 
 from __future__ import annotations
 
-from llvmlite import binding as llvm
 from llvmlite import ir
-from numba.core import cgutils, config, types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
+
+from ._intrinsics import compiles_for
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -25,22 +26,9 @@ _FLOAT = ir.FloatType()
 _V16F32 = ir.VectorType(_FLOAT, 16)
 #: Output columns of a weight tile (two 16-lane vectors).
 TILE = 32
-
-
-def _host_has_avx512() -> bool:
-    """Whether Numba compiles for AVX-512F (the host's features, or ``NUMBA_CPU_FEATURES``
-    where it is set)."""
-    if config.CPU_FEATURES is not None:
-        return "+avx512f" in config.CPU_FEATURES.split(",")
-    try:
-        return bool(llvm.get_host_cpu_features().get("avx512f", False))
-    except RuntimeError:  # no feature list on this platform
-        return False
-
-
 #: Rows one call multiplies together: eight rows' sums take 16 of AVX-512's 32 vector
 #: registers; without AVX-512 (16 registers of 8 lanes) four rows' take the same bytes.
-GROUP = 8 if _host_has_avx512() else 4
+GROUP = 8 if compiles_for("avx512f") else 4
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:

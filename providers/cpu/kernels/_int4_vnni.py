@@ -25,7 +25,7 @@ import numba
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba.core import cgutils, config, types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from ._int4_matmul import (
@@ -37,7 +37,7 @@ from ._int4_matmul import (
     tile_parts,
 )
 from ._int8_activations import _quantize_blocks, _quantize_blocks_into
-from ._intrinsics import address_as_pointer
+from ._intrinsics import address_as_pointer, compiles_for
 from ._native_calls import NativeCall, native_runner, word_view, words
 from ._worker_pool import (
     COPY,
@@ -63,20 +63,8 @@ ENV = "ONNX_GENRT_INT4_VNNI"
 _FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512vnni")
 
 
-def host_has_vnni() -> bool:
-    """Whether Numba compiles for AVX-512 VNNI (with the F, BW and VL subsets LLVM uses):
-    the host CPU's features, or ``NUMBA_CPU_FEATURES`` where it is set."""
-    if config.CPU_FEATURES is not None:
-        given = {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
-        return all(f in given for f in _FEATURES)
-    try:
-        features = llvm.get_host_cpu_features()
-    except RuntimeError:  # no feature list on this platform
-        return False
-    return all(features.get(f, False) for f in _FEATURES)
-
-
-HOST_VNNI = host_has_vnni()
+#: Whether Numba compiles for AVX-512 VNNI (with the F, BW and VL subsets LLVM uses).
+HOST_VNNI = compiles_for(*_FEATURES)
 
 
 def vnni_enabled(option: bool | None = None) -> bool:

@@ -19,18 +19,36 @@ nopython code needs them on the CPU. These emit LLVM's own instructions:
   ``llvm.memcpy``: a byte loop over ``numba.carray`` views is not vectorized);
 - ``float32_from_bits`` (a bit pattern as a float32, for a vectorizable ``2**n``),
   ``cycle_counter`` (for bounded spin waits) and ``stack_float32`` (a fixed-size array on
-  the stack, which LLVM can keep in registers: the skinny kernels' accumulators).
+  the stack, which LLVM can keep in registers: the skinny kernels' accumulators);
+- ``compiles_for(*features)``: whether Numba compiles for the named CPU features (kernels
+  that pick a vector width or an instruction set at import).
 """
 
 from __future__ import annotations
 
 import platform
 
+from llvmlite import binding as llvm
 from llvmlite import ir
-from numba.core import cgutils, types
+from numba.core import cgutils, config, types
 from numba.extending import intrinsic
 
 _I64 = ir.IntType(64)
+
+
+def compiles_for(*features: str) -> bool:
+    """Whether Numba compiles for every one of ``features`` (LLVM's names, such as
+    ``"avx512f"``): the host CPU's, or ``NUMBA_CPU_FEATURES``'s where it is set."""
+    if config.CPU_FEATURES is not None:
+        given = {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
+        return all(f in given for f in features)
+    try:
+        host = llvm.get_host_cpu_features()
+    except RuntimeError:  # no feature list on this platform
+        return False
+    return all(host.get(f, False) for f in features)
+
+
 _INT64_ARRAY = types.Array(types.int64, 1, "C")
 # The spin-wait hint as an LLVM intrinsic and its arguments (Numba's JIT has no inline asm
 # parser): x86's ``pause``, arm64's ``hint #1`` (``yield``).
