@@ -242,7 +242,9 @@ def targets(folder: Path) -> list[Target]:
                 parting and parting[0],
                 0,
                 False,
-                anchor=f"of {parting[1]} batched rows (same tokens: NO)" if parting else "",
+                anchor=f"rows saying `same tokens: NO`, of {parting[1]} batched rows"
+                if parting
+                else "",
             )  # fmt: skip
         )
         if prec == "fp16":

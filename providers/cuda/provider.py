@@ -39,7 +39,13 @@ from .kernels.contrib_attention import (
 )
 from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
-from .kernels.matmul import MMA_MAX_M, MMA_MAX_SPLITS, MMA_MIN_ROWS, PIECES_MAX_M
+from .kernels.matmul import (
+    MMA_COLUMN_TILES,
+    MMA_MAX_M,
+    MMA_MAX_SPLITS,
+    MMA_MIN_ROWS,
+    PIECES_MAX_M,
+)
 from .launch import allow_programmatic, forbid_programmatic
 from .staging import MEMCPY_DEVICE_TO_DEVICE, StagingRing
 
@@ -141,6 +147,13 @@ class CUDAProvider(ExecutionProvider):
             "kernel); 1 never splits. The split depends on K and N only, so a row's bits stay "
             "the same at every row count",
             env="ONNX_GENRT_MMA_MAX_SPLITS",
+        ),
+        ProviderOption(
+            "mma_column_tiles",
+            MMA_COLUMN_TILES,
+            "8-column tiles a tensor-core GEMM block covers where columns are many (an lm_head: "
+            "one row tile, K unsplit); 1: one. A column's bits are the same at any count",
+            env="ONNX_GENRT_MMA_COLUMN_TILES",
         ),
         ProviderOption(
             "cublas_in_graphs",
@@ -255,7 +268,8 @@ class CUDAProvider(ExecutionProvider):
         ProviderOption(
             "nbits_half2",
             True,
-            "fp16 activations with integer zero points: 4-bit GEMV math on packed halves",
+            "fp16 activations with integer zero points: 4-bit GEMV math and tensor-core "
+            "dequantization on packed halves",
             env="ONNX_GENRT_NBITS_HALF2",
         ),
         ProviderOption(

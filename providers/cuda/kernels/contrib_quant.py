@@ -68,6 +68,7 @@ from .matmul import (
     MMA_TILES,
     gated_rows,
     gemv_layout,
+    mma_column_tiles,
     mma_config,
     mma_max_splits,
     mma_norm_rows,
@@ -107,8 +108,9 @@ NBITS_MMA_MIN_ROWS = 1
 #   (``nbits_small_k``, ONNX_GENRT_NBITS_SMALL_K);
 # - fp16 activations with integer zero points run the chunk16 GEMVs' math on packed halves,
 #   ``nbits4_chunk_half2``: about half the instructions of float math, which bounds the lm_head
-#   and the verify step (``nbits_half2``, ONNX_GENRT_NBITS_HALF2): a compile-time switch, so
-#   the source exists in both forms (:func:`_source`).
+#   and the verify step, and the tensor-core GEMM's dequantization (``Nibbles4``, the same
+#   bits as in float) (``nbits_half2``, ONNX_GENRT_NBITS_HALF2): a compile-time switch, so
+#   each source exists in both forms (:func:`_source`).
 STREAM_MAX_WORDS = 128
 SMALL_K_MAX_M = 8
 _NBITS = NBITS
@@ -131,9 +133,43 @@ DEVI float zero_at(const unsigned char* zp_u8, const W* zp_f, int zp_mode, long 
 
 """
 
+
+#: Packed-half (f16x2) operations and ``is_half``, shared by the GEMV and tensor-core sources.
+_HALF2_OPS = r"""
+DEVI unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));  // (a & b) | c
+  return r;
+}
+DEVI unsigned int hfma2(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+DEVI unsigned int hmul2(unsigned int a, unsigned int b) {
+  unsigned int r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+DEVI unsigned int byte_perm(unsigned int a, unsigned int b, unsigned int sel) {
+  unsigned int r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+DEVI unsigned int hsub2(unsigned int a, unsigned int b) {
+  unsigned int r;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+template <typename S> struct is_half { static constexpr bool value = false; };
+template <> struct is_half<half_t> { static constexpr bool value = true; };
+
+"""
+
 _BODY = (
     DEVICE_COMMON
     + _ZERO_AT
+    + _HALF2_OPS
     + r"""
 // E = 32 / BITS activations of row pointer a from k0 as floats (zeros past K); vector
 // loads when vec says the rows are 16-byte aligned.
@@ -398,26 +434,6 @@ DEVI void nbits4_chunk(const uint4* q, const float* s, const float* z, int zint,
 // activations, and 4 products are summed per half lane before each word's sum goes to
 // float; 16 * s scales the chunk. The / 16 keeps every half-precision partial sum finite for
 // activations up to about 17000 in magnitude. Pairs are (e, e + 4) of each 8-value word.
-DEVI unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
-  unsigned int r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));  // (a & b) | c
-  return r;
-}
-DEVI unsigned int hfma2(unsigned int a, unsigned int b, unsigned int c) {
-  unsigned int r;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-  return r;
-}
-DEVI unsigned int hmul2(unsigned int a, unsigned int b) {
-  unsigned int r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-DEVI unsigned int byte_perm(unsigned int a, unsigned int b, unsigned int sel) {
-  unsigned int r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
 DEVI float half2_sum(unsigned int h) {
   half_t lo, hi;
   asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
@@ -471,8 +487,6 @@ DEVI void nbits4_chunk_half2(const uint4* q, const float* s, const float* z, int
   }
 }
 
-template <typename S> struct is_half { static constexpr bool value = false; };
-template <> struct is_half<half_t> { static constexpr bool value = true; };
 
 // One chunk of each column: packed-half math where it applies (fp16 activations), else
 // nbits4_chunk.
@@ -715,11 +729,16 @@ __global__ void gather_block_quant(const unsigned char* __restrict__ data,
 _MMA4_SOURCE = (
     DEVICE_COMMON
     + _ZERO_AT
+    + _HALF2_OPS
     + MMA_TILES
     + r"""
 // 4-bit weights B [N, nb, block / 2] (value k of a block at byte k / 2, low nibble first),
 // blocks of a multiple of 16 values: a lane's 16 values come from one 8-byte load, one scale
-// and one zero point, each (q - z) * s in float rounded once to S.
+// and one zero point, each (q - z) * s rounded once to S. In float: q - z is exact and so is
+// its product with a 16-bit scale, so one rounding to S. With NBITS_HALF2, fp16 and an
+// integer zero point, the same value on packed halves: a byte's two nibbles or-ed under the
+// exponent of 1024 (1024 + q exactly), minus 1024 + z (exact), times s (one rounding): the
+// same bits in about half the instructions.
 template <typename S, typename W>
 struct Nibbles4 {
   const unsigned char* B;
@@ -731,8 +750,22 @@ struct Nibbles4 {
     const int blk = k / block;
     const long long at = ((long long)n * nb + blk) * (block >> 1) + ((k - blk * block) >> 1);
     const uint2 q = *reinterpret_cast<const uint2*>(B + at);
-    const float s = ld(scales, (long long)n * nb + blk);
     const float z = zero_at<W, 4>(zp_u8, zp_f, zp_mode, n, nb, zrow, blk);
+    if constexpr (NBITS_HALF2 && is_half<S>::value && is_half<W>::value) {
+      if (zp_mode != 2) {
+        const unsigned int s2 = (unsigned int)scales[(long long)n * nb + blk] * 0x10001u;
+        const unsigned int z2 = (unsigned int)f2h(1024.f + z) * 0x10001u;
+        const unsigned int words[2] = {q.x, q.y}, highs[2] = {q.x >> 4, q.y >> 4};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // byte i & 3 of the word into half 0, its >> 4 into 1
+          const unsigned int j = i & 3, sel = j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12);
+          const unsigned int pair = byte_perm(words[i >> 2], highs[i >> 2], sel);
+          b[i] = hmul2(hsub2(and_or(pair, 0x000F000Fu, 0x64006400u), z2), s2);
+        }
+        return;
+      }
+    }
+    const float s = ld(scales, (long long)n * nb + blk);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const unsigned int byte = ((i < 4 ? q.x : q.y) >> (8 * (i & 3))) & 0xffu;
@@ -742,8 +775,9 @@ struct Nibbles4 {
 };
 
 // C = A @ dequant(B)^T (+ bias) on the tensor cores (see mma_tiles and Nibbles4; GATED, no
-// bias: C [M, N / 2], the gating; R > 0: A's prologue NORM made first, see mma_act).
-template <typename S, typename W, int MT, int GATED, int NORM, int R>
+// bias: C [M, N / 2], the gating; R > 0: A's prologue NORM made first, see mma_act; NT
+// column tiles of 8 a block).
+template <typename S, typename W, int MT, int GATED, int NORM, int R, int NT>
 __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     const S* __restrict__ A, const unsigned char* __restrict__ B, const W* __restrict__ scales,
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
@@ -751,9 +785,9 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits,
     const S* __restrict__ skip, const S* __restrict__ gamma, S* __restrict__ sum_out, float eps,
     int norm_flags) {
-  if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
+  if (threadIdx.x < 8 * NT) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
-    const long long n = mma_w_row<GATED>(threadIdx.x, N);
+    const long long n = mma_w_row<GATED, NT>(threadIdx.x, N);
     if (kb < ke) {  // value k of row n at byte (n * nb * block + k) / 2 (see Nibbles4)
       pdl_prefetch_bytes(B + (n * nb * block + kb) / 2,
                          (unsigned int)(min(ke, kb + 512) - kb) / 2u);
@@ -763,7 +797,7 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
   GRID_WAIT();
   const S* act = mma_act<NORM, R>(A, skip, gamma, sum_out, eps, norm_flags, M, K);
   const Nibbles4<S, W> load{B, scales, zp_u8, zp_f, nb, block, zrow, zp_mode};
-  mma_tiles<S, MT, GATED>(act, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N,
+  mma_tiles<S, MT, GATED, NT>(act, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N,
                           k_per_split, splits);
 }
 """
@@ -773,11 +807,13 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
 #: The kernels' source with NBITS_HALF2 off and on: made once, so a launch's kernel lookup
 #: (``function``) hashes a string whose hash is kept, not a new 34 KB one each time.
 _SOURCES = tuple(f"#define NBITS_HALF2 {h}\n" + _BODY for h in (0, 1))
+_MMA4_SOURCES = tuple(f"#define NBITS_HALF2 {h}\n" + _MMA4_SOURCE for h in (0, 1))
 
 
-def _source(ctx: KernelContext) -> str:
-    """The kernels' source in the form the provider's ``nbits_half2`` option asks for."""
-    return _SOURCES[bool(ctx.option("nbits_half2", True))]
+def _source(ctx: KernelContext, sources: tuple[str, str] = _SOURCES) -> str:
+    """The kernels' source (the GEMVs', or the tensor-core GEMM's with ``_MMA4_SOURCES``) in
+    the form the provider's ``nbits_half2`` option asks for."""
+    return sources[bool(ctx.option("nbits_half2", True))]
 
 
 # ----------------------------------------------------------------------------- dequant cache
@@ -933,14 +969,17 @@ def _nbits_mma(
     rows = mma_norm_rows(call.norm, a, m)  # the caller unfused a norm that does not fit
     partial = y if splits == 1 else scratch(ctx, splits * m * n * 4).view(np.float32)
     fused = call.norm.ON_THE_FLY if rows else 0
-    name = f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}, {int(gated)}, {fused}, {rows}>"
-    fn = function(_MMA4_SOURCE, name)
+    extra, shared = norm_args(call.norm, a, y)
+    nt = mma_column_tiles(ctx, mt, n, splits, gated, shared)
+    name = (
+        f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}, {int(gated)}, {fused}, {rows}, {nt}>"
+    )
+    fn = function(_source(ctx, _MMA4_SOURCES), name)
     args = (a, call.b, call.scales, call.zp_u8, call.zp_f, call.bias_arg)
     args += (np.int32(call.has_bias), y, partial, np.int32(m), np.int32(k), np.int32(n))
     args += (np.int32(call.nb), np.int32(call.block), np.int32(call.zrow))
     args += (np.int32(call.zp_mode), np.int32(k_per), np.int32(splits))
-    extra, shared = norm_args(call.norm, a, y)
-    fn((n // 8, splits), (256,), (*args, *extra), shared_mem=shared)
+    fn((n // (8 * nt), splits), (256,), (*args, *extra), shared_mem=shared)
     if splits > 1:
         sum_splits(ctx, partial, y, splits, gated)
 

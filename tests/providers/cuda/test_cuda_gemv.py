@@ -138,12 +138,22 @@ def test_tensor_core_rows_capture_and_replay(cp, rng, dtype):
         _replay_against_float64(cp, rng, sess, slot, m, w64, dtype)
 
 
-def _nbits_model(k: int, n: int, block: int, dtype, rng, zp: bool, bias: np.ndarray | None = None):
+def _nbits_model(
+    k: int,
+    n: int,
+    block: int,
+    dtype,
+    rng,
+    zp: bool,
+    bias: np.ndarray | None = None,
+    scales: np.ndarray | None = None,
+):
     nb = -(-k // block)
     blob = block // 2
     q = rng.integers(0, 16, (n, nb * block)).astype(np.uint8)
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, nb, blob)
-    scales = (rng.uniform(0.5, 1.5, (n, nb)) / (np.sqrt(k) * 8)).astype(dtype)
+    if scales is None:
+        scales = (rng.uniform(0.5, 1.5, (n, nb)) / (np.sqrt(k) * 8)).astype(dtype)
     zeros = rng.integers(0, 16, (n, nb)).astype(np.uint8) if zp else np.full((n, nb), 8)
     inits = [
         numpy_helper.from_array(packed, "b"),
@@ -238,6 +248,72 @@ def test_nbits_tensor_core_rows(cp, rng, mma4_calls, dtype, m, k, n, block, zp):
     sess = InferenceSession(model, providers=[("cuda", {"nbits_mma_min_rows": 3})])
     _replay_against_float64(cp, rng, sess, VERIFY, m, w64, dtype)
     assert mma4_calls and set(mma4_calls) == {m}
+
+
+@pytest.mark.parametrize("zp", [False, True], ids=["zero-8", "zero-points"])
+def test_nbits_tensor_core_half2_dequant_keeps_the_bits(cp, rng, mma4_calls, zp):
+    """fp16 4-bit weights on the tensor cores dequantized on packed halves (``nbits_half2``,
+    the default) give the same bits as in float (``nbits_half2`` off) at 1, 5 and 32 rows,
+    scales that make subnormal and large products among them, and both match float64."""
+    from onnx_genrt.session import InferenceSession
+
+    k, n, block = 896, 1152, 32
+    scales = (rng.uniform(0.5, 1.5, (n, k // block)) / (np.sqrt(k) * 8)).astype(np.float16)
+    scales[::7, 2] = 3e-6  # (q - z) * s subnormal in fp16
+    scales[1::11, 3] = 60.0  # products up to 900
+    model, w64 = _nbits_model(k, n, block, np.float16, rng, zp, scales=scales)
+    outputs = {}
+    for half2 in (True, False):
+        sess = InferenceSession(model, providers=[("cuda", {"nbits_half2": half2})])
+        for m in (1, 5, 32):
+            x = np.random.default_rng(m).standard_normal((1, m, k)).astype(np.float16)
+            (got,) = sess.run(["y"], {"x": x})
+            outputs[half2, m] = np.asarray(got)
+            if half2:
+                want = x.astype(np.float64) @ w64
+                np.testing.assert_allclose(got, want, rtol=3e-3, atol=3e-3 * np.abs(want).max())
+    for m in (1, 5, 32):
+        np.testing.assert_array_equal(
+            outputs[True, m].view(np.uint16), outputs[False, m].view(np.uint16)
+        )
+    assert sorted(set(mma4_calls)) == [1, 5, 32]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("weights", ["float", "nbits"])
+def test_tensor_core_column_tiles_keep_the_bits(cp, rng, monkeypatch, dtype, weights):
+    """``mma_column_tiles`` 4 on an lm_head-shaped GEMM (K = 896, 32768 columns): four
+    8-column tiles a block, the same bits as one tile a block at 1 and 5 rows, against
+    float64; at 17 rows (two row tiles) one tile a block."""
+    from onnx_genrt.providers.cuda.kernels import contrib_quant, matmul
+    from onnx_genrt.session import InferenceSession
+
+    chosen = []
+    for module in (matmul, contrib_quant):
+        real = module.mma_column_tiles
+        monkeypatch.setattr(
+            module,
+            "mma_column_tiles",
+            lambda *a, real=real, **kw: chosen.append(real(*a, **kw)) or chosen[-1],
+        )
+    k, n = 896, 32768
+    if weights == "float":
+        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+        model, w64 = _matmul_model(w, dtype), w.astype(np.float64)
+    else:
+        model, w64 = _nbits_model(k, n, 32, dtype, rng, True)
+    outputs = {}
+    for tiles in (4, 1):
+        sess = InferenceSession(model, providers=[("cuda", {"mma_column_tiles": tiles})])
+        chosen.clear()
+        for m in (1, 5, 17):
+            x = np.random.default_rng(m).standard_normal((1, m, k)).astype(dtype)
+            (got,) = sess.run(["y"], {"x": x})
+            outputs[tiles, m] = np.asarray(got)
+            _check(outputs[tiles, m], x.astype(np.float64) @ w64, dtype, k)
+        assert set(chosen) == {tiles, 1} and chosen[-1] == 1  # 17 rows: one tile a block
+    for m in (1, 5, 17):
+        np.testing.assert_array_equal(outputs[4, m].view(np.uint16), outputs[1, m].view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])

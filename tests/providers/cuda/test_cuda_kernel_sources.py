@@ -80,7 +80,7 @@ def test_flash_kernel_compiles_without_spills(tmp_path, arch):
 
 # ----------------------------------------------------------------------------- every source
 
-#: Instances compiled per source (module attribute; contrib_quant's body in both NBITS_HALF2
+#: Instances compiled per source (module attribute; contrib_quant's two sources in both NBITS_HALF2
 #: forms): every kernel of every source at least once, fp16 / bf16 / fp32 and the fused
 #: prologues among them. flash_attn is compiled by the test above.
 INSTANCES = {
@@ -100,12 +100,14 @@ INSTANCES = {
         "splitk_sum_gated<bf16_t>",
     ],
     "matmul._MMA_SOURCE": [
-        "gemm_mma<half_t, 1, 0, 0, 0>",
-        "gemm_mma<bf16_t, 4, 0, 0, 0>",
-        "gemm_mma<half_t, 2, 1, 0, 0>",
-        "gemm_mma<half_t, 1, 0, 1, 1>",
-        "gemm_mma<bf16_t, 1, 1, 1, 16>",
-        "gemm_mma<half_t, 1, 0, 2, 2>",
+        "gemm_mma<half_t, 1, 0, 0, 0, 1>",
+        "gemm_mma<bf16_t, 4, 0, 0, 0, 1>",
+        "gemm_mma<half_t, 2, 1, 0, 0, 1>",
+        "gemm_mma<half_t, 1, 0, 1, 1, 1>",
+        "gemm_mma<bf16_t, 1, 1, 1, 16, 1>",
+        "gemm_mma<half_t, 1, 0, 2, 2, 1>",
+        "gemm_mma<half_t, 1, 0, 0, 0, 4>",
+        "gemm_mma<bf16_t, 1, 0, 1, 16, 4>",
     ],
     "contrib_quant._BODY": [
         "nbits_gemv<half_t, half_t, 1, 4, 1>",
@@ -127,11 +129,13 @@ INSTANCES = {
         "gather_block_quant<long long, float, 4>",
     ],
     "contrib_quant._MMA4_SOURCE": [
-        "gemm_mma_nbits4<half_t, half_t, 1, 0, 0, 0>",
-        "gemm_mma_nbits4<bf16_t, bf16_t, 4, 0, 0, 0>",
-        "gemm_mma_nbits4<half_t, half_t, 2, 1, 0, 0>",
-        "gemm_mma_nbits4<half_t, half_t, 1, 1, 1, 2>",
-        "gemm_mma_nbits4<half_t, half_t, 1, 0, 2, 1>",
+        "gemm_mma_nbits4<half_t, half_t, 1, 0, 0, 0, 1>",
+        "gemm_mma_nbits4<bf16_t, bf16_t, 4, 0, 0, 0, 1>",
+        "gemm_mma_nbits4<half_t, half_t, 2, 1, 0, 0, 1>",
+        "gemm_mma_nbits4<half_t, half_t, 1, 1, 1, 2, 1>",
+        "gemm_mma_nbits4<half_t, half_t, 1, 0, 2, 1, 1>",
+        "gemm_mma_nbits4<half_t, half_t, 1, 0, 0, 0, 4>",
+        "gemm_mma_nbits4<bf16_t, bf16_t, 1, 0, 1, 16, 4>",
     ],
     "reduce._SOURCE": [
         "reduce_sum_split<float, float, 4>",
@@ -218,9 +222,10 @@ def _instantiating(source: str, names: list[str]) -> str:
 #: architecture: the attention kernels (their launch bounds cap them at 64 registers), a bf16
 #: SiluMul-fused GEMV and, on sm_90 with NBITS_HALF2 0, a norm-fused small-K GEMV of two rows;
 #: on sm_80 the unfused fp16 chunk16 GEMV of one row. The one-tile fp16 tensor-core GEMMs
-#: that stage a norm of one row (sm_90) or a SiLU gating of two (sm_80) spill 4-20 bytes
-#: since their warps load two chunks' weights ahead (``mma_tiles``): ptxas keeps them near
-#: 40 registers (``__launch_bounds__(256, 1)`` would take 60 there, and 206 at four tiles).
+#: that stage a norm of one row or a SiLU gating of two spill 4-20 bytes since their warps
+#: load two chunks' weights ahead (``mma_tiles``): ptxas keeps them near 40 registers
+#: (``__launch_bounds__(256, 1)`` would take 60 there, and 206 at four tiles); so does the
+#: fp16 4-bit one of four column tiles (``mma_column_tiles`` 4) on sm_90, 12 bytes.
 KNOWN_SPILLS = {
     "sm_90": (
         "8gqa_attnI",
@@ -228,6 +233,8 @@ KNOWN_SPILLS = {
         "13nbits4_gemv16I6bf16_tS0_Li1ELi1ELi2E",
         "21nbits4_gemv16_small_kIttLi2ELi8ELi2ELi1E",
         "8gemm_mmaItLi1ELi0ELi1ELi1E",
+        "8gemm_mmaItLi1ELi0ELi2ELi2E",
+        "15gemm_mma_nbits4IttLi1ELi0ELi0ELi0ELi4E",
     ),
     "sm_80": (
         "8gqa_attnI",
@@ -273,7 +280,7 @@ def test_every_kernel_source_compiles(tmp_path, arch, defines):
     attention_early = pdl and "-DGENRT_PDL_EARLY=1" in defines
     for key, names in INSTANCES.items():
         variants = [got["sources"][key]]
-        if key == "contrib_quant._BODY":  # contrib_quant._source: NBITS_HALF2 on and off
+        if key in ("contrib_quant._BODY", "contrib_quant._MMA4_SOURCE"):  # NBITS_HALF2 on, off
             variants = [f"#define NBITS_HALF2 {h}\n" + variants[0] for h in (1, 0)]
         for v, text in enumerate(variants):
             path = tmp_path / f"{key.replace('.', '_')}_{v}.cu"
