@@ -44,6 +44,7 @@ from .kernels.matmul import (
     MMA_MAX_M,
     MMA_MAX_SPLITS,
     MMA_MIN_ROWS,
+    MMA_SPLIT_MIN_K,
     PIECES_MAX_M,
 )
 from .launch import allow_programmatic, forbid_programmatic
@@ -147,6 +148,13 @@ class CUDAProvider(ExecutionProvider):
             "kernel); 1 never splits. The split depends on K and N only, so a row's bits stay "
             "the same at every row count",
             env="ONNX_GENRT_MMA_MAX_SPLITS",
+        ),
+        ProviderOption(
+            "mma_split_min_k",
+            MMA_SPLIT_MIN_K,
+            "K below which a tensor-core GEMM never splits K (0: any K may split); a function "
+            "of K only, so a row's bits stay the same at every row count",
+            env="ONNX_GENRT_MMA_SPLIT_MIN_K",
         ),
         ProviderOption(
             "mma_column_tiles",

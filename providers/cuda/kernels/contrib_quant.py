@@ -965,7 +965,7 @@ def _nbits_mma(
     """``y`` = the ``m`` rows of ``a`` times the 4-bit weight on the tensor cores; ``gated``:
     ``y`` [m, N / 2] gets the SiLU gating of the product's gate and up halves."""
     k, n = call.k, call.n
-    mt, splits, k_per = mma_config(m, k, n, sm_count(), mma_max_splits(ctx))
+    mt, splits, k_per = mma_config(m, k, n, sm_count(), mma_max_splits(ctx, k))
     rows = mma_norm_rows(call.norm, a, m)  # the caller unfused a norm that does not fit
     partial = y if splits == 1 else scratch(ctx, splits * m * n * 4).view(np.float32)
     fused = call.norm.ON_THE_FLY if rows else 0

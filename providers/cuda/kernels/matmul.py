@@ -322,6 +322,11 @@ MMA_MIN_ROWS = 1
 #: Default of the CUDA provider's ``mma_max_splits``: the most blocks a tensor-core GEMM
 #: splits K over (their fp32 parts summed by ``splitk_sum``, a second launch); 1 never splits.
 MMA_MAX_SPLITS = 16
+#: Default of the CUDA provider's ``mma_split_min_k``: K shorter than this is never split (0:
+#: any K may be). Splitting K = 896 cost q/k/v 1.4-1.6 us a node on the 0.5B shape, while the
+#: down projection (K = 4864) gained from it (docs/performance.md, session 33); 0 until the
+#: two are measured together.
+MMA_SPLIT_MIN_K = 0
 #: Rows up to which a tensor-core GEMM stages a fused RMS norm itself (``mma_act``).
 MMA_STAGE_MAX_ROWS = 16
 #: Shared memory of ``mma_tiles``' reduction buffer per 16-row tile and 8-column tile
@@ -630,7 +635,7 @@ def gemm_mma(
     activations from ``a`` first."""
     k, n = w.shape
     m = int(c.size // c.shape[-1])
-    mt, splits, k_per = mma_config(m, k, n, sm_count(), mma_max_splits(ctx))
+    mt, splits, k_per = mma_config(m, k, n, sm_count(), mma_max_splits(ctx, k))
     rows = mma_norm_rows(norm, a, m)
     assert norm is None or rows, "gemm_mma: the fused norm does not fit (see mma_norm_rows)"
     s_type = storage(ctx, a.dtype)
@@ -693,9 +698,11 @@ def mma_column_tiles(
     return tiles
 
 
-def mma_max_splits(ctx: KernelContext) -> int:
-    """The most blocks a tensor-core GEMM splits K over (the CUDA provider's
-    ``mma_max_splits``, at least 1)."""
+def mma_max_splits(ctx: KernelContext, k: int) -> int:
+    """The most blocks a tensor-core GEMM splits a K of ``k`` over: the CUDA provider's
+    ``mma_max_splits`` (at least 1), or 1 where ``k`` is below its ``mma_split_min_k``."""
+    if k < int(ctx.option("mma_split_min_k", MMA_SPLIT_MIN_K)):
+        return 1
     return max(1, int(ctx.option("mma_max_splits", MMA_MAX_SPLITS)))
 
 

@@ -336,11 +336,14 @@ def test_nbits_tensor_core_bias_and_split_k(cp, rng, mma4_calls, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("weights", ["float", "nbits"])
-def test_tensor_core_gemm_with_k_unsplit(cp, rng, monkeypatch, dtype, weights):
-    """``mma_max_splits`` 1: a tensor-core GEMM whose K the default splits (few columns) runs
-    in one block per column tile, without the sum kernel, eagerly and replayed, against
-    float64; a row's bits are the same at 1, 5 and 32 rows (row 0 of each call); the 4-bit
-    weight with a bias."""
+@pytest.mark.parametrize(
+    "options", [{"mma_max_splits": 1}, {"mma_split_min_k": 8192}], ids=["max-1", "min-k"]
+)
+def test_tensor_core_gemm_with_k_unsplit(cp, rng, monkeypatch, dtype, weights, options):
+    """``mma_max_splits`` 1, or a K below ``mma_split_min_k``: a tensor-core GEMM whose K the
+    default splits (few columns) runs in one block per column tile, without the sum kernel,
+    eagerly and replayed, against float64; a row's bits are the same at 1, 5 and 32 rows (row
+    0 of each call); the 4-bit weight with a bias."""
     from onnx_genrt.providers.cuda.kernels import contrib_quant, matmul
     from onnx_genrt.session import InferenceSession
 
@@ -359,7 +362,7 @@ def test_tensor_core_gemm_with_k_unsplit(cp, rng, monkeypatch, dtype, weights):
         else:
             model, w64 = _nbits_model(k, n, 32, dtype, rng, True, bias=bias)
             b64 = bias.astype(dtype).astype(np.float64)
-        sess = InferenceSession(model, providers=[("cuda", {"mma_max_splits": 1})])
+        sess = InferenceSession(model, providers=[("cuda", options)])
         first = rng.standard_normal((1, 1, k)).astype(dtype)
         rows0 = []
         for slot, m in ((PRIMARY, 1), (VERIFY, 5), (DeviceGraphSlot.DRAFT, 32)):
