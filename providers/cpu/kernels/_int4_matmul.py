@@ -13,7 +13,9 @@ the per-block scales (and zero points, when given) transposed to (blocks, rows):
 1.25x the packed bytes for 32-wide blocks, against 8x for a float32 copy of the weight.
 Row-major nibbles cannot be summed this way: Numba (LLVM) vectorizes the per-block dot
 of a single row only with a horizontal sum per block, which measured slower
-(docs/performance.md).
+(docs/performance.md). The float kernel (accuracy levels 0-3) takes 32 columns of a tile
+and up to ``GROUP`` rows of x a call, in 16-lane vectors (``_nibble_rows``), with the same
+arithmetic at every row count: a row's outputs are the same bits alone or batched.
 
 At accuracy_level 4 on a CPU with AVX-512 VNNI the tiles take the VNNI layout instead
 (``tile_weight(..., vnni=True)``, read by ``_int4_vnni``): ``tiles[i, s, r, j]`` holds the
@@ -32,7 +34,9 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._intrinsics import address_as_pointer, stack_float32
+from ._fma_rows import GROUP, TILE
+from ._intrinsics import address_as_pointer
+from ._nibble_rows import nibble_rows
 from ._worker_pool import (
     ARGS,
     COPY,
@@ -253,63 +257,53 @@ def _dequant_tiles(tiles, scales, zeros, block, out):
                         hi[r] = (_F32(q[r] >> 4) - _F32(8)) * s[r]
 
 
-@numba.njit(cache=True, fastmath=_FM)
-def _tiles_gemv(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
-    """out[0, rows of tiles t0..t1) for one row of x (split into xe/xo, block sums xs):
-    64 of a tile's output rows at a time, the sums in stack arrays LLVM keeps in registers
-    and the bytes read through a pointer of unit stride, as ``_tiles_gemm`` does (tiles of
-    a width that is no multiple of 64 take ``_tiles_gemv_any``)."""
+@numba.njit(cache=True)
+def _tiles_rows(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
+    """out[:, rows of tiles t0..t1) for every row of x (split into xe/xo, block sums xs):
+    ``GROUP`` rows of x against 32 of a tile's output rows at a time
+    (``_nibble_rows.nibble_rows``, 16-lane vectors), so a row's outputs are the same bits at
+    every row count. Operands that are not C-contiguous are copied first; tiles of a width
+    that is no multiple of 32 take ``_tiles_gemv_any`` row by row."""
     _, half, rows = tiles.shape
-    if rows % 64 or not (tiles.flags.c_contiguous and scales.flags.c_contiguous):
-        _tiles_gemv_any(tiles, t0, t1, xe, xo, xs, scales, zeros, out)
+    m, n = out.shape
+    if rows % TILE:
+        for i in range(m):
+            _tiles_gemv_any(
+                tiles, t0, t1, xe[i : i + 1], xo[i : i + 1], xs[i : i + 1], scales, zeros,
+                out[i : i + 1],
+            )  # fmt: skip
         return
-    if not zeros.flags.c_contiguous:
-        zeros = np.ascontiguousarray(zeros)
-    n = out.shape[1]
-    nb = scales.shape[0]
-    blob = half // nb
-    base = tiles.ctypes.data
-    has_zeros = zeros.shape[0] != 0
-    acc = stack_float32(64)
-    tot = stack_float32(64)
+    _tiles_rows_c(
+        np.ascontiguousarray(tiles), t0, t1, xe, xo, xs, np.ascontiguousarray(scales),
+        np.ascontiguousarray(zeros), out,
+    )  # fmt: skip
+
+
+@numba.njit(cache=True)
+def _tiles_rows_c(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
+    """``_tiles_rows`` on C-contiguous operands, tiles a multiple of 32 wide."""
+    _, half, rows = tiles.shape
+    m, n = out.shape
+    sums = np.empty(TILE * GROUP, _F32)
     for ti in range(t0, t1):
-        for c0 in range(0, rows, 64):
+        tile = tiles[ti]
+        for c0 in range(0, rows, TILE):
             col = ti * rows + c0
             if col >= n:
                 break
-            for j in range(64):
-                tot[j] = 0
-            for b in range(nb):
-                for j in range(64):
-                    acc[j] = 0
-                for t in range(b * blob, (b + 1) * blob):
-                    q = numba.carray(
-                        address_as_pointer(base + (ti * half + t) * rows + c0, _U8), (64,)
-                    )
-                    e, o = xe[0, t], xo[0, t]
-                    for j in range(64):
-                        v = q[j]
-                        lo = _F32(_U8(v & 15)) - _F32(8)
-                        acc[j] += lo * e + (_F32(_U8(v >> 4)) - _F32(8)) * o
-                at = 4 * (b * scales.shape[1] + col)
-                sc = numba.carray(address_as_pointer(scales.ctypes.data + at, _F32), (64,))
-                if has_zeros:
-                    zc = numba.carray(address_as_pointer(zeros.ctypes.data + at, _F32), (64,))
-                    x0 = xs[0, b]
-                    for j in range(64):
-                        tot[j] += sc[j] * (acc[j] - zc[j] * x0)
-                else:
-                    for j in range(64):
-                        tot[j] += sc[j] * acc[j]
-            width = min(64, n - col)
-            for j in range(64):
-                if j < width:
-                    out[0, col + j] = tot[j]
+            width = min(TILE, n - col)
+            for i in range(0, m, GROUP):
+                count = min(GROUP, m - i)
+                nibble_rows(xe, xo, xs, i, count, tile, c0, scales, zeros, col, sums)
+                for r in range(count):
+                    o = out[i + r]
+                    for j in range(width):
+                        o[col + j] = sums[TILE * r + j]
 
 
 @numba.njit(cache=True, fastmath=_FM)
 def _tiles_gemv_any(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
-    """``_tiles_gemv`` for tiles of any width (the sums in heap arrays)."""
+    """Row 0 of x against tiles of any width (the sums in heap arrays)."""
     _, half, rows = tiles.shape
     nb = scales.shape[0]
     blob = half // nb
@@ -333,79 +327,6 @@ def _tiles_gemv_any(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
             out[0, r0 + r] = tot[r]
 
 
-@numba.njit(cache=True, fastmath=_FM)
-def _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, out):
-    """Like ``_tiles_gemv`` for M > 1 rows of x: 32 of a tile's output rows at a time for
-    four rows of x (``xe``, ``xo`` and ``xs`` have ``split_rows(M)`` rows, zero past M),
-    the sums in stack arrays LLVM keeps in registers, so each unpacked byte feeds eight
-    multiply-adds with no load or store of an accumulator. The weight bytes, scales and zero points are read
-    through pointers of unit stride (``numba.carray``): indexed through the arrays, LLVM
-    loads each byte on its own once the loop is unrolled. Tiles, scales and zero points that
-    are not C-contiguous (``pack_int4`` makes them so) are copied first."""
-    if not (tiles.flags.c_contiguous and scales.flags.c_contiguous):
-        tiles, scales = np.ascontiguousarray(tiles), np.ascontiguousarray(scales)
-    if not zeros.flags.c_contiguous:
-        zeros = np.ascontiguousarray(zeros)
-    _, half, rows = tiles.shape
-    m, n = out.shape
-    nb = scales.shape[0]
-    blob = half // nb
-    base = tiles.ctypes.data
-    has_zeros = zeros.shape[0] != 0
-    acc = stack_float32(128)
-    tot = stack_float32(128)
-    for ti in range(t0, t1):
-        for c0 in range(0, rows, 32):
-            col = ti * rows + c0
-            if col >= n:
-                break
-            for i in range(0, m, 4):  # xe, xo, xs have split_rows(m) rows
-                for j in range(128):
-                    tot[j] = 0
-                for b in range(nb):
-                    for j in range(128):
-                        acc[j] = 0
-                    for t in range(b * blob, (b + 1) * blob):
-                        q = numba.carray(
-                            address_as_pointer(base + (ti * half + t) * rows + c0, _U8), (32,)
-                        )
-                        e0, o0 = xe[i, t], xo[i, t]
-                        e1, o1 = xe[i + 1, t], xo[i + 1, t]
-                        e2, o2 = xe[i + 2, t], xo[i + 2, t]
-                        e3, o3 = xe[i + 3, t], xo[i + 3, t]
-                        for j in range(32):
-                            v = q[j]
-                            lo = _F32(_U8(v & 15)) - _F32(8)
-                            hi = _F32(_U8(v >> 4)) - _F32(8)
-                            acc[j] += lo * e0 + hi * o0
-                            acc[32 + j] += lo * e1 + hi * o1
-                            acc[64 + j] += lo * e2 + hi * o2
-                            acc[96 + j] += lo * e3 + hi * o3
-                    at = 4 * (b * scales.shape[1] + col)
-                    sc = numba.carray(address_as_pointer(scales.ctypes.data + at, _F32), (32,))
-                    if has_zeros:
-                        zc = numba.carray(address_as_pointer(zeros.ctypes.data + at, _F32), (32,))
-                        x0, x1, x2, x3 = xs[i, b], xs[i + 1, b], xs[i + 2, b], xs[i + 3, b]
-                        for j in range(32):
-                            tot[j] += sc[j] * (acc[j] - zc[j] * x0)
-                            tot[32 + j] += sc[j] * (acc[32 + j] - zc[j] * x1)
-                            tot[64 + j] += sc[j] * (acc[64 + j] - zc[j] * x2)
-                            tot[96 + j] += sc[j] * (acc[96 + j] - zc[j] * x3)
-                    else:
-                        for j in range(32):
-                            tot[j] += sc[j] * acc[j]
-                            tot[32 + j] += sc[j] * acc[32 + j]
-                            tot[64 + j] += sc[j] * acc[64 + j]
-                            tot[96 + j] += sc[j] * acc[96 + j]
-                width = min(32, n - col)
-                for r in range(4):
-                    if i + r < m:
-                        o = out[i + r]
-                        for j in range(32):
-                            if j < width:
-                                o[col + j] = tot[32 * r + j]
-
-
 @numba.njit(cache=True, fastmath=_FM, inline="always")
 def _block_end(tot, acc, scales, zeros, b, r0, xsum):
     """tot += scale * (acc - (zero - 8) * xsum) for block ``b`` of the tile's rows."""
@@ -420,20 +341,10 @@ def _block_end(tot, acc, scales, zeros, b, r0, xsum):
             tot[r] += s[r] * (acc[r] - z[r] * xsum)
 
 
-def split_rows(m: int) -> int:
-    """Rows the split x is laid out in: M rounded up to the four rows ``_tiles_gemm`` takes
-    at a time (M itself for one row)."""
-    return m if m == 1 else (m + 3) // 4 * 4
-
-
-_split_rows = numba.njit(cache=True, inline="always")(split_rows)
-
-
 @numba.njit(cache=True, fastmath=_FM)
 def _split_x(x, half, nb, block):
-    """x's even columns (they meet the low nibbles), odd columns, and block sums, in
-    ``split_rows(M)`` rows (zero past M)."""
-    m = _split_rows(x.shape[0])
+    """x's even columns (they meet the low nibbles), odd columns, and block sums."""
+    m = x.shape[0]
     xe = np.empty((m, half), _F32)
     xo = np.empty((m, half), _F32)
     xs = np.empty((m, nb), _F32)
@@ -464,11 +375,8 @@ def _int4_serial(x, tiles, scales, zeros, block, out):
     """out (M, N) = x (M, K) @ dequant(W)^T on the calling thread."""
     nt, half, _ = tiles.shape
     xe, xo, xs = _split_x(x, half, scales.shape[0], block)
-    # np.int64(0), not Literal[0]: the pool's chunk runner reuses these compilations
-    if x.shape[0] == 1:
-        _tiles_gemv(tiles, np.int64(0), nt, xe, xo, xs, scales, zeros, out)
-    else:
-        _tiles_gemm(tiles, np.int64(0), nt, xe, xo, xs, scales, zeros, out)
+    # np.int64(0), not Literal[0]: the pool's chunk runner reuses this compilation
+    _tiles_rows(tiles, np.int64(0), nt, xe, xo, xs, scales, zeros, out)
 
 
 # A tile job's argument words (``set_arg`` indices): a kernel's own operands in 0-3, then the
@@ -529,14 +437,10 @@ def _int4_chunk(args, chunk, mode):
         a, m, half, nb, t0, t1, tiles, scales, zeros, dst = tile_chunk(args, chunk, mode)
         if mode == COPY:
             return 0
-        rows = _split_rows(m)
-        xe = numba.carray(address_as_pointer(a[FIRST_ARG], _F32), (rows, half))
-        xo = numba.carray(address_as_pointer(a[FIRST_ARG + 1], _F32), (rows, half))
-        xs = numba.carray(address_as_pointer(a[FIRST_ARG + 2], _F32), (rows, nb))
-        if m == 1:
-            _tiles_gemv(tiles, t0, t1, xe, xo, xs, scales, zeros, dst)
-        else:
-            _tiles_gemm(tiles, t0, t1, xe, xo, xs, scales, zeros, dst)
+        xe = numba.carray(address_as_pointer(a[FIRST_ARG], _F32), (m, half))
+        xo = numba.carray(address_as_pointer(a[FIRST_ARG + 1], _F32), (m, half))
+        xs = numba.carray(address_as_pointer(a[FIRST_ARG + 2], _F32), (m, nb))
+        _tiles_rows(tiles, t0, t1, xe, xo, xs, scales, zeros, dst)
         return 0
     except Exception:  # noqa: BLE001 - a runner reports failure by its return value
         return 1
@@ -566,10 +470,9 @@ def _int4_pooled(x, tiles, scales, zeros, block, out, ctrl, runner, chunks):
     m = x.shape[0]
     nb = scales.shape[0]
     addr = operand_address(ctrl)
-    rows = _split_rows(m)
-    xe, addr = carve(addr, (rows, half), _F32)
-    xo, addr = carve(addr, (rows, half), _F32)
-    xs, addr = carve(addr, (rows, nb), _F32)
+    xe, addr = carve(addr, (m, half), _F32)
+    xo, addr = carve(addr, (m, half), _F32)
+    xs, addr = carve(addr, (m, nb), _F32)
     _split_x_into(x, block, xe, xo, xs)
     set_arg(ctrl, 0, xe.ctypes.data)
     set_arg(ctrl, 1, xo.ctypes.data)
@@ -620,6 +523,6 @@ def int4_matmul(
     m = x.shape[0]
     half = w.tiles.shape[1]
     nb = w.scales.shape[0]
-    operands = 4 * split_rows(m) * (2 * half + nb) + 3 * 64
+    operands = 4 * m * (2 * half + nb) + 3 * 64
     run_pooled(_int4_pooled, _int4_runner, x, w, out, chunks, operands, "MatMulNBits (int4)")
     return out
