@@ -73,15 +73,24 @@ def _emit_rows(builder, fma, x, strides, k_len, tile, sums, rows: int) -> None:
     b.cbranch(b.icmp_signed("<", k_next, k_len), head, done)
 
     b.position_at_end(done)
-    totals = [[b.phi(_V16F32) for _ in range(2)] for _ in range(rows)]
-    for r in range(rows):
-        for h in range(2):
-            totals[r][h].add_incoming(zero, entry)
-            totals[r][h].add_incoming(summed[r][h], head)
-    for r in range(rows):
-        for h in range(2):
+    store_rows(b, sums, entry, summed, head)
+
+
+def store_rows(builder: ir.IRBuilder, sums, skipped, last, loop) -> None:
+    """At a loop's exit: ``sums[TILE * r + 16 * h]`` = the row sums ``last[r][h]`` (two
+    16-lane vectors a row) from block ``loop``, or zeros when the loop was skipped (from
+    block ``skipped``)."""
+    b = builder
+    zero = ir.Constant(_V16F32, [0.0] * 16)
+    totals = [[b.phi(_V16F32) for _ in range(2)] for _ in last]
+    for r, row in enumerate(totals):
+        for h, phi in enumerate(row):
+            phi.add_incoming(zero, skipped)
+            phi.add_incoming(last[r][h], loop)
+    for r, row in enumerate(totals):
+        for h, phi in enumerate(row):
             at = b.gep(sums, [ir.Constant(_I64, TILE * r + 16 * h)])
-            b.store(totals[r][h], b.bitcast(at, _V16F32.as_pointer()), align=4)
+            b.store(phi, b.bitcast(at, _V16F32.as_pointer()), align=4)
 
 
 def _check_array(arr, ndim: int, name: str, contiguous: bool = True) -> None:

@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from ._fma_rows import _FLOAT, _I32, _I64, _V16F32, GROUP, TILE, _splat
+from ._fma_rows import _FLOAT, _I32, _I64, _V16F32, GROUP, _splat, store_rows
 
 _I8 = ir.IntType(8)
 _V32I8 = ir.VectorType(_I8, 32)
@@ -138,15 +138,7 @@ def _emit_rows(builder, fma, p, rows: int) -> None:
     b.cbranch(b.icmp_signed("<", blk_next, p["nb"]), outer, done)
 
     b.position_at_end(done)
-    totals = [[b.phi(_V16F32) for _ in range(2)] for _ in range(rows)]
-    for r in range(rows):
-        for h in range(2):
-            totals[r][h].add_incoming(zero, entry)
-            totals[r][h].add_incoming(tot_next[r][h], merge)
-    for r in range(rows):
-        for h in range(2):
-            at = b.gep(p["sums"], [_const(TILE * r + 16 * h)])
-            b.store(totals[r][h], b.bitcast(at, _V16F32.as_pointer()), align=4)
+    store_rows(b, p["sums"], entry, tot_next, merge)
 
 
 def _check(arr, ndim: int, dtype, name: str) -> None:
