@@ -55,8 +55,6 @@ from ._common import (
     contiguous,
     function,
     out,
-    row_threads,
-    rows_cols,
     storage,
 )
 from ._gated_mlp import launch_gated_mlp, mlp_problem
@@ -66,6 +64,7 @@ from .contrib_quant import matmul_nbits
 from .elementwise import PREAMBLE, broadcast_shape
 from .matmul import TransposedWeight, gated_gemv, matmul, transpose_weight
 from .normalization import simplified_layer_norm
+from .reduce import argmax_rows
 
 _SOURCE = (
     DEVICE_COMMON
@@ -170,39 +169,6 @@ def mtp_next_inputs(ctx: KernelContext, accepted, start, token, drafts, confiden
 
 # ----------------------------------------------------------------------------- ArgMaxProb
 
-_ARGMAX_PROB_SOURCE = (
-    DEVICE_COMMON
-    + ARG_KEYS
-    + r"""
-// ArgMaxProb: per row, the first index of the largest value and its softmax probability
-// 1 / sum(exp(x - max)); one block per row, two passes over the row (NaN as the largest).
-template <typename S>
-__global__ void argmax_prob_rows(const S* __restrict__ x, long long* __restrict__ idx,
-                                 S* __restrict__ prob, long long cols) {
-  __shared__ unsigned long long shk[32];
-  __shared__ float sh[33];
-  __shared__ float row_max;
-  GRID_WAIT();
-  GRID_LAUNCH_DEPENDENTS();
-  const S* xr = x + (long long)blockIdx.x * cols;
-  unsigned long long best = 0ull;
-  for (long long c = threadIdx.x; c < cols; c += blockDim.x) best = kmax(best, arg_key(ld(xr, c), c, 0));
-  best = block_kmax(best, shk);
-  if (threadIdx.x == 0) {
-    const long long i = arg_index(best, 0);
-    idx[blockIdx.x] = i;
-    row_max = ld(xr, i);
-  }
-  __syncthreads();
-  const float m = row_max;
-  float s = 0.f;
-  for (long long c = threadIdx.x; c < cols; c += blockDim.x) s += expf(ld(xr, c) - m);
-  s = block_sum(s, sh);
-  if (threadIdx.x == 0) st(prob, blockIdx.x, 1.f / s);
-}
-"""
-)
-
 
 @REGISTRY.register("ArgMaxProb", since=1, domain=GENRT_DOMAIN)
 def argmax_prob(ctx: KernelContext, x: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -213,12 +179,9 @@ def argmax_prob(ctx: KernelContext, x: cupy.ndarray) -> tuple[cupy.ndarray, cupy
             f"{ctx.node.describe()}: needs a float32/float16/bfloat16 tensor of rank >= 1, "
             f"got {x.dtype}"
         )
-    rows, cols = rows_cols(x.shape, x.ndim - 1)
     idx = out(ctx, 0, x.shape[:-1], np.int64)
     prob = out(ctx, 1, x.shape[:-1], x.dtype)
-    if rows and cols:
-        fn = function(_ARGMAX_PROB_SOURCE, f"argmax_prob_rows<{storage(ctx, x.dtype)}>")
-        fn((rows,), (row_threads(cols),), (contiguous(ctx, x), idx, prob, np.int64(cols)))
+    argmax_rows(ctx, x, idx, prob=prob)
     return idx, prob
 
 

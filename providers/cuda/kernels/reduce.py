@@ -346,16 +346,44 @@ DEVI float vec_elem(const uint4& w, int k, const S* tag) {
   return (k & 1) ? b : a;
 }
 
+// exp(x[c] - m) summed over columns [c0, c1) of row xr by the block's threads (16-byte loads
+// where VEC > 1); each thread's share, to be summed by block_sum.
+template <typename S, int VEC>
+DEVI float chunk_exp_sum(const S* xr, long long c0, long long c1, float m) {
+  float s = 0.f;
+  long long c = c0;
+  if (VEC > 1) {
+    const long long stride = (long long)blockDim.x * VEC;
+    const long long vend = c0 + (c1 - c0) / VEC * VEC;
+    for (long long j = c0 + (long long)threadIdx.x * VEC; j < vend; j += stride) {
+      const uint4 w = *reinterpret_cast<const uint4*>(xr + j);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) s += expf(vec_elem(w, k, xr) - m);
+    }
+    c = vend;
+  }
+  for (c += threadIdx.x; c < c1; c += blockDim.x) s += expf(ld(xr, c) - m);
+  return s;
+}
+
 // ArgMax of each row of x (rows, cols < 2^32 - 1), a row split over `blocks` blocks of `chunk`
 // columns: grid (rows, blocks). VEC > 1 (16-byte aligned rows): 16-byte loads, four in flight
 // per thread. With one block the index is stored directly; otherwise each block stores its
 // largest key, and the last block to finish (a counter per row, set back to zero by that
 // block) takes the largest of them: the same pick whichever block finishes last.
-template <typename S, int VEC>
+// PROB (ArgMaxProb): also prob[row] = 1 / sum(exp(x - max)), the largest softmax probability.
+// Each block sums exp(x - its own max) over its chunk (a second pass, from cache) into
+// sums[row][blk] = (its max, its sum); the last block rescales them to the row's max and adds
+// them in block order (the same bits whichever block finishes last). A block whose chunk is
+// all -inf adds nothing unless the row is (then NaN, as softmax of such a row).
+template <typename S, int VEC, bool PROB>
 __global__ void argmax_split(const S* __restrict__ x, long long* __restrict__ y,
-                             unsigned long long* __restrict__ part, int* __restrict__ counters,
+                             S* __restrict__ prob, unsigned long long* __restrict__ part,
+                             float2* __restrict__ sums, int* __restrict__ counters,
                              long long cols, long long chunk, int blocks, int last) {
   __shared__ unsigned long long sh[32];
+  __shared__ float fsh[33];
+  __shared__ float max_sh;
   __shared__ int is_last;
   GRID_WAIT();
   GRID_LAUNCH_DEPENDENTS();
@@ -384,13 +412,23 @@ __global__ void argmax_split(const S* __restrict__ x, long long* __restrict__ y,
   }
   for (c += threadIdx.x; c < c1; c += blockDim.x) best = kmax(best, arg_key(ld(xr, c), c, last));
   best = block_kmax(best, sh);
+  float s = 0.f;  // PROB: the block's sum of exp(x - m), m its chunk's largest value
+  if constexpr (PROB) {
+    if (threadIdx.x == 0) max_sh = ld(xr, arg_index(best, last));
+    __syncthreads();
+    s = block_sum(chunk_exp_sum<S, VEC>(xr, c0, c1, max_sh), fsh);
+  }
   if (blocks == 1) {
-    if (threadIdx.x == 0) y[row] = arg_index(best, last);
+    if (threadIdx.x == 0) {
+      y[row] = arg_index(best, last);
+      if constexpr (PROB) st(prob, row, 1.f / s);
+    }
     return;
   }
   unsigned long long* P = part + row * blocks;
   if (threadIdx.x == 0) {
     P[blk] = best;
+    if constexpr (PROB) sums[row * blocks + blk] = make_float2(max_sh, s);
     __threadfence();
     const int done = atomicAdd(counters + row, 1) == blocks - 1;
     if (done) counters[row] = 0;  // every block has counted: ready for the next launch
@@ -402,7 +440,21 @@ __global__ void argmax_split(const S* __restrict__ x, long long* __restrict__ y,
   best = 0ull;
   for (int k = threadIdx.x; k < blocks; k += blockDim.x) best = kmax(best, __ldcg(P + k));
   best = block_kmax(best, sh);
-  if (threadIdx.x == 0) y[row] = arg_index(best, last);
+  if constexpr (PROB) {
+    if (threadIdx.x == 0) max_sh = ld(xr, arg_index(best, last));
+    __syncthreads();
+    const float m = max_sh;
+    float t = 0.f;
+    for (int k = threadIdx.x; k < blocks; k += blockDim.x) {
+      const float2 p = __ldcg(sums + row * blocks + k);
+      if (!(p.x == neg_inf() && m != neg_inf())) t += p.y * expf(p.x - m);
+    }
+    s = block_sum(t, fsh);
+  }
+  if (threadIdx.x == 0) {
+    y[row] = arg_index(best, last);
+    if constexpr (PROB) st(prob, row, 1.f / s);
+  }
 }
 """
 )
@@ -439,26 +491,53 @@ def argmax(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
             idx = x.shape[axis] - 1 - idx
         cupy.copyto(y, idx.reshape(y.shape))
         return y
+    argmax_rows(ctx, x, y, last=last)
+    return y
+
+
+def argmax_rows(
+    ctx: KernelContext, x: cupy.ndarray, y: cupy.ndarray, *, last: int = 0, prob=None
+) -> None:
+    """Launch ``argmax_split`` over the last axis of ``x`` into ``y`` (int64, one per row):
+    long rows split over many blocks in one launch. With ``prob`` (ArgMaxProb), also each
+    row's largest softmax probability, ``1 / sum(exp(x - max))``, in x's type."""
     rows, cols = rows_cols(x.shape, x.ndim - 1)
     if rows == 0 or cols == 0:
-        return y
+        return
     if cols >= 0xFFFFFFFF:
-        raise NotImplementedError(f"{ctx.node.describe()}: ArgMax over {cols} >= 2^32 - 1 columns")
+        raise NotImplementedError(
+            f"{ctx.node.describe()}: {ctx.node.op_type} over {cols} >= 2^32 - 1 columns"
+        )
     xc = contiguous(ctx, x)
     item = np.dtype(x.dtype).itemsize
     vec = 16 // item if (cols * item) % 16 == 0 and xc.data.ptr % 16 == 0 else 1
     chunk, blocks = _arg_split(cols, rows, sm_count(), vec)
-    part = counts = y  # placeholders: one block per row stores the index itself
+    part = sums = counts = y  # placeholders: one block per row stores its results itself
     if blocks > 1:
-        part = scratch(ctx, rows * blocks * 8)
+        part = scratch(ctx, rows * blocks * (16 if prob is not None else 8))
+        sums = part[rows * blocks * 8 :] if prob is not None else y
         counts = zeroed_counters(ctx, rows)
-    fn = function(_ARGMAX_SOURCE, f"argmax_split<{storage(ctx, x.dtype)}, {vec}>")
+    with_prob = prob is not None
+    fn = function(
+        _ARGMAX_SOURCE,
+        f"argmax_split<{storage(ctx, x.dtype)}, {vec}, {'true' if with_prob else 'false'}>",
+    )
     fn(
         (rows, blocks),
         (256 if min(cols, chunk) > 1024 else row_threads(min(cols, chunk)),),
-        (xc, y, part, counts, np.int64(cols), np.int64(chunk), np.int32(blocks), np.int32(last)),
+        (
+            xc,
+            y,
+            prob if with_prob else y,
+            part,
+            sums,
+            counts,
+            np.int64(cols),
+            np.int64(chunk),
+            np.int32(blocks),
+            np.int32(last),
+        ),
     )
-    return y
 
 
 #: Columns one block of argmax_split takes at least before a row is split.

@@ -142,7 +142,12 @@ INSTANCES = {
         "reduce_sum_split<half_t, float, 8>",
         "reduce_sum_split<long long, long long, 1>",
     ],
-    "reduce._ARGMAX_SOURCE": ["argmax_split<half_t, 8>", "argmax_split<float, 1>"],
+    "reduce._ARGMAX_SOURCE": [
+        "argmax_split<half_t, 8, false>",
+        "argmax_split<float, 1, false>",
+        "argmax_split<half_t, 8, true>",
+        "argmax_split<bf16_t, 1, true>",
+    ],
     "shape_ops._CONCAT_SOURCE": ["concat_parts<unsigned short>", "concat_parts<unsigned int>"],
     "contrib_attention._SOURCE": [
         "gqa_append<half_t, half_t>",
@@ -172,7 +177,6 @@ INSTANCES = {
     "contrib_norm._SOURCE": ["skip_norm_rows<half_t, half_t>", "skip_rms_rows_reg<bf16_t, bf16_t>"],
     "softmax._SOURCE": ["softmax_rows<half_t>"],
     "genrt._SOURCE": ["mtp_accept<half_t, float>", "mtp_next_inputs"],
-    "genrt._ARGMAX_PROB_SOURCE": ["argmax_prob_rows<half_t>"],
     "genrt._SAMPLE_SOURCE": ["sample_tokens_rows<half_t>", "sample_tokens_rows<float>"],
     "_gated_mlp._SOURCE": [
         "norm_gated_mlp<half_t, 1>",

@@ -516,16 +516,46 @@ def test_argmax(cp, prov, rng, dtype, keepdims, last):
 
 
 @pytest.mark.parametrize("dtype", FLOATS_BF16)
-def test_argmax_prob(cp, prov, rng, dtype):
-    x = (rng.standard_normal((4, 3000)) * 3).astype(dtype)
-    x[:, 7] = x[:, 2000] = 20  # ties: the first index
+@pytest.mark.parametrize("rows,cols", [(1, 151936), (4, 3000), (33, 32768), (3, 5), (2, 4099)])
+def test_argmax_prob(cp, prov, rng, dtype, rows, cols):
+    """onnx_genrt::ArgMaxProb against float64 numpy: the first index of the largest value and
+    1 / sum(exp(x - max)), rows split over many blocks (a vocabulary at one row) or not.
+    Edge rows: ties far apart, a first stretch all -inf (a block that adds nothing), a NaN
+    (picked, NaN probability) and a row all -inf (NaN, as softmax of it). Ten launches give the
+    same bits, whichever block finishes last."""
+    x = (rng.standard_normal((rows, cols)) * 3).astype(dtype)
+    first = min(7, cols // 4)
+    x[:, first] = x[:, cols - 1 - cols // 3] = 20  # ties: the first index
+    if rows > 1:
+        x[1, : cols // 2] = -np.inf
+        x[1, cols - 2] = 25
+    if rows > 2:
+        x[2, cols // 2] = np.nan
+    if rows > 3:
+        x[3] = -np.inf
     x64 = x.astype(np.float64)
-    want_p = 1.0 / np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1)
-    want_i = np.full(4, 7, np.int64)
+    with np.errstate(invalid="ignore"):
+        top = np.where(np.isnan(x64).any(-1), np.nan, x64.max(-1))
+        want_p = 1.0 / np.exp(x64 - top[:, None]).sum(-1)
+    want_i = np.full(rows, first, np.int64)
+    if rows > 1:
+        want_i[1] = cols - 2
+    if rows > 2:
+        want_i[2] = cols // 2
+    if rows > 3:
+        want_i[3] = 0
     expected = [want_i, want_p.astype(dtype)]
     got_i, got_p = run_op(cp, prov, "ArgMaxProb", [x], expected, opset=1, domain=GENRT_DOMAIN)
     np.testing.assert_array_equal(got_i, want_i)
-    assert_close(got_p, want_p)
+    assert np.array_equal(np.isnan(got_p), np.isnan(want_p)), (got_p, want_p)
+    finite = ~np.isnan(want_p)
+    assert_close(got_p[finite], want_p[finite])
+    for _ in range(10):
+        again_i, again_p = run_op(
+            cp, prov, "ArgMaxProb", [x], expected, opset=1, domain=GENRT_DOMAIN
+        )
+        np.testing.assert_array_equal(again_i, got_i)
+        assert again_p.tobytes() == got_p.tobytes()
 
 
 @pytest.mark.parametrize("top_k", [False, True], ids=["all", "top-k"])
