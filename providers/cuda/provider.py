@@ -40,7 +40,6 @@ from .kernels.contrib_attention import (
 from .kernels.contrib_quant import NBITS_MMA_MIN_ROWS
 from .kernels.genrt import PROLOGUE_MAX_ROWS
 from .kernels.matmul import (
-    MMA_COLUMN_TILES,
     MMA_MAX_M,
     MMA_MAX_SPLITS,
     MMA_MIN_ROWS,
@@ -155,13 +154,6 @@ class CUDAProvider(ExecutionProvider):
             "K below which a tensor-core GEMM never splits K (0: any K may split); a function "
             "of K only, so a row's bits stay the same at every row count",
             env="ONNX_GENRT_MMA_SPLIT_MIN_K",
-        ),
-        ProviderOption(
-            "mma_column_tiles",
-            MMA_COLUMN_TILES,
-            "8-column tiles a tensor-core GEMM block covers where columns are many (an lm_head: "
-            "one row tile, K unsplit); 1: one. A column's bits are the same at any count",
-            env="ONNX_GENRT_MMA_COLUMN_TILES",
         ),
         ProviderOption(
             "cublas_in_graphs",

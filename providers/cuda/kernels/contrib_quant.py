@@ -68,7 +68,6 @@ from .matmul import (
     MMA_TILES,
     gated_rows,
     gemv_layout,
-    mma_column_tiles,
     mma_config,
     mma_max_splits,
     mma_norm_rows,
@@ -775,9 +774,8 @@ struct Nibbles4 {
 };
 
 // C = A @ dequant(B)^T (+ bias) on the tensor cores (see mma_tiles and Nibbles4; GATED, no
-// bias: C [M, N / 2], the gating; R > 0: A's prologue NORM made first, see mma_act; NT
-// column tiles of 8 a block).
-template <typename S, typename W, int MT, int GATED, int NORM, int R, int NT>
+// bias: C [M, N / 2], the gating; R > 0: A's prologue NORM made first, see mma_act).
+template <typename S, typename W, int MT, int GATED, int NORM, int R>
 __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     const S* __restrict__ A, const unsigned char* __restrict__ B, const W* __restrict__ scales,
     const unsigned char* __restrict__ zp_u8, const W* __restrict__ zp_f,
@@ -785,9 +783,9 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
     int K, int N, int nb, int block, int zrow, int zp_mode, int k_per_split, int splits,
     const S* __restrict__ skip, const S* __restrict__ gamma, S* __restrict__ sum_out, float eps,
     int norm_flags) {
-  if (threadIdx.x < 8 * NT) {  // mma_tiles' first round (512 values of each row) into L2
+  if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
-    const long long n = mma_w_row<GATED, NT>(threadIdx.x, N);
+    const long long n = mma_w_row<GATED>(threadIdx.x, N);
     if (kb < ke) {  // value k of row n at byte (n * nb * block + k) / 2 (see Nibbles4)
       pdl_prefetch_bytes(B + (n * nb * block + kb) / 2,
                          (unsigned int)(min(ke, kb + 512) - kb) / 2u);
@@ -797,7 +795,7 @@ __global__ void __launch_bounds__(256) gemm_mma_nbits4(
   GRID_WAIT();
   const S* act = mma_act<NORM, R>(A, skip, gamma, sum_out, eps, norm_flags, M, K);
   const Nibbles4<S, W> load{B, scales, zp_u8, zp_f, nb, block, zrow, zp_mode};
-  mma_tiles<S, MT, GATED, NT>(act, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N,
+  mma_tiles<S, MT, GATED>(act, load, has_bias ? bias : (const S*)nullptr, C, P, M, K, N,
                           k_per_split, splits);
 }
 """
@@ -970,16 +968,13 @@ def _nbits_mma(
     partial = y if splits == 1 else scratch(ctx, splits * m * n * 4).view(np.float32)
     fused = call.norm.ON_THE_FLY if rows else 0
     extra, shared = norm_args(call.norm, a, y)
-    nt = mma_column_tiles(ctx, mt, n, splits, gated, shared)
-    name = (
-        f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}, {int(gated)}, {fused}, {rows}, {nt}>"
-    )
+    name = f"gemm_mma_nbits4<{call.s_type}, {call.w_type}, {mt}, {int(gated)}, {fused}, {rows}>"
     fn = function(_source(ctx, _MMA4_SOURCES), name)
     args = (a, call.b, call.scales, call.zp_u8, call.zp_f, call.bias_arg)
     args += (np.int32(call.has_bias), y, partial, np.int32(m), np.int32(k), np.int32(n))
     args += (np.int32(call.nb), np.int32(call.block), np.int32(call.zrow))
     args += (np.int32(call.zp_mode), np.int32(k_per), np.int32(splits))
-    fn((n // (8 * nt), splits), (256,), (*args, *extra), shared_mem=shared)
+    fn((n // 8, splits), (256,), (*args, *extra), shared_mem=shared)
     if splits > 1:
         sum_splits(ctx, partial, y, splits, gated)
 

@@ -323,21 +323,15 @@ MMA_MIN_ROWS = 1
 #: splits K over (their fp32 parts summed by ``splitk_sum``, a second launch); 1 never splits.
 MMA_MAX_SPLITS = 16
 #: Default of the CUDA provider's ``mma_split_min_k``: K shorter than this is never split (0:
-#: any K may be). Splitting K = 896 cost q/k/v 1.4-1.6 us a node on the 0.5B shape, while the
-#: down projection (K = 4864) gained from it (docs/performance.md, session 33); 0 until the
-#: two are measured together.
-MMA_SPLIT_MIN_K = 0
+#: any K may be). Unsplit, the attention projections of the 0.5B and 1.5B shapes (K = 896,
+#: 1536) lose their second launch, while the down projections (K = 4864, 8960) keep the split
+#: they gain from: graphed greedy +7.6% (0.5B fp16), +5.1% (int4), +4% / +1.4% (1.5B), the
+#: 7B shape unchanged (docs/performance.md, session 34).
+MMA_SPLIT_MIN_K = 2048
 #: Rows up to which a tensor-core GEMM stages a fused RMS norm itself (``mma_act``).
 MMA_STAGE_MAX_ROWS = 16
-#: Shared memory of ``mma_tiles``' reduction buffer per 16-row tile and 8-column tile
-#: (red[8][NT][MT][32][4]).
+#: Shared memory of ``mma_tiles``' reduction buffer per 16-row tile (red[8][MT][32][4]).
 MMA_REDUCE_BYTES = 8 * 32 * 4 * 4
-#: Default of the CUDA provider's ``mma_column_tiles``: the 8-column tiles a tensor-core GEMM
-#: block covers where the GEMM has columns to spare (an lm_head: one row tile, K unsplit,
-#: at least 4 blocks an SM left); 1 always one. The tiles share the block's activation loads
-#: and their weight loads are in flight together; each column's sum is the same at any
-#: count. 1 until measured on a GPU (NOTES.md).
-MMA_COLUMN_TILES = 1
 
 #: Device code of the tensor-core GEMMs (``gemm_mma`` here, ``gemm_mma_nbits4`` for 4-bit
 #: weights): the mma.m16n8k16 wrapper and the tile loop, generic in how a lane gets its eight
@@ -395,14 +389,13 @@ DEVI void ld32(const void* p, bool ok, unsigned (&w)[8]) {
 // columns are gate columns j0 .. j0 + 3 (j0 = 4 * blockIdx.x) and their up columns j0 + F ..,
 // and C [M, F] gets silu_times(gate, up) of the sums rounded to S (with splits > 1 the
 // partials keep W's column numbers and splitk_sum_gated gates them).
-// W's row (a column of C = A W^T) that slot x (0..8 NT - 1) of this block's 8 NT columns
-// reads: row 8 NT * blockIdx.x + x, or with GATED (NT = 1) gate row 4 * blockIdx.x + x (x <
-// 4) and its up row N / 2 further (x >= 4). mma_tiles' lanes and the kernels' L2 prefetches
-// both use it.
-template <int GATED, int NT>
+// W's row (a column of C = A W^T) that slot x (0..7) of this block's 8 columns reads: row
+// 8 * blockIdx.x + x, or with GATED gate row 4 * blockIdx.x + x (x < 4) and its up row N / 2
+// further (x >= 4). mma_tiles' lanes and the kernels' L2 prefetches both use it.
+template <int GATED>
 DEVI int mma_w_row(int x, int N) {
   const int j0 = blockIdx.x * 4;
-  return GATED ? (x < 4 ? j0 + x : N / 2 + j0 + x - 4) : blockIdx.x * 8 * NT + x;
+  return GATED ? (x < 4 ? j0 + x : N / 2 + j0 + x - 4) : blockIdx.x * 8 + x;
 }
 
 // The activations a tensor-core GEMM reads: A itself (R = 0), or, with a prologue fused
@@ -423,11 +416,10 @@ DEVI const S* mma_act(const S* __restrict__ A, const S* __restrict__ skip,
   }
 }
 
-// One 64-wide chunk at k of the MT row tiles against a lane's weight words b of each of the
-// NT column tiles (mma_tiles): the activations loaded once for all NT.
-template <typename S, int MT, int NT>
-DEVI void mma_chunk(float (&acc)[NT][MT][4], const S* arow, int k, int K, int M, int g,
-                    const unsigned (&b)[NT][8]) {
+// One 64-wide chunk at k of the MT row tiles against a lane's weight words b (mma_tiles).
+template <typename S, int MT>
+DEVI void mma_chunk(float (&acc)[MT][4], const S* arow, int k, int K, int M, int g,
+                    const unsigned (&b)[8]) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int r0 = mt * 16 + g;
@@ -435,62 +427,50 @@ DEVI void mma_chunk(float (&acc)[NT][MT][4], const S* arow, int k, int K, int M,
     ld32(arow + (long long)(mt * 16) * K + k, r0 < M, lo);
     ld32(arow + (long long)(mt * 16 + 8) * K + k, r0 + 8 < M, hi);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        Mma<S>::run(acc[nt][mt], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1],
-                    b[nt][2 * j], b[nt][2 * j + 1]);
+    for (int j = 0; j < 4; ++j)
+      Mma<S>::run(acc[mt], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1], b[2 * j],
+                  b[2 * j + 1]);
   }
 }
 
-template <typename S, int MT, int GATED, int NT, typename Load>
+template <typename S, int MT, int GATED, typename Load>
 DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restrict__ bias,
                     S* __restrict__ C, float* __restrict__ P, int M, int K, int N,
                     int k_per_split, int splits) {
-  static_assert(NT == 1 || !GATED, "a gated GEMM covers one column tile a block");
-  __shared__ float red[8][NT][MT][32][4];
+  __shared__ float red[8][MT][32][4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * 8 * NT, j0 = blockIdx.x * 4, F = N / 2;
-  const int w_row = mma_w_row<GATED, NT>(g, N);  // the W row lane g loads (+ 8 nt in tile nt)
+  const int n0 = blockIdx.x * 8, j0 = blockIdx.x * 4, F = N / 2;
+  const int w_row = mma_w_row<GATED>(g, N);  // the W row lane g loads
   const int kb = blockIdx.y * k_per_split;
   const int ke = min(K, kb + k_per_split);
-  float acc[NT][MT][4];
+  float acc[MT][4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][mt][e] = 0.f;
+    for (int e = 0; e < 4; ++e) acc[mt][e] = 0.f;
   const S* arow = A + (long long)g * K + 16 * t;
+  // The warp's chunks two a round, both chunks' weights loaded before either's mma (as
+  // gemv_nk's U = 2), so a warp with two chunks waits for memory once; the sums run in the
+  // order of one chunk a round.
   int k = kb + warp * 64;
-  if constexpr (NT == 1) {
-    // The warp's chunks two a round, both chunks' weights loaded before either's mma (as
-    // gemv_nk's U = 2), so a warp with two chunks waits for memory once; the sums run in
-    // the order of one chunk a round.
-    for (; k + 8 * 64 < ke; k += 2 * 8 * 64) {
-      unsigned b0[1][8], b1[1][8];
-      load(w_row, k + 16 * t, b0[0]);
-      load(w_row, k + 8 * 64 + 16 * t, b1[0]);
-      mma_chunk<S, MT, 1>(acc, arow, k, K, M, g, b0);
-      mma_chunk<S, MT, 1>(acc, arow, k + 8 * 64, K, M, g, b1);
-    }
+  for (; k + 8 * 64 < ke; k += 2 * 8 * 64) {
+    unsigned b0[8], b1[8];
+    load(w_row, k + 16 * t, b0);
+    load(w_row, k + 8 * 64 + 16 * t, b1);
+    mma_chunk<S, MT>(acc, arow, k, K, M, g, b0);
+    mma_chunk<S, MT>(acc, arow, k + 8 * 64, K, M, g, b1);
   }
-  // One chunk a round, the NT tiles' weights loaded first: each column's sum runs over the
-  // warp's chunks in the same order whatever NT is, so NT does not change a bit.
-  for (; k < ke; k += 8 * 64) {
-    unsigned b[NT][8];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) load(w_row + 8 * nt, k + 16 * t, b[nt]);
-    mma_chunk<S, MT, NT>(acc, arow, k, K, M, g, b);
+  if (k < ke) {
+    unsigned b0[8];
+    load(w_row, k + 16 * t, b0);
+    mma_chunk<S, MT>(acc, arow, k, K, M, g, b0);
   }
   GRID_LAUNCH_DEPENDENTS();
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) red[warp][nt][mt][lane][e] = acc[nt][mt][e];
+    for (int e = 0; e < 4; ++e) red[warp][mt][lane][e] = acc[mt][e];
   __syncthreads();
   if constexpr (GATED) {
     // row r of a tile and column slot c sit at lane (r % 8) * 4 + c / 2, element c % 2 +
@@ -501,8 +481,8 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
       float gs = 0.f, us = 0.f;
 #pragma unroll
       for (int w = 0; w < 8; ++w) {
-        gs += red[w][0][mt][ln][e];
-        us += red[w][0][mt][ln + 2][e];
+        gs += red[w][mt][ln][e];
+        us += red[w][mt][ln + 2][e];
       }
       const int row = mt * 16 + r, j = j0 + c;
       if (row < M) {
@@ -516,13 +496,13 @@ DEVI void mma_tiles(const S* __restrict__ A, const Load& load, const S* __restri
       }
     }
   } else {
-    for (int i = threadIdx.x; i < NT * MT * 128; i += 256) {
-      const int nt = i / (MT * 128), mt = (i >> 7) % MT, ln = (i >> 2) & 31, e = i & 3;
+    for (int i = threadIdx.x; i < MT * 128; i += 256) {
+      const int mt = i >> 7, ln = (i >> 2) & 31, e = i & 3;
       float s = 0.f;
 #pragma unroll
-      for (int w = 0; w < 8; ++w) s += red[w][nt][mt][ln][e];
+      for (int w = 0; w < 8; ++w) s += red[w][mt][ln][e];
       const int row = mt * 16 + (ln >> 2) + (e >= 2 ? 8 : 0);
-      const long long col = n0 + 8 * nt + 2 * (ln & 3) + (e & 1);
+      const long long col = n0 + 2 * (ln & 3) + (e & 1);
       if (bias != nullptr && blockIdx.y == 0) s += ld(bias, col);
       if (row < M) {
         if (splits > 1) {
@@ -551,23 +531,23 @@ struct FloatRows {
 };
 
 // C = A @ W^T on the tensor cores (see mma_tiles; GATED: C [M, N / 2], the gating; R > 0:
-// A's prologue NORM made first, see mma_act; NT column tiles of 8 a block).
-template <typename S, int MT, int GATED, int NORM, int R, int NT>
+// A's prologue NORM made first, see mma_act).
+template <typename S, int MT, int GATED, int NORM, int R>
 __global__ void __launch_bounds__(256) gemm_mma(
     const S* __restrict__ A, const S* __restrict__ W, S* __restrict__ C, float* __restrict__ P,
     int M, int K, int N, int k_per_split, int splits, const S* __restrict__ skip,
     const S* __restrict__ gamma, S* __restrict__ sum_out, float eps, int norm_flags) {
-  if (threadIdx.x < 8 * NT) {  // mma_tiles' first round (512 values of each row) into L2
+  if (threadIdx.x < 8) {  // mma_tiles' first round (512 values of each row) into L2
     const int kb = blockIdx.y * k_per_split, ke = min(K, kb + k_per_split);
-    const long long n = mma_w_row<GATED, NT>(threadIdx.x, N);
+    const long long n = mma_w_row<GATED>(threadIdx.x, N);
     if (kb < ke)
       pdl_prefetch_bytes(W + n * K + kb,
                          (unsigned int)(min(ke, kb + 512) - kb) * (unsigned int)sizeof(S));
   }
   GRID_WAIT();
   const S* act = mma_act<NORM, R>(A, skip, gamma, sum_out, eps, norm_flags, M, K);
-  mma_tiles<S, MT, GATED, NT>(act, FloatRows<S>{W, K}, (const S*)nullptr, C, P, M, K, N,
-                              k_per_split, splits);
+  mma_tiles<S, MT, GATED>(act, FloatRows<S>{W, K}, (const S*)nullptr, C, P, M, K, N,
+                          k_per_split, splits);
 }
 """
 )
@@ -643,12 +623,11 @@ def gemm_mma(
     if splits > 1:
         partial = scratch(ctx, splits * m * n * 4).view(np.float32)
     fused = norm.ON_THE_FLY if rows else 0
-    extra, shared = norm_args(norm, a, c)
-    nt = mma_column_tiles(ctx, mt, n, splits, gated, shared)
-    fn = function(_MMA_SOURCE, f"gemm_mma<{s_type}, {mt}, {int(gated)}, {fused}, {rows}, {nt}>")
+    fn = function(_MMA_SOURCE, f"gemm_mma<{s_type}, {mt}, {int(gated)}, {fused}, {rows}>")
     args = (a, w.t, c, partial, np.int32(m), np.int32(k), np.int32(n), np.int32(k_per))
+    extra, shared = norm_args(norm, a, c)
     args += (np.int32(splits), *extra)
-    fn((n // (8 * nt), splits), (256,), args, shared_mem=shared)
+    fn((n // 8, splits), (256,), args, shared_mem=shared)
     if splits > 1:
         sum_splits(ctx, partial, c, splits, gated)
 
@@ -673,29 +652,6 @@ def sum_splits(
         (256,),
         (partial, c, np.int64(total), np.int32(splits), np.int64(total)),
     )
-
-
-def mma_column_tiles(
-    ctx: KernelContext, mt: int, n: int, splits: int, gated: bool, shared: int
-) -> int:
-    """The 8-column tiles a ``mma_tiles`` block covers (its ``NT``): the CUDA provider's
-    ``mma_column_tiles`` where there is one row tile, K is not split, the GEMM is not gated,
-    the tiles divide N's with at least four blocks an SM left and the block's shared memory
-    (``shared`` bytes of staged activations besides) fits 48 KiB; else 1. It never changes a
-    column's sum."""
-    tiles = max(1, int(ctx.option("mma_column_tiles", MMA_COLUMN_TILES)))
-    blocks = n // 8
-    if (
-        tiles == 1
-        or mt != 1
-        or splits != 1
-        or gated
-        or blocks % tiles
-        or blocks // tiles < 4 * sm_count()
-        or shared + MMA_REDUCE_BYTES * tiles > 48 << 10
-    ):
-        return 1
-    return tiles
 
 
 def mma_max_splits(ctx: KernelContext, k: int) -> int:

@@ -280,43 +280,6 @@ def test_nbits_tensor_core_half2_dequant_keeps_the_bits(cp, rng, mma4_calls, zp)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("weights", ["float", "nbits"])
-def test_tensor_core_column_tiles_keep_the_bits(cp, rng, monkeypatch, dtype, weights):
-    """``mma_column_tiles`` 4 on an lm_head-shaped GEMM (K = 896, 32768 columns): four
-    8-column tiles a block, the same bits as one tile a block at 1 and 5 rows, against
-    float64; at 17 rows (two row tiles) one tile a block."""
-    from onnx_genrt.providers.cuda.kernels import contrib_quant, matmul
-    from onnx_genrt.session import InferenceSession
-
-    chosen = []
-    for module in (matmul, contrib_quant):
-        real = module.mma_column_tiles
-        monkeypatch.setattr(
-            module,
-            "mma_column_tiles",
-            lambda *a, real=real, **kw: chosen.append(real(*a, **kw)) or chosen[-1],
-        )
-    k, n = 896, 32768
-    if weights == "float":
-        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
-        model, w64 = _matmul_model(w, dtype), w.astype(np.float64)
-    else:
-        model, w64 = _nbits_model(k, n, 32, dtype, rng, True)
-    outputs = {}
-    for tiles in (4, 1):
-        sess = InferenceSession(model, providers=[("cuda", {"mma_column_tiles": tiles})])
-        chosen.clear()
-        for m in (1, 5, 17):
-            x = np.random.default_rng(m).standard_normal((1, m, k)).astype(dtype)
-            (got,) = sess.run(["y"], {"x": x})
-            outputs[tiles, m] = np.asarray(got)
-            _check(outputs[tiles, m], x.astype(np.float64) @ w64, dtype, k)
-        assert set(chosen) == {tiles, 1} and chosen[-1] == 1  # 17 rows: one tile a block
-    for m in (1, 5, 17):
-        np.testing.assert_array_equal(outputs[4, m].view(np.uint16), outputs[1, m].view(np.uint16))
-
-
-@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
 def test_nbits_tensor_core_bias_and_split_k(cp, rng, mma4_calls, dtype):
     """The bias is added once whether K is split across blocks (K=4864, few columns) or not;
     M=1 stays on the GEMV."""

@@ -100,14 +100,12 @@ INSTANCES = {
         "splitk_sum_gated<bf16_t>",
     ],
     "matmul._MMA_SOURCE": [
-        "gemm_mma<half_t, 1, 0, 0, 0, 1>",
-        "gemm_mma<bf16_t, 4, 0, 0, 0, 1>",
-        "gemm_mma<half_t, 2, 1, 0, 0, 1>",
-        "gemm_mma<half_t, 1, 0, 1, 1, 1>",
-        "gemm_mma<bf16_t, 1, 1, 1, 16, 1>",
-        "gemm_mma<half_t, 1, 0, 2, 2, 1>",
-        "gemm_mma<half_t, 1, 0, 0, 0, 4>",
-        "gemm_mma<bf16_t, 1, 0, 1, 16, 4>",
+        "gemm_mma<half_t, 1, 0, 0, 0>",
+        "gemm_mma<bf16_t, 4, 0, 0, 0>",
+        "gemm_mma<half_t, 2, 1, 0, 0>",
+        "gemm_mma<half_t, 1, 0, 1, 1>",
+        "gemm_mma<bf16_t, 1, 1, 1, 16>",
+        "gemm_mma<half_t, 1, 0, 2, 2>",
     ],
     "contrib_quant._BODY": [
         "nbits_gemv<half_t, half_t, 1, 4, 1>",
@@ -129,13 +127,11 @@ INSTANCES = {
         "gather_block_quant<long long, float, 4>",
     ],
     "contrib_quant._MMA4_SOURCE": [
-        "gemm_mma_nbits4<half_t, half_t, 1, 0, 0, 0, 1>",
-        "gemm_mma_nbits4<bf16_t, bf16_t, 4, 0, 0, 0, 1>",
-        "gemm_mma_nbits4<half_t, half_t, 2, 1, 0, 0, 1>",
-        "gemm_mma_nbits4<half_t, half_t, 1, 1, 1, 2, 1>",
-        "gemm_mma_nbits4<half_t, half_t, 1, 0, 2, 1, 1>",
-        "gemm_mma_nbits4<half_t, half_t, 1, 0, 0, 0, 4>",
-        "gemm_mma_nbits4<bf16_t, bf16_t, 1, 0, 1, 16, 4>",
+        "gemm_mma_nbits4<half_t, half_t, 1, 0, 0, 0>",
+        "gemm_mma_nbits4<bf16_t, bf16_t, 4, 0, 0, 0>",
+        "gemm_mma_nbits4<half_t, half_t, 2, 1, 0, 0>",
+        "gemm_mma_nbits4<half_t, half_t, 1, 1, 1, 2>",
+        "gemm_mma_nbits4<half_t, half_t, 1, 0, 2, 1>",
     ],
     "reduce._SOURCE": [
         "reduce_sum_split<float, float, 4>",
@@ -228,8 +224,7 @@ def _instantiating(source: str, names: list[str]) -> str:
 #: on sm_80 the unfused fp16 chunk16 GEMV of one row. The one-tile fp16 tensor-core GEMMs
 #: that stage a norm of one row or a SiLU gating of two spill 4-20 bytes since their warps
 #: load two chunks' weights ahead (``mma_tiles``): ptxas keeps them near 40 registers
-#: (``__launch_bounds__(256, 1)`` would take 60 there, and 206 at four tiles); so does the
-#: fp16 4-bit one of four column tiles (``mma_column_tiles`` 4) on sm_90, 12 bytes.
+#: (``__launch_bounds__(256, 1)`` would take 60 there).
 KNOWN_SPILLS = {
     "sm_90": (
         "8gqa_attnI",
@@ -238,7 +233,6 @@ KNOWN_SPILLS = {
         "21nbits4_gemv16_small_kIttLi2ELi8ELi2ELi1E",
         "8gemm_mmaItLi1ELi0ELi1ELi1E",
         "8gemm_mmaItLi1ELi0ELi2ELi2E",
-        "15gemm_mma_nbits4IttLi1ELi0ELi0ELi0ELi4E",
     ),
     "sm_80": (
         "8gqa_attnI",
