@@ -23,15 +23,16 @@ MatMulNBits, 17..64 rows: the tensor-core GEMM (fp16/bf16, ``nbits_mma_min_rows`
 GEMV in pieces of 16 rows; both capturable.
 
 MatMulNBits, more rows (prefill): the weight is dequantized once into the activation dtype
-as ``[N, K]`` (cached per weight, see :data:`DEQUANT_CACHE`; made on an eager run, never
-inside a capture) and multiplied with cuBLAS on the provider's handle, which a graph capture
-records (the bias added by the GEMM itself). With the provider's ``cublas_in_graphs`` off it
+as ``[N, K]`` (cached per weight and provider, see :func:`dequant_cache`; made on an eager
+run, never inside a capture) and multiplied with cuBLAS on the provider's handle, which a
+graph capture records (the bias added by the GEMM itself). With the provider's ``cublas_in_graphs`` off it
 is CuPy's matmul, which CuPy refuses inside a stream capture, so that case raises while
 capturing.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -821,8 +822,8 @@ class DequantCache:
     """Dequantized ``[N, K]`` weights for the cuBLAS path, keyed on their sources' addresses.
 
     An entry holds its source arrays, so their addresses cannot be reused while it lives;
-    entries assume the sources are not modified in place (they are initializers). ``clear()``
-    drops everything (a session that frees its weights should call it).
+    entries assume the sources are not modified in place (they are initializers). One cache
+    per provider (``dequant_cache``): the copies go with the provider that made them.
     """
 
     def __init__(self) -> None:
@@ -846,7 +847,22 @@ class DequantCache:
         self._entries.clear()
 
 
-DEQUANT_CACHE = DequantCache()
+#: Each provider's dequantized weights, freed with the provider (and so with the session that
+#: made it): one process-wide cache held every session's copies, and their sources, for good.
+_DEQUANT: weakref.WeakKeyDictionary[Any, DequantCache] = weakref.WeakKeyDictionary()
+#: Calls without a provider (kernels launched on their own, in tests).
+_DEQUANT_NO_PROVIDER = DequantCache()
+
+
+def dequant_cache(ctx: KernelContext) -> DequantCache:
+    """The dequantized-weight cache of ``ctx``'s provider."""
+    provider = ctx.provider
+    if provider is None:
+        return _DEQUANT_NO_PROVIDER
+    cache = _DEQUANT.get(provider)
+    if cache is None:
+        cache = _DEQUANT[provider] = DequantCache()
+    return cache
 
 
 # ----------------------------------------------------------------------------- MatMulNBits
@@ -1174,7 +1190,7 @@ def matmul_nbits(
         )
         return w
 
-    w = DEQUANT_CACHE.get((b, scales, zero_points), params, build)
+    w = dequant_cache(ctx).get((b, scales, zero_points), params, build)
     y2 = y.reshape(m, n)
     if blas is not None:
         if bias is not None:  # the GEMM adds its products to the bias

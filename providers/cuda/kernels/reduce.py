@@ -496,7 +496,12 @@ def argmax(ctx: KernelContext, x: cupy.ndarray) -> cupy.ndarray:
 
 
 def argmax_rows(
-    ctx: KernelContext, x: cupy.ndarray, y: cupy.ndarray, *, last: int = 0, prob=None
+    ctx: KernelContext,
+    x: cupy.ndarray,
+    y: cupy.ndarray,
+    *,
+    last: int = 0,
+    prob: cupy.ndarray | None = None,
 ) -> None:
     """Launch ``argmax_split`` over the last axis of ``x`` into ``y`` (int64, one per row):
     long rows split over many blocks in one launch. With ``prob`` (ArgMaxProb), also each
@@ -512,12 +517,12 @@ def argmax_rows(
     item = np.dtype(x.dtype).itemsize
     vec = 16 // item if (cols * item) % 16 == 0 and xc.data.ptr % 16 == 0 else 1
     chunk, blocks = _arg_split(cols, rows, sm_count(), vec)
-    part = sums = counts = y  # placeholders: one block per row stores its results itself
-    if blocks > 1:
-        part = scratch(ctx, rows * blocks * (16 if prob is not None else 8))
-        sums = part[rows * blocks * 8 :] if prob is not None else y
-        counts = zeroed_counters(ctx, rows)
     with_prob = prob is not None
+    part = sums = counts = y  # placeholders: one block per row stores its results itself
+    if blocks > 1:  # keys [rows, blocks] (8 bytes), then (max, sum) float pairs [rows, blocks]
+        part = scratch(ctx, rows * blocks * (16 if with_prob else 8))
+        sums = part[rows * blocks * 8 :] if with_prob else y
+        counts = zeroed_counters(ctx, rows)
     fn = function(
         _ARGMAX_SOURCE,
         f"argmax_split<{storage(ctx, x.dtype)}, {vec}, {'true' if with_prob else 'false'}>",

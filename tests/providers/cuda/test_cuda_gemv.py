@@ -189,6 +189,33 @@ def _nbits_model(
     return model, w.T  # [K, N] float64
 
 
+def test_nbits_dequantized_weight_goes_with_its_session(cp, rng):
+    """A prompt of more than 64 rows multiplies a dequantized copy of the 4-bit weight (cuBLAS),
+    made once per weight and provider, against float64; the copy is freed with the session
+    (one process-wide cache used to keep every session's copies and sources)."""
+    import gc
+
+    from onnx_genrt.providers.cuda.kernels import contrib_quant
+    from onnx_genrt.session import InferenceSession
+
+    k, n = 896, 1152
+    model, w64 = _nbits_model(k, n, 32, np.float16, rng, True)
+    before = len(contrib_quant._DEQUANT)
+    sess = InferenceSession(model, providers=["cuda"])
+    for _ in range(2):
+        x = rng.standard_normal((1, 80, k)).astype(np.float16)
+        (got,) = sess.run(["y"], {"x": x})
+        _check(np.asarray(got), x.astype(np.float64) @ w64, np.float16, k)
+    cache = contrib_quant._DEQUANT[sess.main_provider]
+    assert len(cache) == 1 and cache.builds == 1  # made once, used twice
+    pool = cp.get_default_memory_pool()  # the provider allocates from CuPy's default pool
+    used = pool.used_bytes()
+    del sess, cache
+    gc.collect()
+    assert len(contrib_quant._DEQUANT) == before
+    assert used - pool.used_bytes() >= n * k * 2  # the [N, K] fp16 copy went back to the pool
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize(
     "k,n,block,zp",
