@@ -61,6 +61,10 @@ LANES = 32
 #: row's): ``head_groups``. Two make blocks of 256 threads, which keep the registers of up to
 #: 255 a thread that the largest groups take (four would cap them at 128 and spill).
 SPREAD_GROUPS = 2
+#: Most warp groups ``attention_decode_head_groups`` may force: four make blocks of 512
+#: threads (128 registers a thread: the 7-head fp16 instance spills 12 bytes) and give each
+#: warp two of a 7- or 8-head group (to be measured over a long cache: NOTES.md).
+MAX_HEAD_GROUPS = 4
 #: Default of the CUDA provider's ``attention_decode_head_groups``: 0, ``head_groups``' rule
 #: (two sets of warps gave the bits of one on the H200, and one row's grouped cluster launch
 #: went from 9-11% slower than the per-head cluster kernel to 1.6% faster: docs/performance.md).
@@ -152,9 +156,11 @@ def head_groups(group: int, blocks: int, sms: int, forced: int = 0) -> int:
     takes ``ceil(group / HG)`` heads over the tiles one group of ``DECODE_WARPS`` warps would
     walk, so a head's bits do not depend on it): ``forced`` when positive; else one for a
     launch of at least ``sms`` blocks, and SPREAD_GROUPS for a smaller one, whose blocks'
-    serial work is the step's latency. At most SPREAD_GROUPS and ``group``."""
-    wanted = forced if forced > 0 else (1 if blocks >= sms else SPREAD_GROUPS)
-    return max(1, min(wanted, group, SPREAD_GROUPS))
+    serial work is the step's latency. At most ``group``, and SPREAD_GROUPS (MAX_HEAD_GROUPS
+    when forced)."""
+    if forced > 0:
+        return max(1, min(forced, group, MAX_HEAD_GROUPS))
+    return max(1, min(1 if blocks >= sms else SPREAD_GROUPS, group))
 
 
 def split_chunk(visible: int, splits: int, min_chunk: int) -> tuple[int, int]:

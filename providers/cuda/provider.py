@@ -234,7 +234,7 @@ class CUDAProvider(ExecutionProvider):
         ProviderOption(
             "attention_decode_head_groups",
             DECODE_HEAD_GROUPS,
-            "warp groups sharing the query heads of a grouped decode block (1 or 2), the same "
+            "warp groups sharing the query heads of a grouped decode block (1, 2 or 4), the same "
             "bits either way (0: two where the launch has fewer blocks than SMs, as at one "
             "row, else one)",
             env="ONNX_GENRT_ATTENTION_DECODE_HEAD_GROUPS",

@@ -382,11 +382,11 @@ def test_many_rows_take_the_plain_launch_with_the_cluster_bits(
 @pytest.mark.parametrize(
     "b,s,h,cap", [(1, 1, 14, 1024), (2, 5, 12, 512), (1, 1, 8, 300)], ids=["g7", "g6-verify5", "g4"]
 )
-def test_two_head_groups_give_the_bits_of_one(cp, rng, launched, b, s, h, cap, dtype, cluster):
-    """``attention_decode_head_groups`` 2 (each group's heads shared by two sets of warps
-    walking the same tiles: the default for a launch of fewer blocks than SMs) gives the
-    output and cache bits of 1, on the cluster launch and the split one; groups of 7 (one
-    padding head), 6 and 4 query heads per KV head."""
+def test_head_groups_give_the_bits_of_one(cp, rng, launched, b, s, h, cap, dtype, cluster):
+    """``attention_decode_head_groups`` 2 and 4 (each group's heads shared by two or four
+    sets of warps walking the same tiles; 2 is the default for a launch of fewer blocks than
+    SMs) give the output and cache bits of 1, on the cluster launch and the split one; groups
+    of 7 (one padding head at 2 and at 4), 6 (two at 4) and 4 query heads per KV head."""
     if cluster and not _sm90():
         pytest.skip("thread-block clusters need sm_90")
     totals = [int(t) for t in rng.integers(s, cap + 1, b)]
@@ -396,7 +396,7 @@ def test_two_head_groups_give_the_bits_of_one(cp, rng, launched, b, s, h, cap, d
     on = dict(attention_cluster_max_keys=4096, attention_grouped_cluster=True)
     options = on if cluster else dict(attention_decode_splits=8)
     runs = {}
-    for groups in (1, 2):
+    for groups in (1, 2, 4):
         launched.clear()
         fresh = [x.copy() if x is not None else None for x in inputs[:9]]
         got, _, _ = _run(
@@ -406,8 +406,9 @@ def test_two_head_groups_give_the_bits_of_one(cp, rng, launched, b, s, h, cap, d
         assert name.split(", ")[-2] == str(groups), name  # the kernel's HG
         runs[groups] = [np.asarray(g) for g in got]
     bits = np.uint32 if dtype == np.float32 else np.uint16
-    for one, two in zip(runs[1], runs[2], strict=True):
-        np.testing.assert_array_equal(one.view(bits), two.view(bits))
+    for groups in (2, 4):
+        for one, more in zip(runs[1], runs[groups], strict=True):
+            np.testing.assert_array_equal(one.view(bits), more.view(bits))
     close(runs[2][0], _want(inputs, c), dtype, what="output")
 
 

@@ -158,11 +158,13 @@ INSTANCES = {
         "gqa_decode<half_t, half_t, 64, 7, 4, 1, 2>",
         "gqa_decode<float, float, 64, 4, 4, 1, 2>",
         "gqa_decode<half_t, half_t, 64, 7, 4, 2, 1>",
+        "gqa_decode<half_t, half_t, 64, 7, 4, 4, 1>",
         "gqa_decode_cluster<half_t, half_t, 64, 7, 4, 1, 2>",
         "gqa_decode_cluster<half_t, half_t, 64, 7, 4, 2, 1>",
         "gqa_decode_cluster<bf16_t, float, 128, 6, 4, 2, 1>",
         "gqa_decode_cluster<float, float, 64, 8, 4, 1, 2>",
         "gqa_decode_cluster<float, float, 64, 8, 4, 2, 1>",
+        "gqa_decode_cluster<bf16_t, bf16_t, 64, 6, 4, 4, 1>",
     ],
     "normalization._SOURCE": [
         "rms_norm_rows<half_t, half_t>",
@@ -224,9 +226,13 @@ def _instantiating(source: str, names: list[str]) -> str:
 #: on sm_80 the unfused fp16 chunk16 GEMV of one row. The one-tile fp16 tensor-core GEMMs
 #: that stage a norm of one row or a SiLU gating of two spill 4-20 bytes since their warps
 #: load two chunks' weights ahead (``mma_tiles``): ptxas keeps them near 40 registers
-#: (``__launch_bounds__(256, 1)`` would take 60 there).
+#: (``__launch_bounds__(256, 1)`` would take 60 there). On sm_90 the grouped decode kernels of
+#: four head groups (``attention_decode_head_groups`` 4, 512 threads, 128 registers) spill
+#: for groups of 7 or 6 heads (12 bytes for the fp16 group of 7).
 KNOWN_SPILLS = {
     "sm_90": (
+        "10gqa_decodeIttLi64ELi7ELi4ELi4ELi1E",
+        "18gqa_decode_clusterI6bf16_tS0_Li64ELi6ELi4ELi4ELi1E",
         "8gqa_attnI",
         "16gqa_attn_clusterI",
         "13nbits4_gemv16I6bf16_tS0_Li1ELi1ELi2E",

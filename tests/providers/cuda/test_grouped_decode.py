@@ -441,9 +441,10 @@ print(json.dumps([len(sizes), max(sizes)]))
 def test_head_groups_spread_a_launch_of_few_blocks():
     """Two warp groups share the heads where the launch has fewer blocks than SMs (the 0.5B
     shape's one row: 8 splits x 2 KV heads on 132 SMs), one where it fills them (32 rows);
-    forced values stay within the group and SPREAD_GROUPS."""
+    forced values stay within the group and MAX_HEAD_GROUPS."""
     from onnx_genrt.providers.cuda.grouped_decode import (
         DECODE_HEAD_GROUPS,
+        MAX_HEAD_GROUPS,
         SPREAD_GROUPS,
         head_groups,
     )
@@ -453,5 +454,7 @@ def test_head_groups_spread_a_launch_of_few_blocks():
     assert head_groups(1, 16, 132) == 1  # one head: nothing to share
     assert head_groups(7, 16, 132, forced=1) == 1
     assert head_groups(7, 512, 132, forced=2) == 2
-    assert head_groups(8, 16, 132, forced=8) == SPREAD_GROUPS
+    assert head_groups(8, 16, 132, forced=8) == MAX_HEAD_GROUPS == 4
+    assert head_groups(7, 512, 132, forced=4) == 4
+    assert head_groups(3, 16, 132, forced=4) == 3  # never more than the group's heads
     assert head_groups(7, 16, 132, forced=DECODE_HEAD_GROUPS) == 2  # the default: the rule
